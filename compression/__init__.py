@@ -1,0 +1,37 @@
+"""Codecs: tensor -> (bytes, small metadata) -> tensor, plus error-feedback state. Pure torch.
+
+Importing this package registers every built-in codec: ``none``, ``fp16``, ``bf16``, ``int8``,
+``int4``, ``topk``, ``powersgd``. Build one with :func:`get_codec`, decode any peer's payload with
+:func:`decode`.
+"""
+
+from swarmgrad.compression import floating, lowrank, quantization, sparse
+from swarmgrad.compression.base import (
+    DTYPES,
+    MAX_NUMEL,
+    Codec,
+    CodecError,
+    Meta,
+    codec_names,
+    decode,
+    get_codec,
+    register,
+)
+from swarmgrad.compression.feedback import ErrorFeedback
+
+__all__ = [
+    "DTYPES",
+    "MAX_NUMEL",
+    "Codec",
+    "CodecError",
+    "ErrorFeedback",
+    "Meta",
+    "codec_names",
+    "decode",
+    "floating",
+    "get_codec",
+    "lowrank",
+    "quantization",
+    "register",
+    "sparse",
+]

@@ -1,0 +1,239 @@
+"""The codec contract: tensor -> (payload bytes, small metadata) -> tensor, and the registry.
+
+A codec is a pair of pure functions with a stable ``name`` and ``version``. Everything ``decode``
+needs is in the payload and in :class:`Meta` (shape, dtype, integer parameters such as the block
+size), so a receiver decodes any peer's message with :func:`decode` without knowing how the sender
+configured its codec. ``decode`` treats both arguments as hostile: it checks the codec name and
+version, the shape, the parameters and the exact payload length before it allocates anything, and
+it checks scales and values for NaN/Inf, raising :class:`CodecError` (a ``ValueError``) instead of
+returning a garbage tensor.
+
+Payloads are little-endian; the byte layout of each codec is documented in its class.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import ClassVar
+
+import torch
+
+if sys.byteorder != "little":  # pragma: no cover - no such machine in CI
+    raise ImportError("swarmgrad codecs assume a little-endian machine")
+
+#: dtypes a codec accepts as input and restores on decode, by their wire name.
+DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {
+        "float32": torch.float32,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "float64": torch.float64,
+    }
+)
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+#: Largest tensor a peer may describe in one message (2**31 elements, 8 GiB of fp32): bigger
+#: shapes are rejected before any allocation.
+MAX_NUMEL = 2**31
+MAX_NDIM = 8
+
+
+class CodecError(ValueError):
+    """A payload or its metadata is malformed: wrong codec, version, shape, length or values."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Meta:
+    """What a receiver needs, beside the payload, to decode a tensor.
+
+    ``params`` holds the codec's integer parameters (block size, k, rank, ...); they are part of
+    the message, so a receiver never has to share the sender's configuration.
+    """
+
+    codec: str
+    version: int
+    shape: tuple[int, ...]
+    dtype: str
+    params: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.shape))
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def raw_nbytes(self) -> int:
+        """Size of the uncompressed tensor in its own dtype."""
+        return self.numel * DTYPES[self.dtype].itemsize
+
+    def ratio(self, payload_nbytes: int) -> float:
+        """Compression ratio: uncompressed bytes over payload bytes (inf for an empty payload)."""
+        return self.raw_nbytes / payload_nbytes if payload_nbytes else math.inf
+
+
+class Codec(ABC):
+    """Base class of every codec. Subclasses set ``name``/``version`` and implement both halves.
+
+    ``encode`` accepts any tensor of a dtype in :data:`DTYPES`, of any shape (empty, scalar,
+    non-contiguous included); ``decode`` returns a new contiguous tensor of the original shape and
+    dtype. Implementations are vectorized torch with no Python loop over elements.
+    """
+
+    name: ClassVar[str]
+    version: ClassVar[int]
+    #: Whether decode(encode(x)) == x exactly.
+    lossless: ClassVar[bool] = False
+
+    @abstractmethod
+    def encode(self, tensor: torch.Tensor) -> tuple[bytes, Meta]:
+        """Compress ``tensor``; returns the payload and the metadata that goes with it."""
+
+    @classmethod
+    @abstractmethod
+    def _decode(cls, data: bytes, meta: Meta) -> torch.Tensor:
+        """Decode a payload whose ``meta`` passed the generic checks in :func:`decode`."""
+
+    @classmethod
+    @abstractmethod
+    def payload_nbytes(cls, meta: Meta) -> int:
+        """Exact payload size implied by ``meta``; raises CodecError for bad parameters."""
+
+    def decode(self, data: bytes, meta: Meta) -> torch.Tensor:
+        return decode(data, meta)
+
+    def _meta(self, tensor: torch.Tensor, **params: int) -> Meta:
+        return Meta(
+            codec=self.name,
+            version=self.version,
+            shape=tuple(tensor.shape),
+            dtype=dtype_name(tensor.dtype),
+            params=params,
+        )
+
+
+_REGISTRY: dict[tuple[str, int], type[Codec]] = {}
+
+
+def register(cls: type[Codec]) -> type[Codec]:
+    """Class decorator: make a codec known to :func:`decode` and :func:`get_codec`."""
+    key = (cls.name, cls.version)
+    if key in _REGISTRY and _REGISTRY[key] is not cls:
+        raise RuntimeError(f"codec {cls.name!r} v{cls.version} registered twice")
+    _REGISTRY[key] = cls
+    return cls
+
+
+def codec_names() -> list[str]:
+    """Names of all registered codecs, in registration order."""
+    return list(dict.fromkeys(name for name, _ in _REGISTRY))
+
+
+def get_codec(name: str, **options: int | float) -> Codec:
+    """Build the newest version of codec ``name`` with ``options`` (e.g. ``block_size=256``)."""
+    versions = [v for (n, v) in _REGISTRY if n == name]
+    if not versions:
+        raise ValueError(f"unknown codec {name!r}; known: {', '.join(codec_names())}")
+    cls = _REGISTRY[(name, max(versions))]
+    try:
+        return cls(**options)
+    except TypeError as e:
+        raise ValueError(f"bad options for codec {name!r}: {e}") from None
+
+
+def decode(
+    data: bytes | bytearray | memoryview, meta: Meta, *, max_numel: int = MAX_NUMEL
+) -> torch.Tensor:
+    """Decode any registered codec's payload, validating ``meta`` and ``data`` first.
+
+    ``max_numel`` caps the tensor a message may describe: sparse and low-rank payloads are small
+    while their decoded tensors are not, so a receiver passes the size its run spec allows.
+    """
+    cls = _REGISTRY.get((meta.codec, meta.version))
+    if cls is None:
+        known = [v for (n, v) in _REGISTRY if n == meta.codec]
+        if known:
+            raise CodecError(f"codec {meta.codec!r} has no version {meta.version} (have {known})")
+        raise CodecError(f"unknown codec {meta.codec!r}")
+    if meta.dtype not in DTYPES:
+        raise CodecError(f"unsupported dtype {meta.dtype!r}")
+    if len(meta.shape) > MAX_NDIM or any(
+        not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in meta.shape
+    ):
+        raise CodecError(f"bad shape {meta.shape!r}")
+    if meta.numel > min(max_numel, MAX_NUMEL):
+        raise CodecError(
+            f"shape {meta.shape} has {meta.numel} elements, more than {min(max_numel, MAX_NUMEL)}"
+        )
+    for key, value in meta.params.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise CodecError(f"parameter {key!r} must be an integer, got {value!r}")
+    # Decoding needs no codec options: they travel in meta.params.
+    expected = cls.payload_nbytes(meta)
+    if len(data) != expected:
+        raise CodecError(
+            f"{meta.codec} payload for shape {meta.shape} must be {expected} bytes, got {len(data)}"
+        )
+    out = cls._decode(bytes(data) if not isinstance(data, bytes) else data, meta)
+    if out.shape != torch.Size(meta.shape):  # pragma: no cover - a codec bug, not bad input
+        raise AssertionError(f"{meta.codec} decoded shape {tuple(out.shape)} != {meta.shape}")
+    return out
+
+
+def expect_params(meta: Meta, *names: str) -> dict[str, int]:
+    """Return ``meta.params`` after checking it has exactly ``names``."""
+    if set(meta.params) != set(names):
+        raise CodecError(
+            f"{meta.codec} expects parameters {sorted(names)}, got {sorted(meta.params)}"
+        )
+    return dict(meta.params)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"unsupported dtype {dtype}; codecs take {', '.join(_DTYPE_NAMES.values())}"
+        ) from None
+
+
+def flat_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as a contiguous 1-D float32 view or copy (no copy for contiguous fp32)."""
+    dtype_name(tensor.dtype)
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype != torch.float32:
+        flat = flat.float()
+    return flat.contiguous()
+
+
+def to_bytes(tensor: torch.Tensor) -> bytes:
+    """Raw little-endian bytes of a tensor (any dtype, bf16 included)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return b""
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def from_bytes(data: bytes, dtype: torch.dtype, offset: int = 0, count: int = -1) -> torch.Tensor:
+    """A read-only 1-D view of ``data`` as ``dtype``; callers must not write into it."""
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    with warnings.catch_warnings():
+        # torch warns that the buffer is not writable; nothing writes into these views.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=dtype, offset=offset, count=count)
+
+
+def check_finite(tensor: torch.Tensor, what: str) -> None:
+    """Raise CodecError if ``tensor`` holds NaN or Inf (one reduction, no big temporary)."""
+    if tensor.numel() and not math.isfinite(float(tensor.sum(dtype=torch.float64))):
+        raise CodecError(f"{what} contains NaN or Inf")

@@ -1,0 +1,213 @@
+"""Blockwise absmax quantization to 8 bits (``int8``) and 4 bits (``int4``, two values per byte).
+
+The flat tensor is cut into blocks of ``block_size`` values; each block is scaled by its own
+absolute maximum onto the symmetric integer range ``[-L, L]`` (L = 127 for 8 bits, 7 for 4 bits)
+and rounded to nearest. Per-block scales make the error follow the local magnitude, which matters
+for model deltas whose layers differ by orders of magnitude.
+
+Payload layout (little-endian), ``nb = ceil(numel / block_size)``:
+    ``float32 scale[nb]`` (the block's absmax / L) then
+    ``int8 q[numel]`` (8 bits), or ``uint8 packed[ceil(numel / 2)]`` (4 bits: value ``2i`` in the
+    low nibble of byte ``i``, ``2i+1`` in the high nibble, each stored as ``q + 8``).
+
+Speed: the work runs over chunks of ~1 Mi values so that the temporaries of each eager op stay in
+cache; fused this way an 8-bit encode + decode of 16 Mi fp32 values takes ~45 ms on two cores
+(benchmarks/codecs.py), instead of ~85 ms for the same ops over the whole tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from swarmgrad.compression.base import (
+    DTYPES,
+    Codec,
+    CodecError,
+    Meta,
+    expect_params,
+    flat_float32,
+    from_bytes,
+    register,
+    to_bytes,
+)
+
+_CHUNK_VALUES = 1 << 20
+_MAX_BLOCK = 1 << 20
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+class _BlockwiseAbsmax(Codec):
+    bits: int
+    default_block_size: int
+
+    def __init__(self, block_size: int | None = None) -> None:
+        block_size = self.default_block_size if block_size is None else block_size
+        _check_block_size(block_size, ValueError)
+        self.block_size = block_size
+
+    @classmethod
+    def levels(cls) -> int:
+        return (1 << (cls.bits - 1)) - 1
+
+    # -- encode -------------------------------------------------------------------------------
+
+    def encode(self, tensor: torch.Tensor) -> tuple[bytes, Meta]:
+        meta = self._meta(tensor, block_size=self.block_size)
+        flat = flat_float32(tensor)
+        n, block = flat.numel(), self.block_size
+        nb = -(-n // block)
+        scales = torch.empty(nb, dtype=torch.float32)
+        codes = torch.empty(self._codes_len(nb * block), dtype=self._code_dtype())
+        full = (n // block) * block
+        chunk = max(block, (_CHUNK_VALUES // block) * block)
+        tmp = torch.empty(min(chunk, max(full, 1)), dtype=torch.float32)
+        for start in range(0, full, chunk):
+            stop = min(start + chunk, full)
+            self._encode_blocks(flat[start:stop], start, scales, codes, tmp)
+        if full < n:  # the last, partial block: pad with zeros to a whole block
+            tail = torch.zeros(block, dtype=torch.float32)
+            tail[: n - full] = flat[full:]
+            self._encode_blocks(tail, full, scales, codes, torch.empty(block))
+        return to_bytes(scales) + to_bytes(codes[: self._codes_len(n)]), meta
+
+    def _encode_blocks(
+        self,
+        values: torch.Tensor,
+        start: int,
+        scales: torch.Tensor,
+        codes: torch.Tensor,
+        tmp: torch.Tensor,
+    ) -> None:
+        block, levels = self.block_size, self.levels()
+        rows = values.view(-1, block)
+        lo, hi = torch.aminmax(rows, dim=1)
+        absmax = torch.maximum(lo.neg_(), hi)
+        if not torch.isfinite(absmax).all():
+            raise ValueError("cannot quantize a tensor that contains NaN or Inf")
+        first = start // block
+        torch.div(absmax, levels, out=scales[first : first + rows.shape[0]])
+        inv = torch.where(absmax > 0, absmax.reciprocal_().mul_(levels), 0.0)
+        scaled = tmp[: values.numel()].view(-1, block)
+        torch.mul(rows, inv[:, None], out=scaled).round_()
+        self._store(scaled.view(-1), start, codes)
+
+    # -- decode -------------------------------------------------------------------------------
+
+    @classmethod
+    def payload_nbytes(cls, meta: Meta) -> int:
+        block = expect_params(meta, "block_size")["block_size"]
+        _check_block_size(block, CodecError)
+        nb = -(-meta.numel // block)
+        return 4 * nb + cls._codes_len(meta.numel)
+
+    @classmethod
+    def _decode(cls, data: bytes, meta: Meta) -> torch.Tensor:
+        n, block = meta.numel, meta.params["block_size"]
+        nb = -(-n // block)
+        scales = from_bytes(data, torch.float32, 0, nb)
+        if nb and not (
+            torch.isfinite(scales).all() and scales.min() >= 0 and scales.max() <= _F32_MAX / 256
+        ):
+            raise CodecError(f"{cls.name} payload has a NaN, Inf, negative or absurd scale")
+        codes = from_bytes(data, cls._code_dtype(), 4 * nb, cls._codes_len(n))
+        out = torch.empty(nb * block, dtype=torch.float32)
+        chunk = max(block, (_CHUNK_VALUES // block) * block)
+        for start in range(0, nb * block, chunk):
+            stop = min(start + chunk, nb * block)
+            part = out[start:stop]
+            cls._load(codes, start, part, n)
+            part.view(-1, block).mul_(scales[start // block : stop // block, None])
+        result = out[:n]
+        if meta.dtype != "float32":
+            result = result.to(DTYPES[meta.dtype])
+        return result.reshape(meta.shape)
+
+    # -- storage of the integer codes, per bit width ------------------------------------------
+
+    @staticmethod
+    def _code_dtype() -> torch.dtype:
+        raise NotImplementedError
+
+    @staticmethod
+    def _codes_len(numel: int) -> int:
+        raise NotImplementedError
+
+    @staticmethod
+    def _store(rounded: torch.Tensor, start: int, codes: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _load(codes: torch.Tensor, start: int, out: torch.Tensor, numel: int) -> None:
+        raise NotImplementedError
+
+
+@register
+class Int8Blockwise(_BlockwiseAbsmax):
+    """8-bit blockwise absmax. ~3.9x smaller than fp32 at the default block of 256 values."""
+
+    name = "int8"
+    version = 1
+    bits = 8
+    default_block_size = 256
+
+    @staticmethod
+    def _code_dtype() -> torch.dtype:
+        return torch.int8
+
+    @staticmethod
+    def _codes_len(numel: int) -> int:
+        return numel
+
+    @staticmethod
+    def _store(rounded: torch.Tensor, start: int, codes: torch.Tensor) -> None:
+        codes[start : start + rounded.numel()].copy_(rounded)
+
+    @staticmethod
+    def _load(codes: torch.Tensor, start: int, out: torch.Tensor, numel: int) -> None:
+        have = max(0, min(out.numel(), numel - start))
+        out[:have].copy_(codes[start : start + have])
+        out[have:].zero_()
+
+
+@register
+class Int4Blockwise(_BlockwiseAbsmax):
+    """4-bit blockwise absmax, two values per byte. ~7.1x smaller than fp32 at blocks of 64."""
+
+    name = "int4"
+    version = 1
+    bits = 4
+    default_block_size = 64
+
+    @staticmethod
+    def _code_dtype() -> torch.dtype:
+        return torch.uint8
+
+    @staticmethod
+    def _codes_len(numel: int) -> int:
+        return -(-numel // 2)
+
+    @staticmethod
+    def _store(rounded: torch.Tensor, start: int, codes: torch.Tensor) -> None:
+        rounded.add_(8)  # [-7, 7] -> [1, 15]: an unsigned nibble
+        packed = torch.add(rounded[0::2], rounded[1::2], alpha=16)
+        codes[start // 2 : start // 2 + packed.numel()].copy_(packed)
+
+    @staticmethod
+    def _load(codes: torch.Tensor, start: int, out: torch.Tensor, numel: int) -> None:
+        have = max(0, min(out.numel() // 2, codes.numel() - start // 2))
+        packed = codes[start // 2 : start // 2 + have]
+        pairs = out.view(-1, 2)
+        pairs[:have, 0].copy_(packed & 15)
+        pairs[:have, 1].copy_(packed >> 4)
+        pairs[have:].fill_(8)
+        out.sub_(8)
+
+
+def _check_block_size(block: int, error: type[Exception]) -> None:
+    if (
+        not isinstance(block, int)
+        or isinstance(block, bool)
+        or not 2 <= block <= _MAX_BLOCK
+        or block % 2
+    ):
+        raise error(f"block_size must be an even integer in [2, {_MAX_BLOCK}], got {block!r}")

@@ -1,0 +1,1 @@
+"""swarmgrad node daemon: config, identity, discovery, averaging, training, state, metrics, CLI."""

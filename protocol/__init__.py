@@ -1,0 +1,1 @@
+"""Wire protocol: versioned .proto files, generated stubs, thin grpc.aio adapters."""
