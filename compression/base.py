@@ -225,7 +225,7 @@ def to_bytes(tensor: torch.Tensor) -> bytes:
 
 def from_bytes(data: bytes, dtype: torch.dtype, offset: int = 0, count: int = -1) -> torch.Tensor:
     """A read-only 1-D view of ``data`` as ``dtype``; callers must not write into it."""
-    if count == 0:
+    if count == 0 or (count < 0 and len(data) == offset):
         return torch.empty(0, dtype=dtype)
     with warnings.catch_warnings():
         # torch warns that the buffer is not writable; nothing writes into these views.

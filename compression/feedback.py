@@ -1,4 +1,4 @@
-"""Error feedback: carry what a lossy codec dropped into the next message, so it is delayed, not lost.
+"""Error feedback: carry what a lossy codec dropped into the next message (delayed, not lost).
 
 Over T steps the sum of what was sent equals the sum of the inputs minus the last residual, so
 the accumulated error stays bounded by one residual instead of growing with T (Seide et al. 2014;

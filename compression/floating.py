@@ -21,7 +21,7 @@ _FP16_MAX = torch.finfo(torch.float16).max
 
 @register
 class NoCompression(Codec):
-    """Identity: the raw bytes of the tensor in its own dtype. Payload: ``numel * itemsize`` bytes."""
+    """Identity: the raw bytes of the tensor in its own dtype (``numel * itemsize`` bytes)."""
 
     name = "none"
     version = 1
@@ -70,7 +70,7 @@ class _CastCodec(Codec):
 
 @register
 class Float16(_CastCodec):
-    """IEEE half precision. Values beyond +-65504 are clamped (not sent as Inf). Payload: 2 B/value."""
+    """IEEE half precision, 2 bytes a value. Values beyond +-65504 are clamped, not sent as Inf."""
 
     name = "fp16"
     version = 1
@@ -84,7 +84,7 @@ class Float16(_CastCodec):
 
 @register
 class BFloat16(_CastCodec):
-    """bfloat16: fp32's range with 8 bits of mantissa (round to nearest even). Payload: 2 B/value."""
+    """bfloat16, 2 bytes a value: fp32's range, 8 bits of mantissa (round to nearest even)."""
 
     name = "bf16"
     version = 1

@@ -1,0 +1,27 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ("run_id", "spec_hash")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_HASH_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    spec_hash: bytes
+    def __init__(self, run_id: _Optional[str] = ..., spec_hash: _Optional[bytes] = ...) -> None: ...
+
+class PeerInfo(_message.Message):
+    __slots__ = ("protocol_version", "peer_id", "software_version", "codecs")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    peer_id: str
+    software_version: str
+    codecs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[int] = ..., peer_id: _Optional[str] = ..., software_version: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Set up (or refresh) the project's virtual environment at .venv; safe and fast to re-run.
+#   scripts/setup.sh          runtime dependencies (what the demo needs)
+#   scripts/setup.sh dev      plus the test and lint tools
+# Re-running does nothing when pyproject.toml, the constraints and the extras are unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras="${1:-}"
+case "$extras" in ""|dev) ;; *) echo "usage: scripts/setup.sh [dev]" >&2; exit 2 ;; esac
+
+python="${PYTHON:-python3}"
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    echo "swarmgrad needs Python >= 3.11 (found: $("$python" --version 2>&1)); set PYTHON=..." >&2
+    exit 1
+fi
+
+venv=.venv
+stamp="$venv/.swarmgrad-setup${extras:+-$extras}"
+want="$(cat pyproject.toml requirements/constraints.txt | sha256sum | cut -d' ' -f1)"
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] \
+    && "$venv/bin/python" -c 'import swarmgrad.compression' 2>/dev/null; then
+    exit 0
+fi
+
+[[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+quiet() { grep -v -e "is ignored: it is neither a file nor a directory" >&2 || true; }
+
+# torch first, pinned: an open range with no torch installed would pull a multi-GB CUDA build on
+# machines that do not need one. A torch already in the venv (say a CUDA build) is kept.
+if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
+    echo "setup: installing torch 2.13.0 into $venv" >&2
+    "${pip[@]}" "torch==2.13.0" 2> >(quiet)
+fi
+echo "setup: installing swarmgrad${extras:+[$extras]} into $venv" >&2
+"${pip[@]}" -c requirements/constraints.txt -e ".${extras:+[$extras]}" 2> >(quiet)
+"$venv/bin/python" -m pip check >&2
+echo "$want" > "$stamp"

@@ -1,0 +1,87 @@
+"""The distribution: the swarmgrad.* namespace mapping, layering rules, and a wheel that imports
+from outside the repository."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ["node", "protocol", "compression", "simulations"]
+
+
+def imports_of(folder: str) -> set[str]:
+    names: set[str] = set()
+    for path in (ROOT / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+    return names
+
+
+def test_compression_is_pure_torch() -> None:
+    forbidden = ("grpc", "google.protobuf", "asyncio", "swarmgrad.node", "swarmgrad.protocol")
+    bad = {n for n in imports_of("compression") if n.startswith(forbidden)}
+    assert not bad, f"compression/ must not import {sorted(bad)}"
+
+
+@pytest.mark.parametrize("folder", [*PACKAGES, "tests", "benchmarks", "scripts"])
+def test_no_bare_top_level_imports(folder: str) -> None:
+    bare = {n for n in imports_of(folder) if n.split(".")[0] in PACKAGES}
+    assert not bare, f"import through the namespace (swarmgrad.X), not {sorted(bare)}"
+
+
+def test_editable_install_maps_the_folders() -> None:
+    import swarmgrad.compression
+    import swarmgrad.protocol
+
+    assert Path(swarmgrad.compression.__file__).parent == ROOT / "compression"
+    assert Path(swarmgrad.protocol.__file__).parent == ROOT / "protocol"
+
+
+@pytest.mark.slow
+def test_built_wheel_imports_from_outside_the_repo(tmp_path: Path) -> None:
+    dist, site, elsewhere = tmp_path / "dist", tmp_path / "site", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist), str(ROOT)],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    (wheel,) = dist.glob("swarmgrad-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "swarmgrad/protocol/v1/peer.proto" in names
+    assert "swarmgrad/protocol/v1/peer_pb2_grpc.py" in names
+    assert "swarmgrad/compression/py.typed" in names
+    assert not any(n.startswith(("compression/", "node/", "protocol/")) for n in names)
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    probe = (
+        "import sys, swarmgrad.compression as c, swarmgrad.protocol.v1.peer_pb2 as p, torch;"
+        "assert c.__file__.startswith(sys.argv[1]), c.__file__;"
+        "data, meta = c.get_codec('int8').encode(torch.ones(10));"
+        "print(c.decode(data, meta).sum().item(), p.DESCRIPTOR.package)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, str(site)],
+        cwd=elsewhere,
+        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+        check=True,
+        timeout=120,
+        capture_output=True,
+        text=True,
+    )
+    assert out.stdout.split() == ["10.0", "swarmgrad.v1"]
