@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -233,7 +234,30 @@ def from_bytes(data: bytes, dtype: torch.dtype, offset: int = 0, count: int = -1
         return torch.frombuffer(data, dtype=dtype, offset=offset, count=count)
 
 
+_scratch = threading.local()
+
+
+def scratch_bytes(nbytes: int) -> torch.Tensor:
+    """A reusable uint8 buffer of at least ``nbytes``, private to the calling thread.
+
+    Encoders build their payload here and copy it once into the returned ``bytes``; reusing the
+    buffer spares the page faults of a fresh large allocation on every call (about as costly as
+    the encoding itself). Its contents are garbage between uses; it holds the largest payload the
+    thread has built.
+    """
+    buffer: torch.Tensor | None = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        _scratch.buffer = buffer
+    return buffer[:nbytes]
+
+
 def check_finite(tensor: torch.Tensor, what: str) -> None:
-    """Raise CodecError if ``tensor`` holds NaN or Inf (one reduction, no big temporary)."""
-    if tensor.numel() and not math.isfinite(float(tensor.sum(dtype=torch.float64))):
-        raise CodecError(f"{what} contains NaN or Inf")
+    """Raise CodecError if ``tensor`` holds NaN or Inf.
+
+    One read pass with no temporary: min and max propagate NaN, and are finite iff every value is.
+    """
+    if tensor.numel():
+        lo, hi = torch.aminmax(tensor.reshape(-1))
+        if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
+            raise CodecError(f"{what} contains NaN or Inf")

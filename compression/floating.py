@@ -13,6 +13,7 @@ from swarmgrad.compression.base import (
     expect_params,
     from_bytes,
     register,
+    scratch_bytes,
     to_bytes,
 )
 
@@ -38,9 +39,9 @@ class NoCompression(Codec):
 
     @classmethod
     def _decode(cls, data: bytes, meta: Meta) -> torch.Tensor:
-        out = from_bytes(data, DTYPES[meta.dtype]).clone()
-        check_finite(out, "none payload")
-        return out.reshape(meta.shape)
+        wire = from_bytes(data, DTYPES[meta.dtype])
+        check_finite(wire, "none payload")
+        return wire.clone().reshape(meta.shape)
 
 
 class _CastCodec(Codec):
@@ -50,10 +51,14 @@ class _CastCodec(Codec):
 
     def encode(self, tensor: torch.Tensor) -> tuple[bytes, Meta]:
         dtype_name(tensor.dtype)
-        return to_bytes(self._cast(tensor.detach().reshape(-1))), self._meta(tensor)
+        flat = tensor.detach().reshape(-1)
+        wire = scratch_bytes(flat.numel() * self.wire_dtype.itemsize).view(self.wire_dtype)
+        wire.copy_(flat)
+        self._fix_range(wire)
+        return to_bytes(wire), self._meta(tensor)
 
-    def _cast(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat.to(self.wire_dtype)
+    def _fix_range(self, wire: torch.Tensor) -> None:
+        """Adjust the cast values in place (bf16 has fp32's range: nothing to do)."""
 
     @classmethod
     def payload_nbytes(cls, meta: Meta) -> int:
@@ -63,9 +68,8 @@ class _CastCodec(Codec):
     @classmethod
     def _decode(cls, data: bytes, meta: Meta) -> torch.Tensor:
         wire = from_bytes(data, cls.wire_dtype)
-        out = wire.to(DTYPES[meta.dtype], copy=True)
-        check_finite(out, f"{cls.name} payload")
-        return out.reshape(meta.shape)
+        check_finite(wire, f"{cls.name} payload")  # on the 16-bit values: half the bytes to read
+        return wire.to(DTYPES[meta.dtype], copy=True).reshape(meta.shape)
 
 
 @register
@@ -76,10 +80,10 @@ class Float16(_CastCodec):
     version = 1
     wire_dtype = torch.float16
 
-    def _cast(self, flat: torch.Tensor) -> torch.Tensor:
-        if flat.dtype == torch.float16:
-            return flat
-        return flat.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
+    def _fix_range(self, wire: torch.Tensor) -> None:
+        # Cast first, then clamp the (half-size) result in place: what overflowed became +-Inf
+        # and is clamped back to +-65504; NaN stays NaN.
+        wire.clamp_(-_FP16_MAX, _FP16_MAX)
 
 
 @register

@@ -28,6 +28,7 @@ from swarmgrad.compression.base import (
     flat_float32,
     from_bytes,
     register,
+    scratch_bytes,
     to_bytes,
 )
 
@@ -56,40 +57,43 @@ class _BlockwiseAbsmax(Codec):
         flat = flat_float32(tensor)
         n, block = flat.numel(), self.block_size
         nb = -(-n // block)
-        scales = torch.empty(nb, dtype=torch.float32)
-        codes = torch.empty(self._codes_len(nb * block), dtype=self._code_dtype())
+        # One buffer holds the whole payload: scales and codes are written in place, and the
+        # only copy is the final one into the returned bytes.
+        payload = scratch_bytes(4 * nb + self._codes_len(n))
+        scales = payload[: 4 * nb].view(torch.float32)
+        codes = payload[4 * nb :].view(self._code_dtype())
         full = (n // block) * block
         chunk = max(block, (_CHUNK_VALUES // block) * block)
-        tmp = torch.empty(min(chunk, max(full, 1)), dtype=torch.float32)
+        tmp = torch.empty(min(chunk, max(full, block)), dtype=torch.float32)
         for start in range(0, full, chunk):
             stop = min(start + chunk, full)
-            self._encode_blocks(flat[start:stop], start, scales, codes, tmp)
+            rounded = self._quantize(flat[start:stop], start, scales, tmp)
+            self._store(rounded, codes[self._codes_len(start) : self._codes_len(stop)])
         if full < n:  # the last, partial block: pad with zeros to a whole block
             tail = torch.zeros(block, dtype=torch.float32)
             tail[: n - full] = flat[full:]
-            self._encode_blocks(tail, full, scales, codes, torch.empty(block))
-        return to_bytes(scales) + to_bytes(codes[: self._codes_len(n)]), meta
+            rounded = self._quantize(tail, full, scales, tmp)
+            packed = torch.empty(self._codes_len(block), dtype=self._code_dtype())
+            self._store(rounded, packed)
+            codes[self._codes_len(full) :] = packed[: self._codes_len(n) - self._codes_len(full)]
+        return to_bytes(payload), meta
 
-    def _encode_blocks(
-        self,
-        values: torch.Tensor,
-        start: int,
-        scales: torch.Tensor,
-        codes: torch.Tensor,
-        tmp: torch.Tensor,
-    ) -> None:
+    def _quantize(
+        self, values: torch.Tensor, start: int, scales: torch.Tensor, tmp: torch.Tensor
+    ) -> torch.Tensor:
+        """Write the blocks' scales; return their values rounded onto [-L, L] (in ``tmp``)."""
         block, levels = self.block_size, self.levels()
         rows = values.view(-1, block)
-        lo, hi = torch.aminmax(rows, dim=1)
-        absmax = torch.maximum(lo.neg_(), hi)
+        scaled = tmp[: values.numel()].view(-1, block)
+        # abs into the cached temporary, then a row max: ~15x faster than aminmax(dim=1), whose
+        # per-row reduction is not vectorized on CPU. NaN propagates through amax.
+        absmax = torch.abs(rows, out=scaled).amax(dim=1)
         if not torch.isfinite(absmax).all():
             raise ValueError("cannot quantize a tensor that contains NaN or Inf")
         first = start // block
         torch.div(absmax, levels, out=scales[first : first + rows.shape[0]])
         inv = torch.where(absmax > 0, absmax.reciprocal_().mul_(levels), 0.0)
-        scaled = tmp[: values.numel()].view(-1, block)
-        torch.mul(rows, inv[:, None], out=scaled).round_()
-        self._store(scaled.view(-1), start, codes)
+        return torch.mul(rows, inv[:, None], out=scaled).round_().view(-1)
 
     # -- decode -------------------------------------------------------------------------------
 
@@ -133,7 +137,8 @@ class _BlockwiseAbsmax(Codec):
         raise NotImplementedError
 
     @staticmethod
-    def _store(rounded: torch.Tensor, start: int, codes: torch.Tensor) -> None:
+    def _store(rounded: torch.Tensor, codes: torch.Tensor) -> None:
+        """Write rounded values (floats in [-L, L]) into their slice of the codes."""
         raise NotImplementedError
 
     @staticmethod
@@ -159,8 +164,8 @@ class Int8Blockwise(_BlockwiseAbsmax):
         return numel
 
     @staticmethod
-    def _store(rounded: torch.Tensor, start: int, codes: torch.Tensor) -> None:
-        codes[start : start + rounded.numel()].copy_(rounded)
+    def _store(rounded: torch.Tensor, codes: torch.Tensor) -> None:
+        codes.copy_(rounded)
 
     @staticmethod
     def _load(codes: torch.Tensor, start: int, out: torch.Tensor, numel: int) -> None:
@@ -187,10 +192,9 @@ class Int4Blockwise(_BlockwiseAbsmax):
         return -(-numel // 2)
 
     @staticmethod
-    def _store(rounded: torch.Tensor, start: int, codes: torch.Tensor) -> None:
+    def _store(rounded: torch.Tensor, codes: torch.Tensor) -> None:
         rounded.add_(8)  # [-7, 7] -> [1, 15]: an unsigned nibble
-        packed = torch.add(rounded[0::2], rounded[1::2], alpha=16)
-        codes[start // 2 : start // 2 + packed.numel()].copy_(packed)
+        codes.copy_(torch.add(rounded[0::2], rounded[1::2], alpha=16))
 
     @staticmethod
     def _load(codes: torch.Tensor, start: int, out: torch.Tensor, numel: int) -> None:
