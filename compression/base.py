@@ -207,10 +207,15 @@ def dtype_name(dtype: torch.dtype) -> str:
         ) from None
 
 
+def cpu_flat(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as 1-D on the CPU (payloads are host bytes; decode returns CPU tensors)."""
+    dtype_name(tensor.dtype)
+    return tensor.detach().reshape(-1).cpu()
+
+
 def flat_float32(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor as a contiguous 1-D float32 view or copy (no copy for contiguous fp32)."""
-    dtype_name(tensor.dtype)
-    flat = tensor.detach().reshape(-1)
+    flat = cpu_flat(tensor)
     if flat.dtype != torch.float32:
         flat = flat.float()
     return flat.contiguous()

@@ -9,7 +9,7 @@ from swarmgrad.compression.base import (
     Codec,
     Meta,
     check_finite,
-    dtype_name,
+    cpu_flat,
     expect_params,
     from_bytes,
     register,
@@ -29,8 +29,7 @@ class NoCompression(Codec):
     lossless = True
 
     def encode(self, tensor: torch.Tensor) -> tuple[bytes, Meta]:
-        dtype_name(tensor.dtype)
-        return to_bytes(tensor), self._meta(tensor)
+        return to_bytes(cpu_flat(tensor)), self._meta(tensor)
 
     @classmethod
     def payload_nbytes(cls, meta: Meta) -> int:
@@ -50,8 +49,7 @@ class _CastCodec(Codec):
     wire_dtype: torch.dtype
 
     def encode(self, tensor: torch.Tensor) -> tuple[bytes, Meta]:
-        dtype_name(tensor.dtype)
-        flat = tensor.detach().reshape(-1)
+        flat = cpu_flat(tensor)
         wire = scratch_bytes(flat.numel() * self.wire_dtype.itemsize).view(self.wire_dtype)
         wire.copy_(flat)
         self._fix_range(wire)
