@@ -49,6 +49,10 @@ class CodecError(ValueError):
     """A payload or its metadata is malformed: wrong codec, version, shape, length or values."""
 
 
+class NonFiniteError(CodecError):
+    """A payload decodes to (or scales by) NaN or Inf."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Meta:
     """What a receiver needs, beside the payload, to decode a tensor.
@@ -265,4 +269,4 @@ def check_finite(tensor: torch.Tensor, what: str) -> None:
     if tensor.numel():
         lo, hi = torch.aminmax(tensor.reshape(-1))
         if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
-            raise CodecError(f"{what} contains NaN or Inf")
+            raise NonFiniteError(f"{what} contains NaN or Inf")

@@ -24,6 +24,7 @@ from swarmgrad.compression.base import (
     Codec,
     CodecError,
     Meta,
+    NonFiniteError,
     expect_params,
     flat_float32,
     from_bytes,
@@ -112,7 +113,7 @@ class _BlockwiseAbsmax(Codec):
         if nb and not (
             torch.isfinite(scales).all() and scales.min() >= 0 and scales.max() <= _F32_MAX / 256
         ):
-            raise CodecError(f"{cls.name} payload has a NaN, Inf, negative or absurd scale")
+            raise NonFiniteError(f"{cls.name} payload has a NaN, Inf, negative or absurd scale")
         codes = from_bytes(data, cls._code_dtype(), 4 * nb, cls._codes_len(n))
         out = torch.empty(nb * block, dtype=torch.float32)
         chunk = max(block, (_CHUNK_VALUES // block) * block)

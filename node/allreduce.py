@@ -1,0 +1,373 @@
+"""One member's side of a butterfly all-reduce round, and what a round guarantees.
+
+The flat fp32 vector is cut into one part per member, sized by bandwidth (``Group.partition``).
+For every other member's part, this member opens one stream to that owner, sends its values of
+the part chunk by chunk (encoded with the round's codec, a couple of chunks ahead of the wire),
+and reads back each averaged chunk on the same stream as soon as the owner has it. Its own part
+it reduces locally with a :class:`PartReducer` that the other members stream into. Encoding,
+sending, receiving and decoding overlap; the only whole-vector copy is the result.
+
+Failure semantics
+-----------------
+* Deadlines: the round ends by ``round_timeout_seconds`` whatever happens. An owner drops a
+  member whose next chunk does not arrive within ``sender_timeout_seconds``; a member gives up
+  on an owner whose next averaged chunk does not arrive within ``reducer_timeout_seconds``
+  (longer, since an owner legitimately waits up to a sender timeout for the slowest member).
+* A member that dies, stalls or sends an invalid chunk is dropped by every owner: chunks it
+  already delivered keep its values, later chunks are averaged over the others, and every chunk
+  carries its contributor list.
+* An owner that dies or stalls takes its part with it: the chunks of that part that had not
+  arrived are *missing*. In the result they hold the caller's own (unaveraged) values and are
+  listed in ``RoundResult.missing`` so the caller can treat them as not averaged (the trainer
+  applies no update there and keeps its delta for the next round). Nothing is silently left
+  unaveraged.
+* All members that receive a chunk receive the same bytes from its owner, so their averaged
+  values are bit-identical wherever they are not missing.
+* The round raises :class:`RoundAborted` if no chunk was averaged with anyone but this member
+  (every other member failed, or the deadline passed first). The caller's tensors are never
+  modified, whether the round succeeds or not: the result is a new tensor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+import torch
+
+from swarmgrad.compression import Codec, CodecError, get_codec
+from swarmgrad.node.group import Group, chunk_sizes
+from swarmgrad.node.reducer import PartReducer
+from swarmgrad.protocol.averaging import StreamHeader, chunk_to_proto, header_to_proto
+from swarmgrad.protocol.errors import (
+    PeerUnavailable,
+    ProtocolViolation,
+    RoundAborted,
+    SwarmgradError,
+    from_rpc_error,
+)
+from swarmgrad.protocol.tensors import meta_from_proto
+from swarmgrad.protocol.v1 import averaging_pb2, averaging_pb2_grpc
+from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
+
+_MIN_CHUNK_VALUES = 1024
+_MAX_CHUNK_VALUES = 1 << 24
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AllReduceConfig:
+    """What every member of a run must agree on for its all-reduce rounds."""
+
+    run_id: str
+    spec_hash: bytes
+    codec: str = "int8"
+    codec_options: Mapping[str, float] = field(default_factory=dict)
+    #: Values per streamed chunk (1 Mi fp32 = 4 MiB before compression).
+    chunk_values: int = 1 << 20
+    round_timeout_seconds: float = 60.0
+    sender_timeout_seconds: float = 10.0
+    reducer_timeout_seconds: float = 20.0
+    #: How long a stream that arrives before the local round has started may wait for it.
+    join_timeout_seconds: float = 5.0
+    max_chunks_ahead: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            raise ValueError("run_id must not be empty")
+        get_codec(self.codec, **self.codec_options)  # raises ValueError for a bad codec
+        if not _MIN_CHUNK_VALUES <= self.chunk_values <= _MAX_CHUNK_VALUES:
+            raise ValueError(
+                f"chunk_values must be in [{_MIN_CHUNK_VALUES}, {_MAX_CHUNK_VALUES}], "
+                f"got {self.chunk_values}"
+            )
+        timeouts = (
+            self.sender_timeout_seconds,
+            self.reducer_timeout_seconds,
+            self.round_timeout_seconds,
+            self.join_timeout_seconds,
+        )
+        if not all(math.isfinite(t) and t > 0 for t in timeouts):
+            raise ValueError("timeouts must be positive and finite")
+        if not self.sender_timeout_seconds < self.reducer_timeout_seconds:
+            raise ValueError(
+                "reducer_timeout_seconds must exceed sender_timeout_seconds: an owner may wait "
+                "a whole sender timeout for the slowest member before it can answer"
+            )
+        if not self.reducer_timeout_seconds <= self.round_timeout_seconds:
+            raise ValueError("round_timeout_seconds must be at least reducer_timeout_seconds")
+        if self.max_chunks_ahead < 1:
+            raise ValueError("max_chunks_ahead must be at least 1")
+
+    def make_codec(self) -> Codec:
+        return get_codec(self.codec, **self.codec_options)
+
+    @property
+    def max_chunk_bytes(self) -> int:
+        """Largest payload a chunk may have: uncompressed fp32 plus slack for codec metadata."""
+        return 4 * self.chunk_values + 64 * 1024
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundResult:
+    """What a round produced. See the module docstring for the exact guarantees."""
+
+    averaged: torch.Tensor
+    #: Members whose values are in every averaged chunk.
+    contributors: tuple[str, ...]
+    #: Members whose values are in some averaged chunks but not all (they failed mid-round).
+    partial: tuple[str, ...]
+    #: [start, end) ranges that were not averaged: they hold the caller's own values.
+    missing: tuple[tuple[int, int], ...]
+    #: Why each failed peer failed, as seen from this member.
+    failures: Mapping[str, str]
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing and not self.partial
+
+
+class RoundHooks(Protocol):
+    """Extension point for fault injection (tests, simulations): sees every outgoing chunk."""
+
+    async def before_send(
+        self, owner: int, index: int, request: averaging_pb2.AggregateRequest
+    ) -> averaging_pb2.AggregateRequest: ...
+
+
+@dataclass(slots=True)
+class _Received:
+    """Per (part, chunk): the contributors of what this member received (None: missing)."""
+
+    contributors: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+
+
+async def run_round(
+    *,
+    me: int,
+    group: Group,
+    vector: torch.Tensor,
+    config: AllReduceConfig,
+    reducer: PartReducer | None,
+    channel: Callable[[str], grpc.aio.Channel],
+    hooks: RoundHooks | None = None,
+) -> RoundResult:
+    """Run this member's side of one round; ``reducer`` reduces its own part (None: owns none)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + config.round_timeout_seconds
+    bounds = group.partition(vector.numel())
+    out = vector.clone()
+    received = _Received()
+    tasks: dict[int, asyncio.Task[None]] = {}
+    for part, (start, end) in enumerate(bounds):
+        if start == end:
+            continue
+        if part == me:
+            assert reducer is not None
+            coro = _reduce_own_part(me, vector[start:end], out[start:end], reducer, received)
+        else:
+            coro = _exchange_with_owner(
+                me,
+                part,
+                group,
+                vector[start:end],
+                out[start:end],
+                config,
+                deadline,
+                channel,
+                received,
+                hooks,
+            )
+        tasks[part] = asyncio.create_task(coro, name=f"round-{group.round}-part-{part}")
+    try:
+        if tasks:
+            _, pending = await asyncio.wait(tasks.values(), timeout=deadline - loop.time())
+            for part, task in tasks.items():
+                if task in pending:
+                    task.cancel()
+                    received.failures.setdefault(
+                        group.members[part].peer_id, "round deadline passed"
+                    )
+            await asyncio.gather(*pending, return_exceptions=True)
+    finally:
+        for task in tasks.values():
+            task.cancel()
+    return _summarize(me, group, bounds, config, out, received)
+
+
+async def _reduce_own_part(
+    me: int,
+    values: torch.Tensor,
+    out: torch.Tensor,
+    reducer: PartReducer,
+    received: _Received,
+) -> None:
+    offsets = _offsets(reducer.chunk_numels)
+    for index, (start, end) in enumerate(offsets):
+        await reducer.accept(me, index, values[start:end])
+    for index, (start, end) in enumerate(offsets):
+        result = await reducer.result(index)
+        decoded = reducer.decoded[index]
+        if result is None or decoded is None:
+            continue
+        out[start:end] = decoded
+        received.contributors[(me, index)] = result.contributors
+
+
+async def _exchange_with_owner(
+    me: int,
+    part: int,
+    group: Group,
+    values: torch.Tensor,
+    out: torch.Tensor,
+    config: AllReduceConfig,
+    deadline: float,
+    channel: Callable[[str], grpc.aio.Channel],
+    received: _Received,
+    hooks: RoundHooks | None,
+) -> None:
+    owner = group.members[part]
+    numels = chunk_sizes(values.numel(), config.chunk_values)
+    offsets = _offsets(numels)
+    codec = config.make_codec()
+    queue: asyncio.Queue[averaging_pb2.AggregateRequest | None] = asyncio.Queue(maxsize=2)
+
+    async def produce() -> None:
+        try:
+            for index, (start, end) in enumerate(offsets):
+                payload, meta = await asyncio.to_thread(codec.encode, values[start:end])
+                request = averaging_pb2.AggregateRequest(chunk=chunk_to_proto(index, payload, meta))
+                if hooks is not None:
+                    request = await hooks.before_send(part, index, request)
+                await queue.put(request)
+        finally:
+            await queue.put(None)
+
+    header = header_to_proto(
+        StreamHeader(
+            run_id=config.run_id,
+            spec_hash=config.spec_hash,
+            round=group.round,
+            group_id=group.group_id,
+            sender=group.members[me].peer_id,
+            part=part,
+            weight=group.members[me].weight,
+        )
+    )
+
+    async def requests() -> AsyncIterator[averaging_pb2.AggregateRequest]:
+        yield header
+        while (request := await queue.get()) is not None:
+            yield request
+
+    loop = asyncio.get_running_loop()
+    producer = asyncio.create_task(produce())
+    stub = averaging_pb2_grpc.AveragingStub(channel(owner.endpoint))
+    call = stub.Aggregate(requests(), timeout=max(0.001, deadline - loop.time()))
+    expected = 0
+    try:
+        while expected < len(numels):
+            async with asyncio.timeout(config.reducer_timeout_seconds):
+                response = await call.read()
+            if response is grpc.aio.EOF:
+                raise PeerUnavailable(f"{owner.peer_id} closed the stream after {expected} chunks")
+            start, end = offsets[expected]
+            averaged = await _check_and_decode(response, expected, end - start, group, codec)
+            out[start:end] = averaged
+            received.contributors[(part, expected)] = tuple(response.contributors)
+            expected += 1
+    except grpc.aio.AioRpcError as error:
+        received.failures[owner.peer_id] = str(from_rpc_error(error, owner.peer_id))
+    except TimeoutError:
+        received.failures[owner.peer_id] = (
+            f"no averaged chunk {expected} within {config.reducer_timeout_seconds:g} s"
+        )
+    except SwarmgradError as error:
+        received.failures[owner.peer_id] = str(error)
+    finally:
+        call.cancel()
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+
+
+async def _check_and_decode(
+    response: averaging_pb2.AggregateResponse,
+    index: int,
+    numel: int,
+    group: Group,
+    codec: Codec,
+) -> torch.Tensor:
+    """Validate an owner's averaged chunk as strictly as owners validate members' chunks."""
+    chunk = response.chunk
+    if chunk.index != index:
+        raise ProtocolViolation(ResultCode.BAD_SHAPE, f"got chunk {chunk.index}, expected {index}")
+    if (chunk.meta.codec, chunk.meta.version) != (codec.name, codec.version):
+        raise ProtocolViolation(ResultCode.BAD_CODEC, f"owner answered with {chunk.meta.codec}")
+    if list(chunk.meta.shape) != [numel] or chunk.meta.dtype != "float32":
+        raise ProtocolViolation(ResultCode.BAD_SHAPE, f"chunk shape {list(chunk.meta.shape)}")
+    contributors = list(response.contributors)
+    if (
+        not contributors
+        or len(set(contributors)) != len(contributors)
+        or not all(0 <= c < len(group.members) for c in contributors)
+    ):
+        raise ProtocolViolation(ResultCode.BAD_PAYLOAD, f"bad contributor list {contributors}")
+    try:
+        meta = meta_from_proto(chunk.meta)
+        from swarmgrad.compression import decode
+
+        return await asyncio.to_thread(decode, chunk.payload, meta, max_numel=numel)
+    except CodecError as error:
+        raise ProtocolViolation(ResultCode.BAD_PAYLOAD, str(error)) from None
+
+
+def _offsets(numels: list[int]) -> list[tuple[int, int]]:
+    offsets, start = [], 0
+    for numel in numels:
+        offsets.append((start, start + numel))
+        start += numel
+    return offsets
+
+
+def _summarize(
+    me: int,
+    group: Group,
+    bounds: list[tuple[int, int]],
+    config: AllReduceConfig,
+    out: torch.Tensor,
+    received: _Received,
+) -> RoundResult:
+    ids = [m.peer_id for m in group.members]
+    missing: list[tuple[int, int]] = []
+    seen_in: dict[int, int] = dict.fromkeys(range(len(ids)), 0)
+    averaged_chunks = 0
+    with_others = False
+    for part, (start, end) in enumerate(bounds):
+        for index, (cs, ce) in enumerate(_offsets(chunk_sizes(end - start, config.chunk_values))):
+            contributors = received.contributors.get((part, index))
+            if contributors is None:
+                if missing and missing[-1][1] == start + cs:
+                    missing[-1] = (missing[-1][0], start + ce)
+                else:
+                    missing.append((start + cs, start + ce))
+                continue
+            averaged_chunks += 1
+            with_others |= any(c != me for c in contributors)
+            for c in contributors:
+                seen_in[c] += 1
+    if not with_others:
+        reasons = "; ".join(f"{p}: {r}" for p, r in received.failures.items()) or "no peers"
+        raise RoundAborted(
+            f"round {group.round}: nothing was averaged with another peer ({reasons})"
+        )
+    return RoundResult(
+        averaged=out,
+        contributors=tuple(ids[c] for c, n in seen_in.items() if n == averaged_chunks),
+        partial=tuple(ids[c] for c, n in seen_in.items() if 0 < n < averaged_chunks),
+        missing=tuple(missing),
+        failures=dict(received.failures),
+    )

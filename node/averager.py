@@ -1,0 +1,228 @@
+"""The averager component: serves the Averaging RPC and runs this node's all-reduce rounds.
+
+One ``Averager`` per node. It owns the gRPC server (shared with the node's other services later),
+the channels to peers, and the registry of rounds in progress, which is how a stream from a peer
+finds the :class:`PartReducer` of the round it belongs to. A stream may arrive a little before
+this node has started the same round (members start at slightly different times); it waits up to
+``join_timeout_seconds`` for the round to appear before it is refused with UNKNOWN_ROUND.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from types import TracebackType
+
+import grpc
+import torch
+
+from swarmgrad.node.allreduce import AllReduceConfig, RoundHooks, RoundResult, run_round
+from swarmgrad.node.group import Group, chunk_sizes
+from swarmgrad.node.reducer import PartReducer, SenderSession
+from swarmgrad.protocol.averaging import AveragingServicer, StreamHeader
+from swarmgrad.protocol.errors import ProtocolViolation, RoundAborted
+from swarmgrad.protocol.server import ServerLimits, open_channel, start_server
+from swarmgrad.protocol.v1 import averaging_pb2_grpc
+from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
+
+log = logging.getLogger(__name__)
+
+#: How long a finished round's reducer keeps answering streams still reading their results.
+_LINGER_SECONDS = 5.0
+_FINISHED_MEMORY = 256
+
+
+@dataclass(slots=True)
+class _ActiveRound:
+    group: Group
+    me: int
+    reducer: PartReducer | None
+
+
+class Averager:
+    """Run all-reduce rounds with peers; use as ``async with Averager(...) as averager``."""
+
+    def __init__(
+        self,
+        peer_id: str,
+        config: AllReduceConfig,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        limits: ServerLimits | None = None,
+    ) -> None:
+        self.peer_id = peer_id
+        self.config = config
+        self._host, self._port = host, port
+        self._limits = limits or ServerLimits(max_message_bytes=2 * config.max_chunk_bytes)
+        self._rounds: dict[tuple[int, bytes], _ActiveRound] = {}
+        self._finished: dict[tuple[int, bytes], None] = {}
+        self._rounds_changed = asyncio.Condition()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._server: grpc.aio.Server | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self.servicer = AveragingServicer(self, self._limits)
+        #: Rounds by outcome: "complete", "partial" (some values missing or partial), "aborted".
+        self.rounds: Counter[str] = Counter()
+        self.endpoint = ""
+
+    async def __aenter__(self) -> Averager:
+        self._server, port = await start_server(
+            lambda server: averaging_pb2_grpc.add_AveragingServicer_to_server(
+                self.servicer, server
+            ),
+            host=self._host,
+            port=self._port,
+            limits=self._limits,
+        )
+        self.endpoint = f"{self._host}:{port}"
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Stop serving (letting streams finish for the grace period) and close channels."""
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        if self._server is not None:
+            await self._server.stop(self._limits.grace_seconds)
+            self._server = None
+        for active in self._rounds.values():
+            if active.reducer is not None:
+                await active.reducer.close()
+        self._rounds.clear()
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    # -- rounds ---------------------------------------------------------------------------------
+
+    async def all_reduce(
+        self,
+        vector: torch.Tensor,
+        group: Group,
+        *,
+        hooks: RoundHooks | None = None,
+    ) -> RoundResult:
+        """Average ``vector`` (1-D fp32 on the CPU) with ``group``; see ``node/allreduce.py``."""
+        if vector.dim() != 1 or vector.dtype != torch.float32 or vector.device.type != "cpu":
+            raise ValueError("all_reduce takes a 1-D float32 CPU tensor")
+        me = group.index(self.peer_id)
+        key = (group.round, group.group_id)
+        if key in self._rounds or key in self._finished:
+            raise ValueError(f"round {group.round} with this group was already run")
+        start, end = group.partition(vector.numel())[me]
+        reducer = None
+        if end > start:
+            reducer = PartReducer(
+                group=group,
+                part=me,
+                chunk_numels=chunk_sizes(end - start, self.config.chunk_values),
+                codec=self.config.make_codec(),
+                max_chunks_ahead=self.config.max_chunks_ahead,
+            )
+        async with self._rounds_changed:
+            self._rounds[key] = _ActiveRound(group=group, me=me, reducer=reducer)
+            self._rounds_changed.notify_all()
+        try:
+            result = await run_round(
+                me=me,
+                group=group,
+                vector=vector.contiguous(),
+                config=self.config,
+                reducer=reducer,
+                channel=self._channel,
+                hooks=hooks,
+            )
+        except RoundAborted:
+            self.rounds["aborted"] += 1
+            raise
+        finally:
+            self._retire(key)
+        self.rounds["complete" if result.complete else "partial"] += 1
+        if result.failures:
+            log.warning("round %d: %s", group.round, result.failures)
+        return result
+
+    def _retire(self, key: tuple[int, bytes]) -> None:
+        """Forget a round after it lingers long enough for slow readers of its results."""
+        self._finished[key] = None
+        while len(self._finished) > _FINISHED_MEMORY:
+            self._finished.pop(next(iter(self._finished)))
+
+        async def linger() -> None:
+            try:
+                await asyncio.sleep(_LINGER_SECONDS)
+            finally:
+                active = self._rounds.pop(key, None)
+                if active is not None and active.reducer is not None:
+                    await active.reducer.close()
+
+        task = asyncio.create_task(linger(), name=f"retire-round-{key[0]}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- AggregateHandler: streams from peers ---------------------------------------------------
+
+    async def open_session(self, header: StreamHeader) -> SenderSession:
+        if header.run_id != self.config.run_id or header.spec_hash != self.config.spec_hash:
+            raise ProtocolViolation(
+                ResultCode.WRONG_RUN,
+                f"this node is in run {self.config.run_id!r} spec "
+                f"{self.config.spec_hash.hex()[:12]}, the stream is for run {header.run_id!r} "
+                f"spec {header.spec_hash.hex()[:12]}",
+            )
+        key = (header.round, header.group_id)
+        active = await self._wait_for_round(key)
+        try:
+            member = active.group.index(header.sender)
+        except KeyError:
+            raise ProtocolViolation(
+                ResultCode.NOT_A_MEMBER, f"{header.sender} is not in group of round {header.round}"
+            ) from None
+        if header.part != active.me or active.reducer is None:
+            raise ProtocolViolation(
+                ResultCode.NOT_A_MEMBER, f"part {header.part} is not owned by {self.peer_id}"
+            )
+        weight = active.group.members[member].weight
+        if header.weight != weight:
+            raise ProtocolViolation(
+                ResultCode.BAD_PAYLOAD, f"weight {header.weight} differs from the group's {weight}"
+            )
+        return SenderSession(
+            active.reducer,
+            member,
+            max_chunk_bytes=self.config.max_chunk_bytes,
+            sender_timeout_seconds=self.config.sender_timeout_seconds,
+        )
+
+    async def _wait_for_round(self, key: tuple[int, bytes]) -> _ActiveRound:
+        if key in self._finished and key not in self._rounds:
+            raise ProtocolViolation(ResultCode.UNKNOWN_ROUND, f"round {key[0]} has ended here")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.config.join_timeout_seconds), self._rounds_changed:
+                await self._rounds_changed.wait_for(lambda: key in self._rounds)
+        active = self._rounds.get(key)
+        if active is None:
+            raise ProtocolViolation(
+                ResultCode.UNKNOWN_ROUND,
+                f"no round {key[0]} with group {key[1].hex()[:12]} here "
+                f"(waited {self.config.join_timeout_seconds:g} s)",
+            )
+        return active
+
+    def _channel(self, endpoint: str) -> grpc.aio.Channel:
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            channel = self._channels[endpoint] = open_channel(endpoint, self._limits)
+        return channel

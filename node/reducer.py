@@ -1,0 +1,214 @@
+"""The owner's side of one part in a round: accumulate the members' chunks, publish averages.
+
+Chunks are reduced in order. Chunk ``i`` is complete once every member still in the round has
+delivered its chunk ``i``; the owner then divides the fp32 sum by the total weight of the members
+that contributed, encodes the result once, and hands the same bytes to every member's stream
+(and decodes them for itself, so the owner holds exactly what the others decode).
+
+A member that hangs up, times out or sends an invalid chunk is dropped: chunks it already
+delivered keep its values, later ones are averaged without it, and each chunk's result lists its
+contributors, so nobody mistakes a partial average for a full one. A member may run at most
+``max_chunks_ahead`` chunks ahead of the oldest unfinished chunk, which bounds the owner's memory
+to that many accumulators.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import torch
+
+from swarmgrad.compression import Codec, Meta, decode
+from swarmgrad.node.group import Group
+from swarmgrad.protocol.averaging import ChunkResult
+from swarmgrad.protocol.errors import ProtocolViolation, SwarmgradError
+from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
+
+
+class PartReducer:
+    """Reduces the part ``part`` of ``group`` at its owner."""
+
+    def __init__(
+        self,
+        *,
+        group: Group,
+        part: int,
+        chunk_numels: Sequence[int],
+        codec: Codec,
+        max_chunks_ahead: int = 4,
+    ) -> None:
+        self.group = group
+        self.part = part
+        self.chunk_numels = list(chunk_numels)
+        self.codec = codec
+        self._max_ahead = max_chunks_ahead
+        total = sum(m.weight for m in group.members)
+        # Weights relative to the group's total keep fp32 sums in a sane range.
+        self._alpha = [m.weight / total for m in group.members]
+        n = len(self.chunk_numels)
+        self._sums: list[torch.Tensor | None] = [None] * n
+        self._weights = [0.0] * n
+        self._contributors: list[list[int]] = [[] for _ in range(n)]
+        self._delivered = dict.fromkeys(range(len(group.members)), 0)
+        self.dropped: dict[int, str] = {}
+        self._opened: set[int] = set()
+        self._loop = asyncio.get_running_loop()
+        self._results: list[asyncio.Future[ChunkResult | None]] = [
+            self._loop.create_future() for _ in range(n)
+        ]
+        self.decoded: list[torch.Tensor | None] = [None] * n
+        self._finalized = 0
+        self._progress = asyncio.Event()
+        self._finalizer = asyncio.create_task(self._finalize_in_order(), name=f"reduce-part-{part}")
+
+    # -- members' input -----------------------------------------------------------------------
+
+    def open(self, member: int) -> None:
+        """Register ``member``'s stream; a second stream from it is a duplicate."""
+        if member in self._opened:
+            raise ProtocolViolation(
+                ResultCode.DUPLICATE_PART, f"{self._name(member)} already streams part {self.part}"
+            )
+        if member in self.dropped:
+            raise ProtocolViolation(
+                ResultCode.ABORTED, f"{self._name(member)} was dropped: {self.dropped[member]}"
+            )
+        self._opened.add(member)
+
+    async def accept(self, member: int, index: int, values: torch.Tensor) -> None:
+        """Add ``member``'s decoded chunk ``index`` (fp32, validated by the caller)."""
+        while index >= self._finalized + self._max_ahead and member not in self.dropped:
+            self._progress.clear()
+            await self._progress.wait()
+        if member in self.dropped:
+            raise ProtocolViolation(
+                ResultCode.ABORTED, f"{self._name(member)} was dropped: {self.dropped[member]}"
+            )
+        if index != self._delivered[member]:  # pragma: no cover - the servicer orders chunks
+            raise ProtocolViolation(ResultCode.BAD_SHAPE, f"chunk {index} out of order")
+        total = self._sums[index]
+        if total is None:
+            self._sums[index] = values.mul(self._alpha[member])
+        else:
+            total.add_(values, alpha=self._alpha[member])
+        self._weights[index] += self._alpha[member]
+        self._contributors[index].append(member)
+        self._delivered[member] = index + 1
+        self._notify()
+
+    def drop(self, member: int, reason: str) -> None:
+        """Stop waiting for ``member``: later chunks are averaged without it."""
+        if member in self.dropped or self._delivered[member] == len(self.chunk_numels):
+            return
+        self.dropped[member] = reason
+        self._notify()
+
+    def expire(self, reason: str = "round deadline passed") -> None:
+        """Drop every member that has not delivered everything (at the round deadline)."""
+        for member in self._delivered:
+            self.drop(member, reason)
+
+    # -- results -------------------------------------------------------------------------------
+
+    async def result(self, index: int) -> ChunkResult | None:
+        """The averaged chunk, or None if nobody's values reached it."""
+        return await asyncio.shield(self._results[index])
+
+    async def results(self) -> AsyncIterator[ChunkResult]:
+        for index in range(len(self.chunk_numels)):
+            result = await self.result(index)
+            if result is None:
+                raise ProtocolViolation(ResultCode.ABORTED, f"chunk {index} has no contributors")
+            yield result
+
+    @property
+    def done(self) -> bool:
+        return self._finalized == len(self.chunk_numels)
+
+    async def close(self) -> None:
+        self.expire("reducer closed")
+        if not self._finalizer.done():
+            try:
+                await self._finalizer
+            except asyncio.CancelledError:
+                if not self._finalizer.cancelled():
+                    raise
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        self._progress.set()
+
+    def _ready_upto(self) -> int:
+        live = [d for m, d in self._delivered.items() if m not in self.dropped]
+        return min(live) if live else len(self.chunk_numels)
+
+    async def _finalize_in_order(self) -> None:
+        n = len(self.chunk_numels)
+        try:
+            while self._finalized < n:
+                while self._finalized >= self._ready_upto():
+                    self._progress.clear()
+                    await self._progress.wait()
+                index = self._finalized
+                total, weight = self._sums[index], self._weights[index]
+                self._sums[index] = None
+                result: ChunkResult | None = None
+                if total is not None and weight > 0:
+                    payload, meta, mine = await asyncio.to_thread(self._publish, total, weight)
+                    result = ChunkResult(
+                        index=index,
+                        payload=payload,
+                        meta=meta,
+                        contributors=tuple(sorted(self._contributors[index])),
+                    )
+                    self.decoded[index] = mine
+                self._results[index].set_result(result)
+                self._finalized += 1
+                self._notify()
+        except BaseException as error:
+            for future in self._results:
+                if not future.done():
+                    future.set_exception(
+                        error if isinstance(error, SwarmgradError) else asyncio.CancelledError()
+                    )
+            raise
+
+    def _publish(self, total: torch.Tensor, weight: float) -> tuple[bytes, Meta, torch.Tensor]:
+        average = total.div_(weight)
+        payload, meta = self.codec.encode(average)
+        return payload, meta, decode(payload, meta)
+
+    def _name(self, member: int) -> str:
+        return self.group.members[member].peer_id
+
+
+class SenderSession:
+    """One member's stream into a :class:`PartReducer` (the servicer's view of it)."""
+
+    def __init__(
+        self,
+        reducer: PartReducer,
+        member: int,
+        *,
+        max_chunk_bytes: int,
+        sender_timeout_seconds: float,
+    ) -> None:
+        reducer.open(member)
+        self._reducer = reducer
+        self._member = member
+        self.codec = (reducer.codec.name, reducer.codec.version)
+        self.chunk_numels = reducer.chunk_numels
+        self.max_chunk_bytes = max_chunk_bytes
+        self.sender_timeout_seconds = sender_timeout_seconds
+
+    async def accept(self, index: int, values: torch.Tensor) -> None:
+        await self._reducer.accept(self._member, index, values)
+
+    def results(self) -> AsyncIterator[ChunkResult]:
+        return self._reducer.results()
+
+    def close(self, error: SwarmgradError | None) -> None:
+        if error is not None:
+            self._reducer.drop(self._member, str(error))

@@ -1,0 +1,264 @@
+"""The Averaging service's adapter: validate and decode peers' messages, hand them to the node.
+
+The servicer owns everything that can be checked without knowing the round's state (message
+kinds, sizes, codec, shapes, decoding, NaN/Inf) and asks the node's :class:`AggregateHandler` for
+the rest (is there such a round, is the sender a member, has it sent this part already). Every
+rejection ends the stream with the status of its ResultCode (see ``errors.py``) and is counted in
+:attr:`AveragingServicer.rejections`; the server keeps serving the other streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+import torch
+
+from swarmgrad.compression import CodecError, Meta, NonFiniteError
+from swarmgrad.protocol.errors import ProtocolViolation, SwarmgradError
+from swarmgrad.protocol.server import ServerLimits
+from swarmgrad.protocol.tensors import meta_from_proto, meta_to_proto
+from swarmgrad.protocol.v1 import averaging_pb2, averaging_pb2_grpc
+from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
+
+#: How long a new stream may take to send its header.
+HEADER_TIMEOUT_SECONDS = 5.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamHeader:
+    run_id: str
+    spec_hash: bytes
+    round: int
+    group_id: bytes
+    sender: str
+    part: int
+    weight: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkResult:
+    """An averaged chunk as the owner sends it: the same bytes go to every member."""
+
+    index: int
+    payload: bytes
+    meta: Meta
+    contributors: tuple[int, ...]
+
+
+class PartSession(Protocol):
+    """One sender's stream into one part owned by this node (implemented in ``node/``)."""
+
+    @property
+    def codec(self) -> tuple[str, int]:
+        """(name, version) every chunk must be encoded with."""
+        ...
+
+    @property
+    def chunk_numels(self) -> Sequence[int]: ...
+
+    @property
+    def max_chunk_bytes(self) -> int: ...
+
+    @property
+    def sender_timeout_seconds(self) -> float:
+        """How long the sender may take to send its next chunk."""
+        ...
+
+    async def accept(self, index: int, values: torch.Tensor) -> None: ...
+
+    def results(self) -> AsyncIterator[ChunkResult]: ...
+
+    def close(self, error: SwarmgradError | None) -> None: ...
+
+
+class AggregateHandler(Protocol):
+    async def open_session(self, header: StreamHeader) -> PartSession:
+        """Find the round and part; raise ProtocolViolation if the stream is not acceptable."""
+        ...
+
+
+def header_to_proto(header: StreamHeader) -> averaging_pb2.AggregateRequest:
+    key = averaging_pb2.RoundKey(
+        run_id=header.run_id,
+        spec_hash=header.spec_hash,
+        round=header.round,
+        group_id=header.group_id,
+    )
+    return averaging_pb2.AggregateRequest(
+        header=averaging_pb2.PartHeader(
+            key=key, sender=header.sender, part=header.part, weight=header.weight
+        )
+    )
+
+
+def chunk_to_proto(index: int, payload: bytes, meta: Meta) -> averaging_pb2.Chunk:
+    return averaging_pb2.Chunk(index=index, meta=meta_to_proto(meta), payload=payload)
+
+
+class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
+    def __init__(self, handler: AggregateHandler, limits: ServerLimits | None = None) -> None:
+        self._handler = handler
+        self._limits = limits or ServerLimits()
+        self._active: Counter[str] = Counter()
+        #: Rejected streams by ResultCode name.
+        self.rejections: Counter[str] = Counter()
+
+    async def Aggregate(
+        self,
+        request_iterator: AsyncIterator[averaging_pb2.AggregateRequest],
+        context: grpc.aio.ServicerContext[
+            averaging_pb2.AggregateRequest, averaging_pb2.AggregateResponse
+        ],
+    ) -> None:
+        session: PartSession | None = None
+        sender: str | None = None
+        try:
+            header = await _read_header(request_iterator)
+            if self._active[header.sender] >= self._limits.max_streams_per_peer:
+                raise ProtocolViolation(
+                    ResultCode.OVERLOADED,
+                    f"{header.sender} already has {self._active[header.sender]} open streams",
+                )
+            sender = header.sender
+            self._active[sender] += 1
+            session = await self._handler.open_session(header)
+            reader = asyncio.create_task(_read_chunks(request_iterator, session))
+            try:
+                async for result in session.results():
+                    await context.write(
+                        averaging_pb2.AggregateResponse(
+                            chunk=chunk_to_proto(result.index, result.payload, result.meta),
+                            contributors=result.contributors,
+                        )
+                    )
+                await reader
+            finally:
+                if not reader.done():
+                    reader.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, SwarmgradError):
+                        await reader
+            session.close(None)
+        except ProtocolViolation as error:
+            self.rejections[error.code_name] += 1
+            if session is not None:
+                session.close(error)
+            await context.abort(error.status, str(error))
+        except asyncio.CancelledError:
+            # The client went away (or the server is stopping): the owner drops this sender.
+            if session is not None:
+                session.close(ProtocolViolation(ResultCode.ABORTED, "stream cancelled"))
+            raise
+        finally:
+            if sender is not None:
+                self._active[sender] -= 1
+                if self._active[sender] <= 0:
+                    del self._active[sender]
+
+
+async def _read_header(
+    requests: AsyncIterator[averaging_pb2.AggregateRequest],
+) -> StreamHeader:
+    try:
+        async with asyncio.timeout(HEADER_TIMEOUT_SECONDS):
+            first = await anext(requests)
+    except TimeoutError:
+        raise ProtocolViolation(ResultCode.TIMED_OUT, "no header in time") from None
+    except StopAsyncIteration:
+        raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "empty stream") from None
+    if first.WhichOneof("body") != "header":
+        raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "a stream must open with a PartHeader")
+    h = first.header
+    if not math.isfinite(h.weight) or h.weight < 0:
+        raise ProtocolViolation(ResultCode.BAD_PAYLOAD, f"bad weight {h.weight!r}")
+    if len(h.sender) > 256 or len(h.key.run_id) > 256 or len(h.key.group_id) > 64:
+        raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "oversized header field")
+    return StreamHeader(
+        run_id=h.key.run_id,
+        spec_hash=h.key.spec_hash,
+        round=h.key.round,
+        group_id=h.key.group_id,
+        sender=h.sender,
+        part=h.part,
+        weight=h.weight,
+    )
+
+
+async def _read_chunks(
+    requests: AsyncIterator[averaging_pb2.AggregateRequest], session: PartSession
+) -> None:
+    """Validate, decode and pass on every chunk; close the session with the first violation."""
+    try:
+        expected = 0
+        while True:
+            try:
+                async with asyncio.timeout(session.sender_timeout_seconds):
+                    message = await anext(requests)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise ProtocolViolation(
+                    ResultCode.TIMED_OUT,
+                    f"no chunk {expected} within {session.sender_timeout_seconds:g} s",
+                ) from None
+            if message.WhichOneof("body") != "chunk":
+                raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "unexpected second header")
+            values = await _decode_chunk(message.chunk, expected, session)
+            await session.accept(expected, values)
+            expected += 1
+        if expected != len(session.chunk_numels):
+            raise ProtocolViolation(
+                ResultCode.BAD_SHAPE,
+                f"stream ended after {expected} of {len(session.chunk_numels)} chunks",
+            )
+    except ProtocolViolation as error:
+        session.close(error)
+        raise
+
+
+async def _decode_chunk(
+    chunk: averaging_pb2.Chunk, expected: int, session: PartSession
+) -> torch.Tensor:
+    if chunk.index < expected:
+        raise ProtocolViolation(ResultCode.DUPLICATE_PART, f"chunk {chunk.index} sent twice")
+    if chunk.index != expected or chunk.index >= len(session.chunk_numels):
+        raise ProtocolViolation(
+            ResultCode.BAD_SHAPE, f"chunk {chunk.index} where chunk {expected} was due"
+        )
+    if len(chunk.payload) > session.max_chunk_bytes:
+        raise ProtocolViolation(
+            ResultCode.TOO_LARGE,
+            f"chunk of {len(chunk.payload)} bytes; the round allows {session.max_chunk_bytes}",
+        )
+    if (chunk.meta.codec, chunk.meta.version) != session.codec:
+        raise ProtocolViolation(
+            ResultCode.BAD_CODEC,
+            f"codec {chunk.meta.codec}/{chunk.meta.version}; the round uses "
+            f"{session.codec[0]}/{session.codec[1]}",
+        )
+    numel = session.chunk_numels[expected]
+    if list(chunk.meta.shape) != [numel] or chunk.meta.dtype != "float32":
+        raise ProtocolViolation(
+            ResultCode.BAD_SHAPE,
+            f"chunk {expected} is {list(chunk.meta.shape)} {chunk.meta.dtype}; "
+            f"expected [{numel}] float32",
+        )
+    try:
+        meta = meta_from_proto(chunk.meta)
+        return await asyncio.to_thread(_decode, chunk.payload, meta, numel)
+    except NonFiniteError as error:
+        raise ProtocolViolation(ResultCode.NON_FINITE, str(error)) from None
+    except CodecError as error:
+        raise ProtocolViolation(ResultCode.BAD_PAYLOAD, str(error)) from None
+
+
+def _decode(payload: bytes, meta: Meta, numel: int) -> torch.Tensor:
+    from swarmgrad.compression import decode
+
+    return decode(payload, meta, max_numel=numel)

@@ -1,0 +1,84 @@
+"""The error tree of swarmgrad's network layer, and its mapping to gRPC status codes.
+
+::
+
+    SwarmgradError
+    +-- PeerUnavailable      a peer could not be reached, hung up, or missed a deadline
+    +-- ProtocolViolation    a peer sent something invalid; carries a ResultCode
+    +-- RoundAborted         a round could not produce a result; the caller's tensors are untouched
+
+Errors are translated at the network boundary: a servicer turns a ProtocolViolation into the
+status in :data:`STATUS_OF` (with the code's name opening the details), and a client turns a
+failed call back into one of the classes above with :func:`from_rpc_error`. Nothing above the
+boundary sees a ``grpc.aio.AioRpcError``.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
+
+STATUS_OF: dict[int, grpc.StatusCode] = {
+    ResultCode.WRONG_RUN: grpc.StatusCode.FAILED_PRECONDITION,
+    ResultCode.UNKNOWN_ROUND: grpc.StatusCode.NOT_FOUND,
+    ResultCode.NOT_A_MEMBER: grpc.StatusCode.PERMISSION_DENIED,
+    ResultCode.BAD_CODEC: grpc.StatusCode.INVALID_ARGUMENT,
+    ResultCode.BAD_SHAPE: grpc.StatusCode.INVALID_ARGUMENT,
+    ResultCode.BAD_PAYLOAD: grpc.StatusCode.INVALID_ARGUMENT,
+    ResultCode.NON_FINITE: grpc.StatusCode.INVALID_ARGUMENT,
+    ResultCode.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ResultCode.DUPLICATE_PART: grpc.StatusCode.ALREADY_EXISTS,
+    ResultCode.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ResultCode.TIMED_OUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ResultCode.ABORTED: grpc.StatusCode.ABORTED,
+}
+
+_REJECTION_NAMES = frozenset(ResultCode.Name(code) for code in STATUS_OF)
+_UNAVAILABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+}
+
+
+class SwarmgradError(Exception):
+    """Base of every error swarmgrad raises across the network boundary."""
+
+
+class PeerUnavailable(SwarmgradError):
+    """A peer could not be reached, closed the stream, or missed its deadline."""
+
+
+class RoundAborted(SwarmgradError):
+    """A round produced no usable result. The caller's tensors were not modified."""
+
+
+class ProtocolViolation(SwarmgradError):
+    """A peer sent something invalid. ``code`` says what; :attr:`status` is the gRPC status."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(f"{ResultCode.Name(code)}: {detail}")
+        self.code = code
+        self.detail = detail
+
+    @property
+    def status(self) -> grpc.StatusCode:
+        return STATUS_OF.get(self.code, grpc.StatusCode.INVALID_ARGUMENT)
+
+    @property
+    def code_name(self) -> str:
+        return str(ResultCode.Name(self.code))
+
+
+def from_rpc_error(error: grpc.aio.AioRpcError, peer: str) -> SwarmgradError:
+    """The error tree's view of a failed call to ``peer``."""
+    status, details = error.code(), error.details() or ""
+    name = details.split(":", 1)[0]
+    if name in _REJECTION_NAMES:
+        return ProtocolViolation(ResultCode.Value(name), f"{peer} says {details}")
+    if status in _UNAVAILABLE:
+        return PeerUnavailable(f"{peer}: {status.name} {details}".strip())
+    return ProtocolViolation(ResultCode.BAD_PAYLOAD, f"{peer} failed with {status.name}: {details}")
