@@ -31,6 +31,7 @@ Failure semantics
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -181,6 +182,7 @@ async def run_round(
                 channel,
                 received,
                 hooks,
+                reducer,
             )
         tasks[part] = asyncio.create_task(coro, name=f"round-{group.round}-part-{part}")
     try:
@@ -196,6 +198,8 @@ async def run_round(
     finally:
         for task in tasks.values():
             task.cancel()
+        if reducer is not None:
+            reducer.expire()
     return _summarize(me, group, bounds, config, out, received)
 
 
@@ -229,6 +233,7 @@ async def _exchange_with_owner(
     channel: Callable[[str], grpc.aio.Channel],
     received: _Received,
     hooks: RoundHooks | None,
+    reducer: PartReducer | None,
 ) -> None:
     owner = group.members[part]
     numels = chunk_sizes(values.numel(), config.chunk_values)
@@ -244,8 +249,12 @@ async def _exchange_with_owner(
                 if hooks is not None:
                     request = await hooks.before_send(part, index, request)
                 await queue.put(request)
-        finally:
-            await queue.put(None)
+        except BaseException:
+            # End the request stream if there is room; never block here (nobody may be reading).
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(None)
+            raise
+        await queue.put(None)
 
     header = header_to_proto(
         StreamHeader(
@@ -281,7 +290,11 @@ async def _exchange_with_owner(
             received.contributors[(part, expected)] = tuple(response.contributors)
             expected += 1
     except grpc.aio.AioRpcError as error:
-        received.failures[owner.peer_id] = str(from_rpc_error(error, owner.peer_id))
+        failure = from_rpc_error(error, owner.peer_id)
+        received.failures[owner.peer_id] = str(failure)
+        if isinstance(failure, PeerUnavailable) and reducer is not None:
+            # It is gone: stop waiting for its chunks of this member's own part too.
+            reducer.drop_if_silent(part, str(failure))
     except TimeoutError:
         received.failures[owner.peer_id] = (
             f"no averaged chunk {expected} within {config.reducer_timeout_seconds:g} s"

@@ -129,6 +129,7 @@ class Averager:
                 part=me,
                 chunk_numels=chunk_sizes(end - start, self.config.chunk_values),
                 codec=self.config.make_codec(),
+                open_timeout_seconds=self.config.sender_timeout_seconds,
                 max_chunks_ahead=self.config.max_chunks_ahead,
             )
         async with self._rounds_changed:

@@ -36,6 +36,7 @@ class PartReducer:
         part: int,
         chunk_numels: Sequence[int],
         codec: Codec,
+        open_timeout_seconds: float,
         max_chunks_ahead: int = 4,
     ) -> None:
         self.group = group
@@ -52,7 +53,7 @@ class PartReducer:
         self._contributors: list[list[int]] = [[] for _ in range(n)]
         self._delivered = dict.fromkeys(range(len(group.members)), 0)
         self.dropped: dict[int, str] = {}
-        self._opened: set[int] = set()
+        self._opened: set[int] = {part}  # the owner feeds its own values without a stream
         self._loop = asyncio.get_running_loop()
         self._results: list[asyncio.Future[ChunkResult | None]] = [
             self._loop.create_future() for _ in range(n)
@@ -61,6 +62,7 @@ class PartReducer:
         self._finalized = 0
         self._progress = asyncio.Event()
         self._finalizer = asyncio.create_task(self._finalize_in_order(), name=f"reduce-part-{part}")
+        self._watchdog = self._loop.call_later(open_timeout_seconds, self._drop_silent)
 
     # -- members' input -----------------------------------------------------------------------
 
@@ -104,6 +106,20 @@ class PartReducer:
         self.dropped[member] = reason
         self._notify()
 
+    def drop_if_silent(self, member: int, reason: str) -> None:
+        """Drop ``member`` unless it has a stream open here (its stream then decides its fate).
+
+        For evidence from elsewhere that it is gone (a failed call to it): a status seen on our
+        own call to a peer is not proof enough to discard chunks it is sending us.
+        """
+        if member not in self._opened:
+            self.drop(member, reason)
+
+    def _drop_silent(self) -> None:
+        for member in self._delivered:
+            if member not in self._opened:
+                self.drop(member, "opened no stream in time")
+
     def expire(self, reason: str = "round deadline passed") -> None:
         """Drop every member that has not delivered everything (at the round deadline)."""
         for member in self._delivered:
@@ -127,6 +143,7 @@ class PartReducer:
         return self._finalized == len(self.chunk_numels)
 
     async def close(self) -> None:
+        self._watchdog.cancel()
         self.expire("reducer closed")
         if not self._finalizer.done():
             try:

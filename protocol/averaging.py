@@ -10,7 +10,7 @@ rejection ends the stream with the status of its ResultCode (see ``errors.py``) 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import math
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -26,6 +26,8 @@ from swarmgrad.protocol.server import ServerLimits
 from swarmgrad.protocol.tensors import meta_from_proto, meta_to_proto
 from swarmgrad.protocol.v1 import averaging_pb2, averaging_pb2_grpc
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
+
+log = logging.getLogger(__name__)
 
 #: How long a new stream may take to send its header.
 HEADER_TIMEOUT_SECONDS = 5.0
@@ -129,21 +131,7 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
             sender = header.sender
             self._active[sender] += 1
             session = await self._handler.open_session(header)
-            reader = asyncio.create_task(_read_chunks(request_iterator, session))
-            try:
-                async for result in session.results():
-                    await context.write(
-                        averaging_pb2.AggregateResponse(
-                            chunk=chunk_to_proto(result.index, result.payload, result.meta),
-                            contributors=result.contributors,
-                        )
-                    )
-                await reader
-            finally:
-                if not reader.done():
-                    reader.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, SwarmgradError):
-                        await reader
+            await _serve_stream(request_iterator, context, session)
             session.close(None)
         except ProtocolViolation as error:
             self.rejections[error.code_name] += 1
@@ -155,11 +143,50 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
             if session is not None:
                 session.close(ProtocolViolation(ResultCode.ABORTED, "stream cancelled"))
             raise
+        except Exception as error:
+            log.warning("Aggregate stream from %s failed: %r", sender, error)
+            self.rejections["INTERNAL"] += 1
+            if session is not None:
+                session.close(ProtocolViolation(ResultCode.ABORTED, f"stream failed: {error!r}"))
+            await context.abort(grpc.StatusCode.INTERNAL, f"stream failed: {type(error).__name__}")
         finally:
             if sender is not None:
                 self._active[sender] -= 1
                 if self._active[sender] <= 0:
                     del self._active[sender]
+
+
+async def _serve_stream(
+    requests: AsyncIterator[averaging_pb2.AggregateRequest],
+    context: grpc.aio.ServicerContext[
+        averaging_pb2.AggregateRequest, averaging_pb2.AggregateResponse
+    ],
+    session: PartSession,
+) -> None:
+    """Read chunks and write results concurrently; the first failure of either ends both."""
+
+    async def write_results() -> None:
+        async for result in session.results():
+            await context.write(
+                averaging_pb2.AggregateResponse(
+                    chunk=chunk_to_proto(result.index, result.payload, result.meta),
+                    contributors=result.contributors,
+                )
+            )
+
+    reader = asyncio.create_task(_read_chunks(requests, session))
+    writer = asyncio.create_task(write_results())
+    try:
+        await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_EXCEPTION)
+        for task in (reader, writer):
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        await writer
+        await reader
+    finally:
+        for task in (reader, writer):
+            task.cancel()
+        await asyncio.gather(reader, writer, return_exceptions=True)
 
 
 async def _read_header(

@@ -1,0 +1,234 @@
+"""An all-reduce member in its own process, driven by JSON lines (tests, benchmarks, simulations).
+
+    python -m swarmgrad.simulations.allreduce_peer --peer-id p0 --codecs int8,fp16 --out-dir DIR
+
+It starts one :class:`Averager` per codec on 127.0.0.1 (port 0), prints
+``{"event": "ready", "endpoints": {codec: "host:port"}}`` and then obeys commands on stdin:
+
+``{"cmd": "round", "codec": C, "round": R, "members": [...], "seed": S, "size": N, "fault": F}``
+    Average ``randn(N)`` drawn from seed S with the group ``members`` (dicts of Member fields).
+    Prints ``{"event": "done", ...}`` with the contributor lists, missing ranges, failures, the
+    sha256 of the result and the path of the raw fp32 result file, or ``{"event": "aborted"}``.
+    ``fault`` (optional) injects a failure at (this peer, this round): ``{"kind": "kill" | "stall"
+    | "truncate", "after_chunks": K}`` kills the process with SIGKILL, freezes it with SIGSTOP,
+    or sends truncated payloads once K chunks have gone out.
+``{"cmd": "exit"}``
+    Stop the averagers gracefully and exit.
+
+:class:`PeerProcess` is the parent's handle on such a process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarmgrad.node.allreduce import AllReduceConfig
+from swarmgrad.node.averager import Averager
+from swarmgrad.node.group import Group, Member
+from swarmgrad.protocol.errors import RoundAborted
+from swarmgrad.protocol.v1 import averaging_pb2
+
+
+def member_vector(seed: int, size: int) -> torch.Tensor:
+    """The vector a peer averages in a round: standard normals from ``seed`` (never zeros)."""
+    return torch.randn(size, generator=torch.Generator().manual_seed(seed))
+
+
+class FaultHooks:
+    """Injects one fault into this peer's outgoing chunks (kill, stall or truncate)."""
+
+    def __init__(self, kind: str, after_chunks: int) -> None:
+        if kind not in ("kill", "stall", "truncate"):
+            raise ValueError(f"unknown fault {kind!r}")
+        self.kind, self.after_chunks, self.sent = kind, after_chunks, 0
+
+    async def before_send(
+        self, owner: int, index: int, request: averaging_pb2.AggregateRequest
+    ) -> averaging_pb2.AggregateRequest:
+        if self.sent >= self.after_chunks:
+            if self.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif self.kind == "stall":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                payload = request.chunk.payload
+                request.chunk.payload = payload[: len(payload) // 2]
+        self.sent += 1
+        return request
+
+
+def _emit(event: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    out_dir = Path(args.out_dir)
+    averagers: dict[str, Averager] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        for codec in args.codecs.split(","):
+            config = AllReduceConfig(
+                run_id=args.run_id,
+                spec_hash=bytes.fromhex(args.spec_hash),
+                codec=codec,
+                chunk_values=args.chunk_values,
+                round_timeout_seconds=args.round_timeout,
+                sender_timeout_seconds=args.sender_timeout,
+                reducer_timeout_seconds=args.reducer_timeout,
+                join_timeout_seconds=args.join_timeout,
+            )
+            averagers[codec] = await stack.enter_async_context(Averager(args.peer_id, config))
+        _emit({"event": "ready", "endpoints": {c: a.endpoint for c, a in averagers.items()}})
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        while line := await reader.readline():
+            command = json.loads(line)
+            if command["cmd"] == "exit":
+                break
+            if command["cmd"] == "round":
+                await _round(averagers[command["codec"]], command, out_dir)
+
+
+async def _round(averager: Averager, command: dict[str, Any], out_dir: Path) -> None:
+    group = Group(round=command["round"], members=tuple(Member(**m) for m in command["members"]))
+    vector = member_vector(command["seed"], command["size"])
+    fault = command.get("fault")
+    hooks = FaultHooks(fault["kind"], fault["after_chunks"]) if fault else None
+    started = time.perf_counter()
+    try:
+        result = await averager.all_reduce(vector, group, hooks=hooks)
+    except RoundAborted as error:
+        _emit(
+            {
+                "event": "aborted",
+                "round": group.round,
+                "error": str(error),
+                "seconds": time.perf_counter() - started,
+            }
+        )
+        return
+    seconds = time.perf_counter() - started
+    data = result.averaged.numpy().tobytes()
+    path = out_dir / f"{averager.peer_id}-{averager.config.codec}-{group.round}.f32"
+    path.write_bytes(data)
+    _emit(
+        {
+            "event": "done",
+            "round": group.round,
+            "seconds": seconds,
+            "contributors": list(result.contributors),
+            "partial": list(result.partial),
+            "missing": [list(r) for r in result.missing],
+            "failures": dict(result.failures),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "path": str(path),
+        }
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peer-id", required=True)
+    parser.add_argument("--codecs", default="int8", help="comma-separated; one averager each")
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--run-id", default="test-run")
+    parser.add_argument("--spec-hash", default="00" * 32)
+    parser.add_argument("--chunk-values", type=int, default=1 << 20)
+    parser.add_argument("--round-timeout", type=float, default=60.0)
+    parser.add_argument("--sender-timeout", type=float, default=10.0)
+    parser.add_argument("--reducer-timeout", type=float, default=20.0)
+    parser.add_argument("--join-timeout", type=float, default=5.0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    asyncio.run(_serve(args))
+
+
+class PeerProcess:
+    """The parent's handle on one allreduce_peer process (asyncio subprocess, JSON lines)."""
+
+    def __init__(self, process: asyncio.subprocess.Process, peer_id: str) -> None:
+        self.process, self.peer_id = process, peer_id
+        self.endpoints: dict[str, str] = {}
+
+    @classmethod
+    async def start(
+        cls, peer_id: str, out_dir: Path, *extra: str, ready_timeout_seconds: float = 60.0
+    ) -> PeerProcess:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "swarmgrad.simulations.allreduce_peer",
+            "--peer-id",
+            peer_id,
+            "--out-dir",
+            str(out_dir),
+            *extra,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        peer = cls(process, peer_id)
+        try:
+            ready = await peer.event(ready_timeout_seconds)
+        except BaseException:
+            peer.kill()
+            raise
+        peer.endpoints = ready["endpoints"]
+        return peer
+
+    def member(self, codec: str, *, weight: float = 1.0, bandwidth: float = 1.0) -> dict[str, Any]:
+        return {
+            "peer_id": self.peer_id,
+            "endpoint": self.endpoints[codec],
+            "weight": weight,
+            "bandwidth": bandwidth,
+        }
+
+    async def send(self, command: dict[str, Any]) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write((json.dumps(command) + "\n").encode())
+        await self.process.stdin.drain()
+
+    async def event(self, timeout_seconds: float) -> dict[str, Any]:
+        """The next event line; raises TimeoutError, or EOFError if the process exited."""
+        assert self.process.stdout is not None
+        async with asyncio.timeout(timeout_seconds):
+            line = await self.process.stdout.readline()
+        if not line:
+            raise EOFError(f"{self.peer_id} exited with {await self.process.wait()}")
+        event: dict[str, Any] = json.loads(line)
+        return event
+
+    def kill(self) -> None:
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+
+    async def stop(self, timeout_seconds: float = 10.0) -> None:
+        if self.process.returncode is None:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await self.send({"cmd": "exit"})
+            try:
+                async with asyncio.timeout(timeout_seconds):
+                    await self.process.wait()
+            except TimeoutError:
+                self.kill()
+        await self.process.wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""The Averaging servicer against hostile input, on a real grpc.aio server (127.0.0.1:0): each
+bad message gets its own status and is counted, and honest rounds stay correct throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+
+import grpc
+import pytest
+import torch
+
+from swarmgrad.compression import decode, get_codec
+from swarmgrad.node.allreduce import AllReduceConfig, RoundResult
+from swarmgrad.node.averager import Averager
+from swarmgrad.node.group import Group, Member
+from swarmgrad.protocol.averaging import StreamHeader, chunk_to_proto, header_to_proto
+from swarmgrad.protocol.errors import RoundAborted
+from swarmgrad.protocol.v1 import averaging_pb2, averaging_pb2_grpc
+
+CHUNK = 4096
+SIZE = 3 * CHUNK + 100
+CONFIG = AllReduceConfig(
+    run_id="svc",
+    spec_hash=b"\x01" * 32,
+    codec="int8",
+    chunk_values=CHUNK,
+    sender_timeout_seconds=6.0,
+    reducer_timeout_seconds=12.0,
+    round_timeout_seconds=30.0,
+    join_timeout_seconds=0.5,
+)
+
+Request = averaging_pb2.AggregateRequest
+
+
+def vector(seed: int) -> torch.Tensor:
+    return torch.randn(SIZE, generator=torch.Generator().manual_seed(seed))
+
+
+def group_of(round_: int, owner: Averager, honest: Averager, evil: list[str]) -> Group:
+    members = [Member(peer_id=owner.peer_id, endpoint=owner.endpoint, bandwidth=1.0)]
+    members.append(Member(peer_id=honest.peer_id, endpoint=honest.endpoint, bandwidth=0.0))
+    members += [Member(peer_id=e, endpoint="127.0.0.1:9", bandwidth=0.0) for e in evil]
+    return Group(round=round_, members=tuple(members))
+
+
+def header(group: Group, sender: str, **changes: object) -> Request:
+    h = StreamHeader(
+        run_id=CONFIG.run_id,
+        spec_hash=CONFIG.spec_hash,
+        round=group.round,
+        group_id=group.group_id,
+        sender=sender,
+        part=0,
+        weight=1.0,
+    )
+    return header_to_proto(replace(h, **changes))  # type: ignore[arg-type]
+
+
+def chunk(index: int, values: torch.Tensor, codec: str = "int8") -> Request:
+    payload, meta = get_codec(codec).encode(values)
+    return Request(chunk=chunk_to_proto(index, payload, meta))
+
+
+def expected_two_member_average(owner_seed: int, honest_seed: int) -> torch.Tensor:
+    """Owner's own values exact, the honest member's through int8, the mean re-encoded."""
+    codec = get_codec("int8")
+    own, other = vector(owner_seed), vector(honest_seed)
+    out = torch.empty(SIZE)
+    for start in range(0, SIZE, CHUNK):
+        end = min(start + CHUNK, SIZE)
+        mean = (own[start:end] * 0.5 + decode(*codec.encode(other[start:end])) * 0.5) / 1.0
+        out[start:end] = decode(*codec.encode(mean))
+    return out
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[Averager, Averager]]:
+    async with Averager("owner", CONFIG) as owner, Averager("honest", CONFIG) as honest:
+        yield owner, honest
+
+
+async def rpc(endpoint: str, messages: list[Request]) -> grpc.StatusCode:
+    """Send ``messages`` on one Aggregate stream; the status it ended with."""
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        call = averaging_pb2_grpc.AveragingStub(channel).Aggregate(iter(messages), timeout=10)
+        try:
+            async for _ in call:
+                pass
+        except grpc.aio.AioRpcError as error:
+            return error.code()
+        return grpc.StatusCode.OK
+
+
+async def honest_round(
+    owner: Averager, honest: Averager, group: Group, seeds: tuple[int, int]
+) -> tuple[RoundResult, RoundResult]:
+    results = await asyncio.gather(
+        owner.all_reduce(vector(seeds[0]), group), honest.all_reduce(vector(seeds[1]), group)
+    )
+    return results[0], results[1]
+
+
+def check_honest(results: tuple[RoundResult, RoundResult], seeds: tuple[int, int]) -> None:
+    for result in results:
+        assert set(result.contributors) == {"owner", "honest"}
+        assert result.missing == ()
+    assert torch.equal(results[0].averaged, results[1].averaged)
+    expected = expected_two_member_average(*seeds)
+    assert torch.allclose(results[0].averaged, expected, atol=1e-6)
+
+
+BAD_INPUTS: list[tuple[str, grpc.StatusCode, str, Callable[[Group, str], list[Request]]]] = [
+    (
+        "wrong run id",
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "WRONG_RUN",
+        lambda g, e: [header(g, e, run_id="other-run")],
+    ),
+    (
+        "wrong spec hash",
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "WRONG_RUN",
+        lambda g, e: [header(g, e, spec_hash=b"\x02" * 32)],
+    ),
+    (
+        "unknown round",
+        grpc.StatusCode.NOT_FOUND,
+        "UNKNOWN_ROUND",
+        lambda g, e: [header(g, e, round=g.round + 100)],
+    ),
+    (
+        "unknown group",
+        grpc.StatusCode.NOT_FOUND,
+        "UNKNOWN_ROUND",
+        lambda g, e: [header(g, e, group_id=b"\x00" * 16)],
+    ),
+    (
+        "sender not in group",
+        grpc.StatusCode.PERMISSION_DENIED,
+        "NOT_A_MEMBER",
+        lambda g, e: [header(g, "mallory")],
+    ),
+    (
+        "part not owned here",
+        grpc.StatusCode.PERMISSION_DENIED,
+        "NOT_A_MEMBER",
+        lambda g, e: [header(g, e, part=1)],
+    ),
+    (
+        "weight differs from the group's",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "BAD_PAYLOAD",
+        lambda g, e: [header(g, e, weight=5.0)],
+    ),
+    (
+        "NaN weight",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "BAD_PAYLOAD",
+        lambda g, e: [header(g, e, weight=math.nan)],
+    ),
+    (
+        "chunk before header",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "BAD_PAYLOAD",
+        lambda g, e: [chunk(0, vector(1)[:CHUNK])],
+    ),
+    (
+        "second header",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "BAD_PAYLOAD",
+        lambda g, e: [header(g, e), header(g, e)],
+    ),
+    (
+        "wrong codec",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "BAD_CODEC",
+        lambda g, e: [header(g, e), chunk(0, vector(1)[:CHUNK], "fp16")],
+    ),
+    (
+        "shape mismatch",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "BAD_SHAPE",
+        lambda g, e: [header(g, e), chunk(0, vector(1)[:100])],
+    ),
+    (
+        "chunk out of order",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "BAD_SHAPE",
+        lambda g, e: [header(g, e), chunk(2, vector(1)[:CHUNK])],
+    ),
+    (
+        "stream ends early",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "BAD_SHAPE",
+        lambda g, e: [header(g, e)],
+    ),
+]
+
+
+def truncated(g: Group, e: str) -> list[Request]:
+    message = chunk(0, vector(1)[:CHUNK])
+    message.chunk.payload = message.chunk.payload[:-10]
+    return [header(g, e), message]
+
+
+def nan_values(g: Group, e: str) -> list[Request]:
+    message = chunk(0, vector(1)[:CHUNK])
+    payload = bytearray(message.chunk.payload)
+    payload[0:4] = b"\x00\x00\xc0\x7f"  # first block's scale := NaN
+    message.chunk.payload = bytes(payload)
+    return [header(g, e), message]
+
+
+def too_large(g: Group, e: str) -> list[Request]:
+    message = chunk(0, vector(1)[:CHUNK])
+    message.chunk.payload = bytes(CONFIG.max_chunk_bytes + 1)
+    return [header(g, e), message]
+
+
+BAD_INPUTS += [
+    ("chunk too large", grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_LARGE", too_large),
+    ("truncated payload", grpc.StatusCode.INVALID_ARGUMENT, "BAD_PAYLOAD", truncated),
+    ("NaN values", grpc.StatusCode.INVALID_ARGUMENT, "NON_FINITE", nan_values),
+]
+
+
+async def test_every_bad_input_gets_its_status_and_the_honest_round_is_exact(
+    pair: tuple[Averager, Averager],
+) -> None:
+    owner, honest = pair
+    evil = [f"evil{i}" for i in range(len(BAD_INPUTS))]
+    group = group_of(0, owner, honest, evil)
+    owner_task = asyncio.create_task(owner.all_reduce(vector(10), group))
+    honest_task = asyncio.create_task(honest.all_reduce(vector(11), group))
+    for (case, status, code, build), sender in zip(BAD_INPUTS, evil, strict=True):
+        before = owner.servicer.rejections[code]
+        got = await rpc(owner.endpoint, build(group, sender))
+        assert got == status, case
+        assert owner.servicer.rejections[code] == before + 1, case
+    check_honest((await owner_task, await honest_task), (10, 11))
+
+
+async def test_duplicate_chunk_and_duplicate_stream_are_refused(
+    pair: tuple[Averager, Averager],
+) -> None:
+    owner, honest = pair
+    group = group_of(0, owner, honest, ["dup"])
+    owner_task = asyncio.create_task(owner.all_reduce(vector(1), group))
+    honest_task = asyncio.create_task(honest.all_reduce(vector(2), group))
+    part = vector(3)[:CHUNK]
+    got = await rpc(owner.endpoint, [header(group, "dup"), chunk(0, part), chunk(0, part)])
+    assert got == grpc.StatusCode.ALREADY_EXISTS
+    # The same sender again, on a new stream, for the same part.
+    assert await rpc(owner.endpoint, [header(group, "honest")]) in (
+        grpc.StatusCode.ALREADY_EXISTS,  # honest's own stream is still open
+        grpc.StatusCode.NOT_FOUND,  # or the round already ended
+    )
+    assert owner.servicer.rejections["DUPLICATE_PART"] >= 1
+    await asyncio.gather(owner_task, honest_task)
+
+
+def mutate(message: Request, rng: random.Random) -> Request:
+    """A structurally plausible but broken copy of ``message``."""
+    data = bytearray(message.SerializeToString())
+    kind = rng.randrange(6)
+    if kind == 0 and data:  # flip random bytes of the encoding
+        for _ in range(rng.randint(1, 8)):
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        try:
+            return Request.FromString(bytes(data))
+        except Exception:
+            return Request(chunk=averaging_pb2.Chunk(index=rng.randrange(9), payload=bytes(data)))
+    out = Request()
+    out.CopyFrom(message)
+    if out.WhichOneof("body") == "header":
+        h = out.header
+        field = rng.choice(["round", "group", "part", "weight", "run", "sender"])
+        if field == "round":
+            h.key.round = rng.randrange(1 << 40)
+        elif field == "group":
+            h.key.group_id = rng.randbytes(rng.choice([0, 16, 100]))
+        elif field == "part":
+            h.part = rng.randrange(1 << 31)
+        elif field == "weight":
+            h.weight = rng.choice([-1.0, math.inf, math.nan, 0.0, 1e300])
+        elif field == "run":
+            h.key.run_id = "x" * rng.choice([0, 1, 300])
+        else:
+            h.sender = rng.choice(["", "owner", "y" * 1000])
+        return out
+    c = out.chunk
+    choice = kind % 5
+    if choice == 0:
+        c.payload = c.payload[: rng.randrange(len(c.payload))]
+    elif choice == 1:
+        c.payload = rng.randbytes(len(c.payload))
+    elif choice == 2:
+        c.meta.shape[:] = [rng.randrange(-5, 1 << 20) for _ in range(rng.randint(0, 12))]
+    elif choice == 3:
+        c.meta.params["block_size"] = rng.choice([0, 1, 3, -8, 1 << 40])
+    else:
+        c.meta.codec = rng.choice(["", "int4", "topk", "z" * 100])
+        c.meta.version = rng.randrange(5)
+    return out
+
+
+async def test_fuzz_1000_mutated_streams_crash_nothing_and_honest_rounds_stay_exact(
+    pair: tuple[Averager, Averager],
+) -> None:
+    owner, honest = pair
+    rng = random.Random(1234)
+    streams = 1000
+    fuzz_ids = [f"f{i}" for i in range(streams)]
+    fuzz_group = group_of(1, owner, honest, fuzz_ids)  # a round of its own, full of fuzzers
+    fuzz_round = asyncio.create_task(owner.all_reduce(vector(20), fuzz_group))
+    honest_group = group_of(2, owner, honest, [])
+    honest_during = asyncio.create_task(honest_round(owner, honest, honest_group, (30, 31)))
+
+    statuses: list[grpc.StatusCode] = []
+    limit = asyncio.Semaphore(16)
+
+    async def one(i: int) -> None:
+        valid = [header(fuzz_group, fuzz_ids[i]), chunk(0, vector(i)[:CHUNK])]
+        # Break the header or the first chunk, so no fuzzer's values are ever accepted.
+        target = rng.randrange(2)
+        messages = [mutate(m, rng) if j == target else m for j, m in enumerate(valid)]
+        async with limit:
+            statuses.append(await rpc(owner.endpoint, messages))
+
+    await asyncio.gather(*(one(i) for i in range(streams)))
+    assert len(statuses) == streams
+    assert grpc.StatusCode.OK not in statuses
+    assert sum(owner.servicer.rejections.values()) >= streams - statuses.count(
+        grpc.StatusCode.INTERNAL  # unparsable bytes are refused by grpc before our code
+    )
+    check_honest(await honest_during, (30, 31))
+    check_honest(
+        await honest_round(owner, honest, group_of(3, owner, honest, []), (40, 41)), (40, 41)
+    )
+    # The fuzzers' own round ends too (a flipped bit can make a valid message, so it may even
+    # average something); what matters is that it ends and that honest rounds were exact.
+    with contextlib.suppress(RoundAborted):
+        await fuzz_round
