@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -43,7 +44,12 @@ import torch
 from swarmgrad.compression import Codec, CodecError, get_codec
 from swarmgrad.node.group import Group, chunk_sizes
 from swarmgrad.node.reducer import PartReducer
-from swarmgrad.protocol.averaging import StreamHeader, chunk_to_proto, header_to_proto
+from swarmgrad.protocol.averaging import (
+    StreamHeader,
+    aggregate_method,
+    framed_chunk,
+    header_to_proto,
+)
 from swarmgrad.protocol.errors import (
     PeerUnavailable,
     ProtocolViolation,
@@ -51,8 +57,9 @@ from swarmgrad.protocol.errors import (
     SwarmgradError,
     from_rpc_error,
 )
+from swarmgrad.protocol.framing import Framed
 from swarmgrad.protocol.tensors import meta_from_proto
-from swarmgrad.protocol.v1 import averaging_pb2, averaging_pb2_grpc
+from swarmgrad.protocol.v1 import averaging_pb2
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
 _MIN_CHUNK_VALUES = 1024
@@ -134,9 +141,9 @@ class RoundResult:
 class RoundHooks(Protocol):
     """Extension point for fault injection (tests, simulations): sees every outgoing chunk."""
 
-    async def before_send(
-        self, owner: int, index: int, request: averaging_pb2.AggregateRequest
-    ) -> averaging_pb2.AggregateRequest: ...
+    async def before_send(self, owner: int, index: int, payload: bytes) -> bytes:
+        """Called with each encoded chunk before it goes to ``owner``; returns what to send."""
+        ...
 
 
 @dataclass(slots=True)
@@ -155,9 +162,14 @@ async def run_round(
     config: AllReduceConfig,
     reducer: PartReducer | None,
     channel: Callable[[str], grpc.aio.Channel],
+    traffic: Counter[str],
     hooks: RoundHooks | None = None,
 ) -> RoundResult:
-    """Run this member's side of one round; ``reducer`` reduces its own part (None: owns none)."""
+    """Run this member's side of one round; ``reducer`` reduces its own part (None: owns none).
+
+    ``traffic`` counts payload bytes this member sends (``sent``) and receives (``received``)
+    as a client; the servicer counts its own side.
+    """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + config.round_timeout_seconds
     bounds = group.partition(vector.numel())
@@ -183,6 +195,7 @@ async def run_round(
                 received,
                 hooks,
                 reducer,
+                traffic,
             )
         tasks[part] = asyncio.create_task(coro, name=f"round-{group.round}-part-{part}")
     try:
@@ -234,21 +247,22 @@ async def _exchange_with_owner(
     received: _Received,
     hooks: RoundHooks | None,
     reducer: PartReducer | None,
+    traffic: Counter[str],
 ) -> None:
     owner = group.members[part]
     numels = chunk_sizes(values.numel(), config.chunk_values)
     offsets = _offsets(numels)
     codec = config.make_codec()
-    queue: asyncio.Queue[averaging_pb2.AggregateRequest | None] = asyncio.Queue(maxsize=2)
+    queue: asyncio.Queue[Framed | None] = asyncio.Queue(maxsize=2)
 
     async def produce() -> None:
         try:
             for index, (start, end) in enumerate(offsets):
                 payload, meta = await asyncio.to_thread(codec.encode, values[start:end])
-                request = averaging_pb2.AggregateRequest(chunk=chunk_to_proto(index, payload, meta))
                 if hooks is not None:
-                    request = await hooks.before_send(part, index, request)
-                await queue.put(request)
+                    payload = await hooks.before_send(part, index, payload)
+                traffic["sent"] += len(payload)
+                await queue.put(framed_chunk(averaging_pb2.AggregateRequest, index, payload, meta))
         except BaseException:
             # End the request stream if there is room; never block here (nobody may be reading).
             with contextlib.suppress(asyncio.QueueFull):
@@ -268,15 +282,16 @@ async def _exchange_with_owner(
         )
     )
 
-    async def requests() -> AsyncIterator[averaging_pb2.AggregateRequest]:
+    async def requests() -> AsyncIterator[Framed | averaging_pb2.AggregateRequest]:
         yield header
         while (request := await queue.get()) is not None:
             yield request
 
     loop = asyncio.get_running_loop()
     producer = asyncio.create_task(produce())
-    stub = averaging_pb2_grpc.AveragingStub(channel(owner.endpoint))
-    call = stub.Aggregate(requests(), timeout=max(0.001, deadline - loop.time()))
+    call = aggregate_method(channel(owner.endpoint))(
+        requests(), timeout=max(0.001, deadline - loop.time())
+    )
     expected = 0
     try:
         while expected < len(numels):
@@ -284,6 +299,7 @@ async def _exchange_with_owner(
                 response = await call.read()
             if response is grpc.aio.EOF:
                 raise PeerUnavailable(f"{owner.peer_id} closed the stream after {expected} chunks")
+            traffic["received"] += len(response.chunk.payload)
             start, end = offsets[expected]
             averaged = await _check_and_decode(response, expected, end - start, group, codec)
             out[start:end] = averaged

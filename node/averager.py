@@ -22,10 +22,9 @@ import torch
 from swarmgrad.node.allreduce import AllReduceConfig, RoundHooks, RoundResult, run_round
 from swarmgrad.node.group import Group, chunk_sizes
 from swarmgrad.node.reducer import PartReducer, SenderSession
-from swarmgrad.protocol.averaging import AveragingServicer, StreamHeader
+from swarmgrad.protocol.averaging import AveragingServicer, StreamHeader, add_to_server
 from swarmgrad.protocol.errors import ProtocolViolation, RoundAborted
 from swarmgrad.protocol.server import ServerLimits, open_channel, start_server
-from swarmgrad.protocol.v1 import averaging_pb2_grpc
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
 log = logging.getLogger(__name__)
@@ -67,13 +66,13 @@ class Averager:
         self.servicer = AveragingServicer(self, self._limits)
         #: Rounds by outcome: "complete", "partial" (some values missing or partial), "aborted".
         self.rounds: Counter[str] = Counter()
+        #: Payload bytes "sent" and "received" by this node, as client and as owner.
+        self.traffic: Counter[str] = self.servicer.traffic
         self.endpoint = ""
 
     async def __aenter__(self) -> Averager:
         self._server, port = await start_server(
-            lambda server: averaging_pb2_grpc.add_AveragingServicer_to_server(
-                self.servicer, server
-            ),
+            lambda server: add_to_server(self.servicer, server),
             host=self._host,
             port=self._port,
             limits=self._limits,
@@ -143,6 +142,7 @@ class Averager:
                 config=self.config,
                 reducer=reducer,
                 channel=self._channel,
+                traffic=self.traffic,
                 hooks=hooks,
             )
         except RoundAborted:

@@ -19,9 +19,11 @@ from typing import Protocol
 
 import grpc
 import torch
+from google.protobuf.message import Message
 
 from swarmgrad.compression import CodecError, Meta, NonFiniteError
 from swarmgrad.protocol.errors import ProtocolViolation, SwarmgradError
+from swarmgrad.protocol.framing import Framed, serialize
 from swarmgrad.protocol.server import ServerLimits
 from swarmgrad.protocol.tensors import meta_from_proto, meta_to_proto
 from swarmgrad.protocol.v1 import averaging_pb2, averaging_pb2_grpc
@@ -104,6 +106,40 @@ def chunk_to_proto(index: int, payload: bytes, meta: Meta) -> averaging_pb2.Chun
     return averaging_pb2.Chunk(index=index, meta=meta_to_proto(meta), payload=payload)
 
 
+def framed_chunk(kind: type[Message], index: int, payload: bytes, meta: Meta) -> Framed:
+    """An AggregateRequest or AggregateResponse carrying a chunk, cheap to serialize."""
+    message = kind()
+    chunk = message.chunk  # type: ignore[attr-defined]
+    chunk.index = index
+    chunk.meta.CopyFrom(meta_to_proto(meta))
+    return Framed(message, payload)
+
+
+SERVICE = "swarmgrad.v1.Averaging"
+AGGREGATE = f"/{SERVICE}/Aggregate"
+
+
+def aggregate_method(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamMultiCallable:
+    """The Aggregate call on ``channel``, sending Framed requests."""
+    return channel.stream_stream(
+        AGGREGATE,
+        request_serializer=serialize,
+        response_deserializer=averaging_pb2.AggregateResponse.FromString,
+    )
+
+
+def add_to_server(servicer: AveragingServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` with Framed responses (the generated helper would reserialize)."""
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.Aggregate,
+        request_deserializer=averaging_pb2.AggregateRequest.FromString,
+        response_serializer=serialize,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE, {"Aggregate": handler}),)
+    )
+
+
 class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
     def __init__(self, handler: AggregateHandler, limits: ServerLimits | None = None) -> None:
         self._handler = handler
@@ -111,6 +147,8 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
         self._active: Counter[str] = Counter()
         #: Rejected streams by ResultCode name.
         self.rejections: Counter[str] = Counter()
+        #: Payload bytes "received" (members' chunks) and "sent" (averaged chunks).
+        self.traffic: Counter[str] = Counter()
 
     async def Aggregate(
         self,
@@ -131,7 +169,7 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
             sender = header.sender
             self._active[sender] += 1
             session = await self._handler.open_session(header)
-            await _serve_stream(request_iterator, context, session)
+            await _serve_stream(request_iterator, context, session, self.traffic)
             session.close(None)
         except ProtocolViolation as error:
             self.rejections[error.code_name] += 1
@@ -162,19 +200,20 @@ async def _serve_stream(
         averaging_pb2.AggregateRequest, averaging_pb2.AggregateResponse
     ],
     session: PartSession,
+    traffic: Counter[str],
 ) -> None:
     """Read chunks and write results concurrently; the first failure of either ends both."""
 
     async def write_results() -> None:
         async for result in session.results():
-            await context.write(
-                averaging_pb2.AggregateResponse(
-                    chunk=chunk_to_proto(result.index, result.payload, result.meta),
-                    contributors=result.contributors,
-                )
+            traffic["sent"] += len(result.payload)
+            frame = framed_chunk(
+                averaging_pb2.AggregateResponse, result.index, result.payload, result.meta
             )
+            frame.message.contributors.extend(result.contributors)  # type: ignore[attr-defined]
+            await context.write(frame)
 
-    reader = asyncio.create_task(_read_chunks(requests, session))
+    reader = asyncio.create_task(_read_chunks(requests, session, traffic))
     writer = asyncio.create_task(write_results())
     try:
         await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_EXCEPTION)
@@ -218,7 +257,9 @@ async def _read_header(
 
 
 async def _read_chunks(
-    requests: AsyncIterator[averaging_pb2.AggregateRequest], session: PartSession
+    requests: AsyncIterator[averaging_pb2.AggregateRequest],
+    session: PartSession,
+    traffic: Counter[str],
 ) -> None:
     """Validate, decode and pass on every chunk; close the session with the first violation."""
     try:
@@ -236,6 +277,7 @@ async def _read_chunks(
                 ) from None
             if message.WhichOneof("body") != "chunk":
                 raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "unexpected second header")
+            traffic["received"] += len(message.chunk.payload)
             values = await _decode_chunk(message.chunk, expected, session)
             await session.accept(expected, values)
             expected += 1

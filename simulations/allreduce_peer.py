@@ -8,7 +8,8 @@ It starts one :class:`Averager` per codec on 127.0.0.1 (port 0), prints
 ``{"cmd": "round", "codec": C, "round": R, "members": [...], "seed": S, "size": N, "fault": F}``
     Average ``randn(N)`` drawn from seed S with the group ``members`` (dicts of Member fields).
     Prints ``{"event": "done", ...}`` with the contributor lists, missing ranges, failures, the
-    sha256 of the result and the path of the raw fp32 result file, or ``{"event": "aborted"}``.
+    sha256 of the result and the path of the raw fp32 result file (unless ``"save": false``),
+    payload bytes sent and received, or ``{"event": "aborted"}``.
     ``fault`` (optional) injects a failure at (this peer, this round): ``{"kind": "kill" | "stall"
     | "truncate", "after_chunks": K}`` kills the process with SIGKILL, freezes it with SIGSTOP,
     or sends truncated payloads once K chunks have gone out.
@@ -38,7 +39,6 @@ from swarmgrad.node.allreduce import AllReduceConfig
 from swarmgrad.node.averager import Averager
 from swarmgrad.node.group import Group, Member
 from swarmgrad.protocol.errors import RoundAborted
-from swarmgrad.protocol.v1 import averaging_pb2
 
 
 def member_vector(seed: int, size: int) -> torch.Tensor:
@@ -54,19 +54,16 @@ class FaultHooks:
             raise ValueError(f"unknown fault {kind!r}")
         self.kind, self.after_chunks, self.sent = kind, after_chunks, 0
 
-    async def before_send(
-        self, owner: int, index: int, request: averaging_pb2.AggregateRequest
-    ) -> averaging_pb2.AggregateRequest:
+    async def before_send(self, owner: int, index: int, payload: bytes) -> bytes:
         if self.sent >= self.after_chunks:
             if self.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif self.kind == "stall":
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:
-                payload = request.chunk.payload
-                request.chunk.payload = payload[: len(payload) // 2]
+                payload = payload[: len(payload) // 2]
         self.sent += 1
-        return request
+        return payload
 
 
 def _emit(event: dict[str, Any]) -> None:
@@ -107,6 +104,7 @@ async def _round(averager: Averager, command: dict[str, Any], out_dir: Path) -> 
     vector = member_vector(command["seed"], command["size"])
     fault = command.get("fault")
     hooks = FaultHooks(fault["kind"], fault["after_chunks"]) if fault else None
+    traffic_before = dict(averager.traffic)
     started = time.perf_counter()
     try:
         result = await averager.all_reduce(vector, group, hooks=hooks)
@@ -121,20 +119,26 @@ async def _round(averager: Averager, command: dict[str, Any], out_dir: Path) -> 
         )
         return
     seconds = time.perf_counter() - started
-    data = result.averaged.numpy().tobytes()
-    path = out_dir / f"{averager.peer_id}-{averager.config.codec}-{group.round}.f32"
-    path.write_bytes(data)
+    traffic = {k: v - traffic_before.get(k, 0) for k, v in averager.traffic.items()}
+    digest, path = "", None
+    if command.get("save", True):
+        data = result.averaged.numpy().tobytes()
+        path = out_dir / f"{averager.peer_id}-{averager.config.codec}-{group.round}.f32"
+        path.write_bytes(data)
+        digest = hashlib.sha256(data).hexdigest()
     _emit(
         {
             "event": "done",
             "round": group.round,
             "seconds": seconds,
+            "bytes_sent": traffic.get("sent", 0),
+            "bytes_received": traffic.get("received", 0),
             "contributors": list(result.contributors),
             "partial": list(result.partial),
             "missing": [list(r) for r in result.missing],
             "failures": dict(result.failures),
-            "sha256": hashlib.sha256(data).hexdigest(),
-            "path": str(path),
+            "sha256": digest,
+            "path": str(path) if path else None,
         }
     )
 
