@@ -115,6 +115,12 @@ class Codec(ABC):
     def decode(self, data: bytes, meta: Meta) -> torch.Tensor:
         return decode(data, meta)
 
+    def encode_view(self, tensor: torch.Tensor) -> tuple[bytes | memoryview, Meta]:
+        """Like :meth:`encode`, but a codec may return a view of ``tensor``'s memory instead of
+        a copy (the identity codec does). The caller must keep ``tensor`` alive and unchanged
+        until the payload has been consumed."""
+        return self.encode(tensor)
+
     def _meta(self, tensor: torch.Tensor, **params: int) -> Meta:
         return Meta(
             codec=self.name,

@@ -31,6 +31,12 @@ class NoCompression(Codec):
     def encode(self, tensor: torch.Tensor) -> tuple[bytes, Meta]:
         return to_bytes(cpu_flat(tensor)), self._meta(tensor)
 
+    def encode_view(self, tensor: torch.Tensor) -> tuple[bytes | memoryview, Meta]:
+        flat = cpu_flat(tensor)
+        if not flat.is_contiguous() or flat.dtype == torch.bfloat16 or flat.numel() == 0:
+            return self.encode(tensor)  # numpy has no bfloat16; empty views are not worth it
+        return flat.detach().numpy().data.cast("B"), self._meta(tensor)
+
     @classmethod
     def payload_nbytes(cls, meta: Meta) -> int:
         expect_params(meta)

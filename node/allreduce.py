@@ -258,9 +258,11 @@ async def _exchange_with_owner(
     async def produce() -> None:
         try:
             for index, (start, end) in enumerate(offsets):
-                payload, meta = await asyncio.to_thread(codec.encode, values[start:end])
+                # A view of `values` for the identity codec: the caller's vector is not
+                # modified during the round.
+                payload, meta = await asyncio.to_thread(codec.encode_view, values[start:end])
                 if hooks is not None:
-                    payload = await hooks.before_send(part, index, payload)
+                    payload = await hooks.before_send(part, index, bytes(payload))
                 traffic["sent"] += len(payload)
                 await queue.put(framed_chunk(averaging_pb2.AggregateRequest, index, payload, meta))
         except BaseException:

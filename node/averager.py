@@ -57,6 +57,7 @@ class Averager:
         self.config = config
         self._host, self._port = host, port
         self._limits = limits or ServerLimits(max_message_bytes=2 * config.max_chunk_bytes)
+        self.servicer_limits = self._limits
         self._rounds: dict[tuple[int, bytes], _ActiveRound] = {}
         self._finished: dict[tuple[int, bytes], None] = {}
         self._rounds_changed = asyncio.Condition()

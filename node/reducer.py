@@ -192,9 +192,14 @@ class PartReducer:
                     )
             raise
 
-    def _publish(self, total: torch.Tensor, weight: float) -> tuple[bytes, Meta, torch.Tensor]:
+    def _publish(
+        self, total: torch.Tensor, weight: float
+    ) -> tuple[bytes | memoryview, Meta, torch.Tensor]:
         average = total.div_(weight)
-        payload, meta = self.codec.encode(average)
+        # The payload may be a view of `average`, which nobody modifies after this point.
+        payload, meta = self.codec.encode_view(average)
+        if self.codec.lossless:
+            return payload, meta, average  # what members decode, bit for bit
         return payload, meta, decode(payload, meta)
 
     def _name(self, member: int) -> str:

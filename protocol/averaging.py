@@ -51,7 +51,7 @@ class ChunkResult:
     """An averaged chunk as the owner sends it: the same bytes go to every member."""
 
     index: int
-    payload: bytes
+    payload: bytes | memoryview
     meta: Meta
     contributors: tuple[int, ...]
 
@@ -106,7 +106,9 @@ def chunk_to_proto(index: int, payload: bytes, meta: Meta) -> averaging_pb2.Chun
     return averaging_pb2.Chunk(index=index, meta=meta_to_proto(meta), payload=payload)
 
 
-def framed_chunk(kind: type[Message], index: int, payload: bytes, meta: Meta) -> Framed:
+def framed_chunk(
+    kind: type[Message], index: int, payload: bytes | memoryview, meta: Meta
+) -> Framed:
     """An AggregateRequest or AggregateResponse carrying a chunk, cheap to serialize."""
     message = kind()
     chunk = message.chunk  # type: ignore[attr-defined]
@@ -144,7 +146,8 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
     def __init__(self, handler: AggregateHandler, limits: ServerLimits | None = None) -> None:
         self._handler = handler
         self._limits = limits or ServerLimits()
-        self._active: Counter[str] = Counter()
+        #: Streams open right now, by sender.
+        self.open_streams: Counter[str] = Counter()
         #: Rejected streams by ResultCode name.
         self.rejections: Counter[str] = Counter()
         #: Payload bytes "received" (members' chunks) and "sent" (averaged chunks).
@@ -161,13 +164,13 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
         sender: str | None = None
         try:
             header = await _read_header(request_iterator)
-            if self._active[header.sender] >= self._limits.max_streams_per_peer:
+            if self.open_streams[header.sender] >= self._limits.max_streams_per_peer:
                 raise ProtocolViolation(
                     ResultCode.OVERLOADED,
-                    f"{header.sender} already has {self._active[header.sender]} open streams",
+                    f"{header.sender} already has {self.open_streams[header.sender]} open streams",
                 )
             sender = header.sender
-            self._active[sender] += 1
+            self.open_streams[sender] += 1
             session = await self._handler.open_session(header)
             await _serve_stream(request_iterator, context, session, self.traffic)
             session.close(None)
@@ -189,9 +192,9 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"stream failed: {type(error).__name__}")
         finally:
             if sender is not None:
-                self._active[sender] -= 1
-                if self._active[sender] <= 0:
-                    del self._active[sender]
+                self.open_streams[sender] -= 1
+                if self.open_streams[sender] <= 0:
+                    del self.open_streams[sender]
 
 
 async def _serve_stream(

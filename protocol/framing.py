@@ -24,7 +24,7 @@ class Framed:
     with the payload that belongs in that field."""
 
     message: Message
-    payload: bytes
+    payload: bytes | memoryview  # a memoryview must be of unsigned bytes (format "B")
 
 
 def _varint(value: int) -> bytes:

@@ -347,3 +347,22 @@ async def test_fuzz_1000_mutated_streams_crash_nothing_and_honest_rounds_stay_ex
     # average something); what matters is that it ends and that honest rounds were exact.
     with contextlib.suppress(RoundAborted):
         await fuzz_round
+
+
+async def test_too_many_concurrent_streams_from_one_peer_are_refused(
+    pair: tuple[Averager, Averager],
+) -> None:
+    owner, honest = pair
+    group = group_of(9, owner, honest, [])
+    limit = owner.servicer_limits.max_streams_per_peer
+    # Streams for a round that has not started wait (join_timeout) while they count as open.
+    waiting = [header(group, "honest", round=500 + i) for i in range(limit)]
+    parked = [asyncio.create_task(rpc(owner.endpoint, [m])) for m in waiting]
+    async with asyncio.timeout(5):
+        while sum(owner.servicer.open_streams.values()) < limit:  # noqa: ASYNC110 - server state
+            await asyncio.sleep(0.01)
+    assert (
+        await rpc(owner.endpoint, [header(group, "honest")]) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    )
+    assert owner.servicer.rejections["OVERLOADED"] == 1
+    assert set(await asyncio.gather(*parked)) == {grpc.StatusCode.NOT_FOUND}

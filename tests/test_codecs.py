@@ -396,3 +396,13 @@ def test_topk_prefilter_selects_the_exact_top_k_on_skewed_data(fraction: float) 
     assert torch.equal(_top_positions(x, k), expected)
     y, _, _ = roundtrip("topk", x, fraction=fraction)
     assert set(y.nonzero().squeeze(1).tolist()) <= set(expected.tolist())
+
+
+def test_identity_view_aliases_the_tensor_and_decodes_to_the_same_values() -> None:
+    x = randn(1000, seed=22)
+    view, meta = get_codec("none").encode_view(x)
+    assert isinstance(view, memoryview)
+    assert bytes(view) == get_codec("none").encode(x)[0]
+    assert torch.equal(decode(bytes(view), meta), x)
+    data, _ = get_codec("int8").encode_view(x)  # other codecs still copy
+    assert isinstance(data, bytes)

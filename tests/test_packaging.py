@@ -4,6 +4,7 @@ from outside the repository."""
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -50,9 +51,18 @@ def test_editable_install_maps_the_folders() -> None:
 def test_built_wheel_imports_from_outside_the_repo(tmp_path: Path) -> None:
     dist, site, elsewhere = tmp_path / "dist", tmp_path / "site", tmp_path / "elsewhere"
     elsewhere.mkdir()
+    # Build from a copy: setuptools writes build/ and *.egg-info into the source tree.
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for folder in PACKAGES:
+        shutil.copytree(
+            ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__")
+        )
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     subprocess.run(
-        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist), str(ROOT)],
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist), str(source)],
         check=True,
         timeout=300,
         capture_output=True,
