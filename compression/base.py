@@ -97,6 +97,8 @@ class Codec(ABC):
     version: ClassVar[int]
     #: Whether decode(encode(x)) == x exactly.
     lossless: ClassVar[bool] = False
+    #: Whether the codec writes straight into ``decode(..., out=)`` (else it decodes, then copies).
+    decodes_into: ClassVar[bool] = False
 
     @abstractmethod
     def encode(self, tensor: torch.Tensor) -> tuple[bytes, Meta]:
@@ -106,6 +108,11 @@ class Codec(ABC):
     @abstractmethod
     def _decode(cls, data: bytes, meta: Meta) -> torch.Tensor:
         """Decode a payload whose ``meta`` passed the generic checks in :func:`decode`."""
+
+    @classmethod
+    def _decode_into(cls, data: bytes, meta: Meta, out: torch.Tensor) -> None:
+        """Decode into the flat ``out`` (checked by :func:`decode`); see ``decodes_into``."""
+        raise NotImplementedError
 
     @classmethod
     @abstractmethod
@@ -161,12 +168,19 @@ def get_codec(name: str, **options: int | float) -> Codec:
 
 
 def decode(
-    data: bytes | bytearray | memoryview, meta: Meta, *, max_numel: int = MAX_NUMEL
+    data: bytes | bytearray | memoryview,
+    meta: Meta,
+    *,
+    max_numel: int = MAX_NUMEL,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode any registered codec's payload, validating ``meta`` and ``data`` first.
 
     ``max_numel`` caps the tensor a message may describe: sparse and low-rank payloads are small
     while their decoded tensors are not, so a receiver passes the size its run spec allows.
+    ``out`` (contiguous, ``meta``'s dtype and number of elements) receives the values instead of
+    a new tensor: a fresh multi-MiB allocation costs about as much as decoding it. On error,
+    ``out`` may hold partial values.
     """
     cls = _REGISTRY.get((meta.codec, meta.version))
     if cls is None:
@@ -193,10 +207,26 @@ def decode(
         raise CodecError(
             f"{meta.codec} payload for shape {meta.shape} must be {expected} bytes, got {len(data)}"
         )
-    out = cls._decode(bytes(data) if not isinstance(data, bytes) else data, meta)
-    if out.shape != torch.Size(meta.shape):  # pragma: no cover - a codec bug, not bad input
-        raise AssertionError(f"{meta.codec} decoded shape {tuple(out.shape)} != {meta.shape}")
-    return out
+    payload = bytes(data) if not isinstance(data, bytes) else data
+    if out is not None:
+        if (
+            not out.is_contiguous()
+            or out.dtype != DTYPES[meta.dtype]
+            or out.numel() != meta.numel
+            or out.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"out must be a contiguous CPU {meta.dtype} tensor of {meta.numel} values"
+            )
+        if cls.decodes_into:
+            cls._decode_into(payload, meta, out.view(-1))
+        else:
+            out.view(-1).copy_(cls._decode(payload, meta).reshape(-1))
+        return out
+    result = cls._decode(payload, meta)
+    if result.shape != torch.Size(meta.shape):  # pragma: no cover - a codec bug, not bad input
+        raise AssertionError(f"{meta.codec} decoded shape {tuple(result.shape)} != {meta.shape}")
+    return result
 
 
 def expect_params(meta: Meta, *names: str) -> dict[str, int]:

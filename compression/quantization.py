@@ -105,8 +105,16 @@ class _BlockwiseAbsmax(Codec):
         nb = -(-meta.numel // block)
         return 4 * nb + cls._codes_len(meta.numel)
 
+    decodes_into = True
+
     @classmethod
     def _decode(cls, data: bytes, meta: Meta) -> torch.Tensor:
+        out = torch.empty(meta.numel, dtype=DTYPES[meta.dtype])
+        cls._decode_into(data, meta, out)
+        return out.reshape(meta.shape)
+
+    @classmethod
+    def _decode_into(cls, data: bytes, meta: Meta, out: torch.Tensor) -> None:
         n, block = meta.numel, meta.params["block_size"]
         nb = -(-n // block)
         scales = from_bytes(data, torch.float32, 0, nb)
@@ -115,17 +123,20 @@ class _BlockwiseAbsmax(Codec):
         ):
             raise NonFiniteError(f"{cls.name} payload has a NaN, Inf, negative or absurd scale")
         codes = from_bytes(data, cls._code_dtype(), 4 * nb, cls._codes_len(n))
-        out = torch.empty(nb * block, dtype=torch.float32)
+        values = out if out.dtype == torch.float32 else torch.empty(n, dtype=torch.float32)
+        full = (n // block) * block
         chunk = max(block, (_CHUNK_VALUES // block) * block)
-        for start in range(0, nb * block, chunk):
-            stop = min(start + chunk, nb * block)
-            part = out[start:stop]
+        for start in range(0, full, chunk):
+            stop = min(start + chunk, full)
+            part = values[start:stop]
             cls._load(codes, start, part, n)
             part.view(-1, block).mul_(scales[start // block : stop // block, None])
-        result = out[:n]
-        if meta.dtype != "float32":
-            result = result.to(DTYPES[meta.dtype])
-        return result.reshape(meta.shape)
+        if full < n:  # the last, partial block: decode a whole (padded) block, keep its head
+            tail = torch.empty(block, dtype=torch.float32)
+            cls._load(codes, full, tail, n)
+            values[full:] = tail[: n - full].mul_(scales[-1])
+        if values is not out:
+            out.copy_(values)
 
     # -- storage of the integer codes, per bit width ------------------------------------------
 

@@ -303,8 +303,11 @@ async def _exchange_with_owner(
                 raise PeerUnavailable(f"{owner.peer_id} closed the stream after {expected} chunks")
             traffic["received"] += len(response.chunk.payload)
             start, end = offsets[expected]
-            averaged = await _check_and_decode(response, expected, end - start, group, codec)
-            out[start:end] = averaged
+            try:
+                await _check_and_decode(response, expected, out[start:end], group, codec)
+            except SwarmgradError:
+                out[start:end] = values[start:end]  # a missing chunk holds the caller's values
+                raise
             received.contributors[(part, expected)] = tuple(response.contributors)
             expected += 1
     except grpc.aio.AioRpcError as error:
@@ -328,11 +331,13 @@ async def _exchange_with_owner(
 async def _check_and_decode(
     response: averaging_pb2.AggregateResponse,
     index: int,
-    numel: int,
+    out: torch.Tensor,
     group: Group,
     codec: Codec,
-) -> torch.Tensor:
-    """Validate an owner's averaged chunk as strictly as owners validate members' chunks."""
+) -> None:
+    """Validate an owner's averaged chunk as strictly as owners validate members' chunks, and
+    decode it into ``out`` (no fresh allocation: that costs as much as the decoding)."""
+    numel = out.numel()
     chunk = response.chunk
     if chunk.index != index:
         raise ProtocolViolation(ResultCode.BAD_SHAPE, f"got chunk {chunk.index}, expected {index}")
@@ -351,7 +356,7 @@ async def _check_and_decode(
         meta = meta_from_proto(chunk.meta)
         from swarmgrad.compression import decode
 
-        return await asyncio.to_thread(decode, chunk.payload, meta, max_numel=numel)
+        await asyncio.to_thread(decode, chunk.payload, meta, max_numel=numel, out=out)
     except CodecError as error:
         raise ProtocolViolation(ResultCode.BAD_PAYLOAD, str(error)) from None
 

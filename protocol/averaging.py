@@ -46,7 +46,7 @@ class StreamHeader:
     weight: float
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class ChunkResult:
     """An averaged chunk as the owner sends it: the same bytes go to every member."""
 
@@ -54,6 +54,17 @@ class ChunkResult:
     payload: bytes | memoryview
     meta: Meta
     contributors: tuple[int, ...]
+    _wire: bytes | None = None
+
+    def wire(self) -> bytes:
+        """The serialized AggregateResponse, built once and written to every member's stream."""
+        if self._wire is None:
+            frame = framed_chunk(
+                averaging_pb2.AggregateResponse, self.index, self.payload, self.meta
+            )
+            frame.message.contributors.extend(self.contributors)  # type: ignore[attr-defined]
+            self._wire = serialize(frame)
+        return self._wire
 
 
 class PartSession(Protocol):
@@ -210,11 +221,7 @@ async def _serve_stream(
     async def write_results() -> None:
         async for result in session.results():
             traffic["sent"] += len(result.payload)
-            frame = framed_chunk(
-                averaging_pb2.AggregateResponse, result.index, result.payload, result.meta
-            )
-            frame.message.contributors.extend(result.contributors)  # type: ignore[attr-defined]
-            await context.write(frame)
+            await context.write(result.wire())
 
     reader = asyncio.create_task(_read_chunks(requests, session, traffic))
     writer = asyncio.create_task(write_results())

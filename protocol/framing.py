@@ -43,8 +43,11 @@ def _key(field: int) -> bytes:
     return _varint(field << 3 | _LEN)
 
 
-def serialize(item: Framed | Message) -> bytes:
-    """Protobuf bytes of ``item``; for a Framed, with its payload in ``chunk.payload``."""
+def serialize(item: Framed | Message | bytes) -> bytes:
+    """Protobuf bytes of ``item``; for a Framed, with its payload in ``chunk.payload``; bytes
+    (a message serialized earlier, e.g. once for many streams) pass through."""
+    if isinstance(item, bytes):
+        return item
     if not isinstance(item, Framed):
         return item.SerializeToString()
     message, payload = item.message, item.payload

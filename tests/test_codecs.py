@@ -406,3 +406,17 @@ def test_identity_view_aliases_the_tensor_and_decodes_to_the_same_values() -> No
     assert torch.equal(decode(bytes(view), meta), x)
     data, _ = get_codec("int8").encode_view(x)  # other codecs still copy
     assert isinstance(data, bytes)
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_into_a_given_tensor_matches_decode(name: str, dtype: torch.dtype) -> None:
+    x = randn(3001, seed=23, dtype=dtype)
+    data, meta = get_codec(name).encode(x)
+    out = torch.full((3001,), 7.0, dtype=dtype)
+    assert decode(data, meta, out=out) is out
+    assert torch.equal(out, decode(data, meta))
+    with pytest.raises(ValueError, match="out must be"):
+        decode(data, meta, out=torch.empty(3000, dtype=dtype))
+    with pytest.raises(ValueError, match="out must be"):
+        decode(data, meta, out=torch.empty(6002, dtype=dtype)[::2])
