@@ -6,10 +6,12 @@
 
 Every peer is its own process. For each N and codec (none / fp16 / 8-bit): one warm-up round,
 then ``--rounds`` timed rounds; a round's time is the slowest member's all-reduce time, and the
-table shows the median and [min-max]. hivemind's rounds are timed the same way: each peer
-matchmakes first (``step(require_trigger=True)``), and the clock starts when the parent lets all
-of them run the all-reduce, so matchmaking is not counted. Bytes are codec payload bytes this
-member sent (its chunks to the owners plus, as an owner, the averages it streamed back).
+table shows the median and [min-max]. Both sides are timed the same way: every peer gets ready
+first (swarmgrad: draws its vector; hivemind: matchmakes, ``step(require_trigger=True)``), then
+the parent starts them all and each times its own all-reduce. Like hivemind, which averages its
+tensors in place, swarmgrad's peers reuse one result buffer across rounds. Bytes are the codec
+payload bytes a member sent (its chunks to the owners plus, as an owner, the averages it
+streamed back).
 
 Then kill-recovery: a 4-peer group where one member SIGKILLs itself mid-stream; the time from
 its death to the survivors' next completed full round.
@@ -170,6 +172,11 @@ async def bench_swarmgrad(
         members = [p.member(codec) for p in peers]
         times, sent = [], []
         for r in range(rounds + 1):
+            # Like hivemind's arm/go: draw the vectors first, then start every member at once.
+            for i, peer in enumerate(peers):
+                await peer.send({"cmd": "prepare", "seed": 100 * r + i, "size": size})
+            for peer in peers:
+                await peer.event(300)
             for i, peer in enumerate(peers):
                 await peer.send(
                     {

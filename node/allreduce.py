@@ -164,6 +164,7 @@ async def run_round(
     channel: Callable[[str], grpc.aio.Channel],
     traffic: Counter[str],
     hooks: RoundHooks | None = None,
+    out: torch.Tensor | None = None,
 ) -> RoundResult:
     """Run this member's side of one round; ``reducer`` reduces its own part (None: owns none).
 
@@ -173,7 +174,10 @@ async def run_round(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + config.round_timeout_seconds
     bounds = group.partition(vector.numel())
-    out = vector.clone()
+    if out is None:
+        out = vector.clone()
+    else:
+        out.copy_(vector)  # reusing the caller's buffer spares a whole-vector page-faulting alloc
     received = _Received()
     tasks: dict[int, asyncio.Task[None]] = {}
     for part, (start, end) in enumerate(bounds):

@@ -113,10 +113,23 @@ class Averager:
         group: Group,
         *,
         hooks: RoundHooks | None = None,
+        out: torch.Tensor | None = None,
     ) -> RoundResult:
-        """Average ``vector`` (1-D fp32 on the CPU) with ``group``; see ``node/allreduce.py``."""
+        """Average ``vector`` (1-D fp32 on the CPU) with ``group``; see ``node/allreduce.py``.
+
+        The result is a new tensor, or ``out`` when given (a buffer the caller reuses from
+        round to round; its contents are undefined if the round is aborted). ``vector`` itself
+        is never modified.
+        """
         if vector.dim() != 1 or vector.dtype != torch.float32 or vector.device.type != "cpu":
             raise ValueError("all_reduce takes a 1-D float32 CPU tensor")
+        if out is not None and (
+            out.shape != vector.shape
+            or out.dtype != torch.float32
+            or not out.is_contiguous()
+            or out.data_ptr() == vector.data_ptr()
+        ):
+            raise ValueError("out must be a distinct contiguous float32 tensor shaped like vector")
         me = group.index(self.peer_id)
         key = (group.round, group.group_id)
         if key in self._rounds or key in self._finished:
@@ -145,6 +158,7 @@ class Averager:
                 channel=self._channel,
                 traffic=self.traffic,
                 hooks=hooks,
+                out=out,
             )
         except RoundAborted:
             self.rounds["aborted"] += 1

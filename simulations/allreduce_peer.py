@@ -13,6 +13,10 @@ It starts one :class:`Averager` per codec on 127.0.0.1 (port 0), prints
     ``fault`` (optional) injects a failure at (this peer, this round): ``{"kind": "kill" | "stall"
     | "truncate", "after_chunks": K}`` kills the process with SIGKILL, freezes it with SIGSTOP,
     or sends truncated payloads once K chunks have gone out.
+``{"cmd": "prepare", "seed": S, "size": N}``
+    Draw the vector of a coming round now (and its result buffer), so that the round itself
+    starts at once; prints ``{"event": "prepared"}``. A round with the same seed and size uses
+    it, and reuses the result buffer from round to round, as a trainer would.
 ``{"cmd": "exit"}``
     Stop the averagers gracefully and exit.
 
@@ -88,6 +92,8 @@ async def _serve(args: argparse.Namespace) -> None:
             )
             averagers[codec] = await stack.enter_async_context(Averager(args.peer_id, config))
         _emit({"event": "ready", "endpoints": {c: a.endpoint for c, a in averagers.items()}})
+        prepared: dict[tuple[int, int], torch.Tensor] = {}
+        buffer: torch.Tensor | None = None
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -95,19 +101,35 @@ async def _serve(args: argparse.Namespace) -> None:
             command = json.loads(line)
             if command["cmd"] == "exit":
                 break
+            if command["cmd"] == "prepare":
+                prepared[(command["seed"], command["size"])] = member_vector(
+                    command["seed"], command["size"]
+                )
+                if buffer is None or buffer.numel() != command["size"]:
+                    buffer = torch.zeros(command["size"])
+                _emit({"event": "prepared"})
             if command["cmd"] == "round":
-                await _round(averagers[command["codec"]], command, out_dir)
+                vector = prepared.pop((command["seed"], command["size"]), None)
+                reuse = buffer if vector is not None else None
+                if vector is None:
+                    vector = member_vector(command["seed"], command["size"])
+                await _round(averagers[command["codec"]], command, vector, reuse, out_dir)
 
 
-async def _round(averager: Averager, command: dict[str, Any], out_dir: Path) -> None:
+async def _round(
+    averager: Averager,
+    command: dict[str, Any],
+    vector: torch.Tensor,
+    out: torch.Tensor | None,
+    out_dir: Path,
+) -> None:
     group = Group(round=command["round"], members=tuple(Member(**m) for m in command["members"]))
-    vector = member_vector(command["seed"], command["size"])
     fault = command.get("fault")
     hooks = FaultHooks(fault["kind"], fault["after_chunks"]) if fault else None
     traffic_before = dict(averager.traffic)
     started = time.perf_counter()
     try:
-        result = await averager.all_reduce(vector, group, hooks=hooks)
+        result = await averager.all_reduce(vector, group, hooks=hooks, out=out)
     except RoundAborted as error:
         _emit(
             {
