@@ -212,10 +212,13 @@ async def test_kill_9_mid_stream_ten_times_in_a_row(peers: Peers) -> None:
         round_ += 2
 
 
-@pytest.mark.slow
-async def test_member_that_stalls_is_dropped_within_the_deadline(peers: Peers) -> None:
-    size = 4 * 6 * 8192 + 77
-    procs = list(await asyncio.gather(*(peers.start(f"s{i}", *FAULT_ARGS) for i in range(4))))
+async def faulty_round(
+    peers: Peers, prefix: str, size: int, bad: int, fault: dict[str, Any]
+) -> tuple[list[PeerProcess], list[dict[str, Any] | None], float]:
+    """Four fresh members run one round in which member ``bad`` suffers ``fault``."""
+    procs = list(
+        await asyncio.gather(*(peers.start(f"{prefix}{i}", *FAULT_ARGS) for i in range(4)))
+    )
     started = time.monotonic()
     events = await run_round(
         procs,
@@ -224,8 +227,17 @@ async def test_member_that_stalls_is_dropped_within_the_deadline(peers: Peers) -
         round_=0,
         size=size,
         seeds=[1, 2, 3, 4],
-        faults={2: {"kind": "stall", "after_chunks": 3}},
+        faults={bad: fault},
         timeout_seconds=ROUND_TIMEOUT_SECONDS + 5,
+    )
+    return procs, events, started
+
+
+@pytest.mark.slow
+async def test_member_that_stalls_is_dropped_within_the_deadline(peers: Peers) -> None:
+    size = 4 * 6 * 8192 + 77
+    procs, events, started = await faulty_round(
+        peers, "s", size, 2, {"kind": "stall", "after_chunks": 3}
     )
     check_survivors(events, procs, 2, started, owner_lost=True)
     procs[2].kill()
@@ -234,18 +246,8 @@ async def test_member_that_stalls_is_dropped_within_the_deadline(peers: Peers) -
 
 @pytest.mark.slow
 async def test_member_that_sends_corrupted_chunks_is_excluded(peers: Peers) -> None:
-    size = 4 * 6 * 8192 + 5
-    procs = list(await asyncio.gather(*(peers.start(f"c{i}", *FAULT_ARGS) for i in range(4))))
-    started = time.monotonic()
-    events = await run_round(
-        procs,
-        [p.member("int8") for p in procs],
-        codec="int8",
-        round_=0,
-        size=size,
-        seeds=[5, 6, 7, 8],
-        faults={1: {"kind": "truncate", "after_chunks": 2}},
-        timeout_seconds=ROUND_TIMEOUT_SECONDS + 5,
+    procs, events, started = await faulty_round(
+        peers, "c", 4 * 6 * 8192 + 5, 1, {"kind": "truncate", "after_chunks": 2}
     )
     # The corrupting peer is alive and owns an honest part: its event comes too.
     bad_event = await procs[1].event(ROUND_TIMEOUT_SECONDS + 5)

@@ -366,3 +366,18 @@ async def test_too_many_concurrent_streams_from_one_peer_are_refused(
     )
     assert owner.servicer.rejections["OVERLOADED"] == 1
     assert set(await asyncio.gather(*parked)) == {grpc.StatusCode.NOT_FOUND}
+
+
+async def test_stop_is_graceful_and_bounded_with_streams_open() -> None:
+    async with Averager("owner", CONFIG) as owner, Averager("honest", CONFIG) as honest:
+        group = group_of(0, owner, honest, [])
+        # A stream parked on a round that never starts here: stop must not wait for it forever.
+        parked = asyncio.create_task(rpc(owner.endpoint, [header(group, "honest", round=77)]))
+        async with asyncio.timeout(5):
+            while not owner.servicer.open_streams:  # noqa: ASYNC110 - server state
+                await asyncio.sleep(0.01)
+        started = asyncio.get_running_loop().time()
+        await owner.stop()
+        elapsed = asyncio.get_running_loop().time() - started
+        assert elapsed < owner.servicer_limits.grace_seconds + 2
+        assert await parked != grpc.StatusCode.OK

@@ -1,0 +1,264 @@
+"""The run spec: what every node of one training run must agree on, read from TOML.
+
+Its hash (SHA-256 of a canonical JSON rendering of every field but ``network``) travels in every
+DHT key and RPC, so nodes with different specs never mix and say why when they meet. Unknown
+sections and keys are errors, as are wrong types and out-of-range values; every message names
+the offending ``section.key``.
+
+Example (every section but ``[run]`` may be left out to take the defaults)::
+
+    [run]
+    id = "shakespeare-demo"
+
+    [model]
+    d_model = 128
+    n_layers = 2
+
+    [algorithm]
+    name = "diloco"
+    inner_steps = 50
+
+    [averaging]
+    codec = "int8"
+    group_size = 4
+
+    [network]
+    bootstrap = ["/ip4/203.0.113.5/tcp/31337/p2p/Qm..."]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from swarmgrad.compression import codec_names
+
+PROTOCOL_VERSION = 1
+
+
+class RunSpecError(ValueError):
+    """The run spec is invalid; the message names the key and what is wrong with it."""
+
+
+def _positive(section: str, **values: float) -> None:
+    for key, value in values.items():
+        if not value > 0 or not math.isfinite(value):
+            raise RunSpecError(f"{section}.{key} must be positive, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSection:
+    id: str
+    protocol_version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        if not self.id or len(self.id) > 64 or not all(c.isalnum() or c in "-_." for c in self.id):
+            raise RunSpecError(
+                f"run.id must be 1-64 letters, digits, '-', '_' or '.', got {self.id!r}"
+            )
+        if self.protocol_version != PROTOCOL_VERSION:
+            raise RunSpecError(
+                f"run.protocol_version {self.protocol_version} is not supported "
+                f"(this swarmgrad speaks {PROTOCOL_VERSION})"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSection:
+    """A small GPT-style decoder."""
+
+    vocab_size: int = 2048
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    seq_len: int = 128
+
+    def __post_init__(self) -> None:
+        _positive("model", **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        if self.d_model % self.n_heads:
+            raise RunSpecError(
+                f"model.d_model ({self.d_model}) must be a multiple of model.n_heads "
+                f"({self.n_heads})"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataSection:
+    source: str = "demo"  # "demo": the bundled corpus; "files": the text files in ``paths``
+    paths: tuple[str, ...] = ()
+    batch_size: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.source not in ("demo", "files"):
+            raise RunSpecError(f"data.source must be 'demo' or 'files', got {self.source!r}")
+        if self.source == "files" and not self.paths:
+            raise RunSpecError("data.paths must list at least one file when data.source = 'files'")
+        _positive("data", batch_size=self.batch_size)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AlgorithmSection:
+    name: str = "diloco"  # "diloco", or "sync" (per-step gradient averaging, the reference)
+    inner_steps: int = 50
+    inner_lr: float = 3e-4
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    target_batch_size: int = 256  # sync: samples per global step
+
+    def __post_init__(self) -> None:
+        if self.name not in ("diloco", "sync"):
+            raise RunSpecError(f"algorithm.name must be 'diloco' or 'sync', got {self.name!r}")
+        _positive(
+            "algorithm",
+            inner_steps=self.inner_steps,
+            inner_lr=self.inner_lr,
+            outer_lr=self.outer_lr,
+            target_batch_size=self.target_batch_size,
+        )
+        if not 0 <= self.outer_momentum < 1:
+            raise RunSpecError(
+                f"algorithm.outer_momentum must be in [0, 1), got {self.outer_momentum!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AveragingSection:
+    codec: str = "int8"
+    group_size: int = 4
+    chunk_values: int = 1 << 20
+    matchmaking_timeout_seconds: float = 15.0
+    round_timeout_seconds: float = 60.0
+    sender_timeout_seconds: float = 10.0
+    reducer_timeout_seconds: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.codec not in codec_names():
+            known = ", ".join(codec_names())
+            raise RunSpecError(f"averaging.codec {self.codec!r} is unknown; choose one of {known}")
+        if self.group_size < 2:
+            raise RunSpecError(f"averaging.group_size must be at least 2, got {self.group_size}")
+        _positive(
+            "averaging",
+            chunk_values=self.chunk_values,
+            matchmaking_timeout_seconds=self.matchmaking_timeout_seconds,
+            round_timeout_seconds=self.round_timeout_seconds,
+            sender_timeout_seconds=self.sender_timeout_seconds,
+            reducer_timeout_seconds=self.reducer_timeout_seconds,
+        )
+        if not self.sender_timeout_seconds < self.reducer_timeout_seconds:
+            raise RunSpecError(
+                "averaging.reducer_timeout_seconds must exceed averaging.sender_timeout_seconds"
+            )
+        if not self.reducer_timeout_seconds <= self.round_timeout_seconds:
+            raise RunSpecError(
+                "averaging.round_timeout_seconds must be at least averaging.reducer_timeout_seconds"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NetworkSection:
+    """Where to find the swarm. Operational: not part of the spec hash."""
+
+    bootstrap: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSpec:
+    run: RunSection
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    averaging: AveragingSection = field(default_factory=AveragingSection)
+    network: NetworkSection = field(default_factory=NetworkSection)
+
+    @property
+    def hash(self) -> bytes:
+        """SHA-256 of the canonical rendering of everything but ``network``."""
+        canonical = {
+            f.name: dataclasses.asdict(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if f.name != "network"
+        }
+        text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).digest()
+
+    @property
+    def short_hash(self) -> str:
+        return self.hash.hex()[:12]
+
+    @classmethod
+    def from_toml(cls, text: str) -> RunSpec:
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as error:
+            raise RunSpecError(f"not valid TOML: {error}") from None
+        return cls.from_dict(raw)
+
+    @classmethod
+    def load(cls, path: Path) -> RunSpec:
+        try:
+            text = path.read_text()
+        except OSError as error:
+            raise RunSpecError(f"cannot read run spec {path}: {error.strerror}") from None
+        try:
+            return cls.from_toml(text)
+        except RunSpecError as error:
+            raise RunSpecError(f"{path}: {error}") from None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> RunSpec:
+        sections = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(sections))
+        if unknown:
+            raise RunSpecError(
+                f"unknown section(s) {', '.join(unknown)}; known: {', '.join(sections)}"
+            )
+        if "run" not in raw:
+            raise RunSpecError("the [run] section (with at least id = ...) is required")
+        hints = typing.get_type_hints(cls)
+        built = {name: _build(name, hints[name], value) for name, value in raw.items()}
+        return cls(**built)
+
+
+def _build(section: str, kind: type[Any], raw: Any) -> Any:
+    if not isinstance(raw, dict):
+        raise RunSpecError(f"[{section}] must be a table")
+    fields = {f.name: f for f in dataclasses.fields(kind)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise RunSpecError(
+            f"unknown key(s) {', '.join(f'{section}.{k}' for k in unknown)}; "
+            f"known: {', '.join(fields)}"
+        )
+    hints = typing.get_type_hints(kind)
+    values = {key: _check(f"{section}.{key}", hints[key], value) for key, value in raw.items()}
+    try:
+        return kind(**values)
+    except TypeError as error:  # a required key is missing
+        raise RunSpecError(f"[{section}]: {error}") from None
+
+
+def _check(name: str, kind: Any, value: Any) -> Any:
+    """``value`` as ``kind`` (int, float, str, tuple[str, ...]), or a RunSpecError."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typing.get_origin(kind) is tuple:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise RunSpecError(f"{name} must be a list of strings, got {value!r}")
+        return tuple(value)
+    if (
+        isinstance(kind, type)
+        and not isinstance(kind, types.GenericAlias)
+        and (isinstance(value, bool) or not isinstance(value, kind))
+    ):
+        raise RunSpecError(f"{name} must be {kind.__name__}, got {value!r}")
+    return value

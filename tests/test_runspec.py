@@ -1,0 +1,73 @@
+"""Run specs: defaults, a stable hash that ignores operational fields, and clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from swarmgrad.node.runspec import RunSpec, RunSpecError
+
+MINIMAL = '[run]\nid = "demo"\n'
+
+
+def test_minimal_spec_takes_defaults_and_hashes_stably() -> None:
+    spec = RunSpec.from_toml(MINIMAL)
+    assert spec.run.id == "demo"
+    assert spec.algorithm.name == "diloco"
+    assert spec.averaging.codec == "int8"
+    assert len(spec.hash) == 32
+    assert RunSpec.from_toml(MINIMAL).hash == spec.hash
+
+
+def test_hash_changes_with_training_fields_but_not_with_bootstrap() -> None:
+    base = RunSpec.from_toml(MINIMAL)
+    other_codec = RunSpec.from_toml(MINIMAL + '[averaging]\ncodec = "fp16"\n')
+    other_bootstrap = RunSpec.from_toml(MINIMAL + '[network]\nbootstrap = ["/ip4/1.2.3.4/tcp/1"]\n')
+    assert other_codec.hash != base.hash
+    assert other_bootstrap.hash == base.hash
+    assert other_bootstrap.network.bootstrap == ("/ip4/1.2.3.4/tcp/1",)
+
+
+def test_integers_are_accepted_where_floats_are_expected() -> None:
+    spec = RunSpec.from_toml(MINIMAL + "[algorithm]\nouter_lr = 1\n")
+    assert spec.algorithm.outer_lr == 1.0
+    assert spec.hash == RunSpec.from_toml(MINIMAL + "[algorithm]\nouter_lr = 1.0\n").hash
+
+
+@pytest.mark.parametrize(
+    ("toml", "match"),
+    [
+        ("", r"\[run\] section"),
+        ("[run]\n", r"\[run\]: .*id"),
+        ('[run]\nid = "a b"\n', "run.id must be"),
+        ('[run]\nid = "x"\nprotocol_version = 2\n', "not supported"),
+        (MINIMAL + "[modle]\n", "unknown section.*modle"),
+        (MINIMAL + "[model]\nlayers = 2\n", "unknown key.*model.layers"),
+        (MINIMAL + "[model]\nd_model = 130\nn_heads = 4\n", "multiple of model.n_heads"),
+        (MINIMAL + '[model]\nd_model = "big"\n', "model.d_model must be int"),
+        (MINIMAL + "[model]\nn_layers = true\n", "model.n_layers must be int"),
+        (MINIMAL + "[algorithm]\nname = 'adam'\n", "algorithm.name"),
+        (MINIMAL + "[algorithm]\ninner_steps = 0\n", "algorithm.inner_steps must be positive"),
+        (MINIMAL + "[algorithm]\nouter_momentum = 1.0\n", "outer_momentum"),
+        (MINIMAL + "[averaging]\ncodec = 'zip'\n", "averaging.codec 'zip' is unknown"),
+        (MINIMAL + "[averaging]\ngroup_size = 1\n", "group_size must be at least 2"),
+        (MINIMAL + "[averaging]\nsender_timeout_seconds = 30.0\n", "reducer_timeout_seconds"),
+        (MINIMAL + "[data]\nsource = 'files'\n", "data.paths"),
+        (MINIMAL + "[network]\nbootstrap = 'x'\n", "list of strings"),
+        (MINIMAL + "model = 3\n", r"unknown key.*run.model"),
+        ("[run\n", "not valid TOML"),
+    ],
+)
+def test_bad_specs_are_refused_with_the_key_named(toml: str, match: str) -> None:
+    with pytest.raises(RunSpecError, match=match):
+        RunSpec.from_toml(toml)
+
+
+def test_load_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(MINIMAL + "[averaging]\ngroup_size = 0\n")
+    with pytest.raises(RunSpecError, match=r"run.toml: averaging.group_size"):
+        RunSpec.load(path)
+    with pytest.raises(RunSpecError, match="cannot read"):
+        RunSpec.load(tmp_path / "missing.toml")
