@@ -86,7 +86,9 @@ class PartSession(Protocol):
         """How long the sender may take to send its next chunk."""
         ...
 
-    async def accept(self, index: int, values: torch.Tensor) -> None: ...
+    async def accept(self, index: int, values: torch.Tensor) -> None:
+        """Take chunk ``index``. ``values`` is reused for the next chunk: copy what you keep."""
+        ...
 
     def results(self) -> AsyncIterator[ChunkResult]: ...
 
@@ -274,6 +276,9 @@ async def _read_chunks(
     """Validate, decode and pass on every chunk; close the session with the first violation."""
     try:
         expected = 0
+        # One decode buffer per stream, reused chunk after chunk: the session copies what it
+        # keeps, and a fresh multi-MiB tensor per chunk costs as much as decoding it.
+        scratch = torch.empty(max(session.chunk_numels, default=0), dtype=torch.float32)
         while True:
             try:
                 async with asyncio.timeout(session.sender_timeout_seconds):
@@ -288,7 +293,7 @@ async def _read_chunks(
             if message.WhichOneof("body") != "chunk":
                 raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "unexpected second header")
             traffic["received"] += len(message.chunk.payload)
-            values = await _decode_chunk(message.chunk, expected, session)
+            values = await _decode_chunk(message.chunk, expected, session, scratch)
             await session.accept(expected, values)
             expected += 1
         if expected != len(session.chunk_numels):
@@ -302,7 +307,7 @@ async def _read_chunks(
 
 
 async def _decode_chunk(
-    chunk: averaging_pb2.Chunk, expected: int, session: PartSession
+    chunk: averaging_pb2.Chunk, expected: int, session: PartSession, scratch: torch.Tensor
 ) -> torch.Tensor:
     if chunk.index < expected:
         raise ProtocolViolation(ResultCode.DUPLICATE_PART, f"chunk {chunk.index} sent twice")
@@ -330,14 +335,14 @@ async def _decode_chunk(
         )
     try:
         meta = meta_from_proto(chunk.meta)
-        return await asyncio.to_thread(_decode, chunk.payload, meta, numel)
+        return await asyncio.to_thread(_decode, chunk.payload, meta, scratch[:numel])
     except NonFiniteError as error:
         raise ProtocolViolation(ResultCode.NON_FINITE, str(error)) from None
     except CodecError as error:
         raise ProtocolViolation(ResultCode.BAD_PAYLOAD, str(error)) from None
 
 
-def _decode(payload: bytes, meta: Meta, numel: int) -> torch.Tensor:
+def _decode(payload: bytes, meta: Meta, out: torch.Tensor) -> torch.Tensor:
     from swarmgrad.compression import decode
 
-    return decode(payload, meta, max_numel=numel)
+    return decode(payload, meta, max_numel=out.numel(), out=out)
