@@ -174,10 +174,9 @@ async def run_round(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + config.round_timeout_seconds
     bounds = group.partition(vector.numel())
-    if out is None:
-        out = vector.clone()
-    else:
-        out.copy_(vector)  # reusing the caller's buffer spares a whole-vector page-faulting alloc
+    # Every averaged chunk is decoded straight into `out`; missing ones get the caller's values
+    # at the end. (A caller's reused buffer also spares a whole-vector page-faulting alloc.)
+    out = torch.empty_like(vector) if out is None else out
     received = _Received()
     tasks: dict[int, asyncio.Task[None]] = {}
     for part, (start, end) in enumerate(bounds):
@@ -217,7 +216,10 @@ async def run_round(
             task.cancel()
         if reducer is not None:
             reducer.expire()
-    return _summarize(me, group, bounds, config, out, received)
+    result = _summarize(me, group, bounds, config, out, received)
+    for start, end in result.missing:
+        out[start:end] = vector[start:end]
+    return result
 
 
 async def _reduce_own_part(
@@ -307,11 +309,8 @@ async def _exchange_with_owner(
                 raise PeerUnavailable(f"{owner.peer_id} closed the stream after {expected} chunks")
             traffic["received"] += len(response.chunk.payload)
             start, end = offsets[expected]
-            try:
-                await _check_and_decode(response, expected, out[start:end], group, codec)
-            except SwarmgradError:
-                out[start:end] = values[start:end]  # a missing chunk holds the caller's values
-                raise
+            # If this raises, the chunk is missing and gets the caller's values at the end.
+            await _check_and_decode(response, expected, out[start:end], group, codec)
             received.contributors[(part, expected)] = tuple(response.contributors)
             expected += 1
     except grpc.aio.AioRpcError as error:
