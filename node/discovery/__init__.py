@@ -1,0 +1,1 @@
+"""Peer discovery: signed peer records in a DHT, behind one small async interface."""

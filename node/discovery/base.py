@@ -1,0 +1,29 @@
+"""The discovery interface every backend implements (hivemind DHT now, py-libp2p later)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from swarmgrad.node.discovery.records import PeerRecord
+
+
+class DiscoveryError(Exception):
+    """Discovery itself failed: the bootstrap peers could not be reached, the DHT died."""
+
+
+class Discovery(Protocol):
+    """Publish this node's signed record and read the run's others. Every call has a deadline."""
+
+    async def announce(self, record: PeerRecord) -> None:
+        """Publish (or refresh) this node's record until its ``expires_at``."""
+        ...
+
+    async def find(self) -> list[PeerRecord]:
+        """Valid, unexpired records of the run's peers (this node's own included), by peer id."""
+        ...
+
+    async def leave(self) -> None:
+        """Withdraw this node's record at once (a graceful leave)."""
+        ...
+
+    async def close(self) -> None: ...

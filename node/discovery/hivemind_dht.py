@@ -1,0 +1,160 @@
+"""Discovery over ``hivemind.DHT``: Kademlia on the go-libp2p daemon that hivemind's wheel ships.
+
+Records of a run live under one DHT key, ``run/<run id>/<spec hash>/peers``, one subkey per peer
+id, so one ``get`` returns the whole swarm and nodes of another spec never see each other. The DHT
+runs in hivemind's own process; every call here is awaited with a deadline. hivemind stores what
+anyone sends, so readers verify every record (``records.PeerRecord.verify``) and count rejects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import hivemind
+
+from swarmgrad.node.discovery.base import DiscoveryError
+from swarmgrad.node.discovery.records import PeerRecord, RecordError
+from swarmgrad.node.identity import Identity
+
+log = logging.getLogger(__name__)
+
+
+def dht_time() -> float:
+    """The clock records are stamped with (hivemind's DHT time)."""
+    return float(hivemind.utils.get_dht_time())
+
+
+class HivemindDiscovery:
+    def __init__(
+        self,
+        dht: Any,
+        identity: Identity,
+        *,
+        run_id: str,
+        spec_hash: bytes,
+        call_timeout_seconds: float = 10.0,
+    ) -> None:
+        self._dht = dht
+        self._identity = identity
+        self.run_id, self.spec_hash = run_id, spec_hash
+        self._key = f"run/{run_id}/{spec_hash.hex()}/peers"
+        self._timeout = call_timeout_seconds
+        self._announced_until = 0.0
+        #: Records dropped on read, by reason.
+        self.rejected: Counter[str] = Counter()
+
+    @classmethod
+    async def start(
+        cls,
+        identity: Identity,
+        *,
+        run_id: str,
+        spec_hash: bytes,
+        initial_peers: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        start_timeout_seconds: float = 60.0,
+        call_timeout_seconds: float = 10.0,
+    ) -> HivemindDiscovery:
+        """Start a DHT node (its own process) and join through ``initial_peers`` if any."""
+
+        def start_dht() -> Any:
+            return hivemind.DHT(
+                initial_peers=list(initial_peers),
+                host_maddrs=[f"/ip4/{host}/tcp/0"],
+                start=True,
+            )
+
+        try:
+            async with asyncio.timeout(start_timeout_seconds):
+                dht = await asyncio.to_thread(start_dht)
+        except TimeoutError:
+            raise DiscoveryError(f"the DHT did not start in {start_timeout_seconds:g} s") from None
+        except Exception as error:
+            peers = ", ".join(initial_peers) or "none"
+            raise DiscoveryError(f"could not join the DHT (bootstrap: {peers}): {error}") from error
+        return cls(
+            dht,
+            identity,
+            run_id=run_id,
+            spec_hash=spec_hash,
+            call_timeout_seconds=call_timeout_seconds,
+        )
+
+    def visible_maddrs(self) -> list[str]:
+        """Multiaddrs other nodes can bootstrap from."""
+        return [str(a) for a in self._dht.get_visible_maddrs()]
+
+    async def announce(self, record: PeerRecord) -> None:
+        if record.peer_id != self._identity.peer_id:
+            raise ValueError("a node announces its own record only")
+        ok = await self._call(
+            self._dht.store(
+                self._key,
+                record.sign(self._identity),
+                expiration_time=record.expires_at,
+                subkey=record.peer_id,
+                return_future=True,
+            )
+        )
+        if not ok:
+            raise DiscoveryError("no DHT node accepted the record")
+        self._announced_until = max(self._announced_until, record.expires_at)
+
+    async def leave(self) -> None:
+        """Overwrite this node's record with an empty value (readers skip it).
+
+        The DHT keeps the value with the latest expiration, so the tombstone must outlive the
+        last record announced.
+        """
+        await self._call(
+            self._dht.store(
+                self._key,
+                b"",
+                expiration_time=max(self._announced_until, dht_time()) + 1.0,
+                subkey=self._identity.peer_id,
+                return_future=True,
+            )
+        )
+
+    async def find(self) -> list[PeerRecord]:
+        found = await self._call(self._dht.get(self._key, latest=True, return_future=True))
+        now = dht_time()
+        records = []
+        entries = found.value if found is not None else {}
+        if not isinstance(entries, dict):
+            self.rejected["malformed key"] += 1
+            return []
+        for subkey, item in entries.items():
+            data = getattr(item, "value", None)
+            try:
+                record = PeerRecord.verify(
+                    data if isinstance(data, bytes) else b"",
+                    run_id=self.run_id,
+                    spec_hash=self.spec_hash,
+                    now=now,
+                )
+            except RecordError as error:
+                if data != b"":  # an empty value is a graceful leave, not an attack
+                    self.rejected[type(error).__name__] += 1
+                    log.debug("dropped record under %r: %s", subkey, error)
+                continue
+            if record.peer_id != subkey:
+                self.rejected["subkey mismatch"] += 1
+                continue
+            records.append(record)
+        return sorted(records, key=lambda r: r.peer_id)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._dht.shutdown)
+
+    async def _call(self, future: Any) -> Any:
+        try:
+            async with asyncio.timeout(self._timeout):
+                return await future
+        except TimeoutError:
+            future.cancel()
+            raise DiscoveryError(f"DHT call timed out after {self._timeout:g} s") from None

@@ -1,0 +1,183 @@
+"""Discovery: signed peer records (unit), and the contract every backend meets (real DHT nodes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from swarmgrad.node.discovery.base import DiscoveryError
+from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery, dht_time
+from swarmgrad.node.discovery.records import MAX_TTL_SECONDS, PeerRecord, RecordError
+from swarmgrad.node.identity import Identity
+
+RUN, SPEC = "run-a", b"\x07" * 32
+
+
+def record(
+    identity: Identity, *, ttl: float = 60.0, now: float = 1000.0, **changes: object
+) -> PeerRecord:
+    fields: dict[str, object] = {
+        "run_id": RUN,
+        "spec_hash": SPEC,
+        "endpoint": "127.0.0.1:5000",
+        "now": now,
+        "ttl_seconds": ttl,
+    }
+    fields.update(changes)
+    return PeerRecord.create(identity, **fields)  # type: ignore[arg-type]
+
+
+# -- records ------------------------------------------------------------------------------------
+
+
+def test_a_signed_record_verifies_and_round_trips() -> None:
+    me = Identity.generate()
+    original = record(me, epoch=7, throughput=123.5)
+    parsed = PeerRecord.verify(original.sign(me), run_id=RUN, spec_hash=SPEC, now=1001.0)
+    assert parsed == original
+
+
+def tamper(data: bytes, **changes: object) -> bytes:
+    body = json.loads(data[:-64])
+    body.update(changes)
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode() + data[-64:]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda d: tamper(d, epoch=99), "bad signature"),
+        (lambda d: tamper(d, peer_id="sgother"), "carries the key"),
+        (lambda d: tamper(d, public_key=Identity.generate().public_key.hex()), "carries the key"),
+        (lambda d: tamper(d, public_key="zz"), "malformed public key"),
+        (lambda d: tamper(d, epoch="7"), "wrong type"),
+        (lambda d: tamper(d, reachable=1), "wrong type"),
+        (lambda d: tamper(d, role="admin"), "unknown role"),
+        (lambda d: tamper(d, extra=1), "fields"),
+        (lambda d: d[:-1], "bad signature|not JSON"),
+        (lambda d: b"\x00" * 100, "not JSON"),
+        (lambda d: d + b"x" * 5000, "too large"),
+        (lambda d: b"", "too small"),
+    ],
+)
+def test_forged_or_malformed_records_are_refused(
+    mutate: Callable[[bytes], bytes], match: str
+) -> None:
+    me = Identity.generate()
+    with pytest.raises(RecordError, match=match):
+        PeerRecord.verify(mutate(record(me).sign(me)), run_id=RUN, spec_hash=SPEC, now=1001.0)
+
+
+def test_records_of_another_run_expired_or_immortal_are_refused() -> None:
+    me = Identity.generate()
+    data = record(me, ttl=60).sign(me)
+    with pytest.raises(RecordError, match="not run-b"):
+        PeerRecord.verify(data, run_id="run-b", spec_hash=SPEC, now=1001.0)
+    with pytest.raises(RecordError, match="spec"):
+        PeerRecord.verify(data, run_id=RUN, spec_hash=b"\x08" * 32, now=1001.0)
+    with pytest.raises(RecordError, match="expired"):
+        PeerRecord.verify(data, run_id=RUN, spec_hash=SPEC, now=1061.0)
+    immortal = record(me, ttl=MAX_TTL_SECONDS + 1).sign(me)
+    with pytest.raises(RecordError, match="lifetime"):
+        PeerRecord.verify(immortal, run_id=RUN, spec_hash=SPEC, now=1001.0)
+
+
+def test_only_the_owner_can_sign_its_record() -> None:
+    me, other = Identity.generate(), Identity.generate()
+    with pytest.raises(ValueError, match="own peer id"):
+        record(me).sign(other)
+
+
+# -- the backend contract (real DHT nodes on 127.0.0.1) ------------------------------------------
+
+Starter = Callable[..., Awaitable[HivemindDiscovery]]
+
+
+@pytest.fixture
+async def start() -> AsyncIterator[Starter]:
+    started: list[HivemindDiscovery] = []
+
+    async def starter(identity: Identity, **kwargs: object) -> HivemindDiscovery:
+        kwargs.setdefault("run_id", RUN)
+        kwargs.setdefault("spec_hash", SPEC)
+        node = await HivemindDiscovery.start(identity, **kwargs)  # type: ignore[arg-type]
+        started.append(node)
+        return node
+
+    try:
+        yield starter
+    finally:
+        for node in started:
+            await node.close()
+
+
+async def wait_for(
+    node: HivemindDiscovery, predicate: Callable[[list[PeerRecord]], bool], seconds: float = 15
+) -> list[PeerRecord]:
+    async with asyncio.timeout(seconds):
+        while True:
+            records = await node.find()
+            if predicate(records):
+                return records
+            await asyncio.sleep(0.1)
+
+
+def live(identity: Identity, ttl: float = 60.0, **changes: object) -> PeerRecord:
+    return record(identity, ttl=ttl, now=dht_time(), **changes)
+
+
+@pytest.mark.slow
+async def test_peers_find_each_other_through_a_bootstrap_node(start: Starter) -> None:
+    ids = [Identity.generate() for _ in range(3)]
+    boot = await start(ids[0])
+    nodes = [boot] + [await start(i, initial_peers=boot.visible_maddrs()) for i in ids[1:]]
+    for node, identity in zip(nodes, ids, strict=True):
+        await node.announce(live(identity, endpoint=f"127.0.0.1:{5000 + len(node.run_id)}"))
+    expected = sorted(i.peer_id for i in ids)
+    for node in nodes:
+        records = await wait_for(node, lambda rs: [r.peer_id for r in rs] == expected)
+        assert all(r.run_id == RUN for r in records)
+
+
+@pytest.mark.slow
+async def test_another_spec_sees_nothing_and_forgeries_are_dropped_and_counted(
+    start: Starter,
+) -> None:
+    honest, mallory = Identity.generate(), Identity.generate()
+    boot = await start(honest)
+    await boot.announce(live(honest))
+    other_spec = await start(
+        Identity.generate(), spec_hash=b"\x09" * 32, initial_peers=boot.visible_maddrs()
+    )
+    assert await other_spec.find() == []
+    # Mallory writes under the honest peer's subkey, and a record signed by the wrong key.
+    forged = tamper(live(mallory).sign(mallory), epoch=1_000_000)
+    future = boot._dht.store(
+        boot._key, forged, expiration_time=dht_time() + 30, subkey=mallory.peer_id
+    )
+    assert future
+    records = await boot.find()
+    assert [r.peer_id for r in records] == [honest.peer_id]
+    assert boot.rejected["RecordError"] >= 1
+
+
+@pytest.mark.slow
+async def test_records_expire_and_a_graceful_leave_is_immediate(start: Starter) -> None:
+    a, b = Identity.generate(), Identity.generate()
+    node_a = await start(a)
+    node_b = await start(b, initial_peers=node_a.visible_maddrs())
+    await node_a.announce(live(a, ttl=2.0))
+    await node_b.announce(live(b, ttl=60.0))
+    await wait_for(node_b, lambda rs: len(rs) == 2)
+    await wait_for(node_b, lambda rs: [r.peer_id for r in rs] == [b.peer_id], seconds=10)
+    await node_b.leave()
+    assert await node_a.find() == []
+
+
+async def test_unreachable_bootstrap_is_reported_clearly(start: Starter) -> None:
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    with pytest.raises(DiscoveryError, match=r"could not join the DHT .*tcp/9"):
+        await start(Identity.generate(), initial_peers=[dead])
