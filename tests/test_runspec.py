@@ -71,3 +71,11 @@ def test_load_names_the_file(tmp_path: Path) -> None:
         RunSpec.load(path)
     with pytest.raises(RunSpecError, match="cannot read"):
         RunSpec.load(tmp_path / "missing.toml")
+
+
+def test_the_readme_example_spec_is_valid() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    example = readme.split("```toml\n", 1)[1].split("```", 1)[0]
+    spec = RunSpec.from_toml(example)
+    assert spec.run.id == "shakespeare-demo"
+    assert spec == RunSpec.from_toml(example)
