@@ -14,12 +14,15 @@ class DiscoveryError(Exception):
 class Discovery(Protocol):
     """Publish this node's signed record and read the run's others. Every call has a deadline."""
 
-    async def announce(self, record: PeerRecord) -> None:
-        """Publish (or refresh) this node's record until its ``expires_at``."""
+    async def announce(self, record: PeerRecord, topic: str = "peers") -> None:
+        """Publish (or refresh) this node's record under ``topic`` until its ``expires_at``.
+
+        ``peers`` is the swarm's directory; ``round/<r>`` is readiness for round r.
+        """
         ...
 
-    async def find(self) -> list[PeerRecord]:
-        """Valid, unexpired records of the run's peers (this node's own included), by peer id."""
+    async def find(self, topic: str = "peers") -> list[PeerRecord]:
+        """Valid, unexpired records under ``topic`` (this node's own included), by peer id."""
         ...
 
     async def leave(self) -> None:

@@ -1,7 +1,8 @@
 """Discovery over ``hivemind.DHT``: Kademlia on the go-libp2p daemon that hivemind's wheel ships.
 
-Records of a run live under one DHT key, ``run/<run id>/<spec hash>/peers``, one subkey per peer
-id, so one ``get`` returns the whole swarm and nodes of another spec never see each other. The DHT
+Records of a run live under DHT keys ``run/<run id>/<spec hash>/<topic>`` (``peers`` for the
+swarm, ``round/<r>`` for matchmaking), one subkey per peer id, so one ``get`` returns a whole
+topic and nodes of another spec never see each other. The DHT
 runs in hivemind's own process; every call here is awaited with a deadline. hivemind stores what
 anyone sends, so readers verify every record (``records.PeerRecord.verify``) and count rejects.
 """
@@ -41,7 +42,8 @@ class HivemindDiscovery:
         self._dht = dht
         self._identity = identity
         self.run_id, self.spec_hash = run_id, spec_hash
-        self._key = f"run/{run_id}/{spec_hash.hex()}/peers"
+        self._prefix = f"run/{run_id}/{spec_hash.hex()}"
+        self._key = f"{self._prefix}/peers"
         self._timeout = call_timeout_seconds
         self._announced_until = 0.0
         #: Records dropped on read, by reason.
@@ -88,12 +90,15 @@ class HivemindDiscovery:
         """Multiaddrs other nodes can bootstrap from."""
         return [str(a) for a in self._dht.get_visible_maddrs()]
 
-    async def announce(self, record: PeerRecord) -> None:
+    def _topic_key(self, topic: str) -> str:
+        return self._key if topic == "peers" else f"{self._prefix}/{topic}"
+
+    async def announce(self, record: PeerRecord, topic: str = "peers") -> None:
         if record.peer_id != self._identity.peer_id:
             raise ValueError("a node announces its own record only")
         ok = await self._call(
             self._dht.store(
-                self._key,
+                self._topic_key(topic),
                 record.sign(self._identity),
                 expiration_time=record.expires_at,
                 subkey=record.peer_id,
@@ -120,8 +125,9 @@ class HivemindDiscovery:
             )
         )
 
-    async def find(self) -> list[PeerRecord]:
-        found = await self._call(self._dht.get(self._key, latest=True, return_future=True))
+    async def find(self, topic: str = "peers") -> list[PeerRecord]:
+        key = self._topic_key(topic)
+        found = await self._call(self._dht.get(key, latest=True, return_future=True))
         now = dht_time()
         records = []
         entries = found.value if found is not None else {}

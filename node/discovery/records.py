@@ -36,6 +36,7 @@ class PeerRecord:
     epoch: int
     throughput: float  # samples per second
     bandwidth: float  # relative upload capacity
+    weight: float  # samples processed since the last round (what its values count for)
     reachable: bool
     issued_at: float  # DHT time, seconds
     expires_at: float
@@ -60,6 +61,7 @@ class PeerRecord:
         epoch: int = 0,
         throughput: float = 0.0,
         bandwidth: float = 1.0,
+        weight: float = 1.0,
         reachable: bool = True,
     ) -> PeerRecord:
         return cls(
@@ -72,6 +74,7 @@ class PeerRecord:
             epoch=epoch,
             throughput=throughput,
             bandwidth=bandwidth,
+            weight=weight,
             reachable=reachable,
             issued_at=now,
             expires_at=now + ttl_seconds,

@@ -1,0 +1,109 @@
+"""Matchmaking without a leader: peers ready for round r form groups through the DHT.
+
+Each peer announces a signed readiness record under ``round/<r>`` (its endpoint, bandwidth and
+weight), then reads the topic until it sees ``group_size`` peers (or its matchmaking timeout
+passes), waits ``settle_seconds`` for stragglers' records to spread, and reads once more. The
+candidates are then ordered by a hash of (round, peer id), a fresh shuffle each round that every
+peer computes alike, and cut into groups of ``group_size`` (a short last group joins the one
+before it). Peers that saw the same candidates form the same groups; a peer that saw a different
+set (a record that arrived between two peers' reads) ends up in a group whose id its mates do not
+share, its all-reduce streams are refused as UNKNOWN_ROUND, and the round counts as failed for it:
+nothing hangs and nothing mixes. A peer that finds nobody returns None and trains on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+
+from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery, dht_time
+from swarmgrad.node.discovery.records import PeerRecord
+from swarmgrad.node.group import Group, Member
+from swarmgrad.node.identity import Identity
+
+log = logging.getLogger(__name__)
+
+
+def assign_groups(round_: int, peer_ids: list[str], group_size: int) -> list[list[str]]:
+    """Deterministic groups of ``group_size`` (the last one may be up to 2x - 1 larger)."""
+    if group_size < 2:
+        raise ValueError("group_size must be at least 2")
+
+    def order(peer_id: str) -> bytes:
+        return hashlib.blake2b(f"{round_}:{peer_id}".encode(), digest_size=16).digest()
+
+    shuffled = sorted(set(peer_ids), key=order)
+    groups = [shuffled[i : i + group_size] for i in range(0, len(shuffled), group_size)]
+    if len(groups) > 1 and len(groups[-1]) < group_size:
+        groups[-2].extend(groups.pop())
+    return [sorted(g) for g in groups if len(g) >= 2]
+
+
+class Matchmaker:
+    def __init__(
+        self,
+        discovery: HivemindDiscovery,
+        identity: Identity,
+        *,
+        group_size: int,
+        matchmaking_timeout_seconds: float,
+        settle_seconds: float = 0.5,
+        poll_seconds: float = 0.1,
+    ) -> None:
+        if group_size < 2:
+            raise ValueError("group_size must be at least 2")
+        self._discovery, self._identity = discovery, identity
+        self.group_size = group_size
+        self.timeout_seconds = matchmaking_timeout_seconds
+        self.settle_seconds, self.poll_seconds = settle_seconds, poll_seconds
+
+    async def form_group(
+        self, round_: int, *, endpoint: str, bandwidth: float = 1.0, weight: float = 1.0
+    ) -> Group | None:
+        """This peer's group for ``round_``, or None if it found nobody in time."""
+        topic = f"round/{round_}"
+        ready = PeerRecord.create(
+            self._identity,
+            run_id=self._discovery.run_id,
+            spec_hash=self._discovery.spec_hash,
+            endpoint=endpoint,
+            now=dht_time(),
+            ttl_seconds=self.timeout_seconds + 60.0,
+            epoch=round_,
+            bandwidth=bandwidth,
+            weight=weight,
+        )
+        await self._discovery.announce(ready, topic)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_seconds
+        candidates = await self._candidates(topic, round_)
+        while len(candidates) < self.group_size and loop.time() < deadline:
+            await asyncio.sleep(self.poll_seconds)
+            candidates = await self._candidates(topic, round_)
+        await asyncio.sleep(self.settle_seconds)
+        candidates = await self._candidates(topic, round_)
+        by_id = {r.peer_id: r for r in candidates}
+        for members in assign_groups(round_, list(by_id), self.group_size):
+            if self._identity.peer_id in members:
+                return Group(
+                    round=round_,
+                    members=tuple(
+                        Member(
+                            peer_id=p,
+                            endpoint=by_id[p].endpoint,
+                            bandwidth=by_id[p].bandwidth,
+                            weight=by_id[p].weight,
+                        )
+                        for p in members
+                    ),
+                )
+        log.info("round %d: no group (%d candidates)", round_, len(candidates))
+        return None
+
+    async def _candidates(self, topic: str, round_: int) -> list[PeerRecord]:
+        return [
+            r
+            for r in await self._discovery.find(topic)
+            if r.epoch == round_ and r.weight > 0 and r.bandwidth >= 0
+        ]
