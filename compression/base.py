@@ -97,22 +97,26 @@ class Codec(ABC):
     version: ClassVar[int]
     #: Whether decode(encode(x)) == x exactly.
     lossless: ClassVar[bool] = False
-    #: Whether the codec writes straight into ``decode(..., out=)`` (else it decodes, then copies).
-    decodes_into: ClassVar[bool] = False
 
     @abstractmethod
     def encode(self, tensor: torch.Tensor) -> tuple[bytes, Meta]:
         """Compress ``tensor``; returns the payload and the metadata that goes with it."""
 
+    # A codec implements one of the two decoders; each defaults to the other. Writing into a
+    # given tensor is the better one to implement: a fresh multi-MiB allocation costs about as
+    # much as the decoding.
+
     @classmethod
-    @abstractmethod
     def _decode(cls, data: bytes, meta: Meta) -> torch.Tensor:
         """Decode a payload whose ``meta`` passed the generic checks in :func:`decode`."""
+        out = torch.empty(meta.numel, dtype=DTYPES[meta.dtype])
+        cls._decode_into(data, meta, out)
+        return out.reshape(meta.shape)
 
     @classmethod
     def _decode_into(cls, data: bytes, meta: Meta, out: torch.Tensor) -> None:
-        """Decode into the flat ``out`` (checked by :func:`decode`); see ``decodes_into``."""
-        raise NotImplementedError
+        """Decode into the flat, contiguous ``out`` of ``meta``'s dtype and size."""
+        out.copy_(cls._decode(data, meta).reshape(-1))
 
     @classmethod
     @abstractmethod
@@ -218,10 +222,7 @@ def decode(
             raise ValueError(
                 f"out must be a contiguous CPU {meta.dtype} tensor of {meta.numel} values"
             )
-        if cls.decodes_into:
-            cls._decode_into(payload, meta, out.view(-1))
-        else:
-            out.view(-1).copy_(cls._decode(payload, meta).reshape(-1))
+        cls._decode_into(payload, meta, out.view(-1))
         return out
     result = cls._decode(payload, meta)
     if result.shape != torch.Size(meta.shape):  # pragma: no cover - a codec bug, not bad input

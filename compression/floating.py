@@ -43,14 +43,6 @@ class NoCompression(Codec):
         return meta.raw_nbytes
 
     @classmethod
-    def _decode(cls, data: bytes, meta: Meta) -> torch.Tensor:
-        wire = from_bytes(data, DTYPES[meta.dtype])
-        check_finite(wire, "none payload")
-        return wire.clone().reshape(meta.shape)
-
-    decodes_into = True
-
-    @classmethod
     def _decode_into(cls, data: bytes, meta: Meta, out: torch.Tensor) -> None:
         wire = from_bytes(data, DTYPES[meta.dtype])
         check_finite(wire, "none payload")
@@ -78,17 +70,9 @@ class _CastCodec(Codec):
         return meta.numel * cls.wire_dtype.itemsize
 
     @classmethod
-    def _decode(cls, data: bytes, meta: Meta) -> torch.Tensor:
-        wire = from_bytes(data, cls.wire_dtype)
-        check_finite(wire, f"{cls.name} payload")  # on the 16-bit values: half the bytes to read
-        return wire.to(DTYPES[meta.dtype], copy=True).reshape(meta.shape)
-
-    decodes_into = True
-
-    @classmethod
     def _decode_into(cls, data: bytes, meta: Meta, out: torch.Tensor) -> None:
         wire = from_bytes(data, cls.wire_dtype)
-        check_finite(wire, f"{cls.name} payload")
+        check_finite(wire, f"{cls.name} payload")  # on the 16-bit values: half the bytes to read
         out.copy_(wire)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from swarmgrad.compression.base import (
-    DTYPES,
     Codec,
     CodecError,
     Meta,
@@ -104,14 +103,6 @@ class _BlockwiseAbsmax(Codec):
         _check_block_size(block, CodecError)
         nb = -(-meta.numel // block)
         return 4 * nb + cls._codes_len(meta.numel)
-
-    decodes_into = True
-
-    @classmethod
-    def _decode(cls, data: bytes, meta: Meta) -> torch.Tensor:
-        out = torch.empty(meta.numel, dtype=DTYPES[meta.dtype])
-        cls._decode_into(data, meta, out)
-        return out.reshape(meta.shape)
 
     @classmethod
     def _decode_into(cls, data: bytes, meta: Meta, out: torch.Tensor) -> None:
