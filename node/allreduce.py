@@ -41,12 +41,14 @@ from typing import Protocol
 import grpc
 import torch
 
-from swarmgrad.compression import Codec, CodecError, get_codec
+from swarmgrad.compression import Codec, get_codec
 from swarmgrad.node.group import Group, chunk_sizes
 from swarmgrad.node.reducer import PartReducer
 from swarmgrad.protocol.averaging import (
     StreamHeader,
     aggregate_method,
+    check_chunk,
+    decode_chunk,
     framed_chunk,
     header_to_proto,
 )
@@ -58,7 +60,6 @@ from swarmgrad.protocol.errors import (
     from_rpc_error,
 )
 from swarmgrad.protocol.framing import Framed
-from swarmgrad.protocol.tensors import meta_from_proto
 from swarmgrad.protocol.v1 import averaging_pb2
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
@@ -309,8 +310,17 @@ async def _exchange_with_owner(
                 raise PeerUnavailable(f"{owner.peer_id} closed the stream after {expected} chunks")
             traffic["received"] += len(response.chunk.payload)
             start, end = offsets[expected]
-            # If this raises, the chunk is missing and gets the caller's values at the end.
-            await _check_and_decode(response, expected, out[start:end], group, codec)
+            # An owner's average is checked as strictly as owners check members' chunks. If
+            # this raises, the chunk is missing and gets the caller's values at the end.
+            meta = check_chunk(
+                response.chunk,
+                index=expected,
+                numels=numels,
+                codec=(codec.name, codec.version),
+                max_bytes=config.max_chunk_bytes,
+            )
+            _check_contributors(response, group)
+            await decode_chunk(response.chunk.payload, meta, out[start:end])
             received.contributors[(part, expected)] = tuple(response.contributors)
             expected += 1
     except grpc.aio.AioRpcError as error:
@@ -331,23 +341,7 @@ async def _exchange_with_owner(
         await asyncio.gather(producer, return_exceptions=True)
 
 
-async def _check_and_decode(
-    response: averaging_pb2.AggregateResponse,
-    index: int,
-    out: torch.Tensor,
-    group: Group,
-    codec: Codec,
-) -> None:
-    """Validate an owner's averaged chunk as strictly as owners validate members' chunks, and
-    decode it into ``out`` (no fresh allocation: that costs as much as the decoding)."""
-    numel = out.numel()
-    chunk = response.chunk
-    if chunk.index != index:
-        raise ProtocolViolation(ResultCode.BAD_SHAPE, f"got chunk {chunk.index}, expected {index}")
-    if (chunk.meta.codec, chunk.meta.version) != (codec.name, codec.version):
-        raise ProtocolViolation(ResultCode.BAD_CODEC, f"owner answered with {chunk.meta.codec}")
-    if list(chunk.meta.shape) != [numel] or chunk.meta.dtype != "float32":
-        raise ProtocolViolation(ResultCode.BAD_SHAPE, f"chunk shape {list(chunk.meta.shape)}")
+def _check_contributors(response: averaging_pb2.AggregateResponse, group: Group) -> None:
     contributors = list(response.contributors)
     if (
         not contributors
@@ -355,13 +349,6 @@ async def _check_and_decode(
         or not all(0 <= c < len(group.members) for c in contributors)
     ):
         raise ProtocolViolation(ResultCode.BAD_PAYLOAD, f"bad contributor list {contributors}")
-    try:
-        meta = meta_from_proto(chunk.meta)
-        from swarmgrad.compression import decode
-
-        await asyncio.to_thread(decode, chunk.payload, meta, max_numel=numel, out=out)
-    except CodecError as error:
-        raise ProtocolViolation(ResultCode.BAD_PAYLOAD, str(error)) from None
 
 
 def _offsets(numels: list[int]) -> list[tuple[int, int]]:

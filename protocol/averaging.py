@@ -21,7 +21,7 @@ import grpc
 import torch
 from google.protobuf.message import Message
 
-from swarmgrad.compression import CodecError, Meta, NonFiniteError
+from swarmgrad.compression import CodecError, Meta, NonFiniteError, decode
 from swarmgrad.protocol.errors import ProtocolViolation, SwarmgradError
 from swarmgrad.protocol.framing import Framed, serialize
 from swarmgrad.protocol.server import ServerLimits
@@ -113,10 +113,6 @@ def header_to_proto(header: StreamHeader) -> averaging_pb2.AggregateRequest:
             key=key, sender=header.sender, part=header.part, weight=header.weight
         )
     )
-
-
-def chunk_to_proto(index: int, payload: bytes, meta: Meta) -> averaging_pb2.Chunk:
-    return averaging_pb2.Chunk(index=index, meta=meta_to_proto(meta), payload=payload)
 
 
 def framed_chunk(
@@ -293,7 +289,15 @@ async def _read_chunks(
             if message.WhichOneof("body") != "chunk":
                 raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "unexpected second header")
             traffic["received"] += len(message.chunk.payload)
-            values = await _decode_chunk(message.chunk, expected, session, scratch)
+            meta = check_chunk(
+                message.chunk,
+                index=expected,
+                numels=session.chunk_numels,
+                codec=session.codec,
+                max_bytes=session.max_chunk_bytes,
+            )
+            numel = session.chunk_numels[expected]
+            values = await decode_chunk(message.chunk.payload, meta, scratch[:numel])
             await session.accept(expected, values)
             expected += 1
         if expected != len(session.chunk_numels):
@@ -306,43 +310,51 @@ async def _read_chunks(
         raise
 
 
-async def _decode_chunk(
-    chunk: averaging_pb2.Chunk, expected: int, session: PartSession, scratch: torch.Tensor
-) -> torch.Tensor:
-    if chunk.index < expected:
+def check_chunk(
+    chunk: averaging_pb2.Chunk,
+    *,
+    index: int,
+    numels: Sequence[int],
+    codec: tuple[str, int],
+    max_bytes: int,
+) -> Meta:
+    """Check a chunk against what the round expects at position ``index`` of a part made of
+    chunks of ``numels`` values; its Meta, or ProtocolViolation. Both directions use it: owners
+    on members' chunks, members on owners' averages."""
+    if chunk.index < index:
         raise ProtocolViolation(ResultCode.DUPLICATE_PART, f"chunk {chunk.index} sent twice")
-    if chunk.index != expected or chunk.index >= len(session.chunk_numels):
+    if chunk.index != index or index >= len(numels):
         raise ProtocolViolation(
-            ResultCode.BAD_SHAPE, f"chunk {chunk.index} where chunk {expected} was due"
+            ResultCode.BAD_SHAPE, f"chunk {chunk.index} where chunk {index} was due"
         )
-    if len(chunk.payload) > session.max_chunk_bytes:
+    if len(chunk.payload) > max_bytes:
         raise ProtocolViolation(
             ResultCode.TOO_LARGE,
-            f"chunk of {len(chunk.payload)} bytes; the round allows {session.max_chunk_bytes}",
+            f"chunk of {len(chunk.payload)} bytes; the round allows {max_bytes}",
         )
-    if (chunk.meta.codec, chunk.meta.version) != session.codec:
+    if (chunk.meta.codec, chunk.meta.version) != codec:
         raise ProtocolViolation(
             ResultCode.BAD_CODEC,
-            f"codec {chunk.meta.codec}/{chunk.meta.version}; the round uses "
-            f"{session.codec[0]}/{session.codec[1]}",
+            f"codec {chunk.meta.codec}/{chunk.meta.version}; the round uses {codec[0]}/{codec[1]}",
         )
-    numel = session.chunk_numels[expected]
+    numel = numels[index]
     if list(chunk.meta.shape) != [numel] or chunk.meta.dtype != "float32":
         raise ProtocolViolation(
             ResultCode.BAD_SHAPE,
-            f"chunk {expected} is {list(chunk.meta.shape)} {chunk.meta.dtype}; "
+            f"chunk {index} is {list(chunk.meta.shape)} {chunk.meta.dtype}; "
             f"expected [{numel}] float32",
         )
     try:
-        meta = meta_from_proto(chunk.meta)
-        return await asyncio.to_thread(_decode, chunk.payload, meta, scratch[:numel])
-    except NonFiniteError as error:
-        raise ProtocolViolation(ResultCode.NON_FINITE, str(error)) from None
+        return meta_from_proto(chunk.meta)
     except CodecError as error:
         raise ProtocolViolation(ResultCode.BAD_PAYLOAD, str(error)) from None
 
 
-def _decode(payload: bytes, meta: Meta, out: torch.Tensor) -> torch.Tensor:
-    from swarmgrad.compression import decode
-
-    return decode(payload, meta, max_numel=out.numel(), out=out)
+async def decode_chunk(payload: bytes, meta: Meta, out: torch.Tensor) -> torch.Tensor:
+    """Decode into ``out`` in a worker thread; a bad payload is a ProtocolViolation."""
+    try:
+        return await asyncio.to_thread(decode, payload, meta, max_numel=out.numel(), out=out)
+    except NonFiniteError as error:
+        raise ProtocolViolation(ResultCode.NON_FINITE, str(error)) from None
+    except CodecError as error:
+        raise ProtocolViolation(ResultCode.BAD_PAYLOAD, str(error)) from None

@@ -18,8 +18,9 @@ from swarmgrad.compression import decode, get_codec
 from swarmgrad.node.allreduce import AllReduceConfig, RoundResult
 from swarmgrad.node.averager import Averager
 from swarmgrad.node.group import Group, Member
-from swarmgrad.protocol.averaging import StreamHeader, chunk_to_proto, header_to_proto
+from swarmgrad.protocol.averaging import StreamHeader, header_to_proto
 from swarmgrad.protocol.errors import RoundAborted
+from swarmgrad.protocol.tensors import meta_to_proto
 from swarmgrad.protocol.v1 import averaging_pb2, averaging_pb2_grpc
 
 CHUNK = 4096
@@ -64,7 +65,9 @@ def header(group: Group, sender: str, **changes: object) -> Request:
 
 def chunk(index: int, values: torch.Tensor, codec: str = "int8") -> Request:
     payload, meta = get_codec(codec).encode(values)
-    return Request(chunk=chunk_to_proto(index, payload, meta))
+    return Request(
+        chunk=averaging_pb2.Chunk(index=index, meta=meta_to_proto(meta), payload=payload)
+    )
 
 
 def expected_two_member_average(owner_seed: int, honest_seed: int) -> torch.Tensor:
