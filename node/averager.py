@@ -56,15 +56,14 @@ class Averager:
         self.peer_id = peer_id
         self.config = config
         self._host, self._port = host, port
-        self._limits = limits or ServerLimits(max_message_bytes=2 * config.max_chunk_bytes)
-        self.servicer_limits = self._limits
+        self.limits = limits or ServerLimits(max_message_bytes=2 * config.max_chunk_bytes)
         self._rounds: dict[tuple[int, bytes], _ActiveRound] = {}
         self._finished: dict[tuple[int, bytes], None] = {}
         self._rounds_changed = asyncio.Condition()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._server: grpc.aio.Server | None = None
         self._background: set[asyncio.Task[None]] = set()
-        self.servicer = AveragingServicer(self, self._limits)
+        self.servicer = AveragingServicer(self, self.limits)
         #: Rounds by outcome: "complete", "partial" (some values missing or partial), "aborted".
         self.rounds: Counter[str] = Counter()
         #: Payload bytes "sent" and "received" by this node, as client and as owner.
@@ -76,7 +75,7 @@ class Averager:
             lambda server: add_to_server(self.servicer, server),
             host=self._host,
             port=self._port,
-            limits=self._limits,
+            limits=self.limits,
         )
         self.endpoint = f"{self._host}:{port}"
         return self
@@ -95,7 +94,7 @@ class Averager:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         if self._server is not None:
-            await self._server.stop(self._limits.grace_seconds)
+            await self._server.stop(self.limits.grace_seconds)
             self._server = None
         for active in self._rounds.values():
             if active.reducer is not None:
@@ -240,5 +239,5 @@ class Averager:
     def _channel(self, endpoint: str) -> grpc.aio.Channel:
         channel = self._channels.get(endpoint)
         if channel is None:
-            channel = self._channels[endpoint] = open_channel(endpoint, self._limits)
+            channel = self._channels[endpoint] = open_channel(endpoint, self.limits)
         return channel

@@ -357,7 +357,7 @@ async def test_too_many_concurrent_streams_from_one_peer_are_refused(
 ) -> None:
     owner, honest = pair
     group = group_of(9, owner, honest, [])
-    limit = owner.servicer_limits.max_streams_per_peer
+    limit = owner.limits.max_streams_per_peer
     # Streams for a round that has not started wait (join_timeout) while they count as open.
     waiting = [header(group, "honest", round=500 + i) for i in range(limit)]
     parked = [asyncio.create_task(rpc(owner.endpoint, [m])) for m in waiting]
@@ -382,5 +382,5 @@ async def test_stop_is_graceful_and_bounded_with_streams_open() -> None:
         started = asyncio.get_running_loop().time()
         await owner.stop()
         elapsed = asyncio.get_running_loop().time() - started
-        assert elapsed < owner.servicer_limits.grace_seconds + 2
+        assert elapsed < owner.limits.grace_seconds + 2
         assert await parked != grpc.StatusCode.OK

@@ -156,7 +156,7 @@ async def test_another_spec_sees_nothing_and_forgeries_are_dropped_and_counted(
     # Mallory writes under the honest peer's subkey, and a record signed by the wrong key.
     forged = tamper(live(mallory).sign(mallory), epoch=1_000_000)
     future = boot._dht.store(
-        boot._key, forged, expiration_time=dht_time() + 30, subkey=mallory.peer_id
+        boot._topic_key("peers"), forged, expiration_time=dht_time() + 30, subkey=mallory.peer_id
     )
     assert future
     records = await boot.find()

@@ -43,7 +43,6 @@ class HivemindDiscovery:
         self._identity = identity
         self.run_id, self.spec_hash = run_id, spec_hash
         self._prefix = f"run/{run_id}/{spec_hash.hex()}"
-        self._key = f"{self._prefix}/peers"
         self._timeout = call_timeout_seconds
         self._announced_until = 0.0
         #: Records dropped on read, by reason.
@@ -91,7 +90,7 @@ class HivemindDiscovery:
         return [str(a) for a in self._dht.get_visible_maddrs()]
 
     def _topic_key(self, topic: str) -> str:
-        return self._key if topic == "peers" else f"{self._prefix}/{topic}"
+        return f"{self._prefix}/{topic}"
 
     async def announce(self, record: PeerRecord, topic: str = "peers") -> None:
         if record.peer_id != self._identity.peer_id:
@@ -117,7 +116,7 @@ class HivemindDiscovery:
         """
         await self._call(
             self._dht.store(
-                self._key,
+                self._topic_key("peers"),
                 b"",
                 expiration_time=max(self._announced_until, dht_time()) + 1.0,
                 subkey=self._identity.peer_id,
