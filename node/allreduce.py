@@ -147,10 +147,19 @@ class RoundHooks(Protocol):
         ...
 
 
-@dataclass(slots=True)
-class _Received:
-    """Per (part, chunk): the contributors of what this member received (None: missing)."""
+@dataclass(slots=True, kw_only=True)
+class _Round:
+    """What one member's tasks of one round share, and what they learn."""
 
+    me: int
+    group: Group
+    config: AllReduceConfig
+    deadline: float
+    channel: Callable[[str], grpc.aio.Channel]
+    traffic: Counter[str]
+    hooks: RoundHooks | None
+    reducer: PartReducer | None
+    #: Per (part, chunk): the contributors of what this member received (absent: missing).
     contributors: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
 
@@ -173,89 +182,67 @@ async def run_round(
     as a client; the servicer counts its own side.
     """
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + config.round_timeout_seconds
+    state = _Round(
+        me=me,
+        group=group,
+        config=config,
+        deadline=loop.time() + config.round_timeout_seconds,
+        channel=channel,
+        traffic=traffic,
+        hooks=hooks,
+        reducer=reducer,
+    )
     bounds = group.partition(vector.numel())
     # Every averaged chunk is decoded straight into `out`; missing ones get the caller's values
     # at the end. (A caller's reused buffer also spares a whole-vector page-faulting alloc.)
     out = torch.empty_like(vector) if out is None else out
-    received = _Received()
     tasks: dict[int, asyncio.Task[None]] = {}
     for part, (start, end) in enumerate(bounds):
         if start == end:
             continue
         if part == me:
-            assert reducer is not None
-            coro = _reduce_own_part(me, vector[start:end], out[start:end], reducer, received)
+            coro = _reduce_own_part(state, vector[start:end], out[start:end])
         else:
-            coro = _exchange_with_owner(
-                me,
-                part,
-                group,
-                vector[start:end],
-                out[start:end],
-                config,
-                deadline,
-                channel,
-                received,
-                hooks,
-                reducer,
-                traffic,
-            )
+            coro = _exchange_with_owner(state, part, vector[start:end], out[start:end])
         tasks[part] = asyncio.create_task(coro, name=f"round-{group.round}-part-{part}")
     try:
         if tasks:
-            _, pending = await asyncio.wait(tasks.values(), timeout=deadline - loop.time())
+            _, pending = await asyncio.wait(tasks.values(), timeout=state.deadline - loop.time())
             for part, task in tasks.items():
                 if task in pending:
                     task.cancel()
-                    received.failures.setdefault(
-                        group.members[part].peer_id, "round deadline passed"
-                    )
+                    state.failures.setdefault(group.members[part].peer_id, "round deadline passed")
             await asyncio.gather(*pending, return_exceptions=True)
     finally:
         for task in tasks.values():
             task.cancel()
         if reducer is not None:
             reducer.expire()
-    result = _summarize(me, group, bounds, config, out, received)
+    result = _summarize(state, bounds, out)
     for start, end in result.missing:
         out[start:end] = vector[start:end]
     return result
 
 
-async def _reduce_own_part(
-    me: int,
-    values: torch.Tensor,
-    out: torch.Tensor,
-    reducer: PartReducer,
-    received: _Received,
-) -> None:
+async def _reduce_own_part(state: _Round, values: torch.Tensor, out: torch.Tensor) -> None:
+    reducer = state.reducer
+    assert reducer is not None  # a member with a part has a reducer for it
     offsets = _offsets(reducer.chunk_numels)
     for index, (start, end) in enumerate(offsets):
-        await reducer.accept(me, index, values[start:end])
+        await reducer.accept(state.me, index, values[start:end])
     for index, (start, end) in enumerate(offsets):
         result = await reducer.result(index)
         decoded = reducer.decoded[index]
         if result is None or decoded is None:
             continue
         out[start:end] = decoded
-        received.contributors[(me, index)] = result.contributors
+        state.contributors[(state.me, index)] = result.contributors
 
 
 async def _exchange_with_owner(
-    me: int,
-    part: int,
-    group: Group,
-    values: torch.Tensor,
-    out: torch.Tensor,
-    config: AllReduceConfig,
-    deadline: float,
-    channel: Callable[[str], grpc.aio.Channel],
-    received: _Received,
-    hooks: RoundHooks | None,
-    reducer: PartReducer | None,
-    traffic: Counter[str],
+    state: _Round, part: int, values: torch.Tensor, out: torch.Tensor
 ) -> None:
+    group, config, hooks, traffic = state.group, state.config, state.hooks, state.traffic
     owner = group.members[part]
     numels = chunk_sizes(values.numel(), config.chunk_values)
     offsets = _offsets(numels)
@@ -285,9 +272,9 @@ async def _exchange_with_owner(
             spec_hash=config.spec_hash,
             round=group.round,
             group_id=group.group_id,
-            sender=group.members[me].peer_id,
+            sender=group.members[state.me].peer_id,
             part=part,
-            weight=group.members[me].weight,
+            weight=group.members[state.me].weight,
         )
     )
 
@@ -298,8 +285,8 @@ async def _exchange_with_owner(
 
     loop = asyncio.get_running_loop()
     producer = asyncio.create_task(produce())
-    call = aggregate_method(channel(owner.endpoint))(
-        requests(), timeout=max(0.001, deadline - loop.time())
+    call = aggregate_method(state.channel(owner.endpoint))(
+        requests(), timeout=max(0.001, state.deadline - loop.time())
     )
     expected = 0
     try:
@@ -321,20 +308,20 @@ async def _exchange_with_owner(
             )
             _check_contributors(response, group)
             await decode_chunk(response.chunk.payload, meta, out[start:end])
-            received.contributors[(part, expected)] = tuple(response.contributors)
+            state.contributors[(part, expected)] = tuple(response.contributors)
             expected += 1
     except grpc.aio.AioRpcError as error:
         failure = from_rpc_error(error, owner.peer_id)
-        received.failures[owner.peer_id] = str(failure)
-        if isinstance(failure, PeerUnavailable) and reducer is not None:
+        state.failures[owner.peer_id] = str(failure)
+        if isinstance(failure, PeerUnavailable) and state.reducer is not None:
             # It is gone: stop waiting for its chunks of this member's own part too.
-            reducer.drop_if_silent(part, str(failure))
+            state.reducer.drop_if_silent(part, str(failure))
     except TimeoutError:
-        received.failures[owner.peer_id] = (
+        state.failures[owner.peer_id] = (
             f"no averaged chunk {expected} within {config.reducer_timeout_seconds:g} s"
         )
     except SwarmgradError as error:
-        received.failures[owner.peer_id] = str(error)
+        state.failures[owner.peer_id] = str(error)
     finally:
         call.cancel()
         producer.cancel()
@@ -359,14 +346,8 @@ def _offsets(numels: list[int]) -> list[tuple[int, int]]:
     return offsets
 
 
-def _summarize(
-    me: int,
-    group: Group,
-    bounds: list[tuple[int, int]],
-    config: AllReduceConfig,
-    out: torch.Tensor,
-    received: _Received,
-) -> RoundResult:
+def _summarize(state: _Round, bounds: list[tuple[int, int]], out: torch.Tensor) -> RoundResult:
+    me, group, config = state.me, state.group, state.config
     ids = [m.peer_id for m in group.members]
     missing: list[tuple[int, int]] = []
     seen_in: dict[int, int] = dict.fromkeys(range(len(ids)), 0)
@@ -374,7 +355,7 @@ def _summarize(
     with_others = False
     for part, (start, end) in enumerate(bounds):
         for index, (cs, ce) in enumerate(_offsets(chunk_sizes(end - start, config.chunk_values))):
-            contributors = received.contributors.get((part, index))
+            contributors = state.contributors.get((part, index))
             if contributors is None:
                 if missing and missing[-1][1] == start + cs:
                     missing[-1] = (missing[-1][0], start + ce)
@@ -386,7 +367,7 @@ def _summarize(
             for c in contributors:
                 seen_in[c] += 1
     if not with_others:
-        reasons = "; ".join(f"{p}: {r}" for p, r in received.failures.items()) or "no peers"
+        reasons = "; ".join(f"{p}: {r}" for p, r in state.failures.items()) or "no peers"
         raise RoundAborted(
             f"round {group.round}: nothing was averaged with another peer ({reasons})"
         )
@@ -395,5 +376,5 @@ def _summarize(
         contributors=tuple(ids[c] for c, n in seen_in.items() if n == averaged_chunks),
         partial=tuple(ids[c] for c, n in seen_in.items() if 0 < n < averaged_chunks),
         missing=tuple(missing),
-        failures=dict(received.failures),
+        failures=dict(state.failures),
     )
