@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -52,8 +53,11 @@ class Averager:
         host: str = "127.0.0.1",
         port: int = 0,
         limits: ServerLimits | None = None,
+        services: Sequence[Callable[[grpc.aio.Server], None]] = (),
     ) -> None:
+        """``services`` register the node's other servicers on the same gRPC server."""
         self.peer_id = peer_id
+        self._services = tuple(services)
         self.config = config
         self._host, self._port = host, port
         self.limits = limits or ServerLimits(max_message_bytes=2 * config.max_chunk_bytes)
@@ -72,13 +76,18 @@ class Averager:
 
     async def __aenter__(self) -> Averager:
         self._server, port = await start_server(
-            lambda server: add_to_server(self.servicer, server),
+            self._register,
             host=self._host,
             port=self._port,
             limits=self.limits,
         )
         self.endpoint = f"{self._host}:{port}"
         return self
+
+    def _register(self, server: grpc.aio.Server) -> None:
+        add_to_server(self.servicer, server)
+        for register in self._services:
+            register(server)
 
     async def __aexit__(
         self,
@@ -154,7 +163,7 @@ class Averager:
                 vector=vector.contiguous(),
                 config=self.config,
                 reducer=reducer,
-                channel=self._channel,
+                channel=self.channel,
                 traffic=self.traffic,
                 hooks=hooks,
                 out=out,
@@ -236,7 +245,8 @@ class Averager:
             )
         return active
 
-    def _channel(self, endpoint: str) -> grpc.aio.Channel:
+    def channel(self, endpoint: str) -> grpc.aio.Channel:
+        """The node's (cached) channel to ``endpoint``, with the node's transport limits."""
         channel = self._channels.get(endpoint)
         if channel is None:
             channel = self._channels[endpoint] = open_channel(endpoint, self.limits)

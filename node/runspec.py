@@ -180,16 +180,39 @@ class RunSpec:
     averaging: AveragingSection = field(default_factory=AveragingSection)
     network: NetworkSection = field(default_factory=NetworkSection)
 
-    @property
-    def hash(self) -> bytes:
-        """SHA-256 of the canonical rendering of everything but ``network``."""
-        canonical = {
+    def canonical(self) -> bytes:
+        """Canonical JSON of everything but ``network``: what the hash covers."""
+        sections = {
             f.name: dataclasses.asdict(getattr(self, f.name))
             for f in dataclasses.fields(self)
             if f.name != "network"
         }
-        text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).digest()
+        return json.dumps(sections, sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def hash(self) -> bytes:
+        """SHA-256 of :meth:`canonical`."""
+        return hashlib.sha256(self.canonical()).digest()
+
+    def differences(self, other_canonical: bytes, *, limit: int = 5) -> list[str]:
+        """``section.key: here X, there Y`` for each field where another spec differs from this."""
+        try:
+            theirs = json.loads(other_canonical)
+        except ValueError:
+            return ["the other spec is not readable"]
+        if not isinstance(theirs, dict):
+            return ["the other spec is not readable"]
+        mine = json.loads(self.canonical())
+        found = []
+        for section in sorted(set(mine) | set(theirs)):
+            a, b = mine.get(section, {}), theirs.get(section, {})
+            if not isinstance(a, dict) or not isinstance(b, dict):
+                found.append(f"[{section}] differs")
+                continue
+            for key in sorted(set(a) | set(b)):
+                if a.get(key) != b.get(key):
+                    found.append(f"{section}.{key}: here {a.get(key)!r}, there {b.get(key)!r}")
+        return found[:limit]
 
     @property
     def short_hash(self) -> str:

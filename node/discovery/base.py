@@ -25,6 +25,14 @@ class Discovery(Protocol):
         """Valid, unexpired records under ``topic`` (this node's own included), by peer id."""
         ...
 
+    async def announce_spec(self, canonical: bytes, *, expires_at: float) -> None:
+        """Publish the canonical run spec under the run id alone (not under its hash)."""
+        ...
+
+    async def find_specs(self) -> dict[str, bytes]:
+        """Every spec announced for the run id, by SHA-256 hex, each checked against its hash."""
+        ...
+
     async def leave(self) -> None:
         """Withdraw this node's record at once (a graceful leave)."""
         ...

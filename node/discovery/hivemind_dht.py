@@ -2,7 +2,9 @@
 
 Records of a run live under DHT keys ``run/<run id>/<spec hash>/<topic>`` (``peers`` for the
 swarm, ``round/<r>`` for matchmaking), one subkey per peer id, so one ``get`` returns a whole
-topic and nodes of another spec never see each other. The DHT
+topic and nodes of another spec never see each other. One key sits above the spec hash,
+``run/<run id>/specs``: each spec in use, under its hash, so a node whose spec differs from the
+swarm's can say which fields differ instead of waiting alone. The DHT
 runs in hivemind's own process; every call here is awaited with a deadline. hivemind stores what
 anyone sends, so readers verify every record (``records.PeerRecord.verify``) and count rejects.
 """
@@ -10,6 +12,7 @@ anyone sends, so readers verify every record (``records.PeerRecord.verify``) and
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -23,10 +26,32 @@ from swarmgrad.node.identity import Identity
 
 log = logging.getLogger(__name__)
 
+MAX_SPEC_BYTES = 16 * 1024
+
 
 def dht_time() -> float:
     """The clock records are stamped with (hivemind's DHT time)."""
     return float(hivemind.utils.get_dht_time())
+
+
+async def start_dht(
+    initial_peers: Sequence[str], *, host: str, port: int, start_timeout_seconds: float
+) -> Any:
+    """A running ``hivemind.DHT`` (its own process), joined through ``initial_peers`` if any."""
+
+    def start() -> Any:
+        return hivemind.DHT(
+            initial_peers=list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/{port}"], start=True
+        )
+
+    try:
+        async with asyncio.timeout(start_timeout_seconds):
+            return await asyncio.to_thread(start)
+    except TimeoutError:
+        raise DiscoveryError(f"the DHT did not start in {start_timeout_seconds:g} s") from None
+    except Exception as error:  # hivemind raises plain exceptions from its daemon
+        peers = ", ".join(initial_peers) or "none"
+        raise DiscoveryError(f"could not join the DHT (bootstrap: {peers}): {error}") from error
 
 
 class HivemindDiscovery:
@@ -61,22 +86,9 @@ class HivemindDiscovery:
         call_timeout_seconds: float = 10.0,
     ) -> HivemindDiscovery:
         """Start a DHT node (its own process) and join through ``initial_peers`` if any."""
-
-        def start_dht() -> Any:
-            return hivemind.DHT(
-                initial_peers=list(initial_peers),
-                host_maddrs=[f"/ip4/{host}/tcp/0"],
-                start=True,
-            )
-
-        try:
-            async with asyncio.timeout(start_timeout_seconds):
-                dht = await asyncio.to_thread(start_dht)
-        except TimeoutError:
-            raise DiscoveryError(f"the DHT did not start in {start_timeout_seconds:g} s") from None
-        except Exception as error:
-            peers = ", ".join(initial_peers) or "none"
-            raise DiscoveryError(f"could not join the DHT (bootstrap: {peers}): {error}") from error
+        dht = await start_dht(
+            initial_peers, host=host, port=0, start_timeout_seconds=start_timeout_seconds
+        )
         return cls(
             dht,
             identity,
@@ -107,6 +119,40 @@ class HivemindDiscovery:
         if not ok:
             raise DiscoveryError("no DHT node accepted the record")
         self._announced_until = max(self._announced_until, record.expires_at)
+
+    async def announce_spec(self, canonical: bytes, *, expires_at: float) -> None:
+        """Publish this run spec under the run id alone, where nodes of other specs can see it."""
+        if len(canonical) > MAX_SPEC_BYTES:
+            raise ValueError("the canonical run spec is too large to announce")
+        await self._call(
+            self._dht.store(
+                f"run/{self.run_id}/specs",
+                canonical,
+                expiration_time=expires_at,
+                subkey=self.spec_hash.hex(),
+                return_future=True,
+            )
+        )
+
+    async def find_specs(self) -> dict[str, bytes]:
+        """Specs announced for this run id, by hash; each checked against its hash."""
+        found = await self._call(
+            self._dht.get(f"run/{self.run_id}/specs", latest=True, return_future=True)
+        )
+        entries = found.value if found is not None else {}
+        specs = {}
+        for subkey, item in entries.items() if isinstance(entries, dict) else ():
+            data = getattr(item, "value", None)
+            if (
+                isinstance(subkey, str)
+                and isinstance(data, bytes)
+                and len(data) <= MAX_SPEC_BYTES
+                and hashlib.sha256(data).hexdigest() == subkey
+            ):
+                specs[subkey] = data
+            else:
+                self.rejected["bad spec"] += 1
+        return specs
 
     async def leave(self) -> None:
         """Overwrite this node's record with an empty value (readers skip it).

@@ -37,6 +37,7 @@ class PeerRecord:
     throughput: float  # samples per second
     bandwidth: float  # relative upload capacity
     weight: float  # samples processed since the last round (what its values count for)
+    checksum: str  # fingerprint of its replicated state at ``epoch`` ("" before the first)
     reachable: bool
     issued_at: float  # DHT time, seconds
     expires_at: float
@@ -62,6 +63,7 @@ class PeerRecord:
         throughput: float = 0.0,
         bandwidth: float = 1.0,
         weight: float = 1.0,
+        checksum: str = "",
         reachable: bool = True,
     ) -> PeerRecord:
         return cls(
@@ -75,6 +77,7 @@ class PeerRecord:
             throughput=throughput,
             bandwidth=bandwidth,
             weight=weight,
+            checksum=checksum,
             reachable=reachable,
             issued_at=now,
             expires_at=now + ttl_seconds,

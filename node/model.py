@@ -1,0 +1,97 @@
+"""The demo model: a small GPT-style decoder (pre-norm, causal attention, tied embeddings).
+
+Its initial weights are a function of the run spec alone (a CPU generator seeded with
+``data.seed``), so every peer of a run starts from the same parameters without sending any.
+Parameters are also viewed as one flat fp32 vector (``flatten`` / ``unflatten``): what DiLoCo
+averages and checksums.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swarmgrad.node.runspec import ModelSection
+
+
+class _Block(nn.Module):
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.norm1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.up = nn.Linear(d_model, 4 * d_model)
+        self.down = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(width, dim=-1)
+        shape = (batch, length, self.n_heads, width // self.n_heads)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelSection) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.position = nn.Embedding(config.seq_len, config.d_model)
+        self.blocks = nn.ModuleList(
+            _Block(config.d_model, config.n_heads) for _ in range(config.n_layers)
+        )
+        self.norm = nn.LayerNorm(config.d_model)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of shape ``(batch, length, vocab)`` for token ids ``(batch, length)``."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embed(tokens) + self.position(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x) @ self.embed.weight.T
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(inputs)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def build_model(config: ModelSection, *, seed: int) -> GPT:
+    """The run's initial model: identical on every peer for the same spec."""
+    generator = torch.Generator().manual_seed(seed)
+    model = GPT(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.zero_()
+            elif parameter.dim() == 1:  # LayerNorm gains
+                parameter.fill_(1.0)
+            else:
+                std = 0.02
+                if name.endswith(("proj.weight", "down.weight")):  # residual branches (GPT-2)
+                    std /= math.sqrt(2 * config.n_layers)
+                parameter.normal_(0.0, std, generator=generator)
+    return model
+
+
+def flatten(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """All parameters as one new flat fp32 CPU vector."""
+    return torch.cat([p.detach().reshape(-1).float().cpu() for p in parameters])
+
+
+def unflatten(vector: torch.Tensor, parameters: list[nn.Parameter]) -> None:
+    """Copy ``vector`` (as made by :func:`flatten`) into ``parameters``, in place."""
+    offset = 0
+    with torch.no_grad():
+        for p in parameters:
+            n = p.numel()
+            p.copy_(vector[offset : offset + n].view_as(p))
+            offset += n
+    if offset != vector.numel():
+        raise ValueError(f"vector has {vector.numel()} values, the parameters {offset}")

@@ -1,0 +1,384 @@
+"""A node's place in the swarm: discovery, matchmaking, averaging and state, behind one object.
+
+``Swarm`` is what trainers (the CLI's and a researcher's own loop, through ``node/training.py``)
+talk to. It owns, in start order: the DHT (first, before any gRPC object: hivemind forks), the
+check that this node's run spec is the swarm's, the gRPC server with the Averaging and State
+services, and a task that keeps this node's signed peer record fresh (endpoint, epoch, checksum
+of its replicated state). Trainers run in a worker thread and reach the loop through
+:meth:`Swarm.call`; everything here runs on the loop.
+
+One outer round, as a trainer sees it (:meth:`Swarm.average`): form a group for the epoch through
+the DHT, let the trainer prepare its vector for that group (error feedback needs the group's
+chunking), all-reduce. Each way a round can fail is an :class:`Outcome` the trainer handles, counts
+and survives; none raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import logging
+from collections import Counter
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from swarmgrad.compression import get_codec
+from swarmgrad.node.allreduce import AllReduceConfig, RoundResult
+from swarmgrad.node.averager import Averager
+from swarmgrad.node.discovery.base import DiscoveryError
+from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery, dht_time
+from swarmgrad.node.discovery.records import PeerRecord
+from swarmgrad.node.group import Group
+from swarmgrad.node.identity import Identity
+from swarmgrad.node.matchmaking import Matchmaker
+from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.throttle import TokenBucket
+from swarmgrad.protocol import state
+from swarmgrad.protocol.errors import RoundAborted, SwarmgradError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class SpecMismatch(RuntimeError):
+    """This node's run spec differs from the one the run's peers use; the message says how."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SwarmConfig:
+    """How this node joins (operational: nothing here is part of the run spec's hash)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    bootstrap: tuple[str, ...] = ()
+    #: Relative upload capacity: the share of each round's vector this node owns.
+    bandwidth: float = 1.0
+    #: Cap on this node's averaging uploads (a token bucket), for simulated slow links.
+    upload_bytes_per_second: float | None = None
+    record_ttl_seconds: float = 60.0
+    announce_interval_seconds: float = 15.0
+    dht_start_timeout_seconds: float = 60.0
+    state_download_timeout_seconds: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not self.bandwidth > 0:
+            raise ValueError("bandwidth must be positive")
+        if self.upload_bytes_per_second is not None and not self.upload_bytes_per_second > 0:
+            raise ValueError("upload_bytes_per_second must be positive")
+        if not 0 < self.announce_interval_seconds < self.record_ttl_seconds:
+            raise ValueError("announce_interval_seconds must be positive and below the TTL")
+
+
+class Outcome(enum.Enum):
+    AVERAGED = "averaged"
+    NO_GROUP = "no group"  # nobody else was ready in time: train on
+    ABORTED = "aborted"  # the group formed but the all-reduce produced nothing
+
+
+@dataclass(frozen=True, slots=True)
+class Averaged:
+    outcome: Outcome
+    result: RoundResult | None = None
+    group: Group | None = None
+    sent: torch.Tensor | None = None  # what this node contributed (after any preparation)
+    error: str = ""
+
+
+def allreduce_config(spec: RunSpec) -> AllReduceConfig:
+    averaging = spec.averaging
+    return AllReduceConfig(
+        run_id=spec.run.id,
+        spec_hash=spec.hash,
+        codec=averaging.codec,
+        chunk_values=averaging.chunk_values,
+        round_timeout_seconds=averaging.round_timeout_seconds,
+        sender_timeout_seconds=averaging.sender_timeout_seconds,
+        reducer_timeout_seconds=averaging.reducer_timeout_seconds,
+    )
+
+
+class Swarm:
+    """``async with Swarm(spec, identity, config) as swarm``: this node joined to its run."""
+
+    def __init__(self, spec: RunSpec, identity: Identity, config: SwarmConfig) -> None:
+        self.spec, self.identity, self.config = spec, identity, config
+        self.peer_id = identity.peer_id
+        self._discovery: HivemindDiscovery | None = None
+        self._averager: Averager | None = None
+        self._matchmaker: Matchmaker | None = None
+        self._snapshot: state.Snapshot | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._refresh = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._pending: set[concurrent.futures.Future[Any]] = set()
+        self._closing = False
+        self._throttle = (
+            TokenBucket(config.upload_bytes_per_second)
+            if config.upload_bytes_per_second is not None
+            else None
+        )
+        self.state_servicer = state.StateServicer(
+            run_id=spec.run.id, spec_hash=spec.hash, snapshot=lambda: self._snapshot
+        )
+        self.codec = get_codec(spec.averaging.codec)
+        self.codec_is_lossless = spec.averaging.codec == "none"
+        #: Rounds by outcome, state downloads, and errors, by kind.
+        self.counts: Counter[str] = Counter()
+        #: The run's trainers as last read from the DHT (this node included).
+        self.peers: list[PeerRecord] = []
+        self.throughput = 0.0  # samples/s, announced
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Swarm:
+        self._loop = asyncio.get_running_loop()
+        self._discovery = await HivemindDiscovery.start(
+            self.identity,
+            run_id=self.spec.run.id,
+            spec_hash=self.spec.hash,
+            initial_peers=self.config.bootstrap,
+            host=self.config.host,
+            start_timeout_seconds=self.config.dht_start_timeout_seconds,
+        )
+        try:
+            await self._check_spec()
+            self._averager = Averager(
+                self.peer_id,
+                allreduce_config(self.spec),
+                host=self.config.host,
+                port=self.config.port,
+                services=[lambda server: state.add_to_server(self.state_servicer, server)],
+            )
+            await self._averager.__aenter__()
+            self._matchmaker = Matchmaker(
+                self._discovery,
+                self.identity,
+                group_size=self.spec.averaging.group_size,
+                matchmaking_timeout_seconds=self.spec.averaging.matchmaking_timeout_seconds,
+            )
+            await self._announce()
+            self._spawn(self._keep_announcing(), "announce")
+        except BaseException:
+            await self._close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._close()
+
+    async def _close(self) -> None:
+        """Graceful leave: withdraw the record, stop serving (with a grace period), stop the DHT."""
+        self.release_waiters()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._discovery is not None:
+            try:
+                await self._discovery.leave()
+            except DiscoveryError as error:
+                log.warning("could not announce leave: %s", error)
+        if self._averager is not None:
+            await self._averager.stop()
+            self._averager = None
+        if self._discovery is not None:
+            await self._discovery.close()
+            self._discovery = None
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @property
+    def endpoint(self) -> str:
+        return self._averager.endpoint if self._averager is not None else ""
+
+    @property
+    def traffic(self) -> Counter[str]:
+        """Averaging payload bytes ``sent`` and ``received`` by this node."""
+        return self._averager.traffic if self._averager is not None else Counter()
+
+    def visible_maddrs(self) -> list[str]:
+        return self._discovery.visible_maddrs() if self._discovery is not None else []
+
+    # -- the run spec ---------------------------------------------------------------------------
+
+    async def _check_spec(self) -> None:
+        """Refuse to join a run whose peers use another spec (and announce ours)."""
+        assert self._discovery is not None
+        mine = self.spec.hash.hex()
+        specs = await self._discovery.find_specs()
+        others = {h: body for h, body in specs.items() if h != mine}
+        if others and mine not in specs:
+            first_hash, first = sorted(others.items())[0]
+            diffs = "; ".join(self.spec.differences(first)) or "unknown fields"
+            raise SpecMismatch(
+                f"run {self.spec.run.id!r} is being trained with a different run spec "
+                f"({first_hash[:12]}, yours is {mine[:12]}): {diffs}. Use the run's spec file "
+                f"(or pick another run id) to join."
+            )
+        await self._discovery.announce_spec(
+            self.spec.canonical(), expires_at=dht_time() + self.config.record_ttl_seconds
+        )
+
+    # -- peer records ---------------------------------------------------------------------------
+
+    def publish(self, snapshot: state.Snapshot, *, throughput: float) -> None:
+        """Serve ``snapshot`` to peers and announce its epoch and checksum; thread-safe."""
+        self._snapshot = snapshot
+        self.throughput = throughput
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._refresh.set)
+
+    @property
+    def snapshot(self) -> state.Snapshot | None:
+        return self._snapshot
+
+    async def _announce(self) -> None:
+        assert self._discovery is not None
+        snapshot = self._snapshot
+        record = PeerRecord.create(
+            self.identity,
+            run_id=self.spec.run.id,
+            spec_hash=self.spec.hash,
+            endpoint=self.endpoint,
+            now=dht_time(),
+            ttl_seconds=self.config.record_ttl_seconds,
+            epoch=snapshot.epoch if snapshot is not None else 0,
+            checksum=snapshot.checksum if snapshot is not None else "",
+            throughput=self.throughput,
+            bandwidth=self.config.bandwidth,
+        )
+        await self._discovery.announce(record)
+        await self._discovery.announce_spec(
+            self.spec.canonical(), expires_at=dht_time() + self.config.record_ttl_seconds
+        )
+        self.peers = await self._discovery.find()
+
+    async def _keep_announcing(self) -> None:
+        while True:
+            try:
+                async with asyncio.timeout(self.config.announce_interval_seconds):
+                    await self._refresh.wait()
+            except TimeoutError:
+                pass
+            self._refresh.clear()
+            try:
+                await self._announce()
+            except DiscoveryError as error:
+                self.counts["announce failed"] += 1
+                log.warning("could not refresh this node's record: %s", error)
+
+    async def refresh_peers(self) -> list[PeerRecord]:
+        assert self._discovery is not None
+        try:
+            self.peers = await self._discovery.find()
+        except DiscoveryError as error:
+            self.counts["discovery failed"] += 1
+            log.warning("could not read the run's peers: %s", error)
+        return self.peers
+
+    # -- state ----------------------------------------------------------------------------------
+
+    async def find_donor(self, epoch: int, checksum: str) -> PeerRecord | None:
+        """A peer to download state from, if this node is behind or diverged; else None.
+
+        Behind: some peer announces a newer epoch (take the checksum most peers at the newest
+        epoch share). Diverged: more peers at this epoch share another checksum than share ours.
+        """
+        peers = [p for p in await self.refresh_peers() if p.peer_id != self.peer_id and p.checksum]
+        if not peers:
+            return None
+        newest = max(p.epoch for p in peers)
+        if newest < epoch:
+            return None
+        at_newest = [p for p in peers if p.epoch == newest]
+        votes = Counter(p.checksum for p in at_newest)
+        best, count = votes.most_common(1)[0]
+        if newest == epoch and (best == checksum or count <= votes[checksum] + 1):
+            return None  # in step, or no clear majority against us (we count for ours)
+        return next(p for p in at_newest if p.checksum == best)
+
+    async def download_state(self, donor: PeerRecord, num_values: int) -> state.Snapshot | None:
+        assert self._averager is not None
+        try:
+            snapshot = await state.download(
+                self._averager.channel(donor.endpoint),
+                peer=donor.peer_id,
+                run_id=self.spec.run.id,
+                spec_hash=self.spec.hash,
+                num_values=num_values,
+                expected_checksum=donor.checksum,
+                timeout_seconds=self.config.state_download_timeout_seconds,
+            )
+        except SwarmgradError as error:
+            self.counts["state download failed"] += 1
+            log.warning("state download from %s failed: %s", donor.peer_id, error)
+            return None
+        self.counts["state downloads"] += 1
+        return snapshot
+
+    # -- rounds ---------------------------------------------------------------------------------
+
+    async def average(
+        self,
+        vector: torch.Tensor,
+        *,
+        epoch: int,
+        weight: float,
+        prepare: Callable[[torch.Tensor, Group], torch.Tensor] | None = None,
+    ) -> Averaged:
+        """One round: a group for ``epoch`` through the DHT, then the all-reduce of ``vector``.
+
+        ``prepare`` (run in a worker thread) turns ``vector`` into what is sent, given the group.
+        """
+        assert self._matchmaker is not None and self._averager is not None
+        try:
+            group = await self._matchmaker.form_group(
+                epoch, endpoint=self.endpoint, bandwidth=self.config.bandwidth, weight=weight
+            )
+        except DiscoveryError as error:
+            self.counts["discovery failed"] += 1
+            return Averaged(Outcome.NO_GROUP, error=str(error))
+        if group is None:
+            self.counts["no group"] += 1
+            return Averaged(Outcome.NO_GROUP, error="nobody else was ready in time")
+        sent = vector if prepare is None else await asyncio.to_thread(prepare, vector, group)
+        try:
+            result = await self._averager.all_reduce(sent, group, hooks=self._throttle)
+        except RoundAborted as error:
+            self.counts["aborted"] += 1
+            return Averaged(Outcome.ABORTED, group=group, error=str(error))
+        self.counts["averaged" if result.complete else "partial"] += 1
+        return Averaged(Outcome.AVERAGED, result=result, group=group, sent=sent)
+
+    # -- the trainer's thread -------------------------------------------------------------------
+
+    def release_waiters(self) -> None:
+        """Let go of trainer threads waiting in :meth:`call` (they get ``CancelledError``)."""
+        self._closing = True
+        for future in list(self._pending):
+            future.cancel()
+
+    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run ``coroutine`` on the node's loop from a trainer thread and wait for its result.
+
+        Raises ``concurrent.futures.CancelledError`` once the node is stopping.
+        """
+        if self._loop is None or self._closing:
+            coroutine.close()
+            if self._loop is None:
+                raise RuntimeError("the swarm is not running")
+            raise concurrent.futures.CancelledError()
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        self._pending.add(future)
+        try:
+            return future.result()  # concurrent.futures.CancelledError once the swarm closes
+        finally:
+            self._pending.discard(future)

@@ -1,0 +1,333 @@
+"""The Python API for training in a swarm: wrap your model (and optimizer) and call ``step``.
+
+Two algorithms, one shape of API, both driven from your own training loop in a worker thread
+while the node's event loop serves peers::
+
+    diloco = DiLoCo(swarm, model, inner_steps=50, outer_lr=0.7, outer_momentum=0.9)
+    for inputs, targets in batches:             # your loop, your inner optimizer
+        model.loss(inputs, targets).backward()
+        inner.step(); inner.zero_grad()
+        diloco.step(samples=len(inputs))        # every 50th call: one outer round with the group
+
+    sync = SyncDataParallel(swarm, model, optimizer, target_batch_size=256)
+    for inputs, targets in batches:
+        model.loss(inputs, targets).backward()
+        sync.step(samples=len(inputs))          # averages gradients, then optimizer.step()
+
+Each replicated state (DiLoCo: the global parameters and the outer momentum; sync: the parameters
+and the optimizer's state) is published after every round with its checksum; before a round a
+replica that is behind the swarm, or holds a state fewer peers share, downloads the state from
+a peer instead (:meth:`Swarm.find_donor`). Lossy codecs get error feedback: what the codec drops
+from a round's message is added to the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from swarmgrad.node.diloco import OuterOptimizer
+from swarmgrad.node.group import Group, chunk_sizes
+from swarmgrad.node.model import flatten, unflatten
+from swarmgrad.node.swarm import Averaged, Outcome, Swarm
+from swarmgrad.protocol import state
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundReport:
+    """What one round did, for displays, logs and tests."""
+
+    epoch: int  # the epoch after the round
+    outcome: str  # "averaged", "partial", "no group", "aborted", "resynced", "alone"
+    group_size: int
+    seconds: float
+    missing_values: int = 0
+    detail: str = ""
+
+
+class _Replica:
+    """The part both algorithms share: feedback, resync, publishing, reports."""
+
+    def __init__(self, swarm: Swarm, model: nn.Module) -> None:
+        self.swarm = swarm
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        self.epoch = 0
+        self.samples = 0  # since the last round: this replica's weight in it
+        self._residual = torch.zeros(self.numel)
+        self._started = time.monotonic()
+        self._samples_total = 0
+
+    # -- what a subclass provides ---------------------------------------------------------------
+
+    def state_vector(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def load_state_vector(self, values: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    # -- shared ---------------------------------------------------------------------------------
+
+    def publish(self) -> None:
+        values = self.state_vector()
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        self.swarm.publish(
+            state.Snapshot(epoch=self.epoch, values=values, checksum=state.checksum(values)),
+            throughput=self._samples_total / elapsed,
+        )
+
+    def _resync_if_needed(self) -> RoundReport | None:
+        started = time.monotonic()
+        snapshot = self.swarm.snapshot
+        mine = snapshot.checksum if snapshot is not None else ""
+        donor = self.swarm.call(self.swarm.find_donor(self.epoch, mine))
+        if donor is None:
+            return None
+        size = self.state_vector().numel()
+        downloaded = self.swarm.call(self.swarm.download_state(donor, size))
+        if downloaded is None:
+            return None  # counted by the swarm; try again next round
+        log.info(
+            "resynced from %s: epoch %d -> %d, dropped %d local samples",
+            donor.peer_id,
+            self.epoch,
+            downloaded.epoch,
+            self.samples,
+        )
+        self.load_state_vector(downloaded.values)
+        self.epoch = downloaded.epoch
+        self.samples = 0
+        self._residual.zero_()
+        self.publish()
+        return RoundReport(
+            epoch=self.epoch,
+            outcome="resynced",
+            group_size=0,
+            seconds=time.monotonic() - started,
+            detail=f"from {donor.peer_id}",
+        )
+
+    def _with_feedback(self, vector: torch.Tensor, group: Group) -> torch.Tensor:
+        """``vector + residual`` as the group's owners will decode it; keeps what is lost
+        (and, whatever the codec, the residual: values a round could not average).
+
+        Parts this member owns are reduced from its exact values, so only the others are
+        round-tripped through the codec, chunk by chunk exactly as the all-reduce cuts them.
+        """
+        compensated = vector + self._residual
+        sent = compensated.clone()
+        codec = self.swarm.codec
+        me = group.index(self.swarm.peer_id)
+        chunk_values = self.swarm.spec.averaging.chunk_values
+        for part, (start, end) in enumerate(group.partition(vector.numel())):
+            if part == me or self.swarm.codec_is_lossless:
+                continue
+            offset = start
+            for size in chunk_sizes(end - start, chunk_values):
+                piece = compensated[offset : offset + size]
+                sent[offset : offset + size] = codec.decode(*codec.encode(piece))
+                offset += size
+        self._residual = compensated - sent
+        return sent
+
+    def _average(self, vector: torch.Tensor) -> Averaged:
+        residual = self._residual.clone()
+        averaged = self.swarm.call(
+            self.swarm.average(
+                vector, epoch=self.epoch, weight=self.samples, prepare=self._with_feedback
+            )
+        )
+        if averaged.outcome is not Outcome.AVERAGED:
+            self._residual = residual  # nothing was applied: the next round resends it all
+        return averaged
+
+    def _report(self, averaged: Averaged, started: float) -> RoundReport:
+        result = averaged.result
+        missing = sum(end - start for start, end in result.missing) if result else 0
+        outcome = averaged.outcome.value
+        if result is not None and not result.complete:
+            outcome = "partial"
+        return RoundReport(
+            epoch=self.epoch,
+            outcome=outcome,
+            group_size=len(averaged.group.members) if averaged.group else 1,
+            seconds=time.monotonic() - started,
+            missing_values=missing,
+            detail=averaged.error,
+        )
+
+
+class DiLoCo(_Replica):
+    """DiLoCo's outer loop around a model trained by any inner optimizer (Douillard et al. 2023).
+
+    Every ``inner_steps`` calls of :meth:`step`, the pseudo-gradient (global minus local
+    parameters) is averaged with a group, weighted by samples; every member applies the same
+    Nesterov outer step and continues from the new global parameters. A replica that finds no
+    group keeps training and tries again after the next ``inner_steps``.
+    """
+
+    def __init__(
+        self,
+        swarm: Swarm,
+        model: nn.Module,
+        *,
+        inner_steps: int,
+        outer_lr: float,
+        outer_momentum: float,
+    ) -> None:
+        super().__init__(swarm, model)
+        if inner_steps < 1:
+            raise ValueError("inner_steps must be at least 1")
+        self.inner_steps = inner_steps
+        self.outer = OuterOptimizer(flatten(self.params), lr=outer_lr, momentum=outer_momentum)
+        self._steps = 0
+        self.publish()
+
+    def state_vector(self) -> torch.Tensor:
+        return torch.cat([self.outer.theta, self.outer.momentum_buffer])
+
+    def load_state_vector(self, values: torch.Tensor) -> None:
+        theta, momentum = values.split(self.numel)
+        self.outer.load_state_dict(
+            {"theta": theta, "momentum_buffer": momentum, "carry": torch.zeros(self.numel)}
+        )
+        unflatten(self.outer.theta, self.params)
+
+    def step(self, samples: int) -> RoundReport | None:
+        """Count one inner step of ``samples``; run an outer round when one is due."""
+        self._steps += 1
+        self.samples += samples
+        self._samples_total += samples
+        if self._steps % self.inner_steps:
+            return None
+        return self.outer_round()
+
+    def outer_round(self) -> RoundReport:
+        started = time.monotonic()
+        resynced = self._resync_if_needed()
+        if resynced is not None:
+            return resynced
+        delta = self.outer.pseudo_gradient(flatten(self.params))
+        averaged = self._average(delta)
+        if averaged.outcome is Outcome.AVERAGED:
+            assert averaged.result is not None and averaged.sent is not None
+            theta = self.outer.step(
+                averaged.result.averaged, own=averaged.sent, missing=averaged.result.missing
+            )
+            unflatten(theta, self.params)
+            self.epoch += 1
+            self.samples = 0
+            self.publish()
+        return self._report(averaged, started)
+
+
+class SyncDataParallel(_Replica):
+    """Per-step gradient averaging toward a target global batch (the reference algorithm).
+
+    Call :meth:`step` after each ``backward()``. Gradients accumulate until this replica holds
+    its share of ``target_batch_size`` (the target split over the group size); then the mean
+    gradient is averaged with a group, weighted by samples, and every member applies the same
+    optimizer step. A replica that finds no group accumulates on, and steps alone once it holds
+    the whole target batch itself.
+    """
+
+    def __init__(
+        self,
+        swarm: Swarm,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        target_batch_size: int,
+    ) -> None:
+        super().__init__(swarm, model)
+        self.optimizer = optimizer
+        self.target_batch_size = target_batch_size
+        self._micro_batches = 0
+        self._prime_optimizer()
+        self.publish()
+
+    def _prime_optimizer(self) -> None:
+        """Create the optimizer's state now (a zero-lr step on zero gradients), so it can be
+        published and loaded before the first real step."""
+        saved = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.0
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        for group, lr in zip(self.optimizer.param_groups, saved, strict=True):
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        return [
+            value
+            for p in self.params
+            for _, value in sorted(self.optimizer.state[p].items())
+            if isinstance(value, torch.Tensor) and value.is_floating_point()
+        ]
+
+    def state_vector(self) -> torch.Tensor:
+        tensors = [p.detach() for p in self.params] + self._optimizer_tensors()
+        return torch.cat([t.reshape(-1).float().cpu() for t in tensors])
+
+    def load_state_vector(self, values: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for t in [p.data for p in self.params] + self._optimizer_tensors():
+                t.copy_(values[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def step(self, samples: int) -> RoundReport | None:
+        """Count one backward pass over ``samples``; average and step when the batch is full."""
+        self._micro_batches += 1
+        self.samples += samples
+        self._samples_total += samples
+        share = self.target_batch_size / self.swarm.spec.averaging.group_size
+        if self.samples < share:
+            return None
+        started = time.monotonic()
+        resynced = self._resync_if_needed()
+        if resynced is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._micro_batches = 0
+            return resynced
+        gradient = torch.cat(
+            [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float().cpu()
+                for p in self.params
+            ]
+        ).div_(self._micro_batches)
+        averaged = self._average(gradient)
+        if averaged.outcome is Outcome.AVERAGED:
+            assert averaged.result is not None and averaged.sent is not None
+            mean = averaged.result.averaged
+            for start, end in averaged.result.missing:  # not averaged: keep it for next time
+                self._residual[start:end] += averaged.sent[start:end]
+                mean[start:end] = 0.0
+            self._apply(mean)
+            return self._report(averaged, started)
+        if self.samples >= self.target_batch_size:  # the whole global batch is ours alone
+            self._apply(gradient)
+            return RoundReport(
+                epoch=self.epoch, outcome="alone", group_size=1, seconds=0.0, detail=averaged.error
+            )
+        return self._report(averaged, started)
+
+    def _apply(self, gradient: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            p.grad = gradient[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype)
+            offset += p.numel()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._micro_batches = 0
+        self.samples = 0
+        self.epoch += 1
+        self.publish()

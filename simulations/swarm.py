@@ -1,0 +1,317 @@
+"""``swarmgrad simulate``: a bootstrap and N real node processes on loopback, and their summary.
+
+Each node is the real ``swarmgrad node`` command in its own process, with its own identity, a
+per-peer compute slowdown and upload cap from the profile, writing its status file after every
+round. The driver waits (with a deadline) for every node to reach the target epoch, then reads
+the status files into one summary: the loss curve, each peer's contribution, bytes, round times,
+utilization, and whether all replicas ended with the same parameters.
+
+A profile is TOML with one ``[[peer]]`` table per node (reused in turn if there are fewer)::
+
+    [[peer]]
+    slowdown = 1.0                  # compute speed factor (2.0: steps take twice as long)
+    upload_bytes_per_second = 5e6   # cap on averaging uploads (omit: no cap)
+    bandwidth = 1.0                 # relative share of each vector this peer owns
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from swarmgrad.node import config as node_config
+from swarmgrad.node.runspec import RunSpec
+
+DEMO_SPEC = """\
+# The demo run: a small GPT on Shakespeare's plays, DiLoCo with 8-bit averaging.
+[run]
+id = "shakespeare-demo"
+
+[model]
+vocab_size = 2048
+d_model = 128
+n_layers = 2
+n_heads = 4
+seq_len = 64
+
+[data]
+source = "demo"
+batch_size = 16
+
+[algorithm]
+name = "diloco"
+inner_steps = 25
+inner_lr = 1e-3
+outer_lr = 0.7
+outer_momentum = 0.9
+
+[averaging]
+codec = "int8"
+group_size = 4
+matchmaking_timeout_seconds = 20.0
+"""
+
+
+class SimulationError(RuntimeError):
+    """The simulation could not run (bad profile, a node that failed to start); says why."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerProfile:
+    slowdown: float = 1.0
+    upload_bytes_per_second: float | None = None
+    bandwidth: float = 1.0
+
+
+def load_profile(path: Path | None, nodes: int) -> list[PeerProfile]:
+    if path is None:
+        return [PeerProfile() for _ in range(nodes)]
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise SimulationError(f"cannot read profile {path}: {error}") from None
+    peers = raw.get("peer")
+    if set(raw) != {"peer"} or not isinstance(peers, list) or not peers:
+        raise SimulationError(f"{path}: expected one or more [[peer]] tables and nothing else")
+    known = {"slowdown", "upload_bytes_per_second", "bandwidth"}
+    profiles = []
+    for i, table in enumerate(peers):
+        unknown = set(table) - known
+        if unknown:
+            raise SimulationError(f"{path}: peer {i}: unknown key(s) {', '.join(sorted(unknown))}")
+        try:
+            profiles.append(PeerProfile(**{k: float(v) for k, v in table.items()}))
+        except (TypeError, ValueError):
+            raise SimulationError(f"{path}: peer {i}: values must be numbers") from None
+    return [profiles[i % len(profiles)] for i in range(nodes)]
+
+
+class _Process:
+    def __init__(self, name: str, command: list[str], log_path: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.popen = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def stop(self, timeout_seconds: float = 15.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_seconds)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+        self._log.close()
+
+    def tail(self, lines: int = 15) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+
+def _command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "swarmgrad.node.cli", *args]
+
+
+def _wait_for_file(path: Path, process: _Process, deadline: float) -> dict[str, Any]:
+    while time.monotonic() < deadline:
+        if path.exists():
+            return dict(json.loads(path.read_text()))
+        if process.popen.poll() is not None:
+            raise SimulationError(f"{process.name} exited early:\n{process.tail()}")
+        time.sleep(0.1)
+    raise SimulationError(f"{process.name} did not come up in time:\n{process.tail()}")
+
+
+def simulate(
+    *,
+    nodes: int,
+    rounds: int,
+    spec_path: Path | None,
+    profile_path: Path | None,
+    out_dir: Path,
+    timeout_seconds: float = 600.0,
+    extra_node_args: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """Run the swarm to ``rounds`` epochs; return (and write to summary.json) its summary."""
+    if nodes < 1 or rounds < 1:
+        raise SimulationError("--nodes and --rounds must be at least 1")
+    profiles = load_profile(profile_path, nodes)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if spec_path is None:
+        spec_path = out_dir / "run.toml"
+        spec_path.write_text(DEMO_SPEC)
+    spec = RunSpec.load(spec_path)
+    cache_dir = node_config.home() / "cache"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMGRAD_")}
+    deadline = time.monotonic() + timeout_seconds
+    processes: list[_Process] = []
+    started = time.time()
+    try:
+        maddrs_file = out_dir / "bootstrap.json"
+        maddrs_file.unlink(missing_ok=True)
+        boot = _Process(
+            "bootstrap",
+            _command("bootstrap", "--maddrs-file", str(maddrs_file)),
+            out_dir / "bootstrap.log",
+            env,
+        )
+        processes.append(boot)
+        maddrs = _wait_for_file(maddrs_file, boot, deadline)["maddrs"]
+        peers = []
+        for i, profile in enumerate(profiles):
+            status = out_dir / f"node-{i}.json"
+            status.unlink(missing_ok=True)
+            args = [
+                "node",
+                str(spec_path),
+                *(a for m in maddrs for a in ("--bootstrap", m)),
+                "--identity", str(out_dir / f"node-{i}.key"),
+                "--cache-dir", str(cache_dir),
+                "--max-epochs", str(rounds),
+                "--slowdown", str(profile.slowdown),
+                "--bandwidth", str(profile.bandwidth),
+                "--status-file", str(status),
+                "--display", "log",
+                "--threads", "1",
+                *extra_node_args,
+            ]  # fmt: skip
+            if profile.upload_bytes_per_second is not None:
+                args += ["--upload-limit", str(profile.upload_bytes_per_second)]
+            process = _Process(f"node-{i}", _command(*args), out_dir / f"node-{i}.log", env)
+            processes.append(process)
+            peers.append((process, status))
+        for process, _ in peers:
+            while process.popen.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if process.popen.poll() is None:
+                raise SimulationError(f"{process.name} did not finish in time:\n{process.tail()}")
+            if process.popen.returncode != 0:
+                raise SimulationError(
+                    f"{process.name} failed ({process.popen.returncode}):\n{process.tail()}"
+                )
+        statuses = [json.loads(path.read_text()) for _, path in peers]
+    finally:
+        for process in reversed(processes):
+            process.stop()
+    summary = summarize(statuses, spec=spec, wall_seconds=time.time() - started, rounds=rounds)
+    summary["profiles"] = [_profile_dict(p) for p in profiles]
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _profile_dict(profile: PeerProfile) -> dict[str, Any]:
+    return {
+        "slowdown": profile.slowdown,
+        "upload_bytes_per_second": profile.upload_bytes_per_second,
+        "bandwidth": profile.bandwidth,
+    }
+
+
+def summarize(
+    statuses: list[dict[str, Any]], *, spec: RunSpec, wall_seconds: float, rounds: int
+) -> dict[str, Any]:
+    """One summary from the nodes' final status files."""
+    curve: dict[int, list[float]] = {}
+    round_seconds: dict[int, list[float]] = {}
+    for status in statuses:
+        for entry in status["history"]:
+            if entry["outcome"] in ("averaged", "partial"):
+                curve.setdefault(entry["epoch"], []).append(entry["val_loss"])
+                round_seconds.setdefault(entry["epoch"], []).append(entry["round_seconds"])
+    peers = []
+    for status in statuses:
+        busy = status["compute_seconds"] + status["communication_seconds"]
+        peers.append(
+            {
+                "peer_id": status["peer_id"],
+                "epoch": status["epoch"],
+                "samples": status["samples"],
+                "tokens_per_second": status["tokens_per_second"],
+                "bytes_sent": status["bytes_sent"],
+                "bytes_received": status["bytes_received"],
+                "compute_seconds": status["compute_seconds"],
+                "communication_seconds": status["communication_seconds"],
+                "utilization": status["compute_seconds"] / busy if busy else 0.0,
+                "outcomes": status["outcomes"],
+                "checksum": status["checksum"],
+            }
+        )
+    total_samples = sum(p["samples"] for p in peers) or 1
+    for peer in peers:
+        peer["contribution"] = peer["samples"] / total_samples
+    checksums = {p["checksum"] for p in peers}
+    initial = statistics.fmean(s["initial_val_loss"] for s in statuses)
+    final = statistics.fmean(s["val_loss"] for s in statuses)
+    return {
+        "ok": len(checksums) == 1 and all(p["epoch"] >= rounds for p in peers),
+        "run": spec.run.id,
+        "spec_hash": spec.short_hash,
+        "algorithm": spec.algorithm.name,
+        "codec": spec.averaging.codec,
+        "nodes": len(statuses),
+        "rounds": rounds,
+        "wall_seconds": wall_seconds,
+        "initial_val_loss": initial,
+        "final_val_loss": final,
+        "replicas_identical": len(checksums) == 1,
+        "loss_curve": [
+            {"epoch": e, "val_loss": statistics.fmean(v)} for e, v in sorted(curve.items())
+        ],
+        "round_seconds": [
+            {"epoch": e, "median": statistics.median(v), "max": max(v)}
+            for e, v in sorted(round_seconds.items())
+        ],
+        "peers": peers,
+    }
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    curve = Table(title=f"validation loss ({summary['algorithm']}, {summary['codec']})")
+    for name in ("epoch", "val loss", "round s (median / max)"):
+        curve.add_column(name, justify="right")
+    curve.add_row("start", f"{summary['initial_val_loss']:.3f}", "")
+    times = {r["epoch"]: r for r in summary["round_seconds"]}
+    for point in summary["loss_curve"]:
+        t = times.get(point["epoch"])
+        curve.add_row(
+            str(point["epoch"]),
+            f"{point['val_loss']:.3f}",
+            f"{t['median']:.2f} / {t['max']:.2f}" if t else "",
+        )
+    console.print(curve)
+    peers = Table(title="peers")
+    columns = ("peer", "epoch", "samples", "share", "tokens/s", "sent", "received", "util.")
+    for name in columns:
+        peers.add_column(name, justify="right")
+    for p in summary["peers"]:
+        peers.add_row(
+            p["peer_id"][:12],
+            str(p["epoch"]),
+            f"{p['samples']:,}",
+            f"{p['contribution']:.0%}",
+            f"{p['tokens_per_second']:,.0f}",
+            f"{p['bytes_sent'] / 2**20:.1f} MiB",
+            f"{p['bytes_received'] / 2**20:.1f} MiB",
+            f"{p['utilization']:.0%}",
+        )
+    console.print(peers)
+    console.print(
+        f"{summary['nodes']} nodes, {summary['rounds']} rounds in {summary['wall_seconds']:.0f} s: "
+        f"val loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f}; "
+        f"replicas identical: {summary['replicas_identical']}"
+    )
