@@ -74,7 +74,7 @@ def node(
     threads: Annotated[int | None, typer.Option(help="Torch CPU threads.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
-    """Train with the run's peers: join through the bootstrap, average every round, leave on Ctrl-C."""
+    """Train with the run's peers: join, average every round, leave gracefully on Ctrl-C."""
     from swarmgrad.node import main
 
     _logging(verbose)
@@ -142,15 +142,17 @@ def simulate(
     nodes: Annotated[int, typer.Option(help="Number of node processes.")] = 4,
     rounds: Annotated[int, typer.Option(help="Outer rounds (epochs) to train.")] = 10,
     spec: Annotated[
-        Path | None, typer.Option(help="Run spec (default: the demo spec, printed in the output).")
+        Path | None, typer.Option(help="Run spec (default: the demo spec, saved in --out).")
     ] = None,
     profile: Annotated[
         Path | None,
-        typer.Option(help="TOML with [[peer]] tables: slowdown, upload_bytes_per_second, bandwidth."),
+        typer.Option(
+            help="TOML, one [[peer]] table each: slowdown, upload_bytes_per_second, bandwidth."
+        ),
     ] = None,
-    out: Annotated[Path, typer.Option(help="Folder for logs, status files and summary.json.")] = Path(
-        "simulation"
-    ),
+    out: Annotated[
+        Path, typer.Option(help="Folder for logs, status files and summary.json.")
+    ] = Path("simulation"),
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 600.0,
 ) -> None:
     """Run a bootstrap and N real node processes on loopback; print and save a summary."""

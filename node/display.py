@@ -54,7 +54,7 @@ class Display:
         self.mode = mode
         self._endpoint, self._run = endpoint, run
 
-    async def run(self, progress: Progress, done: asyncio.Future[object]) -> None:
+    async def run(self, progress: Progress, done: asyncio.Task[None]) -> None:
         if self.mode != "live":
             return
         console = Console(stderr=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -80,10 +81,9 @@ async def node(config: NodeConfig, stop: asyncio.Event) -> int:
         display = Display(config.display, endpoint=swarm.endpoint, run=config.spec.run.id)
 
         def train() -> None:
-            try:
+            # CancelledError: let go by a stop while it waited on a round.
+            with contextlib.suppress(concurrent.futures.CancelledError):
                 trainer.train(trainer_stop)
-            except concurrent.futures.CancelledError:
-                pass  # let go by a stop while it waited on a round
 
         async with asyncio.TaskGroup() as tasks:
             training = tasks.create_task(asyncio.to_thread(train), name="trainer")

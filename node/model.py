@@ -35,7 +35,8 @@ class _Block(nn.Module):
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
+        out: torch.Tensor = x + self.down(F.gelu(self.up(self.norm2(x))))
+        return out
 
 
 class GPT(nn.Module):
@@ -55,7 +56,8 @@ class GPT(nn.Module):
         x = self.embed(tokens) + self.position(positions)
         for block in self.blocks:
             x = block(x)
-        return self.norm(x) @ self.embed.weight.T
+        logits: torch.Tensor = self.norm(x) @ self.embed.weight.T
+        return logits
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self(inputs)

@@ -103,6 +103,27 @@ def allreduce_config(spec: RunSpec) -> AllReduceConfig:
     )
 
 
+def pick_donor(peers: list[PeerRecord], me: str, epoch: int, checksum: str) -> PeerRecord | None:
+    """The peer to resync from, or None if this replica is in step with the swarm.
+
+    The swarm's state is the newest epoch any peer announces, and at that epoch the checksum
+    most peers share (ties go to the smallest checksum, so every replica picks the same one;
+    this replica's own vote counts). A replica behind that epoch, or at it with another
+    checksum, downloads the state from a peer that has it.
+    """
+    others = [p for p in peers if p.peer_id != me and p.checksum]
+    if not others:
+        return None
+    newest = max(epoch, *(p.epoch for p in others))
+    votes = Counter(p.checksum for p in others if p.epoch == newest)
+    if epoch == newest:
+        votes[checksum] += 1
+    best = min(votes, key=lambda c: (-votes[c], c))
+    if epoch == newest and best == checksum:
+        return None
+    return next((p for p in others if p.epoch == newest and p.checksum == best), None)
+
+
 class Swarm:
     """``async with Swarm(spec, identity, config) as swarm``: this node joined to its run."""
 
@@ -287,23 +308,8 @@ class Swarm:
     # -- state ----------------------------------------------------------------------------------
 
     async def find_donor(self, epoch: int, checksum: str) -> PeerRecord | None:
-        """A peer to download state from, if this node is behind or diverged; else None.
-
-        Behind: some peer announces a newer epoch (take the checksum most peers at the newest
-        epoch share). Diverged: more peers at this epoch share another checksum than share ours.
-        """
-        peers = [p for p in await self.refresh_peers() if p.peer_id != self.peer_id and p.checksum]
-        if not peers:
-            return None
-        newest = max(p.epoch for p in peers)
-        if newest < epoch:
-            return None
-        at_newest = [p for p in peers if p.epoch == newest]
-        votes = Counter(p.checksum for p in at_newest)
-        best, count = votes.most_common(1)[0]
-        if newest == epoch and (best == checksum or count <= votes[checksum] + 1):
-            return None  # in step, or no clear majority against us (we count for ours)
-        return next(p for p in at_newest if p.checksum == best)
+        """A peer to download state from if this node is behind or diverged (:func:`pick_donor`)."""
+        return pick_donor(await self.refresh_peers(), self.peer_id, epoch, checksum)
 
     async def download_state(self, donor: PeerRecord, num_values: int) -> state.Snapshot | None:
         assert self._averager is not None
@@ -338,7 +344,8 @@ class Swarm:
 
         ``prepare`` (run in a worker thread) turns ``vector`` into what is sent, given the group.
         """
-        assert self._matchmaker is not None and self._averager is not None
+        assert self._matchmaker is not None
+        assert self._averager is not None
         try:
             group = await self._matchmaker.form_group(
                 epoch, endpoint=self.endpoint, bandwidth=self.config.bandwidth, weight=weight

@@ -1,4 +1,4 @@
-"""A token bucket on this node's averaging uploads: simulated slow links (``swarmgrad simulate``)."""
+"""A token bucket on the node's averaging uploads: slow links for ``swarmgrad simulate``."""
 
 from __future__ import annotations
 

@@ -143,7 +143,7 @@ class Trainer:
             inputs, targets = _to(inputs, device), _to(targets, device)
             with _autocast(device):
                 loss = model.loss(inputs, targets)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             if algorithm.name == "diloco":
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

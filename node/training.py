@@ -193,7 +193,7 @@ class DiLoCo(_Replica):
         return torch.cat([self.outer.theta, self.outer.momentum_buffer])
 
     def load_state_vector(self, values: torch.Tensor) -> None:
-        theta, momentum = values.split(self.numel)
+        theta, momentum = values[: self.numel], values[self.numel :]
         self.outer.load_state_dict(
             {"theta": theta, "momentum_buffer": momentum, "carry": torch.zeros(self.numel)}
         )
@@ -216,7 +216,8 @@ class DiLoCo(_Replica):
         delta = self.outer.pseudo_gradient(flatten(self.params))
         averaged = self._average(delta)
         if averaged.outcome is Outcome.AVERAGED:
-            assert averaged.result is not None and averaged.sent is not None
+            assert averaged.result is not None
+            assert averaged.sent is not None
             theta = self.outer.step(
                 averaged.result.averaged, own=averaged.sent, missing=averaged.result.missing
             )
@@ -306,7 +307,8 @@ class SyncDataParallel(_Replica):
         ).div_(self._micro_batches)
         averaged = self._average(gradient)
         if averaged.outcome is Outcome.AVERAGED:
-            assert averaged.result is not None and averaged.sent is not None
+            assert averaged.result is not None
+            assert averaged.sent is not None
             mean = averaged.result.averaged
             for start, end in averaged.result.missing:  # not averaged: keep it for next time
                 self._residual[start:end] += averaged.sent[start:end]

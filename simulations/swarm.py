@@ -17,6 +17,7 @@ A profile is TOML with one ``[[peer]]`` table per node (reused in turn if there 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import statistics
@@ -30,6 +31,8 @@ from typing import Any
 
 from swarmgrad.node import config as node_config
 from swarmgrad.node.runspec import RunSpec
+
+log = logging.getLogger(__name__)
 
 DEMO_SPEC = """\
 # The demo run: a small GPT on Shakespeare's plays, DiLoCo with 8-bit averaging.
@@ -191,8 +194,10 @@ def simulate(
             process = _Process(f"node-{i}", _command(*args), out_dir / f"node-{i}.log", env)
             processes.append(process)
             peers.append((process, status))
+        shown = 0
         for process, _ in peers:
             while process.popen.poll() is None and time.monotonic() < deadline:
+                shown = _show_progress(peers, shown, rounds)
                 time.sleep(0.2)
             if process.popen.poll() is None:
                 raise SimulationError(f"{process.name} did not finish in time:\n{process.tail()}")
@@ -210,6 +215,22 @@ def simulate(
     return summary
 
 
+def _show_progress(peers: list[tuple[_Process, Path]], shown: int, rounds: int) -> int:
+    """Log the swarm's progress when its slowest node finishes a new epoch."""
+    statuses = []
+    for _, path in peers:
+        try:
+            statuses.append(json.loads(path.read_text()))
+        except (OSError, ValueError):  # not written yet
+            return shown
+    epoch = int(min(s["epoch"] for s in statuses))
+    if epoch > shown:
+        loss = statistics.fmean(s["val_loss"] for s in statuses)
+        sent = statistics.fmean(s["bytes_sent"] for s in statuses) / 2**20
+        log.info("epoch %d/%d: val loss %.3f, %.1f MiB sent per peer", epoch, rounds, loss, sent)
+    return max(shown, epoch)
+
+
 def _profile_dict(profile: PeerProfile) -> dict[str, Any]:
     return {
         "slowdown": profile.slowdown,
@@ -222,13 +243,11 @@ def summarize(
     statuses: list[dict[str, Any]], *, spec: RunSpec, wall_seconds: float, rounds: int
 ) -> dict[str, Any]:
     """One summary from the nodes' final status files."""
-    curve: dict[int, list[float]] = {}
-    round_seconds: dict[int, list[float]] = {}
+    by_epoch: dict[int, list[dict[str, Any]]] = {}
     for status in statuses:
         for entry in status["history"]:
             if entry["outcome"] in ("averaged", "partial"):
-                curve.setdefault(entry["epoch"], []).append(entry["val_loss"])
-                round_seconds.setdefault(entry["epoch"], []).append(entry["round_seconds"])
+                by_epoch.setdefault(entry["epoch"], []).append(entry)
     peers = []
     for status in statuses:
         busy = status["compute_seconds"] + status["communication_seconds"]
@@ -265,12 +284,24 @@ def summarize(
         "initial_val_loss": initial,
         "final_val_loss": final,
         "replicas_identical": len(checksums) == 1,
+        # Per epoch, over the peers that reached it: mean validation loss, total samples so
+        # far, mean bytes each peer had sent so far, and round times.
         "loss_curve": [
-            {"epoch": e, "val_loss": statistics.fmean(v)} for e, v in sorted(curve.items())
+            {
+                "epoch": epoch,
+                "val_loss": statistics.fmean(e["val_loss"] for e in entries),
+                "samples": sum(e["samples"] for e in entries),
+                "bytes_sent_per_peer": statistics.fmean(e["bytes_sent"] for e in entries),
+            }
+            for epoch, entries in sorted(by_epoch.items())
         ],
         "round_seconds": [
-            {"epoch": e, "median": statistics.median(v), "max": max(v)}
-            for e, v in sorted(round_seconds.items())
+            {
+                "epoch": epoch,
+                "median": statistics.median(e["round_seconds"] for e in entries),
+                "max": max(e["round_seconds"] for e in entries),
+            }
+            for epoch, entries in sorted(by_epoch.items())
         ],
         "peers": peers,
     }

@@ -1,0 +1,124 @@
+"""Bytes each peer sends to reach a validation loss: sync fp32 vs DiLoCo fp32 / 8-bit / 4-bit.
+
+Every setting is a real local swarm (``swarmgrad simulate``: a bootstrap and N node processes on
+loopback) training the demo model on the same sample budget (same samples per peer). For each
+setting the script reports, per peer:
+
+* bytes sent to reach the target validation loss (the first epoch whose mean validation loss over
+  the peers is at or below it), and the ratio to sync fp32's bytes for the same target;
+* the final validation loss at the common sample budget, and its gap to sync fp32's.
+
+The target defaults to sync fp32's final loss (what per-step averaging reaches on the budget).
+
+    .venv/bin/python benchmarks/communication.py                 # 4 nodes, ~10 minutes on 2 cores
+    .venv/bin/python benchmarks/communication.py --inner-steps 50 --samples-per-peer 4000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from swarmgrad.simulations.swarm import DEMO_SPEC, simulate
+
+SETTINGS = [
+    ("sync fp32", "sync", "none"),
+    ("diloco fp32", "diloco", "none"),
+    ("diloco int8", "diloco", "int8"),
+    ("diloco int4", "diloco", "int4"),
+]
+
+
+def spec_text(algorithm: str, codec: str, *, nodes: int, inner_steps: int, batch: int) -> str:
+    text = DEMO_SPEC.replace('codec = "int8"', f'codec = "{codec}"')
+    text = text.replace("group_size = 4", f"group_size = {nodes}")
+    text = text.replace("inner_steps = 25", f"inner_steps = {inner_steps}")
+    if algorithm == "sync":
+        # One optimizer step per global batch of one micro-batch from every peer.
+        text = text.replace(
+            'name = "diloco"', f'name = "sync"\ntarget_batch_size = {nodes * batch}'
+        )
+    return text
+
+
+def first_reaching(curve: list[dict[str, Any]], target: float) -> dict[str, Any] | None:
+    return next((point for point in curve if point["val_loss"] <= target), None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--inner-steps", type=int, default=25, help="DiLoCo's H")
+    parser.add_argument(
+        "--samples-per-peer", type=int, default=4000, help="sample budget of every setting"
+    )
+    parser.add_argument("--target-loss", type=float, help="default: sync fp32's final loss")
+    parser.add_argument("--only", nargs="*", help="run only these settings (by name)")
+    parser.add_argument("--json", type=Path, help="write the results here too")
+    args = parser.parse_args()
+    batch = 16  # the demo spec's data.batch_size
+    results: dict[str, dict[str, Any]] = {}
+    for name, algorithm, codec in SETTINGS:
+        if args.only and name not in args.only:
+            continue
+        steps_per_epoch = 1 if algorithm == "sync" else args.inner_steps
+        epochs = max(1, args.samples_per_peer // (batch * steps_per_epoch))
+        with tempfile.TemporaryDirectory() as tmp:
+            spec = Path(tmp) / "run.toml"
+            spec.write_text(
+                spec_text(
+                    algorithm, codec, nodes=args.nodes, inner_steps=args.inner_steps, batch=batch
+                )
+            )
+            summary = simulate(
+                nodes=args.nodes,
+                rounds=epochs,
+                spec_path=spec,
+                profile_path=None,
+                out_dir=Path(tmp) / "sim",
+                timeout_seconds=3600,
+            )
+        results[name] = summary
+        print(
+            f"{name}: {epochs} epochs in {summary['wall_seconds']:.0f} s, val loss "
+            f"{summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f}, "
+            f"replicas identical: {summary['replicas_identical']}",
+            flush=True,
+        )
+    reference = results.get("sync fp32")
+    target = args.target_loss or (reference["final_val_loss"] if reference else None)
+    print(f"\n{args.nodes} peers, {args.samples_per_peer} samples per peer, H = {args.inner_steps}")
+    print(f"target validation loss: {target:.3f}" if target else "no target")
+    header = f"{'setting':<14}{'final loss':>11}{'gap':>8}{'MiB to target':>15}{'ratio':>9}"
+    print(header + f"{'MiB total':>11}{'total ratio':>13}")
+    print("-" * (len(header) + 24))
+    for name, summary in results.items():
+        final = summary["final_val_loss"]
+        curve = summary["loss_curve"]
+        total = curve[-1]["bytes_sent_per_peer"] if curve else 0.0
+        reached = first_reaching(curve, target) if target else None
+        gap = ratio = total_ratio = ""
+        if reference:
+            ref_final = reference["final_val_loss"]
+            gap = f"{(final - ref_final) / ref_final:+.1%}"
+            ref_total = reference["loss_curve"][-1]["bytes_sent_per_peer"]
+            total_ratio = f"{ref_total / total:.0f}x" if total else ""
+            ref_reached = first_reaching(reference["loss_curve"], target) if target else None
+            if reached and ref_reached and reached["bytes_sent_per_peer"]:
+                ratio = (
+                    f"{ref_reached['bytes_sent_per_peer'] / reached['bytes_sent_per_peer']:.0f}x"
+                )
+        to_target = f"{reached['bytes_sent_per_peer'] / 2**20:.1f}" if reached else "not reached"
+        print(
+            f"{name:<14}{final:>11.3f}{gap:>8}{to_target:>15}{ratio:>9}"
+            f"{total / 2**20:>11.1f}{total_ratio:>13}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

