@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ SETTINGS = [
 def spec_text(algorithm: str, codec: str, *, nodes: int, inner_steps: int, batch: int) -> str:
     text = DEMO_SPEC.replace('codec = "int8"', f'codec = "{codec}"')
     text = text.replace("group_size = 4", f"group_size = {nodes}")
-    text = text.replace("inner_steps = 25", f"inner_steps = {inner_steps}")
+    text = re.sub(r"inner_steps = \d+", f"inner_steps = {inner_steps}", text)
     if algorithm == "sync":
         # One optimizer step per global batch of one micro-batch from every peer.
         text = text.replace(
@@ -51,7 +52,7 @@ def first_reaching(curve: list[dict[str, Any]], target: float) -> dict[str, Any]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=4)
-    parser.add_argument("--inner-steps", type=int, default=25, help="DiLoCo's H")
+    parser.add_argument("--inner-steps", type=int, default=50, help="DiLoCo's H")
     parser.add_argument(
         "--samples-per-peer", type=int, default=4000, help="sample budget of every setting"
     )

@@ -362,8 +362,19 @@ class Swarm:
         except RoundAborted as error:
             self.counts["aborted"] += 1
             return Averaged(Outcome.ABORTED, group=group, error=str(error))
+        finally:
+            # The group has met: withdraw the readiness record, so that a peer arriving late
+            # for this round does not form a group with peers that have moved on.
+            self._spawn(self._withdraw(f"round/{epoch}"), f"withdraw-round-{epoch}")
         self.counts["averaged" if result.complete else "partial"] += 1
         return Averaged(Outcome.AVERAGED, result=result, group=group, sent=sent)
+
+    async def _withdraw(self, topic: str) -> None:
+        assert self._discovery is not None
+        try:
+            await self._discovery.leave(topic)
+        except DiscoveryError as error:
+            log.debug("could not withdraw %s: %s", topic, error)
 
     # -- the trainer's thread -------------------------------------------------------------------
 

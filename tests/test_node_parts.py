@@ -1,17 +1,17 @@
-"""Unit tests of the node's parts, no sockets: data, model, error feedback, resync choice, config."""
+"""Unit tests of the node's parts, no sockets: data, model, feedback, resync choice, config."""
 
 from __future__ import annotations
 
 import io
 import tarfile
 from pathlib import Path
+from pydoc_data.topics import topics
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from pydoc_data.topics import topics
 
 from swarmgrad.compression import get_codec
 from swarmgrad.node.config import ConfigError, home, node_config
@@ -72,7 +72,8 @@ def test_peers_draw_different_batches_reproducibly(tmp_path: Path) -> None:
     first = [next(a) for _ in range(3)]
     assert not torch.equal(first[0][0], next(b)[0])
     inputs, targets = first[0]
-    assert inputs.shape == (4, 32) and torch.equal(inputs[:, 1:], targets[:, :-1])
+    assert inputs.shape == (4, 32)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
     assert int(inputs.max()) < 512
     a.seek(2)  # a restart at cursor 2 continues the same sequence
     assert torch.equal(next(a)[0], first[2][0])

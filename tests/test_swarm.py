@@ -3,6 +3,7 @@ train the demo model, stay identical, and refuse a peer with another run spec.""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -36,7 +37,7 @@ def _wait_for(path: Path, timeout_seconds: float) -> None:
 
 
 def test_four_nodes_learn_together_and_refuse_another_spec(tmp_path: Path, cache_dir: Path) -> None:
-    rounds = 10
+    rounds = 20
     result: dict[str, Any] = {}
 
     def run() -> None:
@@ -51,13 +52,27 @@ def test_four_nodes_learn_together_and_refuse_another_spec(tmp_path: Path, cache
         # (same run id, different outer learning rate) must be refused, saying why.
         _wait_for(tmp_path / "sim" / "node-0.json", 120)
         bootstrap = (tmp_path / "sim" / "bootstrap.json").read_text()
-        maddr = __import__("json").loads(bootstrap)["maddrs"][0]
+        maddr = json.loads(bootstrap)["maddrs"][0]
         other = tmp_path / "other.toml"
-        other.write_text(DEMO_SPEC.replace("outer_lr = 0.7", "outer_lr = 0.5"))
+        other.write_text(DEMO_SPEC.replace("outer_lr = 1.0", "outer_lr = 0.5"))
         refused = subprocess.run(
-            [sys.executable, "-m", "swarmgrad.node.cli", "node", str(other)]
-            + ["--bootstrap", maddr, "--identity", str(tmp_path / "other.key")]
-            + ["--cache-dir", str(cache_dir), "--display", "none", "--threads", "1"],
+            [
+                sys.executable,
+                "-m",
+                "swarmgrad.node.cli",
+                "node",
+                str(other),
+                "--bootstrap",
+                maddr,
+                "--identity",
+                str(tmp_path / "other.key"),
+                "--cache-dir",
+                str(cache_dir),
+                "--display",
+                "none",
+                "--threads",
+                "1",
+            ],
             capture_output=True,
             text=True,
             timeout=60,
@@ -66,15 +81,15 @@ def test_four_nodes_learn_together_and_refuse_another_spec(tmp_path: Path, cache
         runner.join(timeout=400)
     assert refused.returncode == 3, refused.stderr[-2000:]
     assert "different run spec" in refused.stderr
-    assert "algorithm.outer_lr: here 0.5, there 0.7" in refused.stderr
+    assert "algorithm.outer_lr: here 0.5, there 1.0" in refused.stderr
 
     summary = result["summary"]
     peers = summary["peers"]
     assert [p["epoch"] for p in peers] == [rounds] * 4
     assert summary["replicas_identical"], [p["checksum"] for p in peers]
-    assert all(
-        p["outcomes"].get("averaged", 0) + p["outcomes"].get("partial", 0) >= rounds for p in peers
-    )
+    for peer in peers:  # a round may fail and be recovered from (resync), but not many
+        averaged = peer["outcomes"].get("averaged", 0) + peer["outcomes"].get("partial", 0)
+        assert averaged >= rounds - 2, peer["outcomes"]
     assert all(p["bytes_sent"] > 0 and p["bytes_received"] > 0 for p in peers)
 
     # Loss: from the untrained model's ~7.6 (ln 2048) down well below it, and below the same
@@ -121,7 +136,8 @@ def test_the_cli_explains_bad_input(tmp_path: Path) -> None:
 
     for command in ("node", "bootstrap", "simulate", "prepare-data"):
         shown = swarmgrad(command, "--help")
-        assert shown.returncode == 0 and "Usage" in shown.stdout, command
+        assert shown.returncode == 0, command
+        assert "Usage" in shown.stdout, command
     bad = tmp_path / "bad.toml"
     bad.write_text('[run]\nid = "r"\n[averaging]\ncodec = "int9"\n')
     refused = swarmgrad("node", str(bad))
@@ -129,6 +145,8 @@ def test_the_cli_explains_bad_input(tmp_path: Path) -> None:
     assert "averaging.codec 'int9' is unknown" in refused.stderr
     assert "Traceback" not in refused.stderr
     missing = swarmgrad("node", str(tmp_path / "nope.toml"))
-    assert missing.returncode == 2 and "cannot read run spec" in missing.stderr
+    assert missing.returncode == 2
+    assert "cannot read run spec" in missing.stderr
     typo = swarmgrad("node", str(bad), env={"SWARMGRAD_HOEM": "/tmp", "PATH": "/usr/bin"})
-    assert typo.returncode == 2 and "SWARMGRAD_HOEM" in typo.stderr
+    assert typo.returncode == 2
+    assert "SWARMGRAD_HOEM" in typo.stderr

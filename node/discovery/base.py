@@ -33,8 +33,8 @@ class Discovery(Protocol):
         """Every spec announced for the run id, by SHA-256 hex, each checked against its hash."""
         ...
 
-    async def leave(self) -> None:
-        """Withdraw this node's record at once (a graceful leave)."""
+    async def leave(self, topic: str = "peers") -> None:
+        """Withdraw this node's record under ``topic`` at once (``peers``: a graceful leave)."""
         ...
 
     async def close(self) -> None: ...

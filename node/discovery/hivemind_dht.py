@@ -107,15 +107,19 @@ class HivemindDiscovery:
     async def announce(self, record: PeerRecord, topic: str = "peers") -> None:
         if record.peer_id != self._identity.peer_id:
             raise ValueError("a node announces its own record only")
-        ok = await self._call(
-            self._dht.store(
-                self._topic_key(topic),
-                record.sign(self._identity),
-                expiration_time=record.expires_at,
-                subkey=record.peer_id,
-                return_future=True,
+        signed = record.sign(self._identity)
+        for _ in range(2):  # a store fails when a DHT peer has just left; the retry skips it
+            ok = await self._call(
+                self._dht.store(
+                    self._topic_key(topic),
+                    signed,
+                    expiration_time=record.expires_at,
+                    subkey=record.peer_id,
+                    return_future=True,
+                )
             )
-        )
+            if ok:
+                break
         if not ok:
             raise DiscoveryError("no DHT node accepted the record")
         self._announced_until = max(self._announced_until, record.expires_at)
@@ -154,15 +158,15 @@ class HivemindDiscovery:
                 self.rejected["bad spec"] += 1
         return specs
 
-    async def leave(self) -> None:
-        """Overwrite this node's record with an empty value (readers skip it).
+    async def leave(self, topic: str = "peers") -> None:
+        """Overwrite this node's record under ``topic`` with an empty value (readers skip it).
 
         The DHT keeps the value with the latest expiration, so the tombstone must outlive the
         last record announced.
         """
         await self._call(
             self._dht.store(
-                self._topic_key("peers"),
+                self._topic_key(topic),
                 b"",
                 expiration_time=max(self._announced_until, dht_time()) + 1.0,
                 subkey=self._identity.peer_id,
