@@ -151,7 +151,7 @@ class Trainer:
             if self.config.slowdown > 1:  # a slower machine, simulated
                 time.sleep(compute * (self.config.slowdown - 1))
             progress.compute_seconds += time.monotonic() - step_started
-            self._count_step(len(inputs), inputs.numel(), float(loss), started)
+            self._count_step(len(inputs), inputs.numel(), float(loss.detach()), started)
             report = replica.step(samples=len(inputs))
             if report is None:
                 continue
