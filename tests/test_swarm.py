@@ -117,8 +117,11 @@ def test_sync_mode_averages_every_step_and_stays_identical(tmp_path: Path, cache
     peers = summary["peers"]
     assert [p["epoch"] for p in peers] == [steps, steps]
     assert summary["replicas_identical"]
-    # 64 samples a step: each of the 2 peers brings 32 (two micro-batches of 16) every step.
-    assert all(p["samples"] == steps * 32 for p in peers)
+    # 64 samples a step: each of the 2 peers brings 32 (two micro-batches of 16) to a step
+    # (one more micro-batch if it once found no group in time and accumulated on).
+    for peer in peers:
+        assert peer["samples"] >= steps * 32
+        assert peer["samples"] <= steps * 32 + 16 * peer["outcomes"].get("no group", 0)
     assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0
 
 

@@ -108,7 +108,12 @@ class HivemindDiscovery:
         if record.peer_id != self._identity.peer_id:
             raise ValueError("a node announces its own record only")
         signed = record.sign(self._identity)
-        for _ in range(2):  # a store fails when a DHT peer has just left; the retry skips it
+        # hivemind now and then reports that no replica took a store (seen in local swarms,
+        # ~1 store in 200); a retry a moment later goes through.
+        for attempt in range(3):
+            if attempt:
+                log.info("DHT store under %s not accepted; retrying", topic)
+                await asyncio.sleep(0.2 * attempt)
             ok = await self._call(
                 self._dht.store(
                     self._topic_key(topic),
