@@ -13,6 +13,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import tempfile
@@ -39,8 +40,10 @@ def run(main: Callable[[asyncio.Event], Coroutine[Any, Any, int]]) -> int:
         loop = asyncio.get_running_loop()
 
         def on_signal() -> None:
-            if stop.is_set():
-                os._exit(130)  # second signal: no more waiting
+            if stop.is_set():  # second signal: no more waiting, and no orphans left behind
+                for child in multiprocessing.active_children():  # the DHT's process
+                    child.kill()
+                os._exit(130)
             log.warning("stopping: leaving the swarm (signal again to exit at once)")
             stop.set()
 

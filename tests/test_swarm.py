@@ -4,6 +4,7 @@ train the demo model, stay identical, and refuse a peer with another run spec.""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -153,3 +154,49 @@ def test_the_cli_explains_bad_input(tmp_path: Path) -> None:
     typo = swarmgrad("node", str(bad), env={"SWARMGRAD_HOEM": "/tmp", "PATH": "/usr/bin"})
     assert typo.returncode == 2
     assert "SWARMGRAD_HOEM" in typo.stderr
+
+
+def _start_lone_node(tmp_path: Path, cache_dir: Path) -> subprocess.Popen[str]:
+    spec = tmp_path / "run.toml"
+    spec.write_text(DEMO_SPEC)
+    return subprocess.Popen(
+        [sys.executable, "-m", "swarmgrad.node.cli", "node", str(spec)]
+        + ["--identity", str(tmp_path / "node.key"), "--cache-dir", str(cache_dir)]
+        + ["--display", "log", "--threads", "1"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_line(process: subprocess.Popen[str], text: str, timeout_seconds: float) -> None:
+    assert process.stderr is not None
+    deadline = time.monotonic() + timeout_seconds
+    for line in process.stderr:  # the node logs a line a round at most; bounded by the deadline
+        if text in line:
+            return
+        assert time.monotonic() < deadline, f"no {text!r} in {timeout_seconds} s"
+    raise AssertionError(f"the node exited before logging {text!r}")
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_ctrl_c_leaves_gracefully_and_a_second_exits_at_once(
+    tmp_path: Path, cache_dir: Path, signals: int
+) -> None:
+    node = _start_lone_node(tmp_path, cache_dir)
+    try:
+        # Alone, the node trains and waits for a group each round: a stop must not wait on that.
+        _wait_for_line(node, "joined run", 60)
+        node.send_signal(signal.SIGINT)
+        if signals == 2:  # once it is leaving (signals sent together would coalesce into one)
+            _wait_for_line(node, "stopping: leaving the swarm", 10)
+            node.send_signal(signal.SIGINT)
+        _, rest = node.communicate(timeout=30)
+    finally:
+        node.kill()
+        node.wait()
+    if signals == 1:
+        assert node.returncode == 0, rest[-2000:]
+        assert "stopped at epoch" in rest
+    else:
+        assert node.returncode == 130
+    assert (tmp_path / "node.key").stat().st_mode & 0o777 == 0o600
