@@ -160,9 +160,21 @@ def _start_lone_node(tmp_path: Path, cache_dir: Path) -> subprocess.Popen[str]:
     spec = tmp_path / "run.toml"
     spec.write_text(DEMO_SPEC)
     return subprocess.Popen(
-        [sys.executable, "-m", "swarmgrad.node.cli", "node", str(spec)]
-        + ["--identity", str(tmp_path / "node.key"), "--cache-dir", str(cache_dir)]
-        + ["--display", "log", "--threads", "1"],
+        [
+            sys.executable,
+            "-m",
+            "swarmgrad.node.cli",
+            "node",
+            str(spec),
+            "--identity",
+            str(tmp_path / "node.key"),
+            "--cache-dir",
+            str(cache_dir),
+            "--display",
+            "log",
+            "--threads",
+            "1",
+        ],
         stderr=subprocess.PIPE,
         text=True,
     )
