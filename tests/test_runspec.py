@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from swarmgrad.node.runspec import RunSpec, RunSpecError
+from swarmgrad.simulations.swarm import SimulationError, load_profile
 
 MINIMAL = '[run]\nid = "demo"\n'
 
@@ -75,7 +76,22 @@ def test_load_names_the_file(tmp_path: Path) -> None:
 
 def test_the_readme_example_spec_is_valid() -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    example = readme.split("```toml\n", 1)[1].split("```", 1)[0]
+    blocks = [block.split("```", 1)[0] for block in readme.split("```toml\n")[1:]]
+    (example,) = [block for block in blocks if "[run]" in block]
     spec = RunSpec.from_toml(example)
     assert spec.run.id == "shakespeare-demo"
     assert spec == RunSpec.from_toml(example)
+
+
+def test_the_readme_example_profile_is_valid(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = [block.split("```", 1)[0] for block in readme.split("```toml\n")[1:]]
+    (example,) = [block for block in blocks if "[[peer]]" in block]
+    path = tmp_path / "peers.toml"
+    path.write_text(example)
+    profiles = load_profile(path, 3)
+    assert [p.slowdown for p in profiles] == [1.0, 2.5, 1.0]
+    assert profiles[1].upload_bytes_per_second == 2e6
+    path.write_text("[[peer]]\nslowdwn = 2\n")
+    with pytest.raises(SimulationError, match="slowdwn"):
+        load_profile(path, 1)
