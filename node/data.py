@@ -17,11 +17,9 @@ import hashlib
 import io
 import json
 import logging
-import os
 import subprocess
 import sys
 import tarfile
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from swarmgrad.node.files import atomic_write
+from swarmgrad.node.runspec import DataSection
 
 log = logging.getLogger(__name__)
 
@@ -189,12 +190,18 @@ def load_files(paths: Sequence[Path], *, vocab_size: int) -> Corpus:
     return Corpus(tokens=_encode(tokenizer, texts), tokenizer=tokenizer)
 
 
+def load_corpus(data: DataSection, *, vocab_size: int, cache_dir: Path) -> Corpus:
+    """The corpus a run spec's ``[data]`` names: the demo corpus, or its own text files."""
+    if data.source == "demo":
+        return load_demo(cache_dir, vocab_size=vocab_size)
+    return load_files([Path(p) for p in data.paths], vocab_size=vocab_size)
+
+
 def _store(folder: Path, tokens: np.ndarray, tokenizer: Tokenizer) -> None:
     """Write the cache atomically: files first, the manifest (which vouches for them) last."""
-    folder.mkdir(parents=True, exist_ok=True)
     data = tokens.astype("<u2").tobytes()
-    _atomic_write(folder / "tokens.u16", data)
-    _atomic_write(folder / "tokenizer.json", tokenizer.to_str().encode())
+    atomic_write(folder / "tokens.u16", data)
+    atomic_write(folder / "tokenizer.json", tokenizer.to_str().encode())
     manifest = {
         "format": _FORMAT,
         "source": DEMO_PACKAGE,
@@ -202,7 +209,7 @@ def _store(folder: Path, tokens: np.ndarray, tokenizer: Tokenizer) -> None:
         "vocab_size": tokenizer.get_vocab_size(),
         "tokens_sha256": hashlib.sha256(data).hexdigest(),
     }
-    _atomic_write(folder / "manifest.json", json.dumps(manifest, indent=1).encode())
+    atomic_write(folder / "manifest.json", json.dumps(manifest, indent=1).encode())
 
 
 def _load_cached(folder: Path) -> Corpus | None:
@@ -222,11 +229,3 @@ def _load_cached(folder: Path) -> Corpus | None:
         log.warning("demo corpus cache in %s does not match its manifest; rebuilding", folder)
         return None
     return Corpus(tokens=np.frombuffer(data, dtype="<u2"), tokenizer=tokenizer)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(f.name, path)

@@ -16,7 +16,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import tempfile
 import threading
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 from swarmgrad.node.config import NodeConfig
 from swarmgrad.node.discovery.hivemind_dht import start_dht
 from swarmgrad.node.display import Display
+from swarmgrad.node.files import atomic_write
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.trainer import Progress, Trainer
@@ -56,10 +56,7 @@ def run(main: Callable[[asyncio.Event], Coroutine[Any, Any, int]]) -> int:
 
 def write_status(path: Path, status: dict[str, Any]) -> None:
     """Replace ``path`` atomically, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-        json.dump(status, f)
-    os.replace(f.name, path)
+    atomic_write(path, json.dumps(status).encode())
 
 
 async def node(config: NodeConfig, stop: asyncio.Event) -> int:

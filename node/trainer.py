@@ -14,13 +14,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from swarmgrad.node.config import NodeConfig
-from swarmgrad.node.data import Corpus, load_demo, load_files
+from swarmgrad.node.data import load_corpus
 from swarmgrad.node.model import GPT, build_model
 from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.training import DiLoCo, RoundReport, SyncDataParallel
@@ -68,13 +67,6 @@ def pick_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def load_corpus(config: NodeConfig) -> Corpus:
-    data, vocab = config.spec.data, config.spec.model.vocab_size
-    if data.source == "demo":
-        return load_demo(config.cache_dir, vocab_size=vocab)
-    return load_files([Path(p) for p in data.paths], vocab_size=vocab)
-
-
 @torch.no_grad()
 def evaluate(model: GPT, windows: torch.Tensor, device: torch.device) -> float:
     model.eval()
@@ -109,7 +101,9 @@ class Trainer:
             torch.set_num_threads(self.config.threads)
         device = pick_device(self.config.device)
         progress.device = str(device)
-        corpus = load_corpus(self.config)
+        corpus = load_corpus(
+            spec.data, vocab_size=spec.model.vocab_size, cache_dir=self.config.cache_dir
+        )
         batches = corpus.batches(
             seq_len=spec.model.seq_len,
             batch_size=spec.data.batch_size,

@@ -85,12 +85,11 @@ class _Replica:
     def _resync_if_needed(self) -> RoundReport | None:
         started = time.monotonic()
         snapshot = self.swarm.snapshot
-        mine = snapshot.checksum if snapshot is not None else ""
-        donor = self.swarm.call(self.swarm.find_donor(self.epoch, mine))
+        assert snapshot is not None  # published since construction
+        donor = self.swarm.call(self.swarm.find_donor(self.epoch, snapshot.checksum))
         if donor is None:
             return None
-        size = self.state_vector().numel()
-        downloaded = self.swarm.call(self.swarm.download_state(donor, size))
+        downloaded = self.swarm.call(self.swarm.download_state(donor, snapshot.values.numel()))
         if downloaded is None:
             return None  # counted by the swarm; try again next round
         log.info(
@@ -121,12 +120,15 @@ class _Replica:
         round-tripped through the codec, chunk by chunk exactly as the all-reduce cuts them.
         """
         compensated = vector + self._residual
+        if self.swarm.codec_is_lossless:
+            self._residual = torch.zeros_like(compensated)
+            return compensated
         sent = compensated.clone()
         codec = self.swarm.codec
         me = group.index(self.swarm.peer_id)
         chunk_values = self.swarm.spec.averaging.chunk_values
         for part, (start, end) in enumerate(group.partition(vector.numel())):
-            if part == me or self.swarm.codec_is_lossless:
+            if part == me:
                 continue
             offset = start
             for size in chunk_sizes(end - start, chunk_values):
@@ -137,7 +139,7 @@ class _Replica:
         return sent
 
     def _average(self, vector: torch.Tensor) -> Averaged:
-        residual = self._residual.clone()
+        residual = self._residual  # _with_feedback replaces it, never writes into it
         averaged = self.swarm.call(
             self.swarm.average(
                 vector, epoch=self.epoch, weight=self.samples, prepare=self._with_feedback

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-from swarmgrad.node.data import load_demo, load_files
+from swarmgrad.node.data import load_corpus
 from swarmgrad.node.model import build_model
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.trainer import evaluate
 
 
 def train_alone(
@@ -27,12 +28,7 @@ def train_alone(
     """Train on ``samples`` samples with plain AdamW; returns (initial, final) validation loss."""
     if threads is not None:
         torch.set_num_threads(threads)
-    vocab = spec.model.vocab_size
-    corpus = (
-        load_demo(cache_dir, vocab_size=vocab)
-        if spec.data.source == "demo"
-        else load_files([Path(p) for p in spec.data.paths], vocab_size=vocab)
-    )
+    corpus = load_corpus(spec.data, vocab_size=spec.model.vocab_size, cache_dir=cache_dir)
     batches = corpus.batches(
         seq_len=spec.model.seq_len,
         batch_size=spec.data.batch_size,
@@ -43,14 +39,11 @@ def train_alone(
     model = build_model(spec.model, seed=spec.data.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.algorithm.inner_lr, weight_decay=0.0)
 
-    def evaluate() -> float:
-        with torch.no_grad():
-            return float(model.loss(windows[:, :-1], windows[:, 1:]))
-
-    initial = evaluate()
+    cpu = torch.device("cpu")
+    initial = evaluate(model, windows, cpu)
     for _ in range(max(1, samples // spec.data.batch_size)):
         inputs, targets = next(batches)
         model.loss(inputs, targets).backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return initial, evaluate()
+    return initial, evaluate(model, windows, cpu)

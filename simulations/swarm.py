@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -212,7 +212,7 @@ def simulate(
         for process in reversed(processes):
             process.stop()
     summary = summarize(statuses, spec=spec, wall_seconds=time.time() - started, rounds=rounds)
-    summary["profiles"] = [_profile_dict(p) for p in profiles]
+    summary["profiles"] = [asdict(p) for p in profiles]
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -231,14 +231,6 @@ def _show_progress(peers: list[tuple[_Process, Path]], shown: int, rounds: int) 
         sent = statistics.fmean(s["bytes_sent"] for s in statuses) / 2**20
         log.info("epoch %d/%d: val loss %.3f, %.1f MiB sent per peer", epoch, rounds, loss, sent)
     return max(shown, epoch)
-
-
-def _profile_dict(profile: PeerProfile) -> dict[str, Any]:
-    return {
-        "slowdown": profile.slowdown,
-        "upload_bytes_per_second": profile.upload_bytes_per_second,
-        "bandwidth": profile.bandwidth,
-    }
 
 
 def summarize(
