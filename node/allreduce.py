@@ -133,6 +133,8 @@ class RoundResult:
     missing: tuple[tuple[int, int], ...]
     #: Why each failed peer failed, as seen from this member.
     failures: Mapping[str, str]
+    #: Each failed peer's kind of failure: "timeout", "protocol_violation" or "dropped_member".
+    failure_kinds: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -162,6 +164,11 @@ class _Round:
     #: Per (part, chunk): the contributors of what this member received (absent: missing).
     contributors: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
+    failure_kinds: dict[str, str] = field(default_factory=dict)
+
+    def fail(self, peer: str, kind: str, reason: str) -> None:
+        self.failures[peer] = reason
+        self.failure_kinds[peer] = kind
 
 
 async def run_round(
@@ -211,7 +218,9 @@ async def run_round(
             for part, task in tasks.items():
                 if task in pending:
                     task.cancel()
-                    state.failures.setdefault(group.members[part].peer_id, "round deadline passed")
+                    peer = group.members[part].peer_id
+                    if peer not in state.failures:
+                        state.fail(peer, "timeout", "round deadline passed")
             await asyncio.gather(*pending, return_exceptions=True)
     finally:
         for task in tasks.values():
@@ -312,16 +321,25 @@ async def _exchange_with_owner(
             expected += 1
     except grpc.aio.AioRpcError as error:
         failure = from_rpc_error(error, owner.peer_id)
-        state.failures[owner.peer_id] = str(failure)
+        if isinstance(failure, ProtocolViolation):
+            kind = "protocol_violation"
+        elif error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            kind = "timeout"
+        else:
+            kind = "dropped_member"
+        state.fail(owner.peer_id, kind, str(failure))
         if isinstance(failure, PeerUnavailable) and state.reducer is not None:
             # It is gone: stop waiting for its chunks of this member's own part too.
             state.reducer.drop_if_silent(part, str(failure))
     except TimeoutError:
-        state.failures[owner.peer_id] = (
-            f"no averaged chunk {expected} within {config.reducer_timeout_seconds:g} s"
+        state.fail(
+            owner.peer_id,
+            "timeout",
+            f"no averaged chunk {expected} within {config.reducer_timeout_seconds:g} s",
         )
     except SwarmgradError as error:
-        state.failures[owner.peer_id] = str(error)
+        kind = "protocol_violation" if isinstance(error, ProtocolViolation) else "dropped_member"
+        state.fail(owner.peer_id, kind, str(error))
     finally:
         call.cancel()
         producer.cancel()
@@ -377,4 +395,5 @@ def _summarize(state: _Round, bounds: list[tuple[int, int]], out: torch.Tensor) 
         partial=tuple(ids[c] for c, n in seen_in.items() if 0 < n < averaged_chunks),
         missing=tuple(missing),
         failures=dict(state.failures),
+        failure_kinds=dict(state.failure_kinds),
     )

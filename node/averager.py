@@ -52,14 +52,16 @@ class Averager:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
+        public_host: str = "",
         limits: ServerLimits | None = None,
         services: Sequence[Callable[[grpc.aio.Server], None]] = (),
     ) -> None:
-        """``services`` register the node's other servicers on the same gRPC server."""
+        """``services`` register the node's other servicers on the same gRPC server;
+        ``public_host`` is the address peers dial, when it is not ``host`` (a container's name)."""
         self.peer_id = peer_id
         self._services = tuple(services)
         self.config = config
-        self._host, self._port = host, port
+        self._host, self._port, self._public_host = host, port, public_host or host
         self.limits = limits or ServerLimits(max_message_bytes=2 * config.max_chunk_bytes)
         self._rounds: dict[tuple[int, bytes], _ActiveRound] = {}
         self._finished: dict[tuple[int, bytes], None] = {}
@@ -81,7 +83,7 @@ class Averager:
             port=self._port,
             limits=self.limits,
         )
-        self.endpoint = f"{self._host}:{port}"
+        self.endpoint = f"{self._public_host}:{port}"
         return self
 
     def _register(self, server: grpc.aio.Server) -> None:

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from swarmgrad.node import config as node_config
+from swarmgrad.node.checkpoint import CheckpointError
 from swarmgrad.node.data import DataError, load_demo
 from swarmgrad.node.discovery.base import DiscoveryError
 from swarmgrad.node.runspec import RunSpecError
@@ -46,15 +47,41 @@ def node(
         list[str] | None,
         typer.Option(help="Multiaddr of a peer to join through (repeatable); adds to the spec's."),
     ] = None,
+    bootstrap_file: Annotated[
+        Path | None,
+        typer.Option(help="Read multiaddrs from a bootstrap's --maddrs-file (JSON)."),
+    ] = None,
     identity: Annotated[
         Path | None, typer.Option(help="Ed25519 key file (default: $SWARMGRAD_HOME/identity.key).")
     ] = None,
     cache_dir: Annotated[
         Path | None, typer.Option(help="Data cache (default: $SWARMGRAD_HOME/cache).")
     ] = None,
-    host: Annotated[str, typer.Option(help="Address to serve gRPC and the DHT on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="gRPC port (0: any free port).")] = 0,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    checkpoint_dir: Annotated[
+        Path | None,
+        typer.Option(help="Checkpoints (default: $SWARMGRAD_HOME/checkpoints/<run id>)."),
+    ] = None,
+    host: Annotated[
+        str | None, typer.Option(help="Address to serve gRPC and the DHT on [127.0.0.1].")
+    ] = None,
+    port: Annotated[int | None, typer.Option(help="gRPC port (0: any free port) [0].")] = None,
+    public_host: Annotated[
+        str | None, typer.Option(help="Address peers dial, if not --host (a container's name).")
+    ] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda [auto].")] = None,
+    threads: Annotated[
+        int | None, typer.Option(help="Torch CPU threads (0: torch's default) [0].")
+    ] = None,
+    metrics_address: Annotated[
+        str | None,
+        typer.Option(help="Serve Prometheus metrics on host:port, or 'off' [127.0.0.1:9464]."),
+    ] = None,
+    checkpoint_every_rounds: Annotated[
+        int | None, typer.Option(help="Write a checkpoint every this many rounds [10].")
+    ] = None,
+    keep_checkpoints: Annotated[
+        int | None, typer.Option(help="Keep this many newest checkpoints [3].")
+    ] = None,
     max_epochs: Annotated[
         int | None, typer.Option(help="Stop once the model reaches this epoch.")
     ] = None,
@@ -71,10 +98,13 @@ def node(
         Path | None, typer.Option(help="Write a JSON summary here after every round.")
     ] = None,
     display: Annotated[str, typer.Option(help="auto, live, log or none.")] = "auto",
-    threads: Annotated[int | None, typer.Option(help="Torch CPU threads.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
-    """Train with the run's peers: join, average every round, leave gracefully on Ctrl-C."""
+    """Train with the run's peers: join, average every round, leave gracefully on Ctrl-C.
+
+    Settings in [brackets] can also come from the run spec's [node] table and from
+    SWARMGRAD_<SETTING> variables; the command line wins, then the environment, then the spec.
+    """
     from swarmgrad.node import main
 
     _logging(verbose)
@@ -82,18 +112,26 @@ def node(
         config = node_config.node_config(
             spec_path=spec,
             bootstrap=bootstrap or (),
+            bootstrap_file=bootstrap_file,
             identity_path=identity,
             cache_dir=cache_dir,
-            host=host,
-            port=port,
+            checkpoint_dir=checkpoint_dir,
             bandwidth=bandwidth,
             upload_bytes_per_second=upload_limit,
-            device=device,
+            settings={
+                "host": host,
+                "port": port,
+                "public_host": public_host,
+                "device": device,
+                "threads": threads,
+                "metrics_address": metrics_address,
+                "checkpoint_every_rounds": checkpoint_every_rounds,
+                "keep_checkpoints": keep_checkpoints,
+            },
             max_epochs=max_epochs,
             slowdown=slowdown,
             status_file=status_file,
             display=display,
-            threads=threads,
         )
     except (RunSpecError, node_config.ConfigError) as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
@@ -104,7 +142,7 @@ def node(
         code, message = EXIT_SPEC_MISMATCH, str(group.exceptions[0])
     except* DiscoveryError as group:
         code, message = EXIT_NETWORK, str(group.exceptions[0])
-    except* DataError as group:
+    except* (DataError, CheckpointError, node_config.ConfigError) as group:
         code, message = EXIT_CONFIG, str(group.exceptions[0])
     if message:
         raise _fail(code, message)
@@ -126,6 +164,8 @@ def bootstrap(
     from swarmgrad.node import main
 
     _logging(False)
+    if maddrs_file is not None:  # a stale file would send nodes to an old peer id
+        maddrs_file.unlink(missing_ok=True)
     try:
         code = main.run(
             lambda stop: main.bootstrap(

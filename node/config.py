@@ -1,25 +1,39 @@
 """The node's configuration: the one place that reads files and environment variables.
 
-A node is configured by its run spec (a TOML file: what the run is, shared by every peer) and by
-options of its own (how this machine takes part: ports, identity, caches, display, and the knobs
-``swarmgrad simulate`` turns). Environment variables: ``SWARMGRAD_HOME`` (default
-``~/.swarmgrad``) holds the node's identity key and the data cache. Any other ``SWARMGRAD_*``
-variable is an error rather than silently ignored.
+A node is configured in three layers, each overriding the one before:
+
+1. the run spec (TOML, shared by every peer): what the run is, plus a ``[node]`` table of defaults
+   for its nodes (:class:`~swarmgrad.node.runspec.NodeSection`);
+2. ``SWARMGRAD_*`` environment variables: ``SWARMGRAD_<SETTING>`` for each ``[node]`` setting
+   (``SWARMGRAD_METRICS_ADDRESS=0.0.0.0:9464``), ``SWARMGRAD_HOME`` (default ``~/.swarmgrad``: the
+   identity key, data cache and checkpoints) and ``SWARMGRAD_BOOTSTRAP`` (multiaddrs, separated by
+   spaces or commas);
+3. command-line options (``--metrics-address``, ...).
+
+Bootstrap multiaddrs from every layer are used together. Unknown ``[node]`` keys and unknown
+``SWARMGRAD_*`` variables are errors, and a bad value's error names the layer it came from.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from swarmgrad.node.runspec import RunSpec, RunSpecError
+from swarmgrad.node.runspec import NodeSection, RunSpec, RunSpecError
 from swarmgrad.node.swarm import SwarmConfig
 
-KNOWN_ENVIRONMENT = frozenset({"SWARMGRAD_HOME"})
+#: Each [node] setting and its type's name ("int" or "str").
+SETTINGS = {f.name: str(f.type) for f in dataclasses.fields(NodeSection)}
+KNOWN_ENVIRONMENT = frozenset(
+    {"SWARMGRAD_HOME", "SWARMGRAD_BOOTSTRAP", *(f"SWARMGRAD_{k.upper()}" for k in SETTINGS)}
+)
 DISPLAYS = ("auto", "live", "log", "none")
-DEVICES = ("auto", "cpu", "cuda")
 
 
 class ConfigError(ValueError):
@@ -28,11 +42,12 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NodeConfig:
+    #: The run spec; its ``node`` section holds this node's settings, every layer applied.
     spec: RunSpec
     swarm: SwarmConfig
     identity_path: Path
     cache_dir: Path
-    device: str = "auto"
+    checkpoint_dir: Path
     #: Stop after the replica reaches this epoch (None: run until stopped).
     max_epochs: int | None = None
     #: Simulated slow compute: each training step takes this many times as long.
@@ -40,13 +55,9 @@ class NodeConfig:
     #: Where to keep the node's summary (JSON, rewritten after every round).
     status_file: Path | None = None
     display: str = "auto"
-    #: Torch intra-op threads (None: torch's default).
-    threads: int | None = None
     eval_windows: int = 32
 
     def __post_init__(self) -> None:
-        if self.device not in DEVICES:
-            raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.display not in DISPLAYS:
             raise ConfigError(f"--display must be one of {', '.join(DISPLAYS)}")
         if self.max_epochs is not None and self.max_epochs < 1:
@@ -55,13 +66,15 @@ class NodeConfig:
             raise ConfigError(
                 f"--slowdown must be >= 1 (a factor on step time), got {self.slowdown}"
             )
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError("--threads must be at least 1")
         if self.eval_windows < 1:
             raise ConfigError("--eval-windows must be at least 1")
 
+    @property
+    def settings(self) -> NodeSection:
+        return self.spec.node
 
-def home(environ: Mapping[str, str] | None = None) -> Path:
+
+def _environment(environ: Mapping[str, str] | None) -> Mapping[str, str]:
     environ = os.environ if environ is None else environ
     unknown = sorted(
         k for k in environ if k.startswith("SWARMGRAD_") and k not in KNOWN_ENVIRONMENT
@@ -71,51 +84,92 @@ def home(environ: Mapping[str, str] | None = None) -> Path:
             f"unknown environment variable(s) {', '.join(unknown)}; swarmgrad reads only "
             f"{', '.join(sorted(KNOWN_ENVIRONMENT))}"
         )
+    return environ
+
+
+def home(environ: Mapping[str, str] | None = None) -> Path:
+    environ = _environment(environ)
     return Path(environ.get("SWARMGRAD_HOME") or Path.home() / ".swarmgrad").expanduser()
 
 
-def load_spec(path: Path, *, bootstrap: Sequence[str] = ()) -> RunSpec:
-    """The run spec in ``path``; ``bootstrap`` multiaddrs are added to its ``[network]`` ones."""
-    spec = RunSpec.load(path)
-    if bootstrap:
-        merged = tuple(dict.fromkeys((*spec.network.bootstrap, *bootstrap)))
-        spec = RunSpec(
-            run=spec.run,
-            model=spec.model,
-            data=spec.data,
-            algorithm=spec.algorithm,
-            averaging=spec.averaging,
-            network=type(spec.network)(bootstrap=merged),
-        )
-    return spec
+def resolve_settings(
+    base: NodeSection, environ: Mapping[str, str], options: Mapping[str, object | None]
+) -> NodeSection:
+    """``base`` (the spec's ``[node]``), overridden by ``SWARMGRAD_<SETTING>``, then by
+    ``options`` (command-line values; None: not given)."""
+    unknown = sorted(set(options) - set(SETTINGS))
+    if unknown:
+        raise ConfigError(f"unknown node setting(s) {', '.join(unknown)}")
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for name, kind in SETTINGS.items():
+        variable = f"SWARMGRAD_{name.upper()}"
+        if variable in environ:
+            raw = environ[variable].strip()
+            if kind == "int":
+                if not re.fullmatch(r"[+-]?\d+", raw):
+                    raise ConfigError(f"{variable} must be an integer, got {raw!r}")
+                values[name] = int(raw)
+            else:
+                values[name] = raw
+            origin[name] = variable
+        if options.get(name) is not None:
+            values[name] = options[name]
+            origin[name] = "--" + name.replace("_", "-")
+    try:
+        return dataclasses.replace(base, **values)
+    except RunSpecError as error:
+        message = str(error)
+        for name, source in origin.items():
+            message = message.replace(f"node.{name}", source)
+        raise ConfigError(message) from None
+
+
+def read_bootstrap_file(path: Path) -> list[str]:
+    """The multiaddrs a bootstrap node wrote with ``--maddrs-file``."""
+    try:
+        maddrs = json.loads(path.read_text())["maddrs"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ConfigError(f"--bootstrap-file {path}: no multiaddrs to read ({error})") from None
+    if not isinstance(maddrs, list) or not maddrs or not all(isinstance(m, str) for m in maddrs):
+        raise ConfigError(f'--bootstrap-file {path}: expected {{"maddrs": [...]}}')
+    return maddrs
 
 
 def node_config(
     *,
     spec_path: Path,
     bootstrap: Sequence[str] = (),
+    bootstrap_file: Path | None = None,
     identity_path: Path | None = None,
     cache_dir: Path | None = None,
-    host: str = "127.0.0.1",
-    port: int = 0,
+    checkpoint_dir: Path | None = None,
     bandwidth: float = 1.0,
     upload_bytes_per_second: float | None = None,
+    settings: Mapping[str, object | None] | None = None,
     environ: Mapping[str, str] | None = None,
-    **options: object,
+    **options: Any,
 ) -> NodeConfig:
-    """Build and check a node's configuration from command-line options and the environment."""
+    """Build and check a node's configuration: run spec < environment < ``settings`` (options)."""
+    environ = _environment(environ)
     base = home(environ)
+    spec = RunSpec.load(spec_path)
+    node = resolve_settings(spec.node, environ, settings or {})
+    extra = [*re.split(r"[\s,]+", environ.get("SWARMGRAD_BOOTSTRAP", "").strip()), *bootstrap]
+    if bootstrap_file is not None:
+        extra += read_bootstrap_file(bootstrap_file)
+    maddrs = tuple(dict.fromkeys(m for m in (*spec.network.bootstrap, *extra) if m))
+    network = dataclasses.replace(spec.network, bootstrap=maddrs)
+    spec = dataclasses.replace(spec, node=node, network=network)
     try:
-        spec = load_spec(spec_path, bootstrap=bootstrap)
         swarm = SwarmConfig(
-            host=host,
-            port=port,
-            bootstrap=spec.network.bootstrap,
+            host=node.host,
+            port=node.port,
+            public_host=node.public_host,
+            bootstrap=maddrs,
             bandwidth=bandwidth,
             upload_bytes_per_second=upload_bytes_per_second,
         )
-    except RunSpecError:
-        raise
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return NodeConfig(
@@ -123,5 +177,6 @@ def node_config(
         swarm=swarm,
         identity_path=identity_path or base / "identity.key",
         cache_dir=cache_dir or base / "cache",
-        **options,  # type: ignore[arg-type]
+        checkpoint_dir=checkpoint_dir or base / "checkpoints" / spec.run.id,
+        **options,
     )

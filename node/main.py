@@ -17,15 +17,17 @@ import multiprocessing
 import os
 import signal
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
-from swarmgrad.node.config import NodeConfig
+from swarmgrad.node.checkpoint import Checkpointer
+from swarmgrad.node.config import ConfigError, NodeConfig
 from swarmgrad.node.discovery.hivemind_dht import start_dht
 from swarmgrad.node.display import Display
 from swarmgrad.node.files import atomic_write
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.metrics import MetricsServer, NodeMetrics
 from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.trainer import Progress, Trainer
 
@@ -59,9 +61,29 @@ def write_status(path: Path, status: dict[str, Any]) -> None:
     atomic_write(path, json.dumps(status).encode())
 
 
+@contextlib.contextmanager
+def serving(metrics: NodeMetrics, address: str) -> Iterator[MetricsServer | None]:
+    """Serve ``metrics`` on ``address`` ("off": not at all) while the block runs."""
+    if address == "off":
+        yield None
+        return
+    try:
+        server = metrics.serve(address)
+    except (OSError, ValueError) as error:
+        raise ConfigError(str(error)) from None
+    log.info("metrics on %s", server.url)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
 async def node(config: NodeConfig, stop: asyncio.Event) -> int:
     identity = Identity.load_or_create(config.identity_path)
     log.info("peer id %s (key %s)", identity.peer_id, config.identity_path)
+    settings = config.settings
+    # The checkpoint lock and the metrics socket come after the Swarm: its DHT forks a process,
+    # which would inherit them (and hold them past a kill -9 of this one).
     async with Swarm(config.spec, identity, config.swarm) as swarm:
         log.info(
             "joined run %s (spec %s); gRPC %s; DHT %s",
@@ -70,38 +92,59 @@ async def node(config: NodeConfig, stop: asyncio.Event) -> int:
             swarm.endpoint,
             " ".join(swarm.visible_maddrs()),
         )
-        trainer_stop = threading.Event()
+        with (
+            Checkpointer(
+                config.checkpoint_dir, config.spec, keep=settings.keep_checkpoints
+            ) as checkpoints,
+            serving(swarm.metrics, settings.metrics_address) as server,
+        ):
+            return await _train(config, swarm, checkpoints, server, stop)
 
-        def on_progress(progress: Progress) -> None:
-            if config.status_file is not None:
-                status = progress.as_dict() | {"endpoint": swarm.endpoint, "counts": swarm.counts}
-                write_status(config.status_file, status)
 
-        trainer = Trainer(config, swarm, on_progress=on_progress)
-        display = Display(config.display, endpoint=swarm.endpoint, run=config.spec.run.id)
+async def _train(
+    config: NodeConfig,
+    swarm: Swarm,
+    checkpoints: Checkpointer,
+    server: MetricsServer | None,
+    stop: asyncio.Event,
+) -> int:
+    trainer_stop = threading.Event()
 
-        def train() -> None:
-            # CancelledError: let go by a stop while it waited on a round.
-            with contextlib.suppress(concurrent.futures.CancelledError):
-                trainer.train(trainer_stop)
+    def on_progress(progress: Progress) -> None:
+        if config.status_file is not None:
+            status = progress.as_dict() | {
+                "endpoint": swarm.endpoint,
+                "metrics_url": server.url if server is not None else "",
+                "counts": swarm.counts,
+                "failures": swarm.failures,
+            }
+            write_status(config.status_file, status)
 
-        async with asyncio.TaskGroup() as tasks:
-            training = tasks.create_task(asyncio.to_thread(train), name="trainer")
-            tasks.create_task(display.run(trainer.progress, training), name="display")
-            stopping = tasks.create_task(stop.wait(), name="signals")
-            await asyncio.wait([training, stopping], return_when=asyncio.FIRST_COMPLETED)
-            if stop.is_set():
-                trainer_stop.set()
-                swarm.release_waiters()
-            stopping.cancel()
-        progress = trainer.progress
-        log.info(
-            "stopped at epoch %d: val loss %.3f (from %.3f), %d samples",
-            progress.epoch,
-            progress.val_loss,
-            progress.initial_val_loss,
-            progress.samples,
-        )
+    trainer = Trainer(config, swarm, checkpoints=checkpoints, on_progress=on_progress)
+    display = Display(config.display, endpoint=swarm.endpoint, run=config.spec.run.id)
+
+    def train() -> None:
+        # CancelledError: let go by a stop while it waited on a round.
+        with contextlib.suppress(concurrent.futures.CancelledError):
+            trainer.train(trainer_stop)
+
+    async with asyncio.TaskGroup() as tasks:
+        training = tasks.create_task(asyncio.to_thread(train), name="trainer")
+        tasks.create_task(display.run(trainer.progress, training), name="display")
+        stopping = tasks.create_task(stop.wait(), name="signals")
+        await asyncio.wait([training, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            trainer_stop.set()
+            swarm.release_waiters()
+        stopping.cancel()
+    progress = trainer.progress
+    log.info(
+        "stopped at epoch %d: val loss %.3f (from %.3f), %d samples",
+        progress.epoch,
+        progress.val_loss,
+        progress.initial_val_loss,
+        progress.samples,
+    )
     return 0
 
 

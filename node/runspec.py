@@ -1,9 +1,9 @@
 """The run spec: what every node of one training run must agree on, read from TOML.
 
-Its hash (SHA-256 of a canonical JSON rendering of every field but ``network``) travels in every
-DHT key and RPC, so nodes with different specs never mix and say why when they meet. Unknown
-sections and keys are errors, as are wrong types and out-of-range values; every message names
-the offending ``section.key``.
+Its hash (SHA-256 of a canonical JSON rendering of every field but ``network`` and ``node``)
+travels in every DHT key and RPC, so nodes with different specs never mix and say why when they
+meet. Unknown sections and keys are errors, as are wrong types and out-of-range values; every
+message names the offending ``section.key``.
 
 Example (every section but ``[run]`` may be left out to take the defaults)::
 
@@ -24,6 +24,9 @@ Example (every section but ``[run]`` may be left out to take the defaults)::
 
     [network]
     bootstrap = ["/ip4/203.0.113.5/tcp/31337/p2p/Qm..."]
+
+    [node]      # defaults for each node; SWARMGRAD_* variables and options override them
+    checkpoint_every_rounds = 5
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ from typing import Any
 from swarmgrad.compression import codec_names
 
 PROTOCOL_VERSION = 1
+DEVICES = ("auto", "cpu", "cuda")
+#: Sections that say how a node takes part, not what the run is: outside the hash.
+OPERATIONAL = frozenset({"network", "node"})
 
 
 class RunSpecError(ValueError):
@@ -172,6 +178,47 @@ class NetworkSection:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class NodeSection:
+    """Defaults for this run's nodes, which each node may override (``SWARMGRAD_*`` variables,
+    then command-line options). Operational: not part of the spec hash."""
+
+    host: str = "127.0.0.1"  # where to serve gRPC and the DHT
+    port: int = 0  # gRPC port; 0: any free port
+    public_host: str = ""  # the address peers dial, if not host (a container's name)
+    device: str = "auto"  # auto, cpu or cuda
+    threads: int = 0  # torch CPU threads; 0: torch's default
+    metrics_address: str = "127.0.0.1:9464"  # Prometheus endpoint, host:port, or "off"
+    checkpoint_every_rounds: int = 10
+    keep_checkpoints: int = 3
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise RunSpecError(f"node.port must be in [0, 65535], got {self.port}")
+        if self.host in ("0.0.0.0", "::") and not self.public_host:
+            raise RunSpecError(
+                f"node.host {self.host} listens everywhere: set node.public_host to the address "
+                f"peers should dial"
+            )
+        if self.device not in DEVICES:
+            raise RunSpecError(
+                f"node.device must be one of {', '.join(DEVICES)}, got {self.device!r}"
+            )
+        if self.threads < 0:
+            raise RunSpecError(f"node.threads must be 0 (torch's default) or more: {self.threads}")
+        if self.metrics_address != "off":
+            host, sep, port = self.metrics_address.rpartition(":")
+            if not sep or not host or not port.isdigit() or int(port) > 65535:
+                raise RunSpecError(
+                    f"node.metrics_address must be host:port or 'off', got {self.metrics_address!r}"
+                )
+        _positive(
+            "node",
+            checkpoint_every_rounds=self.checkpoint_every_rounds,
+            keep_checkpoints=self.keep_checkpoints,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunSpec:
     run: RunSection
     model: ModelSection = field(default_factory=ModelSection)
@@ -179,13 +226,14 @@ class RunSpec:
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     averaging: AveragingSection = field(default_factory=AveragingSection)
     network: NetworkSection = field(default_factory=NetworkSection)
+    node: NodeSection = field(default_factory=NodeSection)
 
     def canonical(self) -> bytes:
-        """Canonical JSON of everything but ``network``: what the hash covers."""
+        """Canonical JSON of everything but ``network`` and ``node``: what the hash covers."""
         sections = {
             f.name: dataclasses.asdict(getattr(self, f.name))
             for f in dataclasses.fields(self)
-            if f.name != "network"
+            if f.name not in OPERATIONAL
         }
         return json.dumps(sections, sort_keys=True, separators=(",", ":")).encode()
 

@@ -35,6 +35,7 @@ from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.group import Group
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.matchmaking import Matchmaker
+from swarmgrad.node.metrics import NodeMetrics
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.throttle import TokenBucket
 from swarmgrad.protocol import state
@@ -54,6 +55,7 @@ class SwarmConfig:
 
     host: str = "127.0.0.1"
     port: int = 0
+    public_host: str = ""  # the address peers dial, if not host
     bootstrap: tuple[str, ...] = ()
     #: Relative upload capacity: the share of each round's vector this node owns.
     bandwidth: float = 1.0
@@ -151,6 +153,20 @@ class Swarm:
         self.codec_is_lossless = spec.averaging.codec == "none"
         #: Rounds by outcome, state downloads, and errors, by kind.
         self.counts: Counter[str] = Counter()
+        #: Failures by kind (:data:`swarmgrad.node.metrics.FAILURE_KINDS`).
+        self.failures: Counter[str] = Counter()
+        self._rejections: Counter[str] = Counter()  # the servicer's, once it runs
+        self._state_received_bytes = 0
+        self.metrics = NodeMetrics(
+            peer_id=self.peer_id,
+            run_id=spec.run.id,
+            spec_hash=spec.short_hash,
+            algorithm=spec.algorithm.name,
+            codec=spec.averaging.codec,
+        )
+        self.metrics.read_tallies(traffic=self._traffic_totals, failures=self._failure_totals)
+        sample = torch.randn(min(spec.averaging.chunk_values, 1 << 16))
+        self.metrics.compression_ratio.set(sample.nbytes / len(self.codec.encode(sample)[0]))
         #: The run's trainers as last read from the DHT (this node included).
         self.peers: list[PeerRecord] = []
         self.throughput = 0.0  # samples/s, announced
@@ -174,9 +190,11 @@ class Swarm:
                 allreduce_config(self.spec),
                 host=self.config.host,
                 port=self.config.port,
+                public_host=self.config.public_host,
                 services=[lambda server: state.add_to_server(self.state_servicer, server)],
             )
             await self._averager.__aenter__()
+            self._rejections = self._averager.servicer.rejections
             self._matchmaker = Matchmaker(
                 self._discovery,
                 self.identity,
@@ -224,6 +242,19 @@ class Swarm:
     def traffic(self) -> Counter[str]:
         """Averaging payload bytes ``sent`` and ``received`` by this node."""
         return self._averager.traffic if self._averager is not None else Counter()
+
+    def _traffic_totals(self) -> dict[tuple[str, str], int]:
+        averaging = self.traffic
+        return {
+            ("sent", "averaging"): averaging["sent"],
+            ("received", "averaging"): averaging["received"],
+            ("sent", "state"): self.state_servicer.sent_bytes,
+            ("received", "state"): self._state_received_bytes,
+        }
+
+    def _failure_totals(self) -> Counter[str]:
+        # Streams our servicer rejected are violations by the peers that sent them.
+        return self.failures + Counter({"protocol_violation": sum(self._rejections.values())})
 
     def visible_maddrs(self) -> list[str]:
         return self._discovery.visible_maddrs() if self._discovery is not None else []
@@ -281,6 +312,7 @@ class Swarm:
             self.spec.canonical(), expires_at=dht_time() + self.config.record_ttl_seconds
         )
         self.peers = await self._discovery.find()
+        self.metrics.peers.set(len(self.peers))
 
     async def _keep_announcing(self) -> None:
         while True:
@@ -294,14 +326,17 @@ class Swarm:
                 await self._announce()
             except DiscoveryError as error:
                 self.counts["announce failed"] += 1
+                self.failures["discovery"] += 1
                 log.warning("could not refresh this node's record: %s", error)
 
     async def refresh_peers(self) -> list[PeerRecord]:
         assert self._discovery is not None
         try:
             self.peers = await self._discovery.find()
+            self.metrics.peers.set(len(self.peers))
         except DiscoveryError as error:
             self.counts["discovery failed"] += 1
+            self.failures["discovery"] += 1
             log.warning("could not read the run's peers: %s", error)
         return self.peers
 
@@ -313,6 +348,7 @@ class Swarm:
 
     async def download_state(self, donor: PeerRecord, num_values: int) -> state.Snapshot | None:
         assert self._averager is not None
+        started = asyncio.get_running_loop().time()
         try:
             snapshot = await state.download(
                 self._averager.channel(donor.endpoint),
@@ -325,9 +361,12 @@ class Swarm:
             )
         except SwarmgradError as error:
             self.counts["state download failed"] += 1
+            self.failures["state_download"] += 1
             log.warning("state download from %s failed: %s", donor.peer_id, error)
             return None
         self.counts["state downloads"] += 1
+        self._state_received_bytes += snapshot.values.nbytes
+        self.metrics.state_sync_duration.observe(asyncio.get_running_loop().time() - started)
         return snapshot
 
     # -- rounds ---------------------------------------------------------------------------------
@@ -352,6 +391,7 @@ class Swarm:
             )
         except DiscoveryError as error:
             self.counts["discovery failed"] += 1
+            self.failures["discovery"] += 1
             return Averaged(Outcome.NO_GROUP, error=str(error))
         if group is None:
             self.counts["no group"] += 1
@@ -361,12 +401,14 @@ class Swarm:
             result = await self._averager.all_reduce(sent, group, hooks=self._throttle)
         except RoundAborted as error:
             self.counts["aborted"] += 1
+            self.failures["aborted_round"] += 1
             return Averaged(Outcome.ABORTED, group=group, error=str(error))
         finally:
             # The group has met: withdraw the readiness record, so that a peer arriving late
             # for this round does not form a group with peers that have moved on.
             self._spawn(self._withdraw(f"round/{epoch}"), f"withdraw-round-{epoch}")
         self.counts["averaged" if result.complete else "partial"] += 1
+        self.failures.update(result.failure_kinds.values())
         return Averaged(Outcome.AVERAGED, result=result, group=group, sent=sent)
 
     async def _withdraw(self, topic: str) -> None:

@@ -1,12 +1,14 @@
 """The CLI's trainer: the run spec's model on its data, through the same API a researcher uses.
 
 ``Trainer.train`` runs in a worker thread (torch off the event loop) and reads top to bottom:
-set up the device, data and model; then step, and after each round evaluate and report. It stops
-when asked (``stop``), or when the replica reaches ``max_epochs``.
+set up the device, data and model; resume from the newest valid checkpoint, then catch up with
+the swarm; then step, and after each round evaluate, report, and every few rounds checkpoint. It
+stops when asked (``stop``), or when the replica reaches ``max_epochs``, and checkpoints then too.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import math
@@ -18,8 +20,15 @@ from typing import Any
 
 import torch
 
+from swarmgrad.node.checkpoint import (
+    Checkpoint,
+    Checkpointer,
+    CheckpointError,
+    load_optimizer_state,
+    optimizer_state,
+)
 from swarmgrad.node.config import NodeConfig
-from swarmgrad.node.data import load_corpus
+from swarmgrad.node.data import Batches, load_corpus
 from swarmgrad.node.model import GPT, build_model
 from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.training import DiLoCo, RoundReport, SyncDataParallel
@@ -50,6 +59,8 @@ class Progress:
     compute_seconds: float = 0.0
     communication_seconds: float = 0.0
     checksum: str = ""
+    checkpoint: str = ""  # the last one written
+    resumed_from: str = ""  # the checkpoint this run started from
     outcomes: dict[str, int] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)  # one entry per round
     started_at: float = field(default_factory=time.time)
@@ -89,17 +100,19 @@ class Trainer:
         config: NodeConfig,
         swarm: Swarm,
         *,
+        checkpoints: Checkpointer | None = None,
         on_progress: Callable[[Progress], None] = lambda progress: None,
     ) -> None:
-        self.config, self.swarm = config, swarm
+        self.config, self.swarm, self.checkpoints = config, swarm, checkpoints
         self.progress = Progress(peer_id=swarm.peer_id, algorithm=config.spec.algorithm.name)
+        self.metrics = swarm.metrics
         self._on_progress = on_progress
 
     def train(self, stop: threading.Event) -> Progress:
-        spec, progress = self.config.spec, self.progress
-        if self.config.threads is not None:
-            torch.set_num_threads(self.config.threads)
-        device = pick_device(self.config.device)
+        spec, settings, progress = self.config.spec, self.config.settings, self.progress
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        device = pick_device(settings.device)
         progress.device = str(device)
         corpus = load_corpus(
             spec.data, vocab_size=spec.model.vocab_size, cache_dir=self.config.cache_dir
@@ -129,7 +142,16 @@ class Trainer:
             replica = SyncDataParallel(
                 self.swarm, model, optimizer, target_batch_size=algorithm.target_batch_size
             )
-        progress.initial_val_loss = progress.val_loss = evaluate(model, validation, device)
+        progress.initial_val_loss = evaluate(model, validation, device)
+        restored = self.checkpoints.latest() if self.checkpoints is not None else None
+        if restored is not None:
+            self._restore(restored, replica, optimizer, batches)
+        progress.val_loss = evaluate(model, validation, device)
+        with contextlib.suppress(concurrent.futures.CancelledError):  # stopped while waiting
+            caught_up = replica.catch_up()
+            if caught_up is not None:
+                self._record_round(caught_up, replica, evaluate(model, validation, device))
+        saved_epoch = replica.epoch
         started = time.monotonic()
         while not stop.is_set():
             step_started = time.monotonic()
@@ -146,16 +168,81 @@ class Trainer:
                 time.sleep(compute * (self.config.slowdown - 1))
             progress.compute_seconds += time.monotonic() - step_started
             self._count_step(len(inputs), inputs.numel(), float(loss.detach()), started)
-            report = replica.step(samples=len(inputs))
+            try:
+                report = replica.step(samples=len(inputs))
+            except concurrent.futures.CancelledError:  # stopping while in a round
+                break
             if report is None:
                 continue
             progress.communication_seconds += report.seconds
             self._record_round(report, replica, evaluate(model, validation, device))
+            if replica.epoch >= saved_epoch + self.config.settings.checkpoint_every_rounds:
+                self._save(replica, optimizer, batches)
+                saved_epoch = replica.epoch
             if self.config.max_epochs is not None and replica.epoch >= self.config.max_epochs:
                 break
+        self._save(replica, optimizer, batches)
         progress.finished = True
         self._on_progress(progress)
         return progress
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def _save(
+        self, replica: DiLoCo | SyncDataParallel, optimizer: torch.optim.Optimizer, batches: Batches
+    ) -> None:
+        if self.checkpoints is None:
+            return
+        started = time.monotonic()
+        progress = self.progress
+        tensors, replica_meta = replica.state_dict()
+        optimizer_tensors, optimizer_meta = optimizer_state(optimizer)
+        tensors |= optimizer_tensors | {"rng.torch": torch.get_rng_state()}
+        meta = {
+            "replica": replica_meta,
+            "optimizer": optimizer_meta,
+            "data_cursor": batches.cursor,
+            "progress": {
+                "steps": progress.steps,
+                "samples": progress.samples,
+                "tokens": progress.tokens,
+                "initial_val_loss": progress.initial_val_loss,
+            },
+        }
+        path = self.checkpoints.save(
+            epoch=replica.epoch, step=progress.steps, tensors=tensors, meta=meta
+        )
+        progress.checkpoint = str(path)
+        self.metrics.checkpoints.inc()
+        self.metrics.checkpoint_duration.observe(time.monotonic() - started)
+        log.info("checkpoint %s (%.2f s)", path.name, time.monotonic() - started)
+
+    def _restore(
+        self,
+        checkpoint: Checkpoint,
+        replica: DiLoCo | SyncDataParallel,
+        optimizer: torch.optim.Optimizer,
+        batches: Batches,
+    ) -> None:
+        meta, tensors, progress = checkpoint.meta, checkpoint.tensors, self.progress
+        try:
+            load_optimizer_state(optimizer, tensors, meta["optimizer"])
+            replica.load_state_dict(tensors, meta["replica"])
+            batches.seek(int(meta["data_cursor"]))
+            torch.set_rng_state(tensors["rng.torch"])
+            counters = meta["progress"]
+            progress.steps, progress.samples = int(counters["steps"]), int(counters["samples"])
+            progress.tokens = int(counters["tokens"])
+            progress.initial_val_loss = float(counters["initial_val_loss"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as error:
+            raise CheckpointError(
+                f"{checkpoint.path}: does not fit this node's model ({error!r}); move it away "
+                f"to start fresh"
+            ) from None
+        progress.epoch = replica.epoch
+        progress.resumed_from = str(checkpoint.path)
+        self.metrics.epoch.set(replica.epoch)
+        log.info("resumed from %s (epoch %d)", checkpoint.path, replica.epoch)
 
     def _count_step(self, samples: int, tokens: int, loss: float, started: float) -> None:
         progress = self.progress
@@ -164,6 +251,12 @@ class Trainer:
         progress.tokens += tokens
         progress.loss = loss if math.isnan(progress.loss) else 0.95 * progress.loss + 0.05 * loss
         progress.tokens_per_second = progress.tokens / max(time.monotonic() - started, 1e-9)
+        metrics = self.metrics
+        metrics.inner_steps.inc()
+        metrics.samples.inc(samples)
+        metrics.tokens.inc(tokens)
+        metrics.train_loss.set(progress.loss)
+        metrics.tokens_per_second.set(progress.tokens_per_second)
 
     def _record_round(
         self, report: RoundReport, replica: DiLoCo | SyncDataParallel, val_loss: float
@@ -179,6 +272,12 @@ class Trainer:
         snapshot = swarm.snapshot
         progress.checksum = snapshot.checksum if snapshot is not None else ""
         progress.outcomes[report.outcome] = progress.outcomes.get(report.outcome, 0) + 1
+        metrics = self.metrics
+        metrics.rounds.labels(report.outcome.replace(" ", "_")).inc()
+        metrics.round_duration.observe(report.seconds)
+        metrics.epoch.set(report.epoch)
+        metrics.validation_loss.set(val_loss)
+        metrics.group_size.set(report.group_size)
         progress.history.append(
             {
                 "epoch": report.epoch,

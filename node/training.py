@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,7 +57,9 @@ class _Replica:
 
     def __init__(self, swarm: Swarm, model: nn.Module) -> None:
         self.swarm = swarm
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
         self.numel = sum(p.numel() for p in self.params)
         self.epoch = 0
         self.samples = 0  # since the last round: this replica's weight in it
@@ -71,6 +74,53 @@ class _Replica:
 
     def load_state_vector(self, values: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _load_state_tensors(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Everything needed to continue exactly from here: tensors (the replicated state as
+        ``model.<parameter name>`` and the rest) and JSON-able counters."""
+        tensors = self._state_tensors() | {"residual": self._residual}
+        meta = {"epoch": self.epoch, "samples": self.samples, "samples_total": self._samples_total}
+        return tensors, meta
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`; ValueError if it is not this model's state."""
+        residual = tensors.get("residual")
+        if residual is None or residual.shape != (self.numel,):
+            raise ValueError("the state's residual does not match the model")
+        self._load_state_tensors(tensors, meta)
+        self._residual = residual.float().clone()
+        self.epoch, self.samples = int(meta["epoch"]), int(meta["samples"])
+        self._samples_total = int(meta["samples_total"])
+        self.publish()
+
+    def _named(self, prefix: str, vector: torch.Tensor) -> dict[str, torch.Tensor]:
+        tensors, offset = {}, 0
+        for name, p in zip(self.names, self.params, strict=True):
+            tensors[f"{prefix}.{name}"] = vector[offset : offset + p.numel()].view(p.shape).clone()
+            offset += p.numel()
+        return tensors
+
+    def _unnamed(self, prefix: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        parts = []
+        for name, p in zip(self.names, self.params, strict=True):
+            t = tensors.get(f"{prefix}.{name}")
+            if t is None or t.shape != p.shape:
+                raise ValueError(f"{prefix}.{name} is missing from the state or has another shape")
+            parts.append(t.reshape(-1).float())
+        return torch.cat(parts)
+
+    def catch_up(self) -> RoundReport | None:
+        """Download the swarm's state now if this replica is behind it or diverged (a node that
+        joins, or resumes an old checkpoint, need not train a round it would throw away)."""
+        return self._resync_if_needed()
 
     # -- shared ---------------------------------------------------------------------------------
 
@@ -112,17 +162,18 @@ class _Replica:
             detail=f"from {donor.peer_id}",
         )
 
-    def _with_feedback(self, vector: torch.Tensor, group: Group) -> torch.Tensor:
-        """``vector + residual`` as the group's owners will decode it; keeps what is lost
-        (and, whatever the codec, the residual: values a round could not average).
+    def _with_feedback(
+        self, vector: torch.Tensor, group: Group
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``vector + residual`` as the group's owners will decode it, and the new residual:
+        what the codec loses (and, whatever the codec, values a round could not average).
 
         Parts this member owns are reduced from its exact values, so only the others are
         round-tripped through the codec, chunk by chunk exactly as the all-reduce cuts them.
         """
         compensated = vector + self._residual
         if self.swarm.codec_is_lossless:
-            self._residual = torch.zeros_like(compensated)
-            return compensated
+            return compensated, torch.zeros_like(compensated)
         sent = compensated.clone()
         codec = self.swarm.codec
         me = group.index(self.swarm.peer_id)
@@ -135,18 +186,23 @@ class _Replica:
                 piece = compensated[offset : offset + size]
                 sent[offset : offset + size] = codec.decode(*codec.encode(piece))
                 offset += size
-        self._residual = compensated - sent
-        return sent
+        return sent, compensated - sent
 
     def _average(self, vector: torch.Tensor) -> Averaged:
-        residual = self._residual  # _with_feedback replaces it, never writes into it
+        """One round; the residual moves on only if the round applied what was sent (a round
+        that fails, or a stop mid-round, leaves the state as it was before)."""
+        residual: list[torch.Tensor] = []
+
+        def prepare(vector: torch.Tensor, group: Group) -> torch.Tensor:
+            sent, left = self._with_feedback(vector, group)
+            residual.append(left)
+            return sent
+
         averaged = self.swarm.call(
-            self.swarm.average(
-                vector, epoch=self.epoch, weight=self.samples, prepare=self._with_feedback
-            )
+            self.swarm.average(vector, epoch=self.epoch, weight=self.samples, prepare=prepare)
         )
-        if averaged.outcome is not Outcome.AVERAGED:
-            self._residual = residual  # nothing was applied: the next round resends it all
+        if averaged.outcome is Outcome.AVERAGED:
+            self._residual = residual[-1]
         return averaged
 
     def _report(self, averaged: Averaged, started: float) -> RoundReport:
@@ -200,6 +256,28 @@ class DiLoCo(_Replica):
             {"theta": theta, "momentum_buffer": momentum, "carry": torch.zeros(self.numel)}
         )
         unflatten(self.outer.theta, self.params)
+
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        return (
+            self._named("model", self.outer.theta)  # the swarm's parameters
+            | self._named("local", flatten(self.params))  # this replica's, mid-round
+            | {"outer.momentum_buffer": self.outer.momentum_buffer, "outer.carry": self.outer.carry}
+        )
+
+    def _load_state_tensors(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        self.outer.load_state_dict(
+            {
+                "theta": self._unnamed("model", tensors),
+                "momentum_buffer": tensors["outer.momentum_buffer"],
+                "carry": tensors["outer.carry"],
+            }
+        )
+        unflatten(self._unnamed("local", tensors), self.params)
+        self._steps = int(meta["steps"])
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors, meta = super().state_dict()
+        return tensors, meta | {"steps": self._steps}
 
     def step(self, samples: int) -> RoundReport | None:
         """Count one inner step of ``samples``; run an outer round when one is due."""
@@ -286,6 +364,26 @@ class SyncDataParallel(_Replica):
             for t in [p.data for p in self.params] + self._optimizer_tensors():
                 t.copy_(values[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        # The optimizer's own state goes with the trainer's (it is the caller's optimizer);
+        # gradients accumulated toward the next step go here.
+        tensors = self._named("model", flatten(self.params))
+        for name, p in zip(self.names, self.params, strict=True):
+            if p.grad is not None:
+                tensors[f"grad.{name}"] = p.grad.detach().float().cpu()
+        return tensors
+
+    def _load_state_tensors(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        unflatten(self._unnamed("model", tensors), self.params)
+        for name, p in zip(self.names, self.params, strict=True):
+            grad = tensors.get(f"grad.{name}")
+            p.grad = None if grad is None else grad.to(p.device, p.dtype).view_as(p).clone()
+        self._micro_batches = int(meta["micro_batches"])
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors, meta = super().state_dict()
+        return tensors, meta | {"micro_batches": self._micro_batches}
 
     def step(self, samples: int) -> RoundReport | None:
         """Count one backward pass over ``samples``; average and step when the batch is full."""

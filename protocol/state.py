@@ -45,8 +45,9 @@ class StateServicer(state_pb2_grpc.StateServicer):
     ) -> None:
         self._run_id, self._spec_hash = run_id, spec_hash
         self._snapshot = snapshot
-        #: Downloads served in full.
+        #: Downloads served in full, and the payload bytes sent.
         self.served = 0
+        self.sent_bytes = 0
 
     async def Download(
         self,
@@ -71,6 +72,7 @@ class StateServicer(state_pb2_grpc.StateServicer):
         for start in range(0, values.numel(), CHUNK_VALUES):
             chunk = values[start : start + CHUNK_VALUES].numpy().tobytes()
             yield state_pb2.StateChunk(values=chunk)
+            self.sent_bytes += len(chunk)
         self.served += 1
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -177,6 +178,8 @@ def simulate(
         for i, profile in enumerate(profiles):
             status = out_dir / f"node-{i}.json"
             status.unlink(missing_ok=True)
+            checkpoints = out_dir / "checkpoints" / f"node-{i}"
+            shutil.rmtree(checkpoints, ignore_errors=True)  # a new simulation starts fresh
             args = [
                 "node",
                 str(spec_path),
@@ -189,6 +192,8 @@ def simulate(
                 "--status-file", str(status),
                 "--display", "log",
                 "--threads", "1",
+                "--checkpoint-dir", str(checkpoints),
+                "--metrics-address", "127.0.0.1:0",
                 *extra_node_args,
             ]  # fmt: skip
             if profile.upload_bytes_per_second is not None:

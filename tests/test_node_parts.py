@@ -128,7 +128,7 @@ def test_error_feedback_sends_exact_own_part_and_carries_what_the_codec_drops() 
     inputs, sent_total = torch.zeros(diloco.numel), torch.zeros(diloco.numel)
     for _ in range(20):
         vector = torch.randn(diloco.numel)
-        sent = diloco._with_feedback(vector, group)
+        sent, diloco._residual = diloco._with_feedback(vector, group)  # each round applied
         assert torch.equal(sent[own_start:own_end], vector[own_start:own_end] + 0)  # exact
         inputs += vector
         sent_total += sent
@@ -192,8 +192,8 @@ def test_node_config_checks_options_and_reads_the_spec(tmp_path: Path) -> None:
     assert config.spec.hash == RunSpec.load(spec).hash  # bootstrap peers are not in the hash
     with pytest.raises(ConfigError, match="slowdown"):
         node_config(spec_path=spec, environ=env, slowdown=0.5)
-    with pytest.raises(ConfigError, match="port"):
-        node_config(spec_path=spec, environ=env, port=70000)
+    with pytest.raises(ConfigError, match="--port must be in"):
+        node_config(spec_path=spec, environ=env, settings={"port": 70000})
     with pytest.raises(RunSpecError, match="cannot read"):
         node_config(spec_path=tmp_path / "missing.toml", environ=env)
 

@@ -1,0 +1,238 @@
+"""Checkpoints: a node's whole training state on disk, never left half-written.
+
+One checkpoint is one directory, ``epoch-000012-step-000000650/``, holding ``state.safetensors``
+(every tensor: parameters, optimizer states, error-feedback residuals, RNG state) and
+``manifest.json`` (format, run id, spec hash and the canonical spec, epoch, step, the sha256 and
+size of each file, and small JSON metadata such as the data cursor). A checkpoint is written into
+a ``.tmp-*`` directory, each file and the directory are fsynced, then the directory is renamed into
+place and its parent fsynced: a kill at any moment leaves either the whole checkpoint or a temp
+directory that the next start deletes. The newest ``keep`` checkpoints are kept.
+
+Reading goes newest first and takes the first checkpoint that is whole and ours: a manifest that
+does not parse, a spec hash that is not this run's, a file whose sha256 differs, a safetensors file
+that does not open: each is reported (:attr:`Checkpointer.rejected`) and skipped, never loaded.
+A lock file keeps two nodes from sharing one directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from swarmgrad.node.runspec import RunSpec, RunSpecError
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+STATE_FILE, MANIFEST_FILE, LOCK_FILE = "state.safetensors", "manifest.json", ".lock"
+_NAME = re.compile(r"^epoch-(\d{6,})-step-(\d{9,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used (the message says which and why), or the folder is locked."""
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    path: Path
+    spec: RunSpec
+    epoch: int
+    step: int
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read(path: Path, *, spec: RunSpec | None = None) -> Checkpoint:
+    """The checkpoint in directory ``path``, checked whole; CheckpointError says what is wrong.
+
+    With ``spec``, a checkpoint of another run spec is refused too.
+    """
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: no readable manifest ({error})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a swarmgrad checkpoint (format {FORMAT})")
+    try:
+        theirs = RunSpec.from_dict(json.loads(manifest["spec"]))
+        epoch, step, files = int(manifest["epoch"]), int(manifest["step"]), manifest["files"]
+        meta = dict(manifest.get("meta", {}))
+    except (KeyError, TypeError, ValueError, RunSpecError) as error:
+        raise CheckpointError(f"{path}: malformed manifest ({error})") from None
+    if spec is not None and theirs.hash != spec.hash:
+        differences = "; ".join(spec.differences(theirs.canonical())) or "unknown fields"
+        raise CheckpointError(
+            f"{path}: belongs to another run spec ({theirs.run.id} {theirs.short_hash}, this "
+            f"node runs {spec.run.id} {spec.short_hash}): {differences}"
+        )
+    if not isinstance(files, dict) or set(files) != {STATE_FILE}:
+        raise CheckpointError(f"{path}: the manifest must list exactly {STATE_FILE}")
+    for name, expected in files.items():
+        file = path / name
+        try:
+            size = file.stat().st_size
+        except OSError:
+            raise CheckpointError(f"{path}: {name} is missing") from None
+        if size != expected.get("bytes") or _sha256(file) != expected.get("sha256"):
+            raise CheckpointError(f"{path}: {name} does not match its sha256 in the manifest")
+    try:
+        tensors = load_file(path / STATE_FILE)
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{path}: {STATE_FILE} does not load ({error})") from None
+    return Checkpoint(path=path, spec=theirs, epoch=epoch, step=step, tensors=tensors, meta=meta)
+
+
+class Checkpointer:
+    """Saves and finds the checkpoints of one node in ``folder`` (locked while open)."""
+
+    def __init__(self, folder: Path, spec: RunSpec, *, keep: int) -> None:
+        if keep < 1:
+            raise ValueError("keep must be at least 1")
+        self.folder, self.spec, self.keep = folder, spec, keep
+        #: Checkpoints found unusable, with why, in the order met.
+        self.rejected: list[str] = []
+        self._lock: int | None = None
+
+    def __enter__(self) -> Checkpointer:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CheckpointError(
+                f"{self.folder} is in use by another node; give each node its own "
+                f"--checkpoint-dir (or SWARMGRAD_HOME)"
+            ) from None
+        self._lock = fd
+        self._remove_temporaries()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # releases the flock
+            self._lock = None
+
+    def _remove_temporaries(self) -> None:
+        for leftover in self.folder.glob(".tmp-*"):
+            log.info("removing %s, left by an interrupted checkpoint", leftover)
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    def candidates(self) -> list[Path]:
+        """Checkpoint directories, newest (epoch, step) first."""
+        found = []
+        for path in self.folder.iterdir() if self.folder.is_dir() else ():
+            match = _NAME.match(path.name)
+            if match and path.is_dir():
+                found.append(((int(match[1]), int(match[2])), path))
+        return [path for _, path in sorted(found, reverse=True)]
+
+    def latest(self) -> Checkpoint | None:
+        """The newest checkpoint that is whole and of this run spec; the others are reported."""
+        for path in self.candidates():
+            try:
+                return read(path, spec=self.spec)
+            except CheckpointError as error:
+                self.rejected.append(str(error))
+                log.warning("skipping checkpoint: %s", error)
+        return None
+
+    def save(
+        self, *, epoch: int, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+    ) -> Path:
+        """Write one checkpoint atomically, then drop all but the newest ``keep``."""
+        if self._lock is None:
+            raise RuntimeError("use the Checkpointer as a context manager")
+        name = f"epoch-{epoch:06d}-step-{step:09d}"
+        final = self.folder / name
+        temporary = self.folder / f".tmp-{name}-{os.getpid()}"
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir()
+        state = temporary / STATE_FILE
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+            state,
+            metadata={"format": str(FORMAT)},
+        )
+        _fsync(state)
+        manifest = {
+            "format": FORMAT,
+            "run_id": self.spec.run.id,
+            "spec_hash": self.spec.hash.hex(),
+            "spec": self.spec.canonical().decode(),
+            "epoch": epoch,
+            "step": step,
+            "created_at": time.time(),
+            "files": {STATE_FILE: {"sha256": _sha256(state), "bytes": state.stat().st_size}},
+            "meta": meta,
+        }
+        with (temporary / MANIFEST_FILE).open("w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync(temporary)
+        if final.exists():  # saved twice at one step (a stop right after a round): keep the first
+            shutil.rmtree(temporary)
+            return final
+        temporary.rename(final)
+        _fsync(self.folder)
+        for old in self.candidates()[self.keep :]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], Any]:
+    """An optimizer's state as tensors (``optimizer.<param>.<key>``) and JSON-able metadata."""
+    state_dict = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for index, values in state_dict["state"].items():
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer.{index}.{key}"] = value
+            else:
+                scalars[f"{index}.{key}"] = value
+    return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: Any
+) -> None:
+    """Inverse of :func:`optimizer_state`."""
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        if name.startswith("optimizer."):
+            index, key = name.removeprefix("optimizer.").split(".", 1)
+            state.setdefault(int(index), {})[key] = value
+    for name, value in meta["scalars"].items():
+        index, key = name.split(".", 1)
+        state.setdefault(int(index), {})[key] = value
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})

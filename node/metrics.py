@@ -1,0 +1,190 @@
+"""A node's Prometheus metrics, on a registry of its own, and the HTTP endpoint that serves them.
+
+Each :class:`Swarm` owns one :class:`NodeMetrics` (``swarm.metrics``): the swarm records rounds,
+failures and state syncs; a trainer (the CLI's, or a researcher's loop through the same API)
+records steps, loss and checkpoints. Byte and failure counters are read from the node's own tallies
+when Prometheus scrapes, so the wire code knows nothing of Prometheus. A registry per node, never
+the global default one: two nodes in one process (tests) would otherwise clash.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+#: Why a member or a round failed, as counted in ``swarmgrad_failures_total{kind=...}``.
+FAILURE_KINDS = (
+    "timeout",  # a peer missed a deadline
+    "protocol_violation",  # a peer sent something invalid (we rejected it, or it rejected us)
+    "dropped_member",  # a group member went away mid-round (unreachable, hung up)
+    "aborted_round",  # a round produced nothing
+    "discovery",  # the DHT did not answer
+    "state_download",  # a state download failed (unreachable or lying donor)
+)
+ROUND_OUTCOMES = ("averaged", "partial", "no_group", "aborted", "resynced", "alone")
+TRAFFIC_KINDS = ("averaging", "state")
+_ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300)
+
+#: (direction, kind) -> bytes so far; direction is "sent" or "received".
+TrafficSource = Callable[[], Mapping[tuple[str, str], int]]
+#: kind -> failures so far (kinds from FAILURE_KINDS).
+FailureSource = Callable[[], Mapping[str, int]]
+
+
+class _Tallies(Collector):
+    """Byte and failure counters read, at each scrape, from where the node keeps them."""
+
+    def __init__(self, traffic: TrafficSource, failures: FailureSource) -> None:
+        self._traffic, self._failures = traffic, failures
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        totals = self._traffic()
+        for direction in ("sent", "received"):
+            family = CounterMetricFamily(
+                f"swarmgrad_{direction}_bytes",
+                f"Payload bytes {direction} by this node, by kind of traffic.",
+                labels=["kind"],
+            )
+            for kind in TRAFFIC_KINDS:
+                family.add_metric([kind], float(totals.get((direction, kind), 0)))
+            yield family
+        failures = self._failures()
+        family = CounterMetricFamily(
+            "swarmgrad_failures", "Failures by kind; each is survived, not fatal.", labels=["kind"]
+        )
+        for kind in FAILURE_KINDS:
+            family.add_metric([kind], float(failures.get(kind, 0)))
+        yield family
+
+
+class NodeMetrics:
+    """The metrics of one node; thread-safe (prometheus-client's instruments are)."""
+
+    def __init__(self, *, peer_id: str, run_id: str, spec_hash: str, algorithm: str, codec: str):
+        registry = self.registry = CollectorRegistry()
+        info = Gauge(
+            "swarmgrad_node_info",
+            "Constant 1, labelled with what this node is.",
+            ["peer_id", "run_id", "spec_hash", "algorithm", "codec"],
+            registry=registry,
+        )
+        info.labels(peer_id, run_id, spec_hash, algorithm, codec).set(1)
+        self.rounds = Counter(
+            "swarmgrad_rounds",
+            "Rounds (DiLoCo outer rounds, sync global steps) by outcome.",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in ROUND_OUTCOMES:
+            self.rounds.labels(outcome)
+        self.epoch = Gauge("swarmgrad_epoch", "Epoch of this node's replica.", registry=registry)
+        self.inner_steps = Counter(
+            "swarmgrad_inner_steps", "Local training steps (forward + backward).", registry=registry
+        )
+        self.samples = Counter(
+            "swarmgrad_samples", "Training samples processed here.", registry=registry
+        )
+        self.tokens = Counter(
+            "swarmgrad_tokens", "Training tokens processed here.", registry=registry
+        )
+        self.tokens_per_second = Gauge(
+            "swarmgrad_tokens_per_second",
+            "Training tokens per second since the node started.",
+            registry=registry,
+        )
+        self.train_loss = Gauge(
+            "swarmgrad_train_loss", "Moving average of the training loss.", registry=registry
+        )
+        self.validation_loss = Gauge(
+            "swarmgrad_validation_loss",
+            "Loss on held-out data after the last round.",
+            registry=registry,
+        )
+        self.round_duration = Histogram(
+            "swarmgrad_round_duration_seconds",
+            "Time spent in a round: matchmaking, all-reduce, outer step (or a state download).",
+            buckets=_ROUND_BUCKETS,
+            registry=registry,
+        )
+        self.compression_ratio = Gauge(
+            "swarmgrad_compression_ratio",
+            "fp32 bytes per encoded byte of the run's codec.",
+            registry=registry,
+        )
+        self.group_size = Gauge(
+            "swarmgrad_group_size", "Members of the last round's group.", registry=registry
+        )
+        self.peers = Gauge(
+            "swarmgrad_peers", "The run's peers known from the DHT (this one included).",
+            registry=registry,
+        )  # fmt: skip
+        self.state_sync_duration = Histogram(
+            "swarmgrad_state_sync_duration_seconds",
+            "Time to download the swarm's state from a peer.",
+            buckets=_ROUND_BUCKETS,
+            registry=registry,
+        )
+        self.checkpoints = Counter(
+            "swarmgrad_checkpoints", "Checkpoints written.", registry=registry
+        )
+        self.checkpoint_duration = Histogram(
+            "swarmgrad_checkpoint_duration_seconds",
+            "Time to write (and fsync) one checkpoint.",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=registry,
+        )
+
+    def read_tallies(self, *, traffic: TrafficSource, failures: FailureSource) -> None:
+        """Read byte and failure counters from these callables at every scrape."""
+        self.registry.register(_Tallies(traffic, failures))
+
+    def serve(self, address: str) -> MetricsServer:
+        """Serve ``/metrics`` on ``host:port`` (port 0: any free port) in a daemon thread."""
+        host, port = parse_address(address)
+        try:
+            server, thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as error:
+            raise OSError(
+                f"cannot serve metrics on {address}: {error.strerror} (use another "
+                f"--metrics-address, port 0 for any free port, or 'off')"
+            ) from None
+        return MetricsServer(server=server, thread=thread, host=host)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsServer:
+    server: WSGIServer
+    thread: threading.Thread
+    host: str
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_port)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` for IPv6) as a pair; ValueError says what is wrong."""
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"expected host:port (e.g. 127.0.0.1:9464), got {address!r}")
+    return host, int(port)

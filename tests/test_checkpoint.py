@@ -1,0 +1,190 @@
+"""Checkpoints on disk (no sockets): what is saved comes back exactly, and a checkpoint that is
+damaged, half-written or of another run is reported and skipped, never loaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from swarmgrad.compression import get_codec
+from swarmgrad.node.checkpoint import (
+    MANIFEST_FILE,
+    STATE_FILE,
+    Checkpointer,
+    CheckpointError,
+    load_optimizer_state,
+    optimizer_state,
+)
+from swarmgrad.node.model import build_model
+from swarmgrad.node.runspec import ModelSection, RunSpec
+from swarmgrad.node.training import DiLoCo, SyncDataParallel
+from swarmgrad.protocol.state import checksum
+
+SPEC = RunSpec.from_toml('[run]\nid = "r"\n')
+
+
+def _save(checkpoints: Checkpointer, epoch: int, value: float = 0.0) -> Path:
+    return checkpoints.save(
+        epoch=epoch,
+        step=10 * epoch,
+        tensors={"w": torch.full((64,), value), "step": torch.tensor(float(epoch))},
+        meta={"cursor": epoch},
+    )
+
+
+def test_a_checkpoint_comes_back_exactly_and_only_the_newest_are_kept(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path, SPEC, keep=2) as checkpoints:
+        for epoch in range(1, 5):
+            _save(checkpoints, epoch, value=epoch / 3)
+        assert [p.name for p in checkpoints.candidates()] == [
+            "epoch-000004-step-000000040",
+            "epoch-000003-step-000000030",
+        ]
+        latest = checkpoints.latest()
+    assert latest is not None
+    assert (latest.epoch, latest.step, latest.meta) == (4, 40, {"cursor": 4})
+    assert torch.equal(latest.tensors["w"], torch.full((64,), 4 / 3))
+    manifest = json.loads((latest.path / MANIFEST_FILE).read_text())
+    assert manifest["spec_hash"] == SPEC.hash.hex()
+    assert len(manifest["files"][STATE_FILE]["sha256"]) == 64
+
+
+def test_damaged_and_foreign_checkpoints_are_reported_and_skipped(tmp_path: Path) -> None:
+    other = RunSpec.from_toml('[run]\nid = "r"\n[algorithm]\nouter_lr = 0.5\n')
+    with Checkpointer(tmp_path, other, keep=10) as foreign:
+        _save(foreign, 9)  # newest of all, but another run spec's
+    with Checkpointer(tmp_path, SPEC, keep=10) as checkpoints:
+        good = _save(checkpoints, 1, value=1.0)
+        flipped = _save(checkpoints, 2)
+        truncated = _save(checkpoints, 3)
+        no_manifest = _save(checkpoints, 4)
+        data = bytearray((flipped / STATE_FILE).read_bytes())
+        data[-1] ^= 0xFF  # one bit of one value
+        (flipped / STATE_FILE).write_bytes(bytes(data))
+        (truncated / STATE_FILE).write_bytes((truncated / STATE_FILE).read_bytes()[:100])
+        (no_manifest / MANIFEST_FILE).unlink()
+        latest = checkpoints.latest()
+        rejected = checkpoints.rejected
+    assert latest is not None
+    assert latest.path == good
+    assert torch.equal(latest.tensors["w"], torch.ones(64))
+    assert len(rejected) == 4
+    assert "another run spec" in rejected[0]
+    assert "algorithm.outer_lr: here 0.7, there 0.5" in rejected[0]
+    assert "no readable manifest" in rejected[1]
+    assert "does not match its sha256" in rejected[2]
+    assert "does not match its sha256" in rejected[3]
+
+
+def test_an_interrupted_write_leaves_nothing_that_loads_and_is_cleaned_up(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path, SPEC, keep=3) as checkpoints:
+        _save(checkpoints, 1)
+    # What a kill -9 mid-write leaves: a temp directory with part of a checkpoint in it.
+    leftover = tmp_path / ".tmp-epoch-000002-step-000000020-999"
+    leftover.mkdir()
+    (leftover / STATE_FILE).write_bytes(b"\0" * 10)
+    with Checkpointer(tmp_path, SPEC, keep=3) as checkpoints:
+        assert not leftover.exists()
+        latest = checkpoints.latest()
+        assert latest is not None
+        assert latest.epoch == 1
+        assert checkpoints.rejected == []
+
+
+def test_two_nodes_cannot_share_a_checkpoint_folder(tmp_path: Path) -> None:
+    with (
+        Checkpointer(tmp_path, SPEC, keep=1),
+        pytest.raises(CheckpointError, match="in use by another node"),
+        Checkpointer(tmp_path, SPEC, keep=1),
+    ):
+        pass
+    with Checkpointer(tmp_path, SPEC, keep=1):  # released on exit
+        pass
+
+
+def test_the_optimizer_state_round_trips(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        model(torch.randn(5, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    tensors, meta = optimizer_state(optimizer)
+    with Checkpointer(tmp_path, SPEC, keep=1) as checkpoints:
+        checkpoints.save(epoch=0, step=3, tensors=tensors, meta={"optimizer": meta})
+        restored = checkpoints.latest()
+    assert restored is not None
+    twin = torch.nn.Linear(8, 4)
+    twin.load_state_dict(model.state_dict())
+    twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=1.0)  # the saved lr must win
+    meta = json.loads(json.dumps(restored.meta))  # as read back from the manifest
+    load_optimizer_state(twin_optimizer, restored.tensors, meta["optimizer"])
+    batch = torch.randn(5, 8)
+    for m, o in ((model, optimizer), (twin, twin_optimizer)):
+        m(batch).square().mean().backward()
+        o.step()
+    assert torch.equal(model.weight, twin.weight)
+
+
+def _fake_swarm() -> Any:
+    published: list[Any] = []
+    return SimpleNamespace(
+        codec=get_codec("int8"),
+        codec_is_lossless=False,
+        peer_id="me",
+        spec=SimpleNamespace(averaging=SimpleNamespace(chunk_values=1024, group_size=2)),
+        publish=lambda snapshot, throughput: published.append(snapshot),
+        published=published,
+    )
+
+
+def test_replica_state_round_trips_mid_round() -> None:
+    config = ModelSection(vocab_size=64, d_model=16, n_layers=1, n_heads=2, seq_len=8)
+    model = build_model(config, seed=0)
+    diloco = DiLoCo(_fake_swarm(), model, inner_steps=5, outer_lr=0.7, outer_momentum=0.9)
+    with torch.no_grad():
+        for p in model.parameters():  # as if some inner steps had run
+            p.add_(torch.randn_like(p))
+    diloco._residual = torch.randn(diloco.numel)
+    diloco.outer.momentum_buffer = torch.randn(diloco.numel)
+    for _ in range(3):
+        diloco.step(samples=16)
+    tensors, meta = diloco.state_dict()
+
+    twin_model = build_model(config, seed=1)
+    swarm = _fake_swarm()
+    twin = DiLoCo(swarm, twin_model, inner_steps=5, outer_lr=0.7, outer_momentum=0.9)
+    twin.load_state_dict(tensors, json.loads(json.dumps(meta)))
+    assert torch.equal(twin.state_vector(), diloco.state_vector())  # what the swarm shares
+    for a, b in zip(model.parameters(), twin_model.parameters(), strict=True):
+        assert torch.equal(a, b)  # this replica's own, mid-round
+    assert torch.equal(twin._residual, diloco._residual)
+    assert (twin._steps, twin.samples, twin.epoch) == (3, 48, 0)
+    assert swarm.published[-1].checksum == checksum(diloco.state_vector())  # served at once
+    with pytest.raises(ValueError, match="residual"):
+        twin.load_state_dict({"residual": torch.zeros(3)}, meta)
+
+
+def test_sync_replica_keeps_gradients_accumulated_toward_the_next_step() -> None:
+    model = torch.nn.Linear(6, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sync = SyncDataParallel(_fake_swarm(), model, optimizer, target_batch_size=64)
+    model(torch.randn(4, 6)).sum().backward()
+    assert sync.step(samples=16) is None  # 16 of the 32 this replica brings to a step
+    tensors, meta = sync.state_dict()
+    twin_model = torch.nn.Linear(6, 3)
+    twin = SyncDataParallel(
+        _fake_swarm(), twin_model, torch.optim.AdamW(twin_model.parameters()), target_batch_size=64
+    )
+    twin.load_state_dict(tensors, meta)
+    assert twin_model.weight.grad is not None
+    assert model.weight.grad is not None
+    assert torch.equal(twin_model.weight.grad, model.weight.grad)
+    assert torch.equal(twin_model.weight, model.weight)
+    assert (twin.samples, twin._micro_batches) == (16, 1)

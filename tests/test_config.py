@@ -1,0 +1,128 @@
+"""Configuration layers: run spec < SWARMGRAD_* environment < command line, with errors that say
+which layer holds the bad value."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from swarmgrad.node.config import ConfigError, home, node_config
+from swarmgrad.node.runspec import RunSpec, RunSpecError
+
+SPEC = """\
+[run]
+id = "r"
+
+[network]
+bootstrap = ["/ip4/127.0.0.1/tcp/1/p2p/A"]
+
+[node]
+checkpoint_every_rounds = 5
+metrics_address = "127.0.0.1:9100"
+"""
+
+
+@pytest.fixture
+def spec(tmp_path: Path) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(SPEC)
+    return path
+
+
+def _env(tmp_path: Path, **variables: str) -> dict[str, str]:
+    return {"SWARMGRAD_HOME": str(tmp_path / "home"), **variables}
+
+
+def test_each_layer_overrides_the_one_before(spec: Path, tmp_path: Path) -> None:
+    from_spec = node_config(spec_path=spec, environ=_env(tmp_path))
+    assert from_spec.settings.checkpoint_every_rounds == 5
+    assert from_spec.settings.metrics_address == "127.0.0.1:9100"
+    assert from_spec.settings.keep_checkpoints == 3  # the default: in no layer
+
+    env = _env(
+        tmp_path, SWARMGRAD_CHECKPOINT_EVERY_ROUNDS="7", SWARMGRAD_METRICS_ADDRESS="0.0.0.0:9200"
+    )
+    from_env = node_config(spec_path=spec, environ=env)
+    assert from_env.settings.checkpoint_every_rounds == 7
+    assert from_env.settings.metrics_address == "0.0.0.0:9200"
+
+    from_cli = node_config(
+        spec_path=spec,
+        environ=env,
+        settings={"checkpoint_every_rounds": 9, "metrics_address": None},  # None: not given
+    )
+    assert from_cli.settings.checkpoint_every_rounds == 9
+    assert from_cli.settings.metrics_address == "0.0.0.0:9200"
+
+
+def test_node_settings_are_not_part_of_the_run(spec: Path, tmp_path: Path) -> None:
+    plain = RunSpec.from_toml('[run]\nid = "r"\n')
+    config = node_config(spec_path=spec, environ=_env(tmp_path, SWARMGRAD_DEVICE="cpu"))
+    assert config.spec.hash == plain.hash  # [node] and [network] are outside the hash
+
+
+def test_bad_values_name_their_layer(spec: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="SWARMGRAD_PORT must be an integer, got 'http'"):
+        node_config(spec_path=spec, environ=_env(tmp_path, SWARMGRAD_PORT="http"))
+    with pytest.raises(ConfigError, match="SWARMGRAD_DEVICE must be one of auto, cpu, cuda"):
+        node_config(spec_path=spec, environ=_env(tmp_path, SWARMGRAD_DEVICE="tpu"))
+    with pytest.raises(ConfigError, match="--device must be one of"):
+        node_config(spec_path=spec, environ=_env(tmp_path), settings={"device": "tpu"})
+    with pytest.raises(ConfigError, match="--metrics-address must be host:port or 'off'"):
+        node_config(spec_path=spec, environ=_env(tmp_path), settings={"metrics_address": "9464"})
+    with pytest.raises(ConfigError, match="--keep-checkpoints must be positive"):
+        node_config(spec_path=spec, environ=_env(tmp_path), settings={"keep_checkpoints": 0})
+    bad_spec = tmp_path / "bad.toml"
+    bad_spec.write_text('[run]\nid = "r"\n[node]\ndevice = "tpu"\n')
+    with pytest.raises(RunSpecError, match="node.device must be one of"):
+        node_config(spec_path=bad_spec, environ=_env(tmp_path))
+
+
+def test_unknown_keys_and_variables_are_errors(spec: Path, tmp_path: Path) -> None:
+    typo = tmp_path / "typo.toml"
+    typo.write_text('[run]\nid = "r"\n[node]\ncheckpoint_every = 5\n')
+    with pytest.raises(RunSpecError, match=r"unknown key\(s\) node.checkpoint_every"):
+        node_config(spec_path=typo, environ=_env(tmp_path))
+    with pytest.raises(ConfigError, match="SWARMGRAD_METRICS_ADRESS"):
+        node_config(spec_path=spec, environ=_env(tmp_path, SWARMGRAD_METRICS_ADRESS="x:1"))
+    with pytest.raises(ConfigError, match="SWARMGRAD_HOEM"):
+        home({"SWARMGRAD_HOEM": "/tmp"})
+
+
+def test_bootstrap_addresses_from_every_layer_are_used_together(spec: Path, tmp_path: Path) -> None:
+    maddrs_file = tmp_path / "bootstrap.json"
+    maddrs_file.write_text(json.dumps({"maddrs": ["/ip4/127.0.0.1/tcp/4/p2p/D"]}))
+    env = _env(
+        tmp_path, SWARMGRAD_BOOTSTRAP="/ip4/127.0.0.1/tcp/2/p2p/B, /ip4/127.0.0.1/tcp/1/p2p/A"
+    )
+    config = node_config(
+        spec_path=spec,
+        environ=env,
+        bootstrap=["/ip4/127.0.0.1/tcp/3/p2p/C"],
+        bootstrap_file=maddrs_file,
+    )
+    assert config.swarm.bootstrap == tuple(f"/ip4/127.0.0.1/tcp/{i}/p2p/{c}" for i, c in
+                                           zip(range(1, 5), "ABCD", strict=True))  # fmt: skip
+    maddrs_file.write_text("{}")
+    with pytest.raises(ConfigError, match="--bootstrap-file"):
+        node_config(spec_path=spec, environ=env, bootstrap_file=maddrs_file)
+
+
+def test_listening_everywhere_needs_an_address_to_announce(spec: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--host 0.0.0.0 listens everywhere: set node.public_h"):
+        node_config(spec_path=spec, environ=_env(tmp_path), settings={"host": "0.0.0.0"})
+    config = node_config(
+        spec_path=spec,
+        environ=_env(tmp_path, SWARMGRAD_PUBLIC_HOST="trainer-1"),
+        settings={"host": "0.0.0.0"},
+    )
+    assert (config.swarm.host, config.swarm.public_host) == ("0.0.0.0", "trainer-1")
+
+
+def test_paths_default_under_swarmgrad_home(spec: Path, tmp_path: Path) -> None:
+    config = node_config(spec_path=spec, environ=_env(tmp_path))
+    assert config.identity_path == tmp_path / "home" / "identity.key"
+    assert config.checkpoint_dir == tmp_path / "home" / "checkpoints" / "r"
+    assert config.cache_dir == tmp_path / "home" / "cache"
