@@ -14,6 +14,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
+import signal
+import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -34,13 +38,32 @@ def dht_time() -> float:
     return float(hivemind.utils.get_dht_time())
 
 
+class _DHT(hivemind.DHT):  # type: ignore[misc]
+    """hivemind's DHT process, made to die with the node that forked it.
+
+    A node killed with SIGKILL (the OOM killer, ``kill -9``) runs no cleanup, and hivemind's
+    child would live on as an orphan, holding its port (its p2pd daemon exits with it).
+    """
+
+    def run(self) -> None:
+        parent = os.getppid()
+        threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
+        super().run()
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 async def start_dht(
     initial_peers: Sequence[str], *, host: str, port: int, start_timeout_seconds: float
 ) -> Any:
     """A running ``hivemind.DHT`` (its own process), joined through ``initial_peers`` if any."""
 
     def start() -> Any:
-        return hivemind.DHT(
+        return _DHT(
             initial_peers=list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/{port}"], start=True
         )
 

@@ -1,0 +1,137 @@
+"""A node killed with SIGKILL in the middle of writing a checkpoint, twenty times over: every
+restart resumes from the newest whole checkpoint, and no corrupt checkpoint is ever left where a
+restart would look."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from swarmgrad.node.checkpoint import Checkpointer, CheckpointError, read
+from swarmgrad.node.config import home
+from swarmgrad.node.data import load_demo
+from swarmgrad.node.runspec import RunSpec
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+# A lone node in sync mode steps alone once it finds no group (0.2 s), a round a step, and
+# checkpoints every round: many checkpoints a minute, each ~25 MB (parameters, Adam's moments,
+# gradients, residual), so a write takes long enough to be caught in the act.
+SPEC = """\
+[run]
+id = "restarts"
+
+[model]
+vocab_size = 2048
+d_model = 192
+n_layers = 3
+n_heads = 4
+seq_len = 64
+
+[algorithm]
+name = "sync"
+inner_lr = 1e-3
+target_batch_size = 16
+
+[averaging]
+codec = "none"
+group_size = 2
+matchmaking_timeout_seconds = 0.2
+
+[node]
+checkpoint_every_rounds = 1
+keep_checkpoints = 3
+metrics_address = "off"
+"""
+KILLS = 20
+
+
+def _newest_whole(folder: Path, spec: RunSpec) -> Path | None:
+    """The checkpoint a restart must resume from; fails the test on any corrupt one."""
+    candidates = Checkpointer(folder, spec, keep=3).candidates()  # not entered: leaves .tmp-*
+    for path in candidates:
+        try:
+            read(path, spec=spec)
+        except CheckpointError as error:
+            pytest.fail(f"a corrupt checkpoint was left in place: {error}")
+    return candidates[0] if candidates else None
+
+
+def _writing(folder: Path) -> bool:
+    return folder.is_dir() and any(p.name.startswith(".tmp-") for p in folder.iterdir())
+
+
+def _wait_until(condition: Callable[[], bool], node: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 90
+    while not condition():
+        assert node.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "the node wrote no checkpoint within 90 s"
+        time.sleep(0.001)
+
+
+def _wait_for_log(log: Path, pattern: str, process: subprocess.Popen[bytes]) -> re.Match[str]:
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        found = re.search(pattern, log.read_text(errors="replace"))
+        if found:
+            return found
+        assert process.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.05)
+    pytest.fail(f"no {pattern!r} in the node's log within 90 s:\n{log.read_text()[-3000:]}")
+
+
+def test_kill_9_mid_checkpoint_never_leaves_a_corrupt_one(tmp_path: Path) -> None:
+    load_demo(home() / "cache", vocab_size=2048, prepare=False)  # prepared by set-up
+    spec_path = tmp_path / "run.toml"
+    spec_path.write_text(SPEC)
+    spec = RunSpec.load(spec_path)
+    folder = tmp_path / "checkpoints"
+    command = [
+        sys.executable, "-m", "swarmgrad.node.cli", "node", str(spec_path),
+        "--identity", str(tmp_path / "node.key"),
+        "--cache-dir", str(home() / "cache"),
+        "--checkpoint-dir", str(folder),
+        "--display", "log",
+        "--threads", "1",
+    ]  # fmt: skip
+    mid_write, epochs = 0, []
+    expected: Path | None = None
+    for attempt in range(KILLS + 1):
+        log = tmp_path / f"node-{attempt}.log"
+        with log.open("wb") as out:
+            node = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            if expected is None:
+                _wait_for_log(log, r"joined run", node)
+            else:
+                resumed = _wait_for_log(log, r"resumed from (\S+) \(epoch (\d+)\)", node)
+                assert Path(resumed[1]) == expected
+                epochs.append(int(resumed[2]))
+            if attempt == KILLS:
+                break
+            # Let one checkpoint through (progress), then kill the node as soon as the next is
+            # being written (its temp folder exists).
+            for writing in (True, False, True):
+                _wait_until(lambda w=writing: _writing(folder) == w, node, log)
+            os.kill(node.pid, signal.SIGKILL)
+            node.wait(timeout=30)
+            mid_write += _writing(folder)
+            expected = _newest_whole(folder, spec)
+            assert expected is not None
+        finally:
+            node.kill()
+            node.wait()
+        assert "skipping checkpoint" not in log.read_text()
+    # Progress was kept across the kills (a resume never went back past a whole checkpoint)...
+    assert epochs == sorted(epochs)
+    assert epochs[-1] >= KILLS
+    # ... and most kills really landed while a checkpoint was half-written.
+    assert mid_write >= KILLS // 2, f"only {mid_write} of {KILLS} kills landed mid-write"
