@@ -1,0 +1,128 @@
+"""A real Prometheus server scrapes a 2-node local swarm: the round and byte counters it stores
+rise as the swarm trains, and what the nodes expose passes ``promtool check metrics``."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from swarmgrad.simulations.swarm import DEMO_SPEC, simulate
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed (scripts/setup.sh dev installs it with apt-get)")
+    return path
+
+
+def _wait_for(pattern: str, path: Path, deadline: float) -> re.Match[str]:
+    while time.monotonic() < deadline:
+        found = re.search(pattern, path.read_text(errors="replace")) if path.exists() else None
+        if found:
+            return found
+        time.sleep(0.1)
+    pytest.fail(f"no {pattern!r} in {path}")
+
+
+def _query(prometheus: str, promql: str) -> dict[str, float]:
+    """Instant query: ``{instance: value}``."""
+    url = f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+    with urllib.request.urlopen(url, timeout=5) as response:
+        body = json.load(response)
+    assert body["status"] == "success", body
+    return {r["metric"]["instance"]: float(r["value"][1]) for r in body["data"]["result"]}
+
+
+def test_prometheus_scrapes_the_swarm_and_sees_it_train(tmp_path: Path) -> None:
+    prometheus_bin, promtool = _binary("prometheus"), _binary("promtool")
+    spec = tmp_path / "run.toml"
+    spec.write_text(DEMO_SPEC.replace("group_size = 4", "group_size = 2"))
+    out = tmp_path / "sim"
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["summary"] = simulate(
+                nodes=2, rounds=12, spec_path=spec, profile_path=None, out_dir=out
+            )
+        except Exception as error:  # reported by the main thread
+            result["error"] = error
+
+    swarm = threading.Thread(target=run)
+    swarm.start()
+    prometheus: subprocess.Popen[str] | None = None
+    try:
+        deadline = time.monotonic() + 120
+        urls = [
+            _wait_for(r"metrics on (http://\S+/metrics)", out / f"node-{i}.log", deadline)[1]
+            for i in range(2)
+        ]
+        targets = [urllib.parse.urlparse(u).netloc for u in urls]
+        config = tmp_path / "prometheus.yml"
+        config.write_text(
+            "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: swarmgrad\n"
+            f"    static_configs:\n      - targets: {json.dumps(targets)}\n"
+        )
+        log = tmp_path / "prometheus.log"
+        with log.open("w") as stderr:
+            prometheus = subprocess.Popen(
+                [
+                    prometheus_bin,
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                    "--web.listen-address=127.0.0.1:0",
+                ],
+                stdout=stderr,
+                stderr=stderr,
+                text=True,
+            )
+        address = _wait_for(r'msg="Listening on" address=(\S+)', log, deadline)[1]
+        api = f"http://{address}"
+
+        # What the nodes expose is valid exposition format.
+        with urllib.request.urlopen(urls[0], timeout=5) as response:
+            exposition = response.read()
+        checked = subprocess.run(
+            [promtool, "check", "metrics"], input=exposition, capture_output=True, timeout=30
+        )
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+
+        # Through Prometheus: both nodes up, and their counters rising while they train.
+        first: dict[str, dict[str, float]] = {}
+        rose: set[tuple[str, str]] = set()
+        queries = {
+            "rounds": 'swarmgrad_rounds_total{outcome="averaged"}',
+            "sent": 'swarmgrad_sent_bytes_total{kind="averaging"}',
+            "received": 'swarmgrad_received_bytes_total{kind="averaging"}',
+        }
+        while len(rose) < len(queries) * len(targets):
+            assert time.monotonic() < deadline, f"counters that rose: {sorted(rose)}"
+            assert "error" not in result, result.get("error")
+            if _query(api, "up") == dict.fromkeys(targets, 1.0):
+                for name, promql in queries.items():
+                    for instance, value in _query(api, promql).items():
+                        start = first.setdefault(name, {}).setdefault(instance, value)
+                        if value > start:
+                            rose.add((name, instance))
+            time.sleep(0.5)
+        assert set(first["rounds"]) == set(targets)
+    finally:
+        if prometheus is not None:
+            prometheus.terminate()
+            prometheus.wait(timeout=30)
+        swarm.join(timeout=200)
+    assert "error" not in result, result.get("error")
+    assert result["summary"]["replicas_identical"]
