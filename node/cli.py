@@ -1,4 +1,4 @@
-"""The ``swarmgrad`` command: node, bootstrap, simulate, prepare-data."""
+"""The ``swarmgrad`` command: node, bootstrap, status, simulate, export, prepare-data."""
 
 from __future__ import annotations
 
@@ -175,6 +175,79 @@ def bootstrap(
     except DiscoveryError as error:
         raise _fail(EXIT_NETWORK, str(error)) from None
     raise typer.Exit(code)
+
+
+@app.command()
+def status(
+    spec: Annotated[
+        Path | None, typer.Argument(help="The run spec (its run id, spec and bootstrap).")
+    ] = None,
+    run: Annotated[
+        str | None, typer.Option(help="Run id, without a spec: peers of every spec in use.")
+    ] = None,
+    bootstrap: Annotated[
+        list[str] | None, typer.Option(help="Multiaddr of a peer to ask through (repeatable).")
+    ] = None,
+    bootstrap_file: Annotated[
+        Path | None, typer.Option(help="Read multiaddrs from a bootstrap's --maddrs-file.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON, not a table.")] = False,
+    timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 30.0,
+) -> None:
+    """Show a run's peers from the DHT: id, role, epoch, throughput, reachability, last seen."""
+    import asyncio
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from swarmgrad.node.runspec import RunSpec
+    from swarmgrad.node.status import run_peers
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    try:
+        loaded = RunSpec.load(spec) if spec is not None else None
+        if (loaded is None) == (run is None):
+            raise node_config.ConfigError("give either a run spec or --run ID")
+        maddrs = node_config.bootstrap_addresses(
+            loaded.network.bootstrap if loaded is not None else (),
+            bootstrap or (),
+            bootstrap_file=bootstrap_file,
+        )
+        if not maddrs:
+            raise node_config.ConfigError("no bootstrap multiaddr: give --bootstrap")
+    except (RunSpecError, node_config.ConfigError) as error:
+        raise _fail(EXIT_CONFIG, str(error)) from None
+    run_id = loaded.run.id if loaded is not None else str(run)
+    try:
+        rows = asyncio.run(
+            run_peers(
+                bootstrap=maddrs,
+                run_id=run_id,
+                spec_hash=loaded.hash if loaded is not None else None,
+                timeout_seconds=timeout,
+            )
+        )
+    except (DiscoveryError, TimeoutError) as error:
+        raise _fail(EXIT_NETWORK, f"could not read the run's peers: {error}") from None
+    if as_json:
+        typer.echo(json.dumps({"run": run_id, "peers": rows}, indent=1))
+        return
+    table = Table(title=f"run {run_id}: {len(rows)} peer(s)")
+    for column in ("peer", "spec", "role", "epoch", "samples/s", "endpoint", "reachable", "seen"):
+        table.add_column(column, justify="right" if column in ("epoch", "samples/s") else "left")
+    for row in rows:
+        table.add_row(
+            row["peer_id"],
+            row["spec"],
+            row["role"],
+            str(row["epoch"]),
+            f"{row['throughput']:.1f}",
+            row["endpoint"] or "-",
+            "yes" if row["reachable"] else "no",
+            f"{row['last_seen_seconds']:.0f} s ago",
+        )
+    Console().print(table)
 
 
 @app.command()

@@ -136,6 +136,22 @@ def read_bootstrap_file(path: Path) -> list[str]:
     return maddrs
 
 
+def bootstrap_addresses(
+    from_spec: Sequence[str],
+    from_options: Sequence[str],
+    *,
+    bootstrap_file: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[str, ...]:
+    """Bootstrap multiaddrs from every layer (spec, ``SWARMGRAD_BOOTSTRAP``, options, a
+    bootstrap's multiaddr file), each once, in that order."""
+    environ = _environment(environ)
+    from_environment = re.split(r"[\s,]+", environ.get("SWARMGRAD_BOOTSTRAP", "").strip())
+    from_file = read_bootstrap_file(bootstrap_file) if bootstrap_file is not None else []
+    every = (*from_spec, *from_environment, *from_options, *from_file)
+    return tuple(dict.fromkeys(m for m in every if m))
+
+
 def node_config(
     *,
     spec_path: Path,
@@ -155,10 +171,9 @@ def node_config(
     base = home(environ)
     spec = RunSpec.load(spec_path)
     node = resolve_settings(spec.node, environ, settings or {})
-    extra = [*re.split(r"[\s,]+", environ.get("SWARMGRAD_BOOTSTRAP", "").strip()), *bootstrap]
-    if bootstrap_file is not None:
-        extra += read_bootstrap_file(bootstrap_file)
-    maddrs = tuple(dict.fromkeys(m for m in (*spec.network.bootstrap, *extra) if m))
+    maddrs = bootstrap_addresses(
+        spec.network.bootstrap, bootstrap, bootstrap_file=bootstrap_file, environ=environ
+    )
     network = dataclasses.replace(spec.network, bootstrap=maddrs)
     spec = dataclasses.replace(spec, node=node, network=network)
     try:

@@ -1,12 +1,15 @@
-"""A real Prometheus server scrapes a 2-node local swarm: the round and byte counters it stores
-rise as the swarm trains, and what the nodes expose passes ``promtool check metrics``."""
+"""Watching a 2-node local swarm train: a real Prometheus server scrapes it and the round and
+byte counters it stores rise; what the nodes expose passes ``promtool check metrics``; and
+``swarmgrad status`` lists both peers from the DHT."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -37,6 +40,16 @@ def _wait_for(pattern: str, path: Path, deadline: float) -> re.Match[str]:
     pytest.fail(f"no {pattern!r} in {path}")
 
 
+def _swarmgrad(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "swarmgrad.node.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+
+
 def _query(prometheus: str, promql: str) -> dict[str, float]:
     """Instant query: ``{instance: value}``."""
     url = f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
@@ -46,7 +59,7 @@ def _query(prometheus: str, promql: str) -> dict[str, float]:
     return {r["metric"]["instance"]: float(r["value"][1]) for r in body["data"]["result"]}
 
 
-def test_prometheus_scrapes_the_swarm_and_sees_it_train(tmp_path: Path) -> None:
+def test_prometheus_and_status_see_the_swarm_train(tmp_path: Path) -> None:
     prometheus_bin, promtool = _binary("prometheus"), _binary("promtool")
     spec = tmp_path / "run.toml"
     spec.write_text(DEMO_SPEC.replace("group_size = 4", "group_size = 2"))
@@ -119,6 +132,25 @@ def test_prometheus_scrapes_the_swarm_and_sees_it_train(tmp_path: Path) -> None:
                             rose.add((name, instance))
             time.sleep(0.5)
         assert set(first["rounds"]) == set(targets)
+
+        # swarmgrad status: both trainers, from the DHT, by spec or by run id.
+        endpoints = {
+            _wait_for(r"gRPC (\S+);", out / f"node-{i}.log", deadline)[1] for i in range(2)
+        }
+        bootstrap = str(out / "bootstrap.json")
+        shown = _swarmgrad("status", str(spec), "--bootstrap-file", bootstrap, "--json")
+        assert shown.returncode == 0, shown.stderr
+        peers = json.loads(shown.stdout)["peers"]
+        assert {p["endpoint"] for p in peers} == endpoints
+        for peer in peers:
+            assert peer["role"] == "trainer"
+            assert peer["reachable"]
+            assert peer["epoch"] >= 1
+            assert peer["last_seen_seconds"] < 60
+        table = _swarmgrad("status", "--run", "shakespeare-demo", "--bootstrap-file", bootstrap)
+        assert table.returncode == 0, table.stderr
+        assert "2 peer(s)" in table.stdout
+        assert peers[0]["peer_id"][:10] in table.stdout
     finally:
         if prometheus is not None:
             prometheus.terminate()

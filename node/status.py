@@ -1,0 +1,57 @@
+"""``swarmgrad status``: a run's peers as the DHT shows them, read by a short-lived DHT node."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery, dht_time
+from swarmgrad.node.identity import Identity
+
+
+async def run_peers(
+    *,
+    bootstrap: Sequence[str],
+    run_id: str,
+    spec_hash: bytes | None,
+    timeout_seconds: float,
+) -> list[dict[str, Any]]:
+    """One row per peer record of ``run_id`` (of ``spec_hash``, or of every spec in use).
+
+    The reader joins the DHT with a throwaway identity: it announces nothing.
+    """
+    async with asyncio.timeout(timeout_seconds):
+        discovery = await HivemindDiscovery.start(
+            Identity.generate(),
+            run_id=run_id,
+            spec_hash=spec_hash or bytes(32),
+            initial_peers=bootstrap,
+            start_timeout_seconds=timeout_seconds,
+        )
+        try:
+            if spec_hash is not None:
+                hashes = [spec_hash]
+            else:
+                hashes = [bytes.fromhex(h) for h in sorted(await discovery.find_specs())]
+            rows = []
+            for each in hashes:
+                now = dht_time()
+                for record in await discovery.for_spec(each).find():
+                    rows.append(
+                        {
+                            "peer_id": record.peer_id,
+                            "spec": record.spec_hash[:12],
+                            "role": record.role,
+                            "epoch": record.epoch,
+                            "throughput": record.throughput,
+                            "endpoint": record.endpoint,
+                            "reachable": record.reachable,
+                            "checksum": record.checksum,
+                            "last_seen_seconds": max(0.0, now - record.issued_at),
+                            "expires_in_seconds": record.expires_at - now,
+                        }
+                    )
+            return rows
+        finally:
+            await discovery.close()
