@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import enum
 import logging
+import random
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from swarmgrad.protocol.errors import RoundAborted, SwarmgradError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+SERVED_STATES = 3
 
 
 class SpecMismatch(RuntimeError):
@@ -65,6 +67,8 @@ class SwarmConfig:
     announce_interval_seconds: float = 15.0
     dht_start_timeout_seconds: float = 60.0
     state_download_timeout_seconds: float = 60.0
+    #: Donors a state download draws on at once.
+    max_state_donors: int = 4
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -105,25 +109,25 @@ def allreduce_config(spec: RunSpec) -> AllReduceConfig:
     )
 
 
-def pick_donor(peers: list[PeerRecord], me: str, epoch: int, checksum: str) -> PeerRecord | None:
-    """The peer to resync from, or None if this replica is in step with the swarm.
+def pick_donors(peers: list[PeerRecord], me: str, epoch: int, checksum: str) -> list[PeerRecord]:
+    """The peers to resync from (all hold the same state), or none if this replica is in step.
 
     The swarm's state is the newest epoch any peer announces, and at that epoch the checksum
     most peers share (ties go to the smallest checksum, so every replica picks the same one;
     this replica's own vote counts). A replica behind that epoch, or at it with another
-    checksum, downloads the state from a peer that has it.
+    checksum, downloads the state from the peers that have it.
     """
     others = [p for p in peers if p.peer_id != me and p.checksum]
     if not others:
-        return None
+        return []
     newest = max(epoch, *(p.epoch for p in others))
     votes = Counter(p.checksum for p in others if p.epoch == newest)
     if epoch == newest:
         votes[checksum] += 1
     best = min(votes, key=lambda c: (-votes[c], c))
     if epoch == newest and best == checksum:
-        return None
-    return next((p for p in others if p.epoch == newest and p.checksum == best), None)
+        return []
+    return [p for p in others if p.epoch == newest and p.checksum == best]
 
 
 class Swarm:
@@ -136,6 +140,9 @@ class Swarm:
         self._averager: Averager | None = None
         self._matchmaker: Matchmaker | None = None
         self._snapshot: state.Snapshot | None = None
+        #: The last few states published, by root: a download that began before this node moved
+        #: on still completes.
+        self._served: dict[str, state.Snapshot] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._refresh = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -147,7 +154,10 @@ class Swarm:
             else None
         )
         self.state_servicer = state.StateServicer(
-            run_id=spec.run.id, spec_hash=spec.hash, snapshot=lambda: self._snapshot
+            run_id=spec.run.id,
+            spec_hash=spec.hash,
+            lookup=self._served.get,
+            pace=self._throttle.take if self._throttle is not None else None,
         )
         self.codec = get_codec(spec.averaging.codec)
         self.codec_is_lossless = spec.averaging.codec == "none"
@@ -284,6 +294,9 @@ class Swarm:
     def publish(self, snapshot: state.Snapshot, *, throughput: float) -> None:
         """Serve ``snapshot`` to peers and announce its epoch and checksum; thread-safe."""
         self._snapshot = snapshot
+        self._served[snapshot.checksum] = snapshot
+        while len(self._served) > SERVED_STATES:
+            del self._served[next(iter(self._served))]
         self.throughput = throughput
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._refresh.set)
@@ -342,32 +355,40 @@ class Swarm:
 
     # -- state ----------------------------------------------------------------------------------
 
-    async def find_donor(self, epoch: int, checksum: str) -> PeerRecord | None:
-        """A peer to download state from if this node is behind or diverged (:func:`pick_donor`)."""
-        return pick_donor(await self.refresh_peers(), self.peer_id, epoch, checksum)
+    async def find_donors(self, epoch: int, checksum: str) -> list[PeerRecord]:
+        """Peers to download state from if this node is behind or diverged (:func:`pick_donors`),
+        at most ``max_state_donors``, in random order (joiners spread over the donors)."""
+        donors = pick_donors(await self.refresh_peers(), self.peer_id, epoch, checksum)
+        random.shuffle(donors)
+        return donors[: self.config.max_state_donors]
 
-    async def download_state(self, donor: PeerRecord, num_values: int) -> state.Snapshot | None:
+    async def download_state(
+        self, donors: list[PeerRecord], num_values: int
+    ) -> state.Snapshot | None:
+        """The state ``donors`` announce (all the same checksum), from all of them at once."""
         assert self._averager is not None
         started = asyncio.get_running_loop().time()
         try:
-            snapshot = await state.download(
-                self._averager.channel(donor.endpoint),
-                peer=donor.peer_id,
+            result = await state.download(
+                [(d.peer_id, self._averager.channel(d.endpoint)) for d in donors],
                 run_id=self.spec.run.id,
                 spec_hash=self.spec.hash,
+                root=donors[0].checksum,
                 num_values=num_values,
-                expected_checksum=donor.checksum,
                 timeout_seconds=self.config.state_download_timeout_seconds,
             )
         except SwarmgradError as error:
             self.counts["state download failed"] += 1
             self.failures["state_download"] += 1
-            log.warning("state download from %s failed: %s", donor.peer_id, error)
+            log.warning("state download failed: %s", error)
             return None
+        for peer, why in result.failures.items():  # survived: others served its chunks
+            self.failures["state_download"] += 1
+            log.warning("state donor %s dropped: %s", peer, why)
         self.counts["state downloads"] += 1
-        self._state_received_bytes += snapshot.values.nbytes
+        self._state_received_bytes += result.snapshot.values.nbytes
         self.metrics.state_sync_duration.observe(asyncio.get_running_loop().time() - started)
-        return snapshot
+        return result.snapshot
 
     # -- rounds ---------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ while the node's event loop serves peers::
 Each replicated state (DiLoCo: the global parameters and the outer momentum; sync: the parameters
 and the optimizer's state) is published after every round with its checksum; before a round a
 replica that is behind the swarm, or holds a state fewer peers share, downloads the state from
-a peer instead (:meth:`Swarm.find_donor`). Lossy codecs get error feedback: what the codec drops
+peers instead (:meth:`Swarm.find_donors`). Lossy codecs get error feedback: what the codec drops
 from a round's message is added to the next one.
 """
 
@@ -128,23 +128,22 @@ class _Replica:
         values = self.state_vector()
         elapsed = max(time.monotonic() - self._started, 1e-9)
         self.swarm.publish(
-            state.Snapshot(epoch=self.epoch, values=values, checksum=state.checksum(values)),
-            throughput=self._samples_total / elapsed,
+            state.Snapshot.of(self.epoch, values), throughput=self._samples_total / elapsed
         )
 
     def _resync_if_needed(self) -> RoundReport | None:
         started = time.monotonic()
         snapshot = self.swarm.snapshot
         assert snapshot is not None  # published since construction
-        donor = self.swarm.call(self.swarm.find_donor(self.epoch, snapshot.checksum))
-        if donor is None:
+        donors = self.swarm.call(self.swarm.find_donors(self.epoch, snapshot.checksum))
+        if not donors:
             return None
-        downloaded = self.swarm.call(self.swarm.download_state(donor, snapshot.values.numel()))
+        downloaded = self.swarm.call(self.swarm.download_state(donors, snapshot.values.numel()))
         if downloaded is None:
             return None  # counted by the swarm; try again next round
         log.info(
-            "resynced from %s: epoch %d -> %d, dropped %d local samples",
-            donor.peer_id,
+            "resynced from %d donor(s): epoch %d -> %d, dropped %d local samples",
+            len(donors),
             self.epoch,
             downloaded.epoch,
             self.samples,
@@ -159,7 +158,7 @@ class _Replica:
             outcome="resynced",
             group_size=0,
             seconds=time.monotonic() - started,
-            detail=f"from {donor.peer_id}",
+            detail=f"from {', '.join(d.peer_id for d in donors)}",
         )
 
     def _with_feedback(

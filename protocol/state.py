@@ -1,33 +1,60 @@
-"""The State service: a peer serves its replicated state; a node that fell behind downloads it.
+"""The State service: peers serve their replicated state; a node that joins or fell behind
+downloads it from several of them at once, checking every chunk.
 
-The state is one flat fp32 vector (the trainer decides what is in it) and the epoch it belongs to.
-A donor streams a header, then the values in chunks. The receiver knows how many values the run's
-model implies and what checksum the donor announced, and accepts the download only if the count,
-every chunk's size, the values' finiteness and the checksum all match: a buggy or hostile donor
-can waste a deadline, never plant a state.
+A state is one flat fp32 vector (the trainer decides what is in it) and the epoch it belongs to,
+cut into chunks of :data:`CHUNK_VALUES`. Its manifest holds a 16-byte BLAKE2b digest per chunk;
+its *root*, a digest of the epoch, sizes and chunk digests, is what peer records announce as the
+state's checksum. A downloader gets the manifest from any donor and accepts it only if it hashes
+to the root most peers announce; then every chunk, from whichever donor, must match its digest.
+A donor that lies (a bad manifest or chunk) or fails (an error, a deadline) is dropped and its
+remaining chunks go to the others: a bad donor costs a retry, never a corrupt state.
+
+Donors keep the last few states they published (:class:`StateServicer` looks them up by root),
+so a download that started before a donor moved on still completes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+import math
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
 import torch
 
-from swarmgrad.protocol.errors import PeerUnavailable, ProtocolViolation, from_rpc_error
+from swarmgrad.protocol.errors import (
+    PeerUnavailable,
+    ProtocolViolation,
+    SwarmgradError,
+    from_rpc_error,
+)
 from swarmgrad.protocol.v1 import state_pb2, state_pb2_grpc
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
-CHUNK_VALUES = 1 << 18  # 1 MiB of fp32 a message
+CHUNK_VALUES = 1 << 18  # 1 MiB of fp32 a chunk
+MAX_CHUNK_VALUES = 1 << 22
+DIGEST_BYTES = 16
+CHUNKS_PER_REQUEST = 4  # a donor's unit of work: small enough to spread, large enough to stream
 
 
-def checksum(values: torch.Tensor) -> str:
-    """Fingerprint of a flat fp32 state vector (16 hex digits), as announced in peer records."""
-    data = values.detach().contiguous().cpu().numpy().tobytes()
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
+def chunk_digests(values: torch.Tensor, chunk_values: int = CHUNK_VALUES) -> bytes:
+    """The manifest's digests: BLAKE2b-128 of each chunk of ``values``, concatenated."""
+    data = values.detach().contiguous().cpu().numpy().data.cast("B")
+    step = 4 * chunk_values
+    return b"".join(
+        hashlib.blake2b(data[start : start + step], digest_size=DIGEST_BYTES).digest()
+        for start in range(0, len(data), step)
+    )
+
+
+def root_of(epoch: int, num_values: int, chunk_values: int, digests: bytes) -> str:
+    """A state's root (16 hex digits): what peer records announce as its checksum."""
+    header = np.array([epoch, num_values, chunk_values], dtype="<u8").tobytes()
+    return hashlib.blake2b(header + digests, digest_size=8).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,101 +63,274 @@ class Snapshot:
 
     epoch: int
     values: torch.Tensor  # flat fp32, CPU
-    checksum: str
+    checksum: str  # the root
+    digests: bytes = field(repr=False)
+    chunk_values: int = CHUNK_VALUES
+
+    @classmethod
+    def of(cls, epoch: int, values: torch.Tensor, chunk_values: int = CHUNK_VALUES) -> Snapshot:
+        digests = chunk_digests(values, chunk_values)
+        root = root_of(epoch, values.numel(), chunk_values, digests)
+        return cls(epoch, values, root, digests, chunk_values)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.digests) // DIGEST_BYTES
 
 
 class StateServicer(state_pb2_grpc.StateServicer):
+    """Serves the states ``lookup`` finds by root; ``pace`` (if any) is awaited before each
+    chunk with its size (a token bucket on a simulated slow uplink)."""
+
     def __init__(
-        self, *, run_id: str, spec_hash: bytes, snapshot: Callable[[], Snapshot | None]
+        self,
+        *,
+        run_id: str,
+        spec_hash: bytes,
+        lookup: Callable[[str], Snapshot | None],
+        pace: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         self._run_id, self._spec_hash = run_id, spec_hash
-        self._snapshot = snapshot
-        #: Downloads served in full, and the payload bytes sent.
-        self.served = 0
+        self._lookup, self._pace = lookup, pace
+        #: Chunks and payload bytes served.
+        self.chunks_served = 0
         self.sent_bytes = 0
 
-    async def Download(
-        self,
-        request: state_pb2.StateRequest,
-        context: grpc.aio.ServicerContext[state_pb2.StateRequest, state_pb2.StateChunk],
-    ) -> AsyncIterator[state_pb2.StateChunk]:
+    async def _snapshot(
+        self, request: state_pb2.StateRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> Snapshot:
         if request.run_id != self._run_id or request.spec_hash != self._spec_hash:
             violation = ProtocolViolation(
                 ResultCode.WRONG_RUN,
                 f"this node serves run {self._run_id!r} spec {self._spec_hash.hex()[:12]}",
             )
             await context.abort(violation.status, str(violation))
-        snapshot = self._snapshot()
+        snapshot = self._lookup(request.root)
         if snapshot is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no state to serve yet")
-            return
-        header = state_pb2.StateHeader(
-            epoch=snapshot.epoch, num_values=snapshot.values.numel(), checksum=snapshot.checksum
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"state {request.root!r} is not served here (any more)"
+            )
+        assert snapshot is not None  # abort raises
+        return snapshot
+
+    async def Manifest(
+        self,
+        request: state_pb2.StateRequest,
+        context: grpc.aio.ServicerContext[state_pb2.StateRequest, state_pb2.StateManifest],
+    ) -> state_pb2.StateManifest:
+        snapshot = await self._snapshot(request, context)
+        return state_pb2.StateManifest(
+            epoch=snapshot.epoch,
+            num_values=snapshot.values.numel(),
+            chunk_values=snapshot.chunk_values,
+            digests=snapshot.digests,
         )
-        yield state_pb2.StateChunk(header=header)
-        values = snapshot.values
-        for start in range(0, values.numel(), CHUNK_VALUES):
-            chunk = values[start : start + CHUNK_VALUES].numpy().tobytes()
-            yield state_pb2.StateChunk(values=chunk)
+
+    async def Download(
+        self,
+        request: state_pb2.StateRequest,
+        context: grpc.aio.ServicerContext[state_pb2.StateRequest, state_pb2.StateChunk],
+    ) -> AsyncIterator[state_pb2.StateChunk]:
+        snapshot = await self._snapshot(request, context)
+        first, count = request.first_chunk, request.num_chunks
+        if count < 1 or first + count > snapshot.num_chunks:
+            violation = ProtocolViolation(
+                ResultCode.BAD_SHAPE,
+                f"chunks [{first}, {first + count}) are not in 0..{snapshot.num_chunks}",
+            )
+            await context.abort(violation.status, str(violation))
+        step = snapshot.chunk_values
+        for index in range(first, first + count):
+            chunk = snapshot.values[index * step : (index + 1) * step].numpy().tobytes()
+            if self._pace is not None:
+                await self._pace(len(chunk))
+            yield state_pb2.StateChunk(index=index, values=chunk)
+            self.chunks_served += 1
             self.sent_bytes += len(chunk)
-        self.served += 1
 
 
 def add_to_server(servicer: StateServicer, server: grpc.aio.Server) -> None:
     state_pb2_grpc.add_StateServicer_to_server(servicer, server)
 
 
+@dataclass(slots=True)
+class Download:
+    """A finished download: the state, and who served what."""
+
+    snapshot: Snapshot
+    #: Chunks each donor delivered (verified).
+    chunks_by_donor: dict[str, int]
+    #: Donors dropped along the way, and why.
+    failures: dict[str, str]
+
+
 async def download(
-    channel: grpc.aio.Channel,
+    donors: Sequence[tuple[str, grpc.aio.Channel]],
     *,
+    run_id: str,
+    spec_hash: bytes,
+    root: str,
+    num_values: int,
+    timeout_seconds: float,
+) -> Download:
+    """The state ``root`` (of ``num_values`` values), from ``donors`` (peer id, channel) at once.
+
+    Raises PeerUnavailable or ProtocolViolation if no donor gives a valid manifest, or the donors
+    still standing cannot deliver every chunk. ``timeout_seconds`` bounds each request.
+    """
+    failures: dict[str, str] = {}
+    manifest: state_pb2.StateManifest | None = None
+    for peer, channel in donors:
+        try:
+            manifest = await _manifest(
+                channel, peer, run_id, spec_hash, root, num_values, timeout_seconds
+            )
+            break
+        except SwarmgradError as error:
+            failures[peer] = str(error)
+    if manifest is None:
+        raise _failed(f"no donor gave the manifest of state {root}", failures)
+    job = _Job(
+        manifest=manifest,
+        request=state_pb2.StateRequest(run_id=run_id, spec_hash=spec_hash, root=root),
+        timeout_seconds=timeout_seconds,
+        failures=failures,
+    )
+    await asyncio.gather(
+        *(job.work(peer, channel) for peer, channel in donors if peer not in failures)
+    )
+    if job.missing:
+        raise _failed(f"state {root}: {job.missing} chunks could not be downloaded", failures)
+    if not bool(torch.isfinite(job.values).all()):  # digests matched: every donor agreed on it
+        raise ProtocolViolation(ResultCode.NON_FINITE, f"state {root} holds NaN or Inf")
+    snapshot = Snapshot(
+        manifest.epoch, job.values, root, manifest.digests, int(manifest.chunk_values)
+    )
+    return Download(snapshot=snapshot, chunks_by_donor=job.delivered, failures=failures)
+
+
+async def _manifest(
+    channel: grpc.aio.Channel,
     peer: str,
     run_id: str,
     spec_hash: bytes,
+    root: str,
     num_values: int,
-    expected_checksum: str,
     timeout_seconds: float,
-) -> Snapshot:
-    """Download ``peer``'s state; raises PeerUnavailable or ProtocolViolation if it is not valid."""
+) -> state_pb2.StateManifest:
     stub = state_pb2_grpc.StateStub(channel)
-    request = state_pb2.StateRequest(run_id=run_id, spec_hash=spec_hash)
-    values = torch.empty(num_values, dtype=torch.float32)
-    target = values.numpy()
-    filled = 0  # values so far
-    header: state_pb2.StateHeader | None = None
+    request = state_pb2.StateRequest(run_id=run_id, spec_hash=spec_hash, root=root)
     try:
-        async for message in stub.Download(request, timeout=timeout_seconds):
-            if header is None:
-                if message.WhichOneof("body") != "header":
-                    raise _bad(peer, "the download does not open with a header")
-                header = message.header
-                if header.num_values != num_values:
-                    raise ProtocolViolation(
-                        ResultCode.BAD_SHAPE,
-                        f"{peer} offers {header.num_values} values, the model has {num_values}",
-                    )
-                if header.checksum != expected_checksum:
-                    raise _bad(peer, "the offered state is not the one its record announced")
-                continue
-            if message.WhichOneof("body") != "values":
-                raise _bad(peer, "a second header")
-            chunk = message.values
-            count = len(chunk) // 4
-            if len(chunk) % 4 or filled + count > num_values:
-                raise ProtocolViolation(
-                    ResultCode.TOO_LARGE, f"{peer} sent more or other than {num_values} values"
-                )
-            target[filled : filled + count] = np.frombuffer(chunk, dtype="<f4")
-            filled += count
+        manifest: state_pb2.StateManifest = await stub.Manifest(request, timeout=timeout_seconds)
     except grpc.aio.AioRpcError as error:
         raise from_rpc_error(error, peer) from None
-    if header is None or filled != num_values:
-        raise PeerUnavailable(f"{peer} ended the download early ({filled}/{num_values} values)")
-    if not bool(torch.isfinite(values).all()):
-        raise ProtocolViolation(ResultCode.NON_FINITE, f"{peer} sent a state with NaN or Inf")
-    if checksum(values) != expected_checksum:
-        raise _bad(peer, "the state does not match its checksum")
-    return Snapshot(epoch=header.epoch, values=values, checksum=expected_checksum)
+    chunk_values = manifest.chunk_values
+    if manifest.num_values != num_values:
+        raise ProtocolViolation(
+            ResultCode.BAD_SHAPE,
+            f"{peer} offers {manifest.num_values} values, the model has {num_values}",
+        )
+    if not 0 < chunk_values <= MAX_CHUNK_VALUES:
+        raise _bad(peer, f"chunks of {chunk_values} values")
+    if len(manifest.digests) != DIGEST_BYTES * math.ceil(num_values / chunk_values):
+        raise _bad(peer, "a manifest with the wrong number of digests")
+    if root_of(manifest.epoch, num_values, chunk_values, manifest.digests) != root:
+        raise _bad(peer, f"a manifest that is not state {root}")
+    return manifest
+
+
+@dataclass(slots=True)
+class _Job:
+    """Chunks left to fetch, shared by one worker per donor."""
+
+    manifest: state_pb2.StateManifest
+    request: state_pb2.StateRequest
+    timeout_seconds: float
+    failures: dict[str, str]
+    values: torch.Tensor = field(init=False)
+    pending: deque[tuple[int, int]] = field(init=False)  # (first chunk, count)
+    missing: int = field(init=False)
+    delivered: dict[str, int] = field(default_factory=dict)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    def __post_init__(self) -> None:
+        total = len(self.manifest.digests) // DIGEST_BYTES
+        self.values = torch.empty(self.manifest.num_values, dtype=torch.float32)
+        self.pending = deque(
+            (first, min(CHUNKS_PER_REQUEST, total - first))
+            for first in range(0, total, CHUNKS_PER_REQUEST)
+        )
+        self.missing = total
+
+    async def work(self, peer: str, channel: grpc.aio.Channel) -> None:
+        """Fetch ranges from ``peer`` until none are left; on its first failure give its
+        unfinished range back to the others and stop."""
+        stub = state_pb2_grpc.StateStub(channel)
+        while True:
+            async with self.changed:
+                # Wait while others hold the last ranges: one may fail and give its back.
+                await self.changed.wait_for(lambda: bool(self.pending) or not self.missing)
+                if not self.missing:
+                    return
+                first, count = self.pending.popleft()
+            try:
+                done = await self._fetch(stub, peer, first, count)
+            except _Partial as partial:
+                self.failures[peer] = str(partial.error)
+                done = partial.done
+            finally:
+                async with self.changed:
+                    if done < count:
+                        self.pending.appendleft((first + done, count - done))
+                    self.changed.notify_all()
+            if peer in self.failures:
+                return
+
+    async def _fetch(
+        self, stub: state_pb2_grpc.StateStub, peer: str, first: int, count: int
+    ) -> int:
+        """Chunks ``[first, first + count)`` from ``peer``, each checked; returns how many."""
+        request = state_pb2.StateRequest()
+        request.CopyFrom(self.request)
+        request.first_chunk, request.num_chunks = first, count
+        step = self.manifest.chunk_values
+        target = self.values.numpy()
+        done = 0
+        try:
+            async for message in stub.Download(request, timeout=self.timeout_seconds):
+                index = first + done
+                start, end = index * step, min((index + 1) * step, self.manifest.num_values)
+                digest = self.manifest.digests[index * DIGEST_BYTES : (index + 1) * DIGEST_BYTES]
+                if (
+                    done == count
+                    or message.index != index
+                    or len(message.values) != 4 * (end - start)
+                    or hashlib.blake2b(message.values, digest_size=DIGEST_BYTES).digest() != digest
+                ):
+                    raise _Partial(_bad(peer, f"chunk {message.index} is not the manifest's"), done)
+                target[start:end] = np.frombuffer(message.values, dtype="<f4")
+                done += 1
+                self.missing -= 1
+                self.delivered[peer] = self.delivered.get(peer, 0) + 1
+        except grpc.aio.AioRpcError as error:
+            raise _Partial(from_rpc_error(error, peer), done) from None
+        if done < count:
+            raise _Partial(PeerUnavailable(f"{peer} ended after {done} of {count} chunks"), done)
+        return done
+
+
+class _Partial(SwarmgradError):
+    """A donor's failure after ``done`` good chunks of its range."""
+
+    def __init__(self, error: SwarmgradError, done: int) -> None:
+        super().__init__(str(error))
+        self.error, self.done = error, done
+
+
+def _failed(what: str, failures: dict[str, str]) -> SwarmgradError:
+    reasons = "; ".join(f"{peer}: {why}" for peer, why in failures.items()) or "no donors"
+    return PeerUnavailable(f"{what} ({reasons})")
 
 
 def _bad(peer: str, what: str) -> ProtocolViolation:
-    return ProtocolViolation(ResultCode.BAD_PAYLOAD, f"{peer}: {what}")
+    return ProtocolViolation(ResultCode.BAD_PAYLOAD, f"{peer} sent {what}")

@@ -23,7 +23,7 @@ from swarmgrad.node.checkpoint import (
 from swarmgrad.node.model import build_model
 from swarmgrad.node.runspec import ModelSection, RunSpec
 from swarmgrad.node.training import DiLoCo, SyncDataParallel
-from swarmgrad.protocol.state import checksum
+from swarmgrad.protocol.state import Snapshot
 
 SPEC = RunSpec.from_toml('[run]\nid = "r"\n')
 
@@ -166,7 +166,8 @@ def test_replica_state_round_trips_mid_round() -> None:
         assert torch.equal(a, b)  # this replica's own, mid-round
     assert torch.equal(twin._residual, diloco._residual)
     assert (twin._steps, twin.samples, twin.epoch) == (3, 48, 0)
-    assert swarm.published[-1].checksum == checksum(diloco.state_vector())  # served at once
+    served = Snapshot.of(0, diloco.state_vector())
+    assert swarm.published[-1].checksum == served.checksum  # published at once
     with pytest.raises(ValueError, match="residual"):
         twin.load_state_dict({"residual": torch.zeros(3)}, meta)
 

@@ -76,7 +76,7 @@ def test_bad_values_name_their_layer(spec: Path, tmp_path: Path) -> None:
         node_config(spec_path=spec, environ=_env(tmp_path), settings={"keep_checkpoints": 0})
     bad_spec = tmp_path / "bad.toml"
     bad_spec.write_text('[run]\nid = "r"\n[node]\ndevice = "tpu"\n')
-    with pytest.raises(RunSpecError, match="node.device must be one of"):
+    with pytest.raises(RunSpecError, match=r"node\.device must be one of"):
         node_config(spec_path=bad_spec, environ=_env(tmp_path))
 
 
@@ -111,7 +111,8 @@ def test_bootstrap_addresses_from_every_layer_are_used_together(spec: Path, tmp_
 
 
 def test_listening_everywhere_needs_an_address_to_announce(spec: Path, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="--host 0.0.0.0 listens everywhere: set node.public_h"):
+    everywhere = r"--host 0\.0\.0\.0 listens everywhere: set node\.public_host"
+    with pytest.raises(ConfigError, match=everywhere):
         node_config(spec_path=spec, environ=_env(tmp_path), settings={"host": "0.0.0.0"})
     config = node_config(
         spec_path=spec,

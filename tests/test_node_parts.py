@@ -21,7 +21,7 @@ from swarmgrad.node.group import Group, Member
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.model import build_model, flatten, unflatten
 from swarmgrad.node.runspec import ModelSection, RunSpec, RunSpecError
-from swarmgrad.node.swarm import pick_donor
+from swarmgrad.node.swarm import pick_donors
 from swarmgrad.node.training import DiLoCo
 
 TEXT = "\n".join(topics.values())
@@ -157,20 +157,20 @@ def _record(epoch: int, checksum: str) -> PeerRecord:
 
 def test_a_replica_in_step_with_the_swarm_does_not_resync() -> None:
     peers = [_record(3, "aa"), _record(3, "aa")]
-    assert pick_donor(peers, "me", 3, "aa") is None
-    assert pick_donor([], "me", 3, "aa") is None
-    assert pick_donor([_record(2, "bb")], "me", 3, "aa") is None  # others are behind us
+    assert pick_donors(peers, "me", 3, "aa") == []
+    assert pick_donors([], "me", 3, "aa") == []
+    assert pick_donors([_record(2, "bb")], "me", 3, "aa") == []  # others are behind us
 
 
 def test_a_replica_behind_or_diverged_resyncs_from_the_majority() -> None:
     majority = [_record(5, "cc"), _record(5, "cc")]
     minority = [_record(5, "dd")]
-    assert pick_donor(majority + minority, "me", 4, "aa") in majority  # behind
-    assert pick_donor(majority + minority, "me", 5, "dd") in majority  # diverged
+    assert pick_donors(majority + minority, "me", 4, "aa") == majority  # behind: every holder
+    assert pick_donors(majority + minority, "me", 5, "dd") == majority  # diverged
     # a tie is broken the same way on every replica: the smaller checksum wins
-    assert pick_donor([_record(5, "bb")], "me", 5, "aa") is None
+    assert pick_donors([_record(5, "bb")], "me", 5, "aa") == []
     tied = [_record(5, "aa")]
-    assert pick_donor(tied, "me", 5, "bb") == tied[0]
+    assert pick_donors(tied, "me", 5, "bb") == tied
 
 
 # -- configuration ------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!swarmgrad/protocol/v1/state.proto\x12\x0cswarmgrad.v1\"1\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_hash\x18\x02 \x01(\x0c\"B\n\x0bStateHeader\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x12\n\nnum_values\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\"S\n\nStateChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.swarmgrad.v1.StateHeaderH\x00\x12\x10\n\x06values\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04\x62ody2K\n\x05State\x12\x42\n\x08\x44ownload\x12\x1a.swarmgrad.v1.StateRequest\x1a\x18.swarmgrad.v1.StateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!swarmgrad/protocol/v1/state.proto\x12\x0cswarmgrad.v1\"h\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_hash\x18\x02 \x01(\x0c\x12\x0c\n\x04root\x18\x03 \x01(\t\x12\x13\n\x0b\x66irst_chunk\x18\x04 \x01(\x04\x12\x12\n\nnum_chunks\x18\x05 \x01(\x04\"Y\n\rStateManifest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x12\n\nnum_values\x18\x02 \x01(\x04\x12\x14\n\x0c\x63hunk_values\x18\x03 \x01(\x04\x12\x0f\n\x07\x64igests\x18\x04 \x01(\x0c\"+\n\nStateChunk\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x0e\n\x06values\x18\x02 \x01(\x0c\x32\x90\x01\n\x05State\x12\x43\n\x08Manifest\x12\x1a.swarmgrad.v1.StateRequest\x1a\x1b.swarmgrad.v1.StateManifest\x12\x42\n\x08\x44ownload\x12\x1a.swarmgrad.v1.StateRequest\x1a\x18.swarmgrad.v1.StateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,11 +32,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarmgrad.protocol.v1.state
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATEREQUEST']._serialized_start=51
-  _globals['_STATEREQUEST']._serialized_end=100
-  _globals['_STATEHEADER']._serialized_start=102
-  _globals['_STATEHEADER']._serialized_end=168
-  _globals['_STATECHUNK']._serialized_start=170
-  _globals['_STATECHUNK']._serialized_end=253
-  _globals['_STATE']._serialized_start=255
-  _globals['_STATE']._serialized_end=330
+  _globals['_STATEREQUEST']._serialized_end=155
+  _globals['_STATEMANIFEST']._serialized_start=157
+  _globals['_STATEMANIFEST']._serialized_end=246
+  _globals['_STATECHUNK']._serialized_start=248
+  _globals['_STATECHUNK']._serialized_end=291
+  _globals['_STATE']._serialized_start=294
+  _globals['_STATE']._serialized_end=438
 # @@protoc_insertion_point(module_scope)

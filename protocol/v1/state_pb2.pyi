@@ -1,32 +1,39 @@
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StateRequest(_message.Message):
-    __slots__ = ("run_id", "spec_hash")
+    __slots__ = ("run_id", "spec_hash", "root", "first_chunk", "num_chunks")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_HASH_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     spec_hash: bytes
-    def __init__(self, run_id: _Optional[str] = ..., spec_hash: _Optional[bytes] = ...) -> None: ...
+    root: str
+    first_chunk: int
+    num_chunks: int
+    def __init__(self, run_id: _Optional[str] = ..., spec_hash: _Optional[bytes] = ..., root: _Optional[str] = ..., first_chunk: _Optional[int] = ..., num_chunks: _Optional[int] = ...) -> None: ...
 
-class StateHeader(_message.Message):
-    __slots__ = ("epoch", "num_values", "checksum")
+class StateManifest(_message.Message):
+    __slots__ = ("epoch", "num_values", "chunk_values", "digests")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_VALUES_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_VALUES_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     num_values: int
-    checksum: str
-    def __init__(self, epoch: _Optional[int] = ..., num_values: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
+    chunk_values: int
+    digests: bytes
+    def __init__(self, epoch: _Optional[int] = ..., num_values: _Optional[int] = ..., chunk_values: _Optional[int] = ..., digests: _Optional[bytes] = ...) -> None: ...
 
 class StateChunk(_message.Message):
-    __slots__ = ("header", "values")
-    HEADER_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("index", "values")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
-    header: StateHeader
+    index: int
     values: bytes
-    def __init__(self, header: _Optional[_Union[StateHeader, _Mapping]] = ..., values: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., values: _Optional[bytes] = ...) -> None: ...

@@ -34,6 +34,11 @@ class StateStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Manifest = channel.unary_unary(
+                '/swarmgrad.v1.State/Manifest',
+                request_serializer=swarmgrad_dot_protocol_dot_v1_dot_state__pb2.StateRequest.SerializeToString,
+                response_deserializer=swarmgrad_dot_protocol_dot_v1_dot_state__pb2.StateManifest.FromString,
+                _registered_method=True)
         self.Download = channel.unary_stream(
                 '/swarmgrad.v1.State/Download',
                 request_serializer=swarmgrad_dot_protocol_dot_v1_dot_state__pb2.StateRequest.SerializeToString,
@@ -44,6 +49,12 @@ class StateStub:
 class StateServicer:
     """Missing associated documentation comment in .proto file."""
 
+    def Manifest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Download(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -53,6 +64,11 @@ class StateServicer:
 
 def add_StateServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Manifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.Manifest,
+                    request_deserializer=swarmgrad_dot_protocol_dot_v1_dot_state__pb2.StateRequest.FromString,
+                    response_serializer=swarmgrad_dot_protocol_dot_v1_dot_state__pb2.StateManifest.SerializeToString,
+            ),
             'Download': grpc.unary_stream_rpc_method_handler(
                     servicer.Download,
                     request_deserializer=swarmgrad_dot_protocol_dot_v1_dot_state__pb2.StateRequest.FromString,
@@ -68,6 +84,33 @@ def add_StateServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class State:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Manifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmgrad.v1.State/Manifest',
+            swarmgrad_dot_protocol_dot_v1_dot_state__pb2.StateRequest.SerializeToString,
+            swarmgrad_dot_protocol_dot_v1_dot_state__pb2.StateManifest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Download(request,

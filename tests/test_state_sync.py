@@ -1,0 +1,182 @@
+"""State download from several donors at once (real gRPC servers on 127.0.0.1:0): every chunk is
+checked against the manifest, and a donor that lies, serves a corrupt chunk, dies mid-stream or no
+longer holds the state costs a retry from the others, never a corrupt state."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+
+from swarmgrad.protocol import state
+from swarmgrad.protocol.errors import PeerUnavailable, ProtocolViolation
+from swarmgrad.protocol.server import open_channel, start_server
+from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
+
+RUN, SPEC_HASH = "r", b"\1" * 32
+NUM_VALUES, CHUNK_VALUES = 20_000, 1024  # 20 chunks, the last one short
+
+
+def _snapshot(seed: int = 0, epoch: int = 7) -> state.Snapshot:
+    values = torch.randn(NUM_VALUES, generator=torch.Generator().manual_seed(seed))
+    return state.Snapshot.of(epoch, values, chunk_values=CHUNK_VALUES)
+
+
+TRUE = _snapshot()
+
+
+class Donors:
+    """Donor servers, each serving what its ``lookup`` returns; stopped at teardown."""
+
+    def __init__(self) -> None:
+        self.servers: list[grpc.aio.Server] = []
+        self.channels: list[grpc.aio.Channel] = []
+        self.servicers: dict[str, state.StateServicer] = {}
+
+    async def add(
+        self,
+        name: str,
+        snapshot: state.Snapshot | None = TRUE,
+        pace: Callable[[int], Awaitable[None]] | None = None,
+    ) -> tuple[str, grpc.aio.Channel]:
+        servicer = state.StateServicer(
+            run_id=RUN,
+            spec_hash=SPEC_HASH,
+            lookup=lambda root: (
+                snapshot if snapshot is not None and root == TRUE.checksum else None
+            ),
+            pace=pace,
+        )
+        server, port = await start_server(lambda s: state.add_to_server(servicer, s))
+        channel = open_channel(f"127.0.0.1:{port}")
+        self.servers.append(server)
+        self.channels.append(channel)
+        self.servicers[name] = servicer
+        return name, channel
+
+
+@pytest_asyncio.fixture
+async def donors() -> AsyncIterator[Donors]:
+    registry = Donors()
+    try:
+        yield registry
+    finally:
+        for channel in registry.channels:
+            await channel.close()
+        for server in registry.servers:
+            await server.stop(None)
+
+
+async def _download(donors: list[tuple[str, grpc.aio.Channel]]) -> state.Download:
+    return await state.download(
+        donors,
+        run_id=RUN,
+        spec_hash=SPEC_HASH,
+        root=TRUE.checksum,
+        num_values=NUM_VALUES,
+        timeout_seconds=10,
+    )
+
+
+def _corrupt_chunk(index: int) -> state.Snapshot:
+    """The true state's manifest, with one value of one chunk changed."""
+    values = TRUE.values.clone()
+    values[index * CHUNK_VALUES + 5] += 1e-3
+    return dataclasses.replace(TRUE, values=values)
+
+
+async def test_chunks_come_from_every_donor_and_the_state_is_exact(donors: Donors) -> None:
+    result = await _download([await donors.add(n) for n in "abc"])
+    assert torch.equal(result.snapshot.values, TRUE.values)
+    assert (result.snapshot.epoch, result.snapshot.checksum) == (7, TRUE.checksum)
+    assert sum(result.chunks_by_donor.values()) == 20
+    assert set(result.chunks_by_donor) == {"a", "b", "c"}  # the work was shared
+    assert result.failures == {}
+
+
+async def test_a_donor_serving_a_corrupt_chunk_is_dropped_and_its_chunks_refetched(
+    donors: Donors,
+) -> None:
+    bad = await donors.add("bad", _corrupt_chunk(1))  # asked first: its range holds chunk 1
+    result = await _download([bad, await donors.add("good")])
+    assert torch.equal(result.snapshot.values, TRUE.values)
+    assert "chunk 1 is not the manifest's" in result.failures["bad"]
+    assert result.chunks_by_donor["bad"] == 1  # chunk 0 was good and is kept
+
+
+async def test_a_lying_manifest_a_dying_donor_and_a_stale_one_cost_only_retries(
+    donors: Donors,
+) -> None:
+    liar = await donors.add("liar", _snapshot(seed=1))  # another state, under the asked root
+    served = 0
+
+    async def die_after_two_chunks(num_bytes: int) -> None:
+        nonlocal served
+        served += 1
+        if served > 2:
+            raise RuntimeError("the donor's process died")
+
+    dying = await donors.add("dying", pace=die_after_two_chunks)
+    stale = await donors.add("stale", snapshot=None)  # moved on: no longer serves the root
+    result = await _download([liar, dying, stale, await donors.add("good")])
+    assert torch.equal(result.snapshot.values, TRUE.values)
+    assert "a manifest that is not state" in result.failures["liar"]
+    assert "dying" in result.failures
+    assert result.chunks_by_donor.get("dying", 0) <= 2
+    assert "NOT_FOUND" in result.failures["stale"]
+    assert result.chunks_by_donor["good"] >= 20 - 2
+
+
+async def test_no_honest_donor_means_an_error_not_a_state(donors: Donors) -> None:
+    with pytest.raises(PeerUnavailable, match="chunks could not be downloaded") as raised:
+        await _download([await donors.add("bad", _corrupt_chunk(0))])
+    assert "chunk 0 is not the manifest's" in str(raised.value)
+    with pytest.raises(PeerUnavailable, match="no donor gave the manifest"):
+        await _download([await donors.add("stale", snapshot=None)])
+
+
+async def test_a_state_of_another_size_or_run_is_refused(donors: Donors) -> None:
+    name, channel = await donors.add("a")
+    with pytest.raises(PeerUnavailable, match="offers 20000 values, the model has 100"):
+        await state.download(
+            [(name, channel)],
+            run_id=RUN,
+            spec_hash=SPEC_HASH,
+            root=TRUE.checksum,
+            num_values=100,
+            timeout_seconds=10,
+        )
+    with pytest.raises(PeerUnavailable, match="WRONG_RUN"):
+        await state.download(
+            [(name, channel)],
+            run_id="other",
+            spec_hash=SPEC_HASH,
+            root=TRUE.checksum,
+            num_values=NUM_VALUES,
+            timeout_seconds=10,
+        )
+
+
+async def test_nan_in_an_agreed_state_is_refused(donors: Donors) -> None:
+    values = TRUE.values.clone()
+    values[3] = float("nan")
+    poisoned = state.Snapshot.of(7, values, chunk_values=CHUNK_VALUES)
+    servicer = state.StateServicer(run_id=RUN, spec_hash=SPEC_HASH, lookup=lambda root: poisoned)
+    server, port = await start_server(lambda s: state.add_to_server(servicer, s))
+    donors.servers.append(server)
+    channel = open_channel(f"127.0.0.1:{port}")
+    donors.channels.append(channel)
+    with pytest.raises(ProtocolViolation) as raised:
+        await state.download(
+            [("nan", channel)],
+            run_id=RUN,
+            spec_hash=SPEC_HASH,
+            root=poisoned.checksum,
+            num_values=NUM_VALUES,
+            timeout_seconds=10,
+        )
+    assert raised.value.code == ResultCode.NON_FINITE
