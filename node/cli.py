@@ -287,6 +287,29 @@ def simulate(
     raise typer.Exit(0 if summary["ok"] else 1)
 
 
+@app.command()
+def export(
+    checkpoint: Annotated[
+        Path, typer.Argument(help="A checkpoint, or a node's checkpoint folder (its newest).")
+    ],
+    out_dir: Annotated[Path, typer.Argument(help="New (or empty) folder to write.")],
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="Data cache, for the tokenizer (default: $SWARMGRAD_HOME).")
+    ] = None,
+) -> None:
+    """Write a checkpoint's model as a Hugging Face directory (config.json, model.safetensors,
+    tokenizer) that transformers loads with from_pretrained."""
+    from swarmgrad.node.export import ExportError
+    from swarmgrad.node.export import export as write
+
+    _logging(False)
+    try:
+        exported = write(checkpoint, out_dir, cache_dir=cache_dir or node_config.home() / "cache")
+    except (ExportError, DataError, node_config.ConfigError) as error:
+        raise _fail(EXIT_CONFIG, str(error)) from None
+    typer.echo(f"exported {exported} to {out_dir}")
+
+
 @app.command("prepare-data")
 def prepare_data(
     vocab_size: Annotated[int, typer.Option(help="BPE vocabulary size.")] = 2048,

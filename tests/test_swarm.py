@@ -142,7 +142,7 @@ def test_the_cli_explains_bad_input(tmp_path: Path) -> None:
             env=env,
         )
 
-    for command in ("node", "bootstrap", "simulate", "prepare-data"):
+    for command in ("node", "bootstrap", "status", "simulate", "export", "prepare-data"):
         shown = swarmgrad(command, "--help")
         assert shown.returncode == 0, command
         assert "Usage" in shown.stdout, command

@@ -1,0 +1,126 @@
+"""``swarmgrad export``: a checkpoint's model as a Hugging Face directory for ``transformers``.
+
+The run's GPT (``node/model.py``) is GPT-2's architecture with exact GELU: learned positions,
+pre-norm blocks, fused q/k/v, tied embeddings. So the export is a GPT-2 directory: ``config.json``
+(``GPT2LMHeadModel``), ``model.safetensors`` with GPT-2's parameter names (its ``Conv1D`` weights
+are stored ``[in, out]``, the transpose of ``nn.Linear``'s), and the run's tokenizer
+(``tokenizer.json`` and its config). The swarm's parameters are exported (``model.<name>`` in the
+checkpoint), not a replica's mid-round ones. transformers is not needed to export, only to load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from swarmgrad.node.checkpoint import Checkpoint, CheckpointError, read
+from swarmgrad.node.data import load_corpus
+from swarmgrad.node.model import GPT
+
+LAYER_NORM_EPSILON = 1e-5  # torch's nn.LayerNorm default, which the GPT uses
+
+
+class ExportError(RuntimeError):
+    """The checkpoint cannot be exported (or the output folder is in the way); says why."""
+
+
+def newest_checkpoint(path: Path) -> Checkpoint:
+    """``path`` itself if it is a checkpoint, else the newest whole one in the folder ``path``."""
+    if (path / "manifest.json").exists():
+        try:
+            return read(path)
+        except CheckpointError as error:
+            raise ExportError(str(error)) from None
+    candidates = sorted(
+        (p for p in path.glob("epoch-*-step-*") if p.is_dir()), key=lambda p: p.name, reverse=True
+    )
+    reasons = []
+    for candidate in candidates:
+        try:
+            return read(candidate)
+        except CheckpointError as error:
+            reasons.append(str(error))
+    why = "; ".join(reasons) or "it holds none"
+    raise ExportError(f"no usable checkpoint in {path}: {why}")
+
+
+def gpt2_tensors(model: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
+    """The GPT's parameters (``embed.weight``, ``blocks.0.qkv.weight``, ...) under GPT-2's names."""
+    out = {
+        "transformer.wte.weight": model["embed.weight"],
+        "transformer.wpe.weight": model["position.weight"],
+        "transformer.ln_f.weight": model["norm.weight"],
+        "transformer.ln_f.bias": model["norm.bias"],
+    }
+    linear = {"qkv": "attn.c_attn", "proj": "attn.c_proj", "up": "mlp.c_fc", "down": "mlp.c_proj"}
+    norms = {"norm1": "ln_1", "norm2": "ln_2"}
+    for i in range(n_layers):
+        ours, theirs = f"blocks.{i}", f"transformer.h.{i}"
+        for name, target in linear.items():
+            out[f"{theirs}.{target}.weight"] = model[f"{ours}.{name}.weight"].T
+            out[f"{theirs}.{target}.bias"] = model[f"{ours}.{name}.bias"]
+        for name, target in norms.items():
+            out[f"{theirs}.{target}.weight"] = model[f"{ours}.{name}.weight"]
+            out[f"{theirs}.{target}.bias"] = model[f"{ours}.{name}.bias"]
+    return {name: t.detach().float().contiguous().clone() for name, t in out.items()}
+
+
+def export(checkpoint: Path, out_dir: Path, *, cache_dir: Path) -> Path:
+    """Write ``checkpoint``'s model (a checkpoint, or a node's checkpoint folder: its newest) to
+    ``out_dir`` as a Hugging Face directory; returns the checkpoint exported."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ExportError(f"{out_dir} exists and is not an empty folder")
+    found = newest_checkpoint(checkpoint)
+    spec = found.spec
+    model = {
+        k.removeprefix("model."): v for k, v in found.tensors.items() if k.startswith("model.")
+    }
+    expected = {name: p.shape for name, p in GPT(spec.model).named_parameters()}
+    shapes = {name: t.shape for name, t in model.items()}
+    if shapes != expected:
+        raise ExportError(f"{found.path}: its model is not the run spec's GPT")
+    tokenizer = load_corpus(
+        spec.data, vocab_size=spec.model.vocab_size, cache_dir=cache_dir
+    ).tokenizer
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(
+        gpt2_tensors(model, spec.model.n_layers),
+        out_dir / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    config: dict[str, Any] = {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": spec.model.vocab_size,
+        "n_positions": spec.model.seq_len,
+        "n_embd": spec.model.d_model,
+        "n_layer": spec.model.n_layers,
+        "n_head": spec.model.n_heads,
+        "n_inner": 4 * spec.model.d_model,
+        "activation_function": "gelu",  # exact GELU, as F.gelu
+        "layer_norm_epsilon": LAYER_NORM_EPSILON,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "swarmgrad": {
+            "run_id": spec.run.id,
+            "spec_hash": spec.hash.hex(),
+            "epoch": found.epoch,
+            "checkpoint": found.path.name,
+        },
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1))
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": spec.model.seq_len,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
+    return found.path

@@ -1,0 +1,128 @@
+"""Export to a Hugging Face directory: transformers loads it, gives the node's logits, and
+generates text with the run's tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from swarmgrad.node.checkpoint import Checkpointer
+from swarmgrad.node.config import home
+from swarmgrad.node.data import load_corpus, load_demo
+from swarmgrad.node.export import ExportError, export
+from swarmgrad.node.model import GPT, build_model
+from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.trainer import evaluate
+from swarmgrad.simulations.swarm import DEMO_SPEC, simulate
+
+SPEC = RunSpec.from_toml(
+    '[run]\nid = "export"\n[model]\nvocab_size = 2048\nd_model = 64\nn_layers = 2\nn_heads = 4\n'
+    "seq_len = 32\n"
+)
+
+
+@pytest.fixture(scope="module")
+def cache_dir() -> Path:
+    folder = home() / "cache"
+    load_demo(folder, vocab_size=2048, prepare=False)  # set-up prepared it: nothing downloads
+    return folder
+
+
+def _trained_like(model: GPT) -> GPT:
+    """Parameters no initializer would give (biases and gains included)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def _node_model(checkpoint: Path, spec: RunSpec) -> GPT:
+    """The model a node would run from this checkpoint: the swarm's parameters."""
+    model = GPT(spec.model)
+    tensors = Checkpointer(checkpoint.parent, spec, keep=1).latest()
+    assert tensors is not None
+    state = {k.removeprefix("model."): v for k, v in tensors.tensors.items() if "model." in k}
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def _hf(out: Path) -> Any:
+    return transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+
+
+def test_transformers_loads_the_export_with_the_same_logits(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    torch.manual_seed(0)
+    model = _trained_like(build_model(SPEC.model, seed=0)).eval()
+    with Checkpointer(tmp_path / "checkpoints", SPEC, keep=1) as checkpoints:
+        path = checkpoints.save(
+            epoch=3,
+            step=30,
+            tensors={f"model.{n}": p.detach() for n, p in model.named_parameters()},
+            meta={},
+        )
+    out = tmp_path / "hf"
+    assert export(tmp_path / "checkpoints", out, cache_dir=cache_dir) == path  # the newest
+
+    hf = _hf(out)
+    assert isinstance(hf, transformers.GPT2LMHeadModel)
+    tokens = torch.randint(0, 2048, (3, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), atol=1e-5, rtol=1e-5)
+    assert json.loads((out / "config.json").read_text())["swarmgrad"]["epoch"] == 3
+
+    # The run's tokenizer comes along, and the model generates text with it.
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    ours = load_corpus(SPEC.data, vocab_size=2048, cache_dir=cache_dir).tokenizer
+    line = "To be, or not to be, that is the question:"
+    assert tokenizer(line)["input_ids"] == ours.encode(line).ids
+    assert tokenizer.decode(tokenizer(line)["input_ids"]) == line
+    prompt = tokenizer("ROMEO:", return_tensors="pt")
+    generated = hf.generate(**prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert generated.shape[1] == prompt["input_ids"].shape[1] + 8
+    assert isinstance(tokenizer.decode(generated[0]), str)
+
+
+def test_export_refuses_a_used_folder_and_a_missing_checkpoint(tmp_path: Path) -> None:
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "x").write_text("")
+    with pytest.raises(ExportError, match="not an empty folder"):
+        export(tmp_path, used, cache_dir=tmp_path)
+    with pytest.raises(ExportError, match="no usable checkpoint"):
+        export(tmp_path / "nothing", tmp_path / "out", cache_dir=tmp_path)
+
+
+@pytest.mark.slow
+def test_a_trained_swarm_exports_and_transformers_reproduces_its_loss(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    spec_path = tmp_path / "run.toml"
+    spec_path.write_text(DEMO_SPEC.replace("group_size = 4", "group_size = 2"))
+    out = tmp_path / "sim"
+    summary = simulate(nodes=2, rounds=2, spec_path=spec_path, profile_path=None, out_dir=out)
+    assert summary["replicas_identical"]
+    hf_dir = tmp_path / "hf"
+    exported = export(out / "checkpoints" / "node-0", hf_dir, cache_dir=cache_dir)
+    spec = RunSpec.load(spec_path)
+    node_model = _node_model(exported, spec)
+    hf = _hf(hf_dir)
+    corpus = load_corpus(spec.data, vocab_size=2048, cache_dir=cache_dir)
+    windows = corpus.validation(seq_len=64, num_windows=32)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(windows[:, :-1]).logits, node_model(windows[:, :-1]))
+    # The node's own report of its validation loss after the last round, reproduced.
+    status = json.loads((out / "node-0.json").read_text())
+    node_loss = evaluate(node_model, windows, torch.device("cpu"))
+    assert node_loss == pytest.approx(status["val_loss"], abs=1e-4)
+    with torch.no_grad():
+        shifted = torch.nn.functional.cross_entropy(
+            hf(windows[:, :-1]).logits.flatten(0, 1), windows[:, 1:].flatten()
+        )
+    assert float(shifted) == pytest.approx(node_loss, abs=1e-4)
