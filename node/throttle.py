@@ -1,4 +1,4 @@
-"""A token bucket on the node's averaging uploads: slow links for ``swarmgrad simulate``."""
+"""A token bucket on the node's uploads (averaging and state): slow links for simulations."""
 
 from __future__ import annotations
 
@@ -6,16 +6,18 @@ import asyncio
 
 
 class TokenBucket:
-    """Let ``rate_bytes_per_second`` through on average, in bursts of at most one second's worth.
+    """Let ``rate_bytes_per_second`` through on average, in bursts of at most ``burst_seconds``
+    worth (a small bucket, as a shaped home uplink has: a long transfer runs at the rate).
 
     Used as the all-reduce's ``RoundHooks``: each outgoing chunk waits for its bytes' tokens.
     """
 
-    def __init__(self, rate_bytes_per_second: float) -> None:
-        if not rate_bytes_per_second > 0:
-            raise ValueError("rate_bytes_per_second must be positive")
+    def __init__(self, rate_bytes_per_second: float, *, burst_seconds: float = 0.1) -> None:
+        if not rate_bytes_per_second > 0 or not burst_seconds > 0:
+            raise ValueError("rate_bytes_per_second and burst_seconds must be positive")
         self.rate = rate_bytes_per_second
-        self._tokens = rate_bytes_per_second
+        self.burst = rate_bytes_per_second * burst_seconds
+        self._tokens = self.burst
         self._updated: float | None = None
         self._lock = asyncio.Lock()
 
@@ -24,7 +26,7 @@ class TokenBucket:
             loop = asyncio.get_running_loop()
             now = loop.time()
             if self._updated is not None:
-                self._tokens = min(self.rate, self._tokens + (now - self._updated) * self.rate)
+                self._tokens = min(self.burst, self._tokens + (now - self._updated) * self.rate)
             self._updated = now
             self._tokens -= num_bytes
             if self._tokens < 0:  # in debt: wait until it is paid off
