@@ -175,7 +175,9 @@ class Swarm:
             codec=spec.averaging.codec,
         )
         self.metrics.read_tallies(traffic=self._traffic_totals, failures=self._failure_totals)
-        sample = torch.randn(min(spec.averaging.chunk_values, 1 << 16))
+        sample = torch.randn(  # its own generator: the process's random stream is the user's
+            min(spec.averaging.chunk_values, 1 << 16), generator=torch.Generator().manual_seed(0)
+        )
         self.metrics.compression_ratio.set(sample.nbytes / len(self.codec.encode(sample)[0]))
         #: The run's trainers as last read from the DHT (this node included).
         self.peers: list[PeerRecord] = []
