@@ -266,6 +266,10 @@ def simulate(
     out: Annotated[
         Path, typer.Option(help="Folder for logs, status files and summary.json.")
     ] = Path("simulation"),
+    churn: Annotated[
+        Path | None,
+        typer.Option(help="TOML, one [[event]] each: at_epoch, action (kill/stop/start), node."),
+    ] = None,
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 600.0,
 ) -> None:
     """Run a bootstrap and N real node processes on loopback; print and save a summary."""
@@ -280,6 +284,7 @@ def simulate(
             profile_path=profile,
             out_dir=out,
             timeout_seconds=timeout,
+            churn_path=churn,
         )
     except (RunSpecError, node_config.ConfigError, swarm.SimulationError) as error:
         raise _fail(EXIT_CONFIG, str(error)) from None

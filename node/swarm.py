@@ -370,6 +370,12 @@ class Swarm:
         """The state ``donors`` announce (all the same checksum), from all of them at once."""
         assert self._averager is not None
         started = asyncio.get_running_loop().time()
+        log.info(
+            "downloading state %s (epoch %d) from %d donor(s)",
+            donors[0].checksum,
+            donors[0].epoch,
+            len(donors),
+        )
         try:
             result = await state.download(
                 [(d.peer_id, self._averager.channel(d.endpoint)) for d in donors],
@@ -419,6 +425,7 @@ class Swarm:
         if group is None:
             self.counts["no group"] += 1
             return Averaged(Outcome.NO_GROUP, error="nobody else was ready in time")
+        log.info("epoch %d: averaging in a group of %d", epoch, len(group.members))
         sent = vector if prepare is None else await asyncio.to_thread(prepare, vector, group)
         try:
             result = await self._averager.all_reduce(sent, group, hooks=self._throttle)

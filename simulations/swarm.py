@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -26,14 +27,17 @@ import subprocess
 import sys
 import time
 import tomllib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from swarmgrad.node import config as node_config
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.simulations.churn import MARKERS, ScheduleError, load_schedule
 
 log = logging.getLogger(__name__)
+#: A (re)started node's log line once it takes part at the swarm's epoch.
+REJOINED = re.compile(r"epoch \d+: (averaged|partial|resynced)")
 
 DEMO_SPEC = """\
 # The demo run: a small GPT on Shakespeare's plays, DiLoCo with 8-bit averaging. On a run this
@@ -105,7 +109,7 @@ class _Process:
     def __init__(self, name: str, command: list[str], log_path: Path, env: dict[str, str]) -> None:
         self.name = name
         self.log_path = log_path
-        self._log = log_path.open("wb")
+        self._log = log_path.open("ab")  # a restarted node's log goes on in the same file
         self.popen = subprocess.Popen(
             command, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
@@ -118,6 +122,13 @@ class _Process:
             except subprocess.TimeoutExpired:
                 os.killpg(self.popen.pid, signal.SIGKILL)
                 self.popen.wait()
+        self._log.close()
+
+    def kill(self) -> None:
+        """SIGKILL the node alone: what a crash does (its DHT process notices and exits)."""
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
         self._log.close()
 
     def tail(self, lines: int = 15) -> str:
@@ -139,6 +150,40 @@ def _wait_for_file(path: Path, process: _Process, deadline: float) -> dict[str, 
     raise SimulationError(f"{process.name} did not come up in time:\n{process.tail()}")
 
 
+@dataclass(slots=True)
+class _Node:
+    """One node slot: an identity, checkpoints and a status file, run by one process at a time."""
+
+    index: int
+    args: list[str]
+    status: Path
+    log: Path
+    process: _Process | None = None
+    running: bool = False  # started and neither finished, stopped nor killed
+    finished: bool = False  # reached the last epoch and exited
+    started_at: float = 0.0  # monotonic, of the current process
+    log_offset: int = 0  # where the current process's log begins
+    rejoin_seconds: list[float] = field(default_factory=list)
+    waiting_rejoin: bool = False
+
+    def log_size(self) -> int:
+        return self.log.stat().st_size if self.log.exists() else 0
+
+    def log_since(self, offset: int | None = None) -> str:
+        """The log from ``offset`` (default: the current process's start) on."""
+        if not self.log.exists():
+            return ""
+        with self.log.open("rb") as f:
+            f.seek(self.log_offset if offset is None else offset)
+            return f.read().decode(errors="replace")
+
+    def epoch(self) -> int:
+        try:
+            return int(json.loads(self.status.read_text())["epoch"])
+        except (OSError, ValueError, KeyError):
+            return 0
+
+
 def simulate(
     *,
     nodes: int,
@@ -147,12 +192,19 @@ def simulate(
     profile_path: Path | None,
     out_dir: Path,
     timeout_seconds: float = 600.0,
+    churn_path: Path | None = None,
     extra_node_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Run the swarm to ``rounds`` epochs; return (and write to summary.json) its summary."""
+    """Run the swarm to ``rounds`` epochs (with the churn schedule in ``churn_path``, if any);
+    return (and write to summary.json) its summary."""
     if nodes < 1 or rounds < 1:
         raise SimulationError("--nodes and --rounds must be at least 1")
-    profiles = load_profile(profile_path, nodes)
+    try:
+        events = load_schedule(churn_path, nodes=nodes) if churn_path is not None else []
+    except ScheduleError as error:
+        raise SimulationError(str(error)) from None
+    slots = max([nodes - 1, *(e.node for e in events)]) + 1
+    profiles = load_profile(profile_path, slots)
     out_dir.mkdir(parents=True, exist_ok=True)
     if spec_path is None:
         spec_path = out_dir / "run.toml"
@@ -163,6 +215,7 @@ def simulate(
     deadline = time.monotonic() + timeout_seconds
     processes: list[_Process] = []
     started = time.time()
+    fired: list[dict[str, Any]] = []
     try:
         maddrs_file = out_dir / "bootstrap.json"
         maddrs_file.unlink(missing_ok=True)
@@ -174,10 +227,11 @@ def simulate(
         )
         processes.append(boot)
         maddrs = _wait_for_file(maddrs_file, boot, deadline)["maddrs"]
-        peers = []
+        swarm = []
         for i, profile in enumerate(profiles):
-            status = out_dir / f"node-{i}.json"
+            status, log_path = out_dir / f"node-{i}.json", out_dir / f"node-{i}.log"
             status.unlink(missing_ok=True)
+            log_path.unlink(missing_ok=True)
             checkpoints = out_dir / "checkpoints" / f"node-{i}"
             shutil.rmtree(checkpoints, ignore_errors=True)  # a new simulation starts fresh
             args = [
@@ -198,38 +252,103 @@ def simulate(
             ]  # fmt: skip
             if profile.upload_bytes_per_second is not None:
                 args += ["--upload-limit", str(profile.upload_bytes_per_second)]
-            process = _Process(f"node-{i}", _command(*args), out_dir / f"node-{i}.log", env)
-            processes.append(process)
-            peers.append((process, status))
-        shown = 0
-        for process, _ in peers:
-            while process.popen.poll() is None and time.monotonic() < deadline:
-                shown = _show_progress(peers, shown, rounds)
-                time.sleep(0.2)
-            if process.popen.poll() is None:
-                raise SimulationError(f"{process.name} did not finish in time:\n{process.tail()}")
-            if process.popen.returncode != 0:
-                raise SimulationError(
-                    f"{process.name} failed ({process.popen.returncode}):\n{process.tail()}"
-                )
-        statuses = [json.loads(path.read_text()) for _, path in peers]
+            swarm.append(_Node(index=i, args=args, status=status, log=log_path))
+
+        def start(node: _Node) -> None:
+            node.log_offset = node.log_size()
+            node.process = _Process(f"node-{node.index}", _command(*node.args), node.log, env)
+            processes.append(node.process)
+            node.running, node.started_at = True, time.monotonic()
+            node.waiting_rejoin = bool(fired)  # a node (re)joining a run under way
+
+        for node in swarm[:nodes]:
+            start(node)
+        pending, armed, armed_offset, shown = list(events), None, 0, 0
+        while True:
+            if time.monotonic() > deadline:
+                late = [n for n in swarm if n.running]
+                tails = "\n".join(f"node-{n.index}: {n.process.tail(5)}" for n in late if n.process)
+                raise SimulationError(f"the swarm did not finish in time:\n{tails}")
+            for node in swarm:
+                code = node.process.popen.poll() if node.running and node.process else None
+                if code is None:
+                    continue
+                if code != 0:
+                    assert node.process is not None
+                    raise SimulationError(
+                        f"node-{node.index} failed ({code}):\n{node.process.tail()}"
+                    )
+                node.running, node.finished = False, True
+            for node in swarm:
+                if node.waiting_rejoin and REJOINED.search(node.log_since()):
+                    node.rejoin_seconds.append(time.monotonic() - node.started_at)
+                    node.waiting_rejoin = False
+            epoch = max(node.epoch() for node in swarm)
+            while armed is None and pending and pending[0].at_epoch <= epoch:
+                event = pending.pop(0)
+                target = swarm[event.node]
+                if event.action == "start":
+                    target.finished = False
+                    start(target)
+                elif event.during:  # wait for the node to enter that phase
+                    armed, armed_offset = event, target.log_size()
+                    continue
+                elif event.action == "stop":
+                    assert target.process is not None
+                    target.process.stop()
+                    target.running = False
+                else:
+                    assert target.process is not None
+                    target.process.kill()
+                    target.running = False
+                fired.append({"event": event.describe(), "time": time.time() - started})
+                log.info("churn: %s", event.describe())
+            if armed is not None:
+                target = swarm[armed.node]
+                if MARKERS[armed.during] in target.log_since(armed_offset):
+                    assert target.process is not None
+                    target.process.kill()
+                    target.running = target.waiting_rejoin = False
+                    fired.append({"event": armed.describe(), "time": time.time() - started})
+                    log.info("churn: %s", armed.describe())
+                    armed = None
+                elif not target.running:
+                    raise SimulationError(f"node-{armed.node} exited before {armed.describe()}")
+            if not pending and armed is None and not any(n.running for n in swarm):
+                break
+            shown = _show_progress(swarm, shown, rounds)
+            time.sleep(0.05)
+        finals = [n for n in swarm if n.finished]
+        statuses = [json.loads(n.status.read_text()) for n in finals]
     finally:
         for process in reversed(processes):
             process.stop()
     summary = summarize(statuses, spec=spec, wall_seconds=time.time() - started, rounds=rounds)
     summary["profiles"] = [asdict(p) for p in profiles]
+    if events:
+        summary["churn"] = {
+            "events": fired,
+            "rejoin_seconds": {
+                f"node-{n.index}": n.rejoin_seconds for n in swarm if n.rejoin_seconds
+            },
+            "finished": [f"node-{n.index}" for n in finals],
+        }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 
-def _show_progress(peers: list[tuple[_Process, Path]], shown: int, rounds: int) -> int:
-    """Log the swarm's progress when its slowest node finishes a new epoch."""
+def _show_progress(swarm: list[_Node], shown: int, rounds: int) -> int:
+    """Log the swarm's progress when its slowest running node finishes a new epoch."""
     statuses = []
-    for _, path in peers:
+    for node in swarm:
+        if not node.running:
+            continue
         try:
-            statuses.append(json.loads(path.read_text()))
+            statuses.append(json.loads(node.status.read_text()))
         except (OSError, ValueError):  # not written yet
             return shown
+    if not statuses:
+        return shown
     epoch = int(min(s["epoch"] for s in statuses))
     if epoch > shown:
         loss = statistics.fmean(s["val_loss"] for s in statuses)
@@ -340,6 +459,22 @@ def print_summary(summary: dict[str, Any]) -> None:
             f"{p['utilization']:.0%}",
         )
     console.print(peers)
+    churn = summary.get("churn")
+    if churn:
+        events = Table(title="churn")
+        for name in ("time s", "event"):
+            events.add_column(name, justify="right" if name == "time s" else "left")
+        for event in churn["events"]:
+            events.add_row(f"{event['time']:.1f}", event["event"])
+        console.print(events)
+        for node, seconds in churn["rejoin_seconds"].items():
+            shown = ", ".join(f"{s:.1f} s" for s in seconds)
+            console.print(f"{node} took part again after {shown} (from process start)")
+        lost = sum(
+            p["outcomes"].get(o, 0) for p in summary["peers"] for o in ("no group", "aborted")
+        )
+        partial = sum(p["outcomes"].get("partial", 0) for p in summary["peers"])
+        console.print(f"rounds without a group or aborted: {lost}; partial rounds: {partial}")
     console.print(
         f"{summary['nodes']} nodes, {summary['rounds']} rounds in {summary['wall_seconds']:.0f} s: "
         f"val loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f}; "
