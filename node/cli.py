@@ -83,8 +83,12 @@ def node(
         int | None, typer.Option(help="Keep this many newest checkpoints [3].")
     ] = None,
     max_epochs: Annotated[
-        int | None, typer.Option(help="Stop once the model reaches this epoch.")
+        int | None, typer.Option(help="Stop training once the model reaches this epoch.")
     ] = None,
+    linger: Annotated[
+        bool,
+        typer.Option(help="After --max-epochs, keep serving state to peers until stopped."),
+    ] = False,
     slowdown: Annotated[
         float, typer.Option(help="Simulate slower compute: each step takes this many times longer.")
     ] = 1.0,
@@ -129,6 +133,7 @@ def node(
                 "keep_checkpoints": keep_checkpoints,
             },
             max_epochs=max_epochs,
+            linger=linger,
             slowdown=slowdown,
             status_file=status_file,
             display=display,

@@ -50,6 +50,8 @@ class NodeConfig:
     checkpoint_dir: Path
     #: Stop after the replica reaches this epoch (None: run until stopped).
     max_epochs: int | None = None
+    #: After ``max_epochs``, stay in the swarm (serving state) until stopped.
+    linger: bool = False
     #: Simulated slow compute: each training step takes this many times as long.
     slowdown: float = 1.0
     #: Where to keep the node's summary (JSON, rewritten after every round).

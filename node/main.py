@@ -133,6 +133,9 @@ async def _train(
         tasks.create_task(display.run(trainer.progress, training), name="display")
         stopping = tasks.create_task(stop.wait(), name="signals")
         await asyncio.wait([training, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if config.linger and not stop.is_set():  # done training: serve peers until stopped
+            log.info("reached epoch %d; serving state until stopped", trainer.progress.epoch)
+            await stopping
         if stop.is_set():
             trainer_stop.set()
             swarm.release_waiters()

@@ -1,8 +1,10 @@
 """Matchmaking without a leader: peers ready for round r form groups through the DHT.
 
 Each peer announces a signed readiness record under ``round/<r>`` (its endpoint, bandwidth and
-weight), then reads the topic until it sees ``group_size`` peers (or its matchmaking timeout
-passes), waits ``settle_seconds`` for stragglers' records to spread, and reads once more. The
+weight), then reads the topic until it sees ``group_size`` peers, or every peer whose peer record
+says it is at epoch r (a swarm smaller than a group, or one that lost a member, need not wait out
+the timeout), or its matchmaking timeout passes; then it waits ``settle_seconds`` for stragglers'
+records to spread, and reads once more. The
 candidates are then ordered by a hash of (round, peer id), a fresh shuffle each round that every
 peer computes alike, and cut into groups of ``group_size`` (a short last group joins the one
 before it). Peers that saw the same candidates form the same groups; a peer that saw a different
@@ -50,6 +52,7 @@ class Matchmaker:
         matchmaking_timeout_seconds: float,
         settle_seconds: float = 0.5,
         poll_seconds: float = 0.1,
+        expected_refresh_seconds: float = 1.0,
     ) -> None:
         if group_size < 2:
             raise ValueError("group_size must be at least 2")
@@ -57,6 +60,7 @@ class Matchmaker:
         self.group_size = group_size
         self.timeout_seconds = matchmaking_timeout_seconds
         self.settle_seconds, self.poll_seconds = settle_seconds, poll_seconds
+        self.expected_refresh_seconds = expected_refresh_seconds
 
     async def form_group(
         self, round_: int, *, endpoint: str, bandwidth: float = 1.0, weight: float = 1.0
@@ -78,9 +82,16 @@ class Matchmaker:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_seconds
         candidates = await self._candidates(topic, round_)
+        expected = await self._expected(round_)
+        checked = loop.time()
         while len(candidates) < self.group_size and loop.time() < deadline:
+            seen = {r.peer_id for r in candidates}
+            if len(seen) >= 2 and expected <= seen:
+                break
             await asyncio.sleep(self.poll_seconds)
             candidates = await self._candidates(topic, round_)
+            if loop.time() - checked > self.expected_refresh_seconds:
+                expected, checked = await self._expected(round_), loop.time()
         await asyncio.sleep(self.settle_seconds)
         candidates = await self._candidates(topic, round_)
         by_id = {r.peer_id: r for r in candidates}
@@ -100,6 +111,11 @@ class Matchmaker:
                 )
         log.info("round %d: no group (%d candidates)", round_, len(candidates))
         return None
+
+    async def _expected(self, round_: int) -> set[str]:
+        """Peers whose records say they are at epoch ``round_``: who should be ready for it."""
+        peers = await self._discovery.find()
+        return {p.peer_id for p in peers if p.epoch == round_} | {self._identity.peer_id}
 
     async def _candidates(self, topic: str, round_: int) -> list[PeerRecord]:
         return [

@@ -213,7 +213,12 @@ class Swarm:
                 group_size=self.spec.averaging.group_size,
                 matchmaking_timeout_seconds=self.spec.averaging.matchmaking_timeout_seconds,
             )
-            await self._announce()
+            try:
+                await self._announce()
+            except DiscoveryError as error:  # the announce loop tries again: not fatal
+                self.counts["announce failed"] += 1
+                self.failures["discovery"] += 1
+                log.warning("could not announce this node yet: %s", error)
             self._spawn(self._keep_announcing(), "announce")
         except BaseException:
             await self._close()

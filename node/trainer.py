@@ -153,7 +153,8 @@ class Trainer:
                 self._record_round(caught_up, replica, evaluate(model, validation, device))
         saved_epoch = replica.epoch
         started = time.monotonic()
-        while not stop.is_set():
+        done = self.config.max_epochs is not None and replica.epoch >= self.config.max_epochs
+        while not stop.is_set() and not done:
             step_started = time.monotonic()
             inputs, targets = next(batches)
             inputs, targets = _to(inputs, device), _to(targets, device)
@@ -179,8 +180,7 @@ class Trainer:
             if replica.epoch >= saved_epoch + self.config.settings.checkpoint_every_rounds:
                 self._save(replica, optimizer, batches)
                 saved_epoch = replica.epoch
-            if self.config.max_epochs is not None and replica.epoch >= self.config.max_epochs:
-                break
+            done = self.config.max_epochs is not None and replica.epoch >= self.config.max_epochs
         self._save(replica, optimizer, batches)
         progress.finished = True
         self._on_progress(progress)

@@ -160,7 +160,7 @@ class _Node:
     log: Path
     process: _Process | None = None
     running: bool = False  # started and neither finished, stopped nor killed
-    finished: bool = False  # reached the last epoch and exited
+    finished: bool = False  # reached the last epoch (and was stopped once all had)
     started_at: float = 0.0  # monotonic, of the current process
     log_offset: int = 0  # where the current process's log begins
     rejoin_seconds: list[float] = field(default_factory=list)
@@ -177,11 +177,11 @@ class _Node:
             f.seek(self.log_offset if offset is None else offset)
             return f.read().decode(errors="replace")
 
-    def epoch(self) -> int:
+    def status_of(self) -> dict[str, Any]:
         try:
-            return int(json.loads(self.status.read_text())["epoch"])
-        except (OSError, ValueError, KeyError):
-            return 0
+            return dict(json.loads(self.status.read_text()))
+        except (OSError, ValueError):  # not written yet
+            return {}
 
 
 def simulate(
@@ -241,6 +241,7 @@ def simulate(
                 "--identity", str(out_dir / f"node-{i}.key"),
                 "--cache-dir", str(cache_dir),
                 "--max-epochs", str(rounds),
+                "--linger",  # a node done early serves state until all are (latecomers catch up)
                 "--slowdown", str(profile.slowdown),
                 "--bandwidth", str(profile.bandwidth),
                 "--status-file", str(status),
@@ -271,24 +272,22 @@ def simulate(
                 raise SimulationError(f"the swarm did not finish in time:\n{tails}")
             for node in swarm:
                 code = node.process.popen.poll() if node.running and node.process else None
-                if code is None:
-                    continue
-                if code != 0:
+                if code is not None:
                     assert node.process is not None
                     raise SimulationError(
-                        f"node-{node.index} failed ({code}):\n{node.process.tail()}"
+                        f"node-{node.index} exited ({code}):\n{node.process.tail()}"
                     )
-                node.running, node.finished = False, True
             for node in swarm:
                 if node.waiting_rejoin and REJOINED.search(node.log_since()):
                     node.rejoin_seconds.append(time.monotonic() - node.started_at)
                     node.waiting_rejoin = False
-            epoch = max(node.epoch() for node in swarm)
+            current = {node.index: node.status_of() for node in swarm}
+            epoch = max(status.get("epoch", 0) for status in current.values())
             while armed is None and pending and pending[0].at_epoch <= epoch:
                 event = pending.pop(0)
                 target = swarm[event.node]
                 if event.action == "start":
-                    target.finished = False
+                    target.status.unlink(missing_ok=True)  # its old "finished", if any
                     start(target)
                 elif event.during:  # wait for the node to enter that phase
                     armed, armed_offset = event, target.log_size()
@@ -314,7 +313,16 @@ def simulate(
                     armed = None
                 elif not target.running:
                     raise SimulationError(f"node-{armed.node} exited before {armed.describe()}")
-            if not pending and armed is None and not any(n.running for n in swarm):
+            running = [n for n in swarm if n.running]
+            if (
+                not pending
+                and armed is None
+                and all(current[n.index].get("finished") for n in running)
+            ):
+                for node in running:  # every one is done: now they may leave
+                    assert node.process is not None
+                    node.process.stop()
+                    node.running, node.finished = False, True
                 break
             shown = _show_progress(swarm, shown, rounds)
             time.sleep(0.05)

@@ -142,11 +142,12 @@ class HivemindDiscovery:
             raise ValueError("a node announces its own record only")
         signed = record.sign(self._identity)
         # hivemind now and then reports that no replica took a store (seen in local swarms,
-        # ~1 store in 200); a retry a moment later goes through.
-        for attempt in range(3):
+        # ~1 store in 200, more on an overloaded machine right after a node joined); a retry a
+        # moment later goes through. Backoff 0.25, 0.5, 1, 2 s.
+        for attempt in range(5):
             if attempt:
                 log.info("DHT store under %s not accepted; retrying", topic)
-                await asyncio.sleep(0.2 * attempt)
+                await asyncio.sleep(0.25 * 2 ** (attempt - 1))
             ok = await self._call(
                 self._dht.store(
                     self._topic_key(topic),

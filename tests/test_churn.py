@@ -1,0 +1,127 @@
+"""Churn: schedules are checked before a run; an 8-node swarm that loses nodes mid-round, gains
+fresh ones (one killed during its state download) and gets a crashed node back from its checkpoint
+ends with every node at the same epoch, identical parameters, and a loss close to the same run
+without churn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from swarmgrad.node.runspec import RunSpec
+from swarmgrad.simulations.churn import ScheduleError, load_schedule
+from swarmgrad.simulations.swarm import DEMO_SPEC, simulate
+
+SCHEDULE = """\
+[[event]]
+at_epoch = 2
+action = "kill"
+node = 1
+during = "round"
+
+[[event]]
+at_epoch = 2
+action = "kill"
+node = 2
+during = "round"
+
+[[event]]
+at_epoch = 3
+action = "start"
+node = 8
+
+[[event]]
+at_epoch = 3
+action = "start"
+node = 9
+
+[[event]]
+at_epoch = 3
+action = "kill"
+node = 9
+during = "state_download"
+
+[[event]]
+at_epoch = 5
+action = "start"
+node = 1
+"""
+
+
+def _schedule(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "churn.toml"
+    path.write_text(text)
+    return path
+
+
+def test_a_schedule_is_checked_against_the_swarm(tmp_path: Path) -> None:
+    events = load_schedule(_schedule(tmp_path, SCHEDULE), nodes=8)
+    assert [e.describe() for e in events][-2:] == [
+        "epoch 3: kill node 9 during its state download",
+        "epoch 5: start node 1",
+    ]
+    bad = {
+        'action = "crash"': "action must be one of kill, stop, start",
+        'action = "start"\nnode = 0': "node 0 is already running",
+        'action = "kill"\nnode = 5': "node 5 is not running then",
+        'action = "start"\nnode = 7': "a new node must take the next index, 4",
+        'action = "start"\nnode = 4\nduring = "round"': "only a kill waits",
+        'action = "kill"\nnode = 1\nwhen = 3': "unknown key(s) when",
+    }
+    for body, message in bad.items():
+        if "node =" not in body:
+            body += "\nnode = 1"
+        with pytest.raises(ScheduleError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            load_schedule(_schedule(tmp_path, f"[[event]]\nat_epoch = 1\n{body}\n"), nodes=4)
+    unsorted = '[[event]]\nat_epoch = 3\naction = "kill"\nnode = 1\n' * 1 + (
+        '[[event]]\nat_epoch = 2\naction = "kill"\nnode = 2\n'
+    )
+    with pytest.raises(ScheduleError, match="in the order of their at_epoch"):
+        load_schedule(_schedule(tmp_path, unsorted), nodes=4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_eight_nodes_survive_churn_and_end_identical(tmp_path: Path) -> None:
+    spec_path = tmp_path / "run.toml"
+    spec_path.write_text(
+        DEMO_SPEC.replace("group_size = 4", "group_size = 8")
+        + "\n[node]\ncheckpoint_every_rounds = 1\n"
+    )
+    spec = RunSpec.load(spec_path)
+    profile = tmp_path / "peers.toml"  # home uplinks: a state download takes a moment
+    profile.write_text("[[peer]]\nupload_bytes_per_second = 2e6\n")
+    rounds = 8
+    calm = simulate(
+        nodes=8, rounds=rounds, spec_path=spec_path, profile_path=profile, out_dir=tmp_path / "calm"
+    )
+    out = tmp_path / "churn"
+    churned = simulate(
+        nodes=8,
+        rounds=rounds,
+        spec_path=spec_path,
+        profile_path=profile,
+        out_dir=out,
+        churn_path=_schedule(tmp_path, SCHEDULE),
+    )
+    churn = churned["churn"]
+    assert len(churn["events"]) == 6  # every event happened
+    # The 8 nodes standing at the end (0, 3-7, the fresh node 8, node 1 back from its
+    # checkpoint) all reached the last epoch with identical parameters.
+    assert sorted(churn["finished"]) == sorted(f"node-{i}" for i in (0, 1, 3, 4, 5, 6, 7, 8))
+    assert [p["epoch"] for p in churned["peers"]] == [rounds] * 8
+    assert churned["replicas_identical"]
+    # Node 1 resumed from its own checkpoint, then caught up with the swarm.
+    node1 = (out / "node-1.log").read_text()
+    assert "resumed from" in node1
+    assert set(churn["rejoin_seconds"]) >= {"node-1", "node-8"}
+    # Node 9 was killed while it downloaded state, before it took any part.
+    node9 = (out / "node-9.log").read_text()
+    assert "downloading state" in node9
+    assert "resynced" not in node9.split("downloading state")[-1]
+    # No round waited past its deadline, and the loss is close to the calm run's.
+    deadline = spec.averaging.matchmaking_timeout_seconds + spec.averaging.round_timeout_seconds
+    assert max(r["max"] for r in churned["round_seconds"]) <= deadline
+    gap = churned["final_val_loss"] / calm["final_val_loss"] - 1
+    assert abs(gap) <= 0.05, (churned["final_val_loss"], calm["final_val_loss"])
