@@ -24,6 +24,16 @@ epoch any running node reports) reaches ``at_epoch``::
     at_epoch = 6
     action = "stop"          # SIGTERM: a graceful leave (record withdrawn, checkpoint written)
     node = 2
+
+    [[event]]
+    at_epoch = 6
+    action = "pause"         # SIGSTOP: a partitioned or frozen peer (its DHT process lives on)
+    node = 3
+
+    [[event]]
+    at_epoch = 8
+    action = "resume"        # SIGCONT: it comes back, stale, and must catch up
+    node = 3
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-ACTIONS = ("kill", "stop", "start")
+ACTIONS = ("kill", "stop", "start", "pause", "resume")
 #: What a node logs when it enters each phase an event can wait for.
 MARKERS = {"round": "averaging in a group of", "state_download": "downloading state"}
 
@@ -84,9 +94,19 @@ def load_schedule(path: Path, *, nodes: int) -> list[ChurnEvent]:
     if [e.at_epoch for e in events] != sorted(e.at_epoch for e in events):
         raise ScheduleError(f"{path}: list the events in the order of their at_epoch")
     running = set(range(nodes))
-    ever = set(running)
+    ever, paused = set(running), set()
     for i, event in enumerate(events):
-        if event.action == "start":
+        if event.action == "resume":
+            if event.node not in paused:
+                raise ScheduleError(f"{path}: event {i}: node {event.node} is not paused then")
+            paused.discard(event.node)
+        elif event.node in paused:
+            raise ScheduleError(f"{path}: event {i}: node {event.node} is paused then")
+        elif event.action == "pause":
+            if event.node not in running:
+                raise ScheduleError(f"{path}: event {i}: node {event.node} is not running then")
+            paused.add(event.node)
+        elif event.action == "start":
             if event.node in running:
                 raise ScheduleError(f"{path}: event {i}: node {event.node} is already running")
             if event.node not in ever and event.node != max(ever) + 1:
@@ -99,6 +119,8 @@ def load_schedule(path: Path, *, nodes: int) -> list[ChurnEvent]:
             if event.node not in running:
                 raise ScheduleError(f"{path}: event {i}: node {event.node} is not running then")
             running.discard(event.node)
-    if not running:
+    if not running - paused:
         raise ScheduleError(f"{path}: no node is left running at the end")
+    if paused:
+        raise ScheduleError(f"{path}: node(s) {sorted(paused)} are never resumed")
     return events

@@ -292,6 +292,14 @@ def simulate(
                 elif event.during:  # wait for the node to enter that phase
                     armed, armed_offset = event, target.log_size()
                     continue
+                elif event.action in ("pause", "resume"):
+                    assert target.process is not None
+                    target.process.popen.send_signal(
+                        signal.SIGSTOP if event.action == "pause" else signal.SIGCONT
+                    )
+                    target.waiting_rejoin = event.action == "resume"
+                    if target.waiting_rejoin:
+                        target.started_at, target.log_offset = time.monotonic(), target.log_size()
                 elif event.action == "stop":
                     assert target.process is not None
                     target.process.stop()
@@ -477,7 +485,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         console.print(events)
         for node, seconds in churn["rejoin_seconds"].items():
             shown = ", ".join(f"{s:.1f} s" for s in seconds)
-            console.print(f"{node} took part again after {shown} (from process start)")
+            console.print(f"{node} took part again {shown} after its (re)start or resume")
         lost = sum(
             p["outcomes"].get(o, 0) for p in summary["peers"] for o in ("no group", "aborted")
         )

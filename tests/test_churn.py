@@ -1,10 +1,11 @@
 """Churn: schedules are checked before a run; an 8-node swarm that loses nodes mid-round, gains
-fresh ones (one killed during its state download) and gets a crashed node back from its checkpoint
-ends with every node at the same epoch, identical parameters, and a loss close to the same run
-without churn."""
+fresh ones (one killed during its state download), has one frozen for a while (a partition)
+and gets a crashed node back from its checkpoint ends with every node at the same epoch,
+identical parameters, and a loss close to the same run without churn."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,11 @@ node = 2
 during = "round"
 
 [[event]]
+at_epoch = 2
+action = "pause"
+node = 5
+
+[[event]]
 at_epoch = 3
 action = "start"
 node = 8
@@ -46,6 +52,11 @@ during = "state_download"
 at_epoch = 5
 action = "start"
 node = 1
+
+[[event]]
+at_epoch = 6
+action = "resume"
+node = 5
 """
 
 
@@ -57,9 +68,10 @@ def _schedule(tmp_path: Path, text: str) -> Path:
 
 def test_a_schedule_is_checked_against_the_swarm(tmp_path: Path) -> None:
     events = load_schedule(_schedule(tmp_path, SCHEDULE), nodes=8)
-    assert [e.describe() for e in events][-2:] == [
+    assert [e.describe() for e in events][-3:] == [
         "epoch 3: kill node 9 during its state download",
         "epoch 5: start node 1",
+        "epoch 6: resume node 5",
     ]
     bad = {
         'action = "crash"': "action must be one of kill, stop, start",
@@ -68,11 +80,13 @@ def test_a_schedule_is_checked_against_the_swarm(tmp_path: Path) -> None:
         'action = "start"\nnode = 7': "a new node must take the next index, 4",
         'action = "start"\nnode = 4\nduring = "round"': "only a kill waits",
         'action = "kill"\nnode = 1\nwhen = 3': "unknown key(s) when",
+        'action = "resume"\nnode = 1': "node 1 is not paused then",
+        'action = "pause"\nnode = 1': "node(s) [1] are never resumed",
     }
     for body, message in bad.items():
         if "node =" not in body:
             body += "\nnode = 1"
-        with pytest.raises(ScheduleError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        with pytest.raises(ScheduleError, match=re.escape(message)):
             load_schedule(_schedule(tmp_path, f"[[event]]\nat_epoch = 1\n{body}\n"), nodes=4)
     unsorted = '[[event]]\nat_epoch = 3\naction = "kill"\nnode = 1\n' * 1 + (
         '[[event]]\nat_epoch = 2\naction = "kill"\nnode = 2\n'
@@ -106,7 +120,7 @@ def test_eight_nodes_survive_churn_and_end_identical(tmp_path: Path) -> None:
         churn_path=_schedule(tmp_path, SCHEDULE),
     )
     churn = churned["churn"]
-    assert len(churn["events"]) == 6  # every event happened
+    assert len(churn["events"]) == 8  # every event happened
     # The 8 nodes standing at the end (0, 3-7, the fresh node 8, node 1 back from its
     # checkpoint) all reached the last epoch with identical parameters.
     assert sorted(churn["finished"]) == sorted(f"node-{i}" for i in (0, 1, 3, 4, 5, 6, 7, 8))
@@ -120,6 +134,10 @@ def test_eight_nodes_survive_churn_and_end_identical(tmp_path: Path) -> None:
     node9 = (out / "node-9.log").read_text()
     assert "downloading state" in node9
     assert "resynced" not in node9.split("downloading state")[-1]
+    # Node 5, frozen for epochs (a partition), came back stale and caught up by state sync.
+    node5 = (out / "node-5.log").read_text()
+    assert "resynced" in node5
+    assert "node-5" in churn["rejoin_seconds"]
     # No round waited past its deadline, and the loss is close to the calm run's.
     deadline = spec.averaging.matchmaking_timeout_seconds + spec.averaging.round_timeout_seconds
     assert max(r["max"] for r in churned["round_seconds"]) <= deadline
