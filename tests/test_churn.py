@@ -143,3 +143,11 @@ def test_eight_nodes_survive_churn_and_end_identical(tmp_path: Path) -> None:
     assert max(r["max"] for r in churned["round_seconds"]) <= deadline
     gap = churned["final_val_loss"] / calm["final_val_loss"] - 1
     assert abs(gap) <= 0.05, (churned["final_val_loss"], calm["final_val_loss"])
+
+
+def test_the_readme_churn_example_is_valid(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = [block.split("```", 1)[0] for block in readme.split("```toml\n")[1:]]
+    (example,) = [block for block in blocks if "[[event]]" in block]
+    events = load_schedule(_schedule(tmp_path, example), nodes=4)
+    assert [e.action for e in events] == ["kill", "pause", "start", "resume"]
