@@ -91,7 +91,9 @@ class StateServicer(state_pb2_grpc.StateServicer):
         pace: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         self._run_id, self._spec_hash = run_id, spec_hash
-        self._lookup, self._pace = lookup, pace
+        #: Finds a served state by root (replaceable: fault injection serves a lie through it).
+        self.lookup = lookup
+        self._pace = pace
         #: Chunks and payload bytes served.
         self.chunks_served = 0
         self.sent_bytes = 0
@@ -105,7 +107,7 @@ class StateServicer(state_pb2_grpc.StateServicer):
                 f"this node serves run {self._run_id!r} spec {self._spec_hash.hex()[:12]}",
             )
             await context.abort(violation.status, str(violation))
-        snapshot = self._lookup(request.root)
+        snapshot = self.lookup(request.root)
         if snapshot is None:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"state {request.root!r} is not served here (any more)"

@@ -1,11 +1,17 @@
-"""State download from several donors at once (real gRPC servers on 127.0.0.1:0): every chunk is
-checked against the manifest, and a donor that lies, serves a corrupt chunk, dies mid-stream or no
-longer holds the state costs a retry from the others, never a corrupt state."""
+"""State download from several donors at once (real gRPC servers on 127.0.0.1:0, then real donor
+processes found through the DHT): every chunk is checked against the manifest, and a donor that
+lies, serves a corrupt chunk, dies mid-stream or no longer holds the state costs a retry from the
+others, never a corrupt state."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -180,3 +186,68 @@ async def test_nan_in_an_agreed_state_is_refused(donors: Donors) -> None:
             timeout_seconds=10,
         )
     assert raised.value.code == ResultCode.NON_FINITE
+
+
+# -- across processes: donors and a joiner, each its own process, found through the DHT ---------
+
+
+async def _peer(tmp_path: Path, *args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "swarmgrad.simulations.state_peer",
+        "--run-spec",
+        str(tmp_path / "run.toml"),
+        "--values",
+        str(DONOR_VALUES),
+        *args,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+
+
+async def _line(process: asyncio.subprocess.Process) -> dict[str, Any]:
+    assert process.stdout is not None
+    async with asyncio.timeout(120):
+        while line := await process.stdout.readline():
+            if line.startswith(b"{"):
+                return dict(json.loads(line))
+    raise AssertionError(f"the process exited with {await process.wait()}")
+
+
+DONOR_VALUES = 3_000_000  # 12 MB: 12 chunks
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_a_joiner_catches_a_corrupt_donor_process_and_ends_correct(tmp_path: Path) -> None:
+    (tmp_path / "run.toml").write_text('[run]\nid = "donors"\n')
+    started: list[asyncio.subprocess.Process] = []
+    try:
+        started.append(await _peer(tmp_path, "--corrupt-chunk", "0"))  # lies from chunk 0 on
+        liar = await _line(started[0])
+        for _ in range(2):
+            started.append(await _peer(tmp_path, "--bootstrap", *liar["maddrs"]))
+        for donor in started[1:]:
+            assert (await _line(donor))["checksum"] == liar["checksum"]
+        # The joiner asks the liar first, so that the liar is given chunks to serve.
+        started.append(
+            await _peer(
+                tmp_path, "--join", "3", "--first", liar["endpoint"], "--bootstrap", *liar["maddrs"]
+            )
+        )
+        result = await _line(started[-1])
+    finally:
+        for process in started:
+            if process.stdin is not None:
+                process.stdin.close()
+        for process in started:
+            try:
+                async with asyncio.timeout(30):
+                    await process.wait()
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+    assert result["exact"]  # every value of the known state, none of the liar's
+    assert result["epoch"] == 5
+    assert result["failures"] == {"state_download": 1}  # the liar, dropped; not the download
