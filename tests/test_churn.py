@@ -5,6 +5,7 @@ identical parameters, and a loss close to the same run without churn."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -141,6 +142,9 @@ def test_eight_nodes_survive_churn_and_end_identical(tmp_path: Path) -> None:
     # No round waited past its deadline, and the loss is close to the calm run's.
     deadline = spec.averaging.matchmaking_timeout_seconds + spec.averaging.round_timeout_seconds
     assert max(r["max"] for r in churned["round_seconds"]) <= deadline
+    # No loss spike as nodes die, freeze and join: the swarm's loss falls round over round.
+    curve = [point["val_loss"] for point in churned["loss_curve"]]
+    assert all(b <= a * 1.02 for a, b in itertools.pairwise(curve)), curve
     gap = churned["final_val_loss"] / calm["final_val_loss"] - 1
     assert abs(gap) <= 0.05, (churned["final_val_loss"], calm["final_val_loss"])
 
