@@ -2,15 +2,15 @@
 
 Each peer announces a signed readiness record under ``round/<r>`` (its endpoint, bandwidth and
 weight), then reads the topic until it sees ``group_size`` peers, or every peer whose peer record
-says it is at epoch r (a swarm smaller than a group, or one that lost a member, need not wait out
-the timeout), or its matchmaking timeout passes; then it waits ``settle_seconds`` for stragglers'
-records to spread, and reads once more. The
-candidates are then ordered by a hash of (round, peer id), a fresh shuffle each round that every
-peer computes alike, and cut into groups of ``group_size`` (a short last group joins the one
-before it). Peers that saw the same candidates form the same groups; a peer that saw a different
-set (a record that arrived between two peers' reads) ends up in a group whose id its mates do not
-share, its all-reduce streams are refused as UNKNOWN_ROUND, and the round counts as failed for it:
-nothing hangs and nothing mixes. A peer that finds nobody returns None and trains on.
+says it is at epoch r or r - 1 (a swarm smaller than a group, or one that lost a member a round
+ago, need not wait out the timeout), or its matchmaking timeout passes; then it waits
+``settle_seconds`` for stragglers' records to spread, and reads once more. The candidates are
+then ordered by a hash of (round, peer id), a fresh shuffle each round that every peer computes
+alike, and cut into groups of ``group_size`` (a short last group joins the one before it). Peers
+that saw the same candidates form the same groups; a peer that saw a different set (a record that
+arrived between two peers' reads) ends up in a group whose id its mates do not share, its
+all-reduce streams are refused as UNKNOWN_ROUND, and the round counts as failed for it: nothing
+hangs and nothing mixes. A peer that finds nobody returns None and trains on.
 """
 
 from __future__ import annotations
@@ -113,9 +113,12 @@ class Matchmaker:
         return None
 
     async def _expected(self, round_: int) -> set[str]:
-        """Peers whose records say they are at epoch ``round_``: who should be ready for it."""
+        """Peers who should be ready for ``round_``: those whose records say they are at it, or
+        one behind (a peer that just finished the last round may not have announced it yet; a
+        peer that died in it is waited for once, then its record falls two behind)."""
         peers = await self._discovery.find()
-        return {p.peer_id for p in peers if p.epoch == round_} | {self._identity.peer_id}
+        expected = {p.peer_id for p in peers if p.epoch in (round_ - 1, round_)}
+        return expected | {self._identity.peer_id}
 
     async def _candidates(self, topic: str, round_: int) -> list[PeerRecord]:
         return [
