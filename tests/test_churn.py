@@ -6,6 +6,7 @@ identical parameters, and a loss close to the same run without churn."""
 from __future__ import annotations
 
 import itertools
+import json
 import re
 from pathlib import Path
 
@@ -140,8 +141,14 @@ def test_eight_nodes_survive_churn_and_end_identical(tmp_path: Path) -> None:
     assert "resynced" in node5
     assert "node-5" in churn["rejoin_seconds"]
     # No round waited past its deadline, and the loss is close to the calm run's.
+    # (Node 5's own clock ran on while it was frozen: its rounds are not the swarm's.)
     deadline = spec.averaging.matchmaking_timeout_seconds + spec.averaging.round_timeout_seconds
-    assert max(r["max"] for r in churned["round_seconds"]) <= deadline
+    rounds_seconds = [
+        entry["round_seconds"]
+        for i in (0, 1, 3, 4, 6, 7, 8)
+        for entry in json.loads((out / f"node-{i}.json").read_text())["history"]
+    ]
+    assert max(rounds_seconds) <= deadline
     # No loss spike as nodes die, freeze and join: the swarm's loss falls round over round.
     curve = [point["val_loss"] for point in churned["loss_curve"]]
     assert all(b <= a * 1.02 for a, b in itertools.pairwise(curve)), curve
