@@ -111,6 +111,16 @@ def read(path: Path, *, spec: RunSpec | None = None) -> Checkpoint:
     return Checkpoint(path=path, spec=theirs, epoch=epoch, step=step, tensors=tensors, meta=meta)
 
 
+def candidates(folder: Path) -> list[Path]:
+    """The checkpoint directories in ``folder``, newest (epoch, step) first (unchecked)."""
+    found = []
+    for path in folder.iterdir() if folder.is_dir() else ():
+        match = _NAME.match(path.name)
+        if match and path.is_dir():
+            found.append(((int(match[1]), int(match[2])), path))
+    return [path for _, path in sorted(found, reverse=True)]
+
+
 class Checkpointer:
     """Saves and finds the checkpoints of one node in ``folder`` (locked while open)."""
 
@@ -149,12 +159,7 @@ class Checkpointer:
 
     def candidates(self) -> list[Path]:
         """Checkpoint directories, newest (epoch, step) first."""
-        found = []
-        for path in self.folder.iterdir() if self.folder.is_dir() else ():
-            match = _NAME.match(path.name)
-            if match and path.is_dir():
-                found.append(((int(match[1]), int(match[2])), path))
-        return [path for _, path in sorted(found, reverse=True)]
+        return candidates(self.folder)
 
     def latest(self) -> Checkpoint | None:
         """The newest checkpoint that is whole and of this run spec; the others are reported."""

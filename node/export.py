@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from swarmgrad.node.checkpoint import Checkpoint, CheckpointError, read
+from swarmgrad.node.checkpoint import Checkpoint, CheckpointError, candidates, read
 from swarmgrad.node.data import load_corpus
 from swarmgrad.node.model import GPT
 
@@ -35,11 +35,8 @@ def newest_checkpoint(path: Path) -> Checkpoint:
             return read(path)
         except CheckpointError as error:
             raise ExportError(str(error)) from None
-    candidates = sorted(
-        (p for p in path.glob("epoch-*-step-*") if p.is_dir()), key=lambda p: p.name, reverse=True
-    )
     reasons = []
-    for candidate in candidates:
+    for candidate in candidates(path):
         try:
             return read(candidate)
         except CheckpointError as error:
