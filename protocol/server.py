@@ -8,6 +8,15 @@ from typing import Any
 
 import grpc
 
+# gRPC's core threads, once started, make a later fork() of this process unsafe (a forked child
+# can inherit their locks held); see ``grpc_started``.
+_started = False
+
+
+def grpc_started() -> bool:
+    """Whether this process has made a gRPC server or channel through this module."""
+    return _started
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServerLimits:
@@ -59,6 +68,8 @@ async def start_server(
 
     ``port=0`` binds a free port chosen by the OS (read back, never guessed).
     """
+    global _started
+    _started = True
     limits = limits or ServerLimits()
     server = grpc.aio.server(
         options=limits.options(), maximum_concurrent_rpcs=limits.max_concurrent_rpcs
@@ -72,4 +83,6 @@ async def start_server(
 
 
 def open_channel(endpoint: str, limits: ServerLimits | None = None) -> grpc.aio.Channel:
+    global _started
+    _started = True
     return grpc.aio.insecure_channel(endpoint, options=(limits or ServerLimits()).options())

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
 from swarmgrad.node.discovery.base import DiscoveryError
-from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery, dht_time
+from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery, dht_time, start_dht
 from swarmgrad.node.discovery.records import MAX_TTL_SECONDS, PeerRecord, RecordError
 from swarmgrad.node.identity import Identity
+from swarmgrad.protocol.server import start_server
 
 RUN, SPEC = "run-a", b"\x07" * 32
 
@@ -181,3 +184,28 @@ async def test_unreachable_bootstrap_is_reported_clearly(start: Starter) -> None
     dead = "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
     with pytest.raises(DiscoveryError, match=r"could not join the DHT .*tcp/9"):
         await start(Identity.generate(), initial_peers=[dead])
+
+
+async def test_a_dht_started_after_grpc_comes_from_a_clean_process(start: Starter) -> None:
+    # A fork taken while gRPC's threads run can hang the child: after a gRPC server exists the
+    # DHT comes from multiprocessing's fork server, and still works.
+    server, _ = await start_server(lambda server: None)
+    try:
+        a = await start(Identity.generate())
+        b = await start(Identity.generate(), initial_peers=a.visible_maddrs())
+        for node in (a, b):
+            assert node._dht.from_clean_process
+            with open(f"/proc/{node._dht.pid}/stat") as stat:  # noqa: ASYNC230 (procfs)
+                assert int(stat.read().rsplit(")", 1)[1].split()[1]) != os.getpid()  # parent
+        await a.announce(live(a._identity))
+        await wait_for(b, lambda rs: len(rs) == 1)
+    finally:
+        await server.stop(None)
+
+
+async def test_a_dht_that_does_not_start_in_time_is_killed() -> None:
+    before = {p.pid for p in multiprocessing.active_children()}
+    with pytest.raises(DiscoveryError, match=r"did not start in 0\.05 s"):
+        await start_dht([], host="127.0.0.1", port=0, start_timeout_seconds=0.05)
+    left = [p for p in multiprocessing.active_children() if p.pid not in before]
+    assert left == []

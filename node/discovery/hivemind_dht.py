@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import multiprocessing
 import os
 import signal
 import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import hivemind
@@ -27,6 +29,7 @@ import hivemind
 from swarmgrad.node.discovery.base import DiscoveryError
 from swarmgrad.node.discovery.records import PeerRecord, RecordError
 from swarmgrad.node.identity import Identity
+from swarmgrad.protocol.server import grpc_started
 
 log = logging.getLogger(__name__)
 
@@ -39,20 +42,55 @@ def dht_time() -> float:
 
 
 class _DHT(hivemind.DHT):  # type: ignore[misc]
-    """hivemind's DHT process, made to die with the node that forked it.
+    """hivemind's DHT process, made to die with the node that started it, and started from a
+    clean process when forking this one is not safe.
 
     A node killed with SIGKILL (the OOM killer, ``kill -9``) runs no cleanup, and hivemind's
     child would live on as an orphan, holding its port (its p2pd daemon exits with it).
+
+    hivemind forks. A fork taken while gRPC's core threads run (a second ``Swarm`` in one
+    process, a test process) can leave the child spinning on a lock it inherited held; such
+    children come from multiprocessing's fork server instead, a process started clean (exec)
+    that forks them on request. The fork server exits with this process, and its children with it.
     """
 
+    def __init__(self, *args: Any, from_clean_process: bool, **kwargs: Any) -> None:
+        self.from_clean_process = from_clean_process
+        self._owner = os.getpid(), _started_at(os.getpid())
+        super().__init__(*args, **kwargs)
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        if process_obj.from_clean_process:
+            return _fork_server().Process._Popen(process_obj)
+        return hivemind.DHT._Popen(process_obj)
+
     def run(self) -> None:
-        parent = os.getppid()
-        threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
+        threading.Thread(target=_exit_with, args=self._owner, daemon=True).start()
         super().run()
 
 
-def _exit_when_orphaned(parent: int) -> None:
-    while os.getppid() == parent:
+def _fork_server() -> Any:
+    context = multiprocessing.get_context("forkserver")
+    # What the fork server imports once, so that each child it forks starts in ~0.3 s; never
+    # "__main__" (the default), which would run the user's script again.
+    context.set_forkserver_preload([__name__])
+    return context
+
+
+def _started_at(pid: int) -> str | None:
+    """When process ``pid`` started (its /proc start time), or None if it is gone or a zombie:
+    with the pid, an identity that a recycled pid does not share."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _exit_with(owner: int, started_at: str | None) -> None:
+    # Not the parent pid: a fork server's child outlives its requester with the same parent.
+    while _started_at(owner) == started_at:
         time.sleep(0.5)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -60,21 +98,65 @@ def _exit_when_orphaned(parent: int) -> None:
 async def start_dht(
     initial_peers: Sequence[str], *, host: str, port: int, start_timeout_seconds: float
 ) -> Any:
-    """A running ``hivemind.DHT`` (its own process), joined through ``initial_peers`` if any."""
+    """A running ``hivemind.DHT`` (its own process), joined through ``initial_peers`` if any.
 
-    def start() -> Any:
-        return _DHT(
-            initial_peers=list(initial_peers), host_maddrs=[f"/ip4/{host}/tcp/{port}"], start=True
-        )
+    A DHT that is not up within the deadline is killed: no process or thread is left waiting.
+    """
+    dht = _DHT(
+        initial_peers=list(initial_peers),
+        host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+        start=False,
+        from_clean_process=grpc_started(),
+    )
+
+    def start() -> None:
+        dht.run_in_background(await_ready=False)
+        deadline = time.monotonic() + start_timeout_seconds
+        while True:
+            try:
+                dht.wait_until_ready(timeout=min(0.5, start_timeout_seconds))
+                return
+            except TimeoutError:
+                if not dht.is_alive():
+                    raise _ExitedEarly(dht.exitcode) from None
+                if time.monotonic() > deadline:
+                    raise
 
     try:
-        async with asyncio.timeout(start_timeout_seconds):
-            return await asyncio.to_thread(start)
+        await asyncio.to_thread(start)
     except TimeoutError:
+        _kill(dht)
         raise DiscoveryError(f"the DHT did not start in {start_timeout_seconds:g} s") from None
+    except _ExitedEarly as exited:
+        hint = (
+            " (it was started from multiprocessing's fork server, which imports the main script"
+            " again: a script that starts a second Swarm needs `if __name__ == '__main__':`)"
+            if dht.from_clean_process
+            else ""
+        )
+        raise DiscoveryError(
+            f"the DHT process exited before it was ready (exit code {exited.exitcode}){hint}"
+        ) from None
     except Exception as error:  # hivemind raises plain exceptions from its daemon
+        _kill(dht)
         peers = ", ".join(initial_peers) or "none"
         raise DiscoveryError(f"could not join the DHT (bootstrap: {peers}): {error}") from error
+    except BaseException:  # cancelled while it starts: the thread gives up within the deadline
+        _kill(dht)
+        raise
+    return dht
+
+
+class _ExitedEarly(Exception):
+    def __init__(self, exitcode: int | None) -> None:
+        super().__init__(exitcode)
+        self.exitcode = exitcode
+
+
+def _kill(dht: Any) -> None:
+    if dht.is_alive():
+        dht.kill()
+        dht.join(5.0)
 
 
 class HivemindDiscovery:
