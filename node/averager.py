@@ -75,6 +75,7 @@ class Averager:
         #: Payload bytes "sent" and "received" by this node, as client and as owner.
         self.traffic: Counter[str] = self.servicer.traffic
         self.endpoint = ""
+        self.port = 0
 
     async def __aenter__(self) -> Averager:
         self._server, port = await start_server(
@@ -83,6 +84,7 @@ class Averager:
             port=self._port,
             limits=self.limits,
         )
+        self.port = port
         self.endpoint = f"{self._public_host}:{port}"
         return self
 

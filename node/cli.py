@@ -239,7 +239,8 @@ def status(
         typer.echo(json.dumps({"run": run_id, "peers": rows}, indent=1))
         return
     table = Table(title=f"run {run_id}: {len(rows)} peer(s)")
-    for column in ("peer", "spec", "role", "epoch", "samples/s", "endpoint", "reachable", "seen"):
+    columns = ("peer", "spec", "role", "epoch", "samples/s", "endpoint", "reached", "seen")
+    for column in columns:
         table.add_column(column, justify="right" if column in ("epoch", "samples/s") else "left")
     for row in rows:
         table.add_row(
@@ -249,7 +250,7 @@ def status(
             str(row["epoch"]),
             f"{row['throughput']:.1f}",
             row["endpoint"] or "-",
-            "yes" if row["reachable"] else "no",
+            row["reachability"] + (f" via {row['via'][:10]}" if row["via"] else ""),
             f"{row['last_seen_seconds']:.0f} s ago",
         )
     Console().print(table)

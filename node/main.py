@@ -112,12 +112,16 @@ async def _train(
 
     def on_progress(progress: Progress) -> None:
         if config.status_file is not None:
-            status = progress.as_dict() | {
-                "endpoint": swarm.endpoint,
-                "metrics_url": server.url if server is not None else "",
-                "counts": swarm.counts,
-                "failures": swarm.failures,
-            }
+            status = (
+                progress.as_dict()
+                | {
+                    "endpoint": swarm.endpoint,
+                    "metrics_url": server.url if server is not None else "",
+                    "counts": swarm.counts,
+                    "failures": swarm.failures,
+                }
+                | swarm.reachability_summary()
+            )
             write_status(config.status_file, status)
 
     trainer = Trainer(config, swarm, checkpoints=checkpoints, on_progress=on_progress)

@@ -97,6 +97,9 @@ class Matchmaker:
         by_id = {r.peer_id: r for r in candidates}
         for members in assign_groups(round_, list(by_id), self.group_size):
             if self._identity.peer_id in members:
+                if not any(by_id[p].bandwidth > 0 for p in members):
+                    log.info("round %d: no member of the group can be dialed", round_)
+                    return None
                 return Group(
                     round=round_,
                     members=tuple(

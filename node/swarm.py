@@ -18,16 +18,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
+import importlib.metadata
 import logging
 import random
 from collections import Counter
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
-from swarmgrad.compression import get_codec
+from swarmgrad.compression import codec_names, get_codec
 from swarmgrad.node.allreduce import AllReduceConfig, RoundResult
 from swarmgrad.node.averager import Averager
 from swarmgrad.node.discovery.base import DiscoveryError
@@ -37,9 +38,10 @@ from swarmgrad.node.group import Group
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.matchmaking import Matchmaker
 from swarmgrad.node.metrics import NodeMetrics
+from swarmgrad.node.reachability import Reachability, ReachabilityConfig
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.throttle import TokenBucket
-from swarmgrad.protocol import state
+from swarmgrad.protocol import peer, state
 from swarmgrad.protocol.errors import RoundAborted, SwarmgradError
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,8 @@ class SwarmConfig:
     state_download_timeout_seconds: float = 60.0
     #: Donors a state download draws on at once.
     max_state_donors: int = 4
+    #: How this node learns and fixes its reachability (dial-back, UPnP, relays).
+    reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -138,6 +142,7 @@ class Swarm:
         self.peer_id = identity.peer_id
         self._discovery: HivemindDiscovery | None = None
         self._averager: Averager | None = None
+        self.reachability: Reachability | None = None
         self._matchmaker: Matchmaker | None = None
         self._snapshot: state.Snapshot | None = None
         #: The last few states published, by root: a download that began before this node moved
@@ -158,6 +163,15 @@ class Swarm:
             spec_hash=spec.hash,
             lookup=self._served.get,
             pace=self._throttle.take if self._throttle is not None else None,
+        )
+        self.peer_servicer = peer.PeerServicer(
+            peer.PeerIdentity(
+                peer_id=self.peer_id,
+                run_id=spec.run.id,
+                spec_hash=spec.hash,
+                software_version=_software_version(),
+                codecs=tuple(codec_names()),
+            )
         )
         self.codec = get_codec(spec.averaging.codec)
         self.codec_is_lossless = spec.averaging.codec == "none"
@@ -203,9 +217,23 @@ class Swarm:
                 host=self.config.host,
                 port=self.config.port,
                 public_host=self.config.public_host,
-                services=[lambda server: state.add_to_server(self.state_servicer, server)],
+                services=[
+                    lambda server: state.add_to_server(self.state_servicer, server),
+                    lambda server: peer.add_to_server(self.peer_servicer, server),
+                ],
             )
             await self._averager.__aenter__()
+            self.reachability = Reachability(
+                self.identity,
+                run_id=self.spec.run.id,
+                spec_hash=self.spec.hash,
+                host=self.config.host,
+                port=self._averager.port,
+                public_host=self.config.public_host,
+                peers=self._discovery.find,
+                changed=self._refresh.set,
+                config=self.config.reachability,
+            )
             self._rejections = self._averager.servicer.rejections
             self._matchmaker = Matchmaker(
                 self._discovery,
@@ -220,6 +248,7 @@ class Swarm:
                 self.failures["discovery"] += 1
                 log.warning("could not announce this node yet: %s", error)
             self._spawn(self._keep_announcing(), "announce")
+            self._spawn(self.reachability.run(), "reachability")
         except BaseException:
             await self._close()
             raise
@@ -239,6 +268,8 @@ class Swarm:
                 await self._discovery.leave()
             except DiscoveryError as error:
                 log.warning("could not announce leave: %s", error)
+        if self.reachability is not None:
+            await self.reachability.close()  # its task is cancelled above; unmap, leave relays
         if self._averager is not None:
             await self._averager.stop()
             self._averager = None
@@ -253,7 +284,22 @@ class Swarm:
 
     @property
     def endpoint(self) -> str:
+        """Where peers dial this node: its own address, a mapped port, or its relay's."""
+        if self.reachability is not None:
+            return self.reachability.endpoint
         return self._averager.endpoint if self._averager is not None else ""
+
+    def reachability_summary(self) -> dict[str, Any]:
+        """How peers reach this node, and what it relays for others."""
+        reach = self.reachability
+        relay = reach.relay_server if reach is not None else None
+        return {
+            "reachability": reach.kind if reach is not None else "unknown",
+            "via": reach.via if reach is not None else "",
+            "relay": reach.relay_endpoint if reach is not None else "",
+            "relay_clients": relay.clients if relay is not None else 0,
+            "relayed_bytes": sum(relay.traffic.values()) if relay is not None else 0,
+        }
 
     @property
     def traffic(self) -> Counter[str]:
@@ -326,6 +372,9 @@ class Swarm:
             checksum=snapshot.checksum if snapshot is not None else "",
             throughput=self.throughput,
             bandwidth=self.config.bandwidth,
+            reachability=self.reachability.kind if self.reachability else "unknown",
+            relay=self.reachability.relay_endpoint if self.reachability else "",
+            via=self.reachability.via if self.reachability else "",
         )
         await self._discovery.announce(record)
         await self._discovery.announce_spec(
@@ -366,6 +415,7 @@ class Swarm:
         """Peers to download state from if this node is behind or diverged (:func:`pick_donors`),
         at most ``max_state_donors``, in random order (joiners spread over the donors)."""
         donors = pick_donors(await self.refresh_peers(), self.peer_id, epoch, checksum)
+        donors = [d for d in donors if d.reachability != "unreachable"]  # nobody can dial them
         random.shuffle(donors)
         return donors[: self.config.max_state_donors]
 
@@ -395,9 +445,9 @@ class Swarm:
             self.failures["state_download"] += 1
             log.warning("state download failed: %s", error)
             return None
-        for peer, why in result.failures.items():  # survived: others served its chunks
+        for donor, why in result.failures.items():  # survived: others served its chunks
             self.failures["state_download"] += 1
-            log.warning("state donor %s dropped: %s", peer, why)
+            log.warning("state donor %s dropped: %s", donor, why)
         self.counts["state downloads"] += 1
         self._state_received_bytes += result.snapshot.values.nbytes
         self.metrics.state_sync_duration.observe(asyncio.get_running_loop().time() - started)
@@ -421,7 +471,10 @@ class Swarm:
         assert self._averager is not None
         try:
             group = await self._matchmaker.form_group(
-                epoch, endpoint=self.endpoint, bandwidth=self.config.bandwidth, weight=weight
+                epoch,
+                endpoint=self.endpoint,
+                bandwidth=self.config.bandwidth * self._owner_share(),
+                weight=weight,
             )
         except DiscoveryError as error:
             self.counts["discovery failed"] += 1
@@ -445,6 +498,10 @@ class Swarm:
         self.counts["averaged" if result.complete else "partial"] += 1
         self.failures.update(result.failure_kinds.values())
         return Averaged(Outcome.AVERAGED, result=result, group=group, sent=sent)
+
+    def _owner_share(self) -> float:
+        """How much of its bandwidth this node offers as an owner (none if it cannot be dialed)."""
+        return self.reachability.owner_share if self.reachability is not None else 1.0
 
     async def _withdraw(self, topic: str) -> None:
         assert self._discovery is not None
@@ -477,3 +534,10 @@ class Swarm:
             return future.result()  # concurrent.futures.CancelledError once the swarm closes
         finally:
             self._pending.discard(future)
+
+
+def _software_version() -> str:
+    try:
+        return importlib.metadata.version("swarmgrad")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

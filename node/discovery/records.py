@@ -19,6 +19,9 @@ MAX_RECORD_BYTES = 4096
 MAX_TTL_SECONDS = 600.0
 _SIGNATURE_BYTES = 64
 ROLES = ("trainer", "bootstrap", "observer")
+#: How peers reach a node's endpoint: not known yet (no peer has dialed it back), directly, through
+#: a port its router mapped (UPnP / NAT-PMP), through a relay peer, or not at all.
+REACHABILITY = ("unknown", "direct", "upnp", "relayed", "unreachable")
 
 
 class RecordError(ValueError):
@@ -38,7 +41,9 @@ class PeerRecord:
     bandwidth: float  # relative upload capacity
     weight: float  # samples processed since the last round (what its values count for)
     checksum: str  # fingerprint of its replicated state at ``epoch`` ("" before the first)
-    reachable: bool
+    reachability: str  # one of REACHABILITY
+    relay: str  # host:port of the relay this node offers to unreachable peers ("" if none)
+    via: str  # the peer id of the relay that carries this node's endpoint, when relayed
     issued_at: float  # DHT time, seconds
     expires_at: float
 
@@ -64,7 +69,9 @@ class PeerRecord:
         bandwidth: float = 1.0,
         weight: float = 1.0,
         checksum: str = "",
-        reachable: bool = True,
+        reachability: str = "unknown",
+        relay: str = "",
+        via: str = "",
     ) -> PeerRecord:
         return cls(
             peer_id=identity.peer_id,
@@ -78,7 +85,9 @@ class PeerRecord:
             bandwidth=bandwidth,
             weight=weight,
             checksum=checksum,
-            reachable=reachable,
+            reachability=reachability,
+            relay=relay,
+            via=via,
             issued_at=now,
             expires_at=now + ttl_seconds,
         )
@@ -143,4 +152,6 @@ def _from_dict(raw: object) -> PeerRecord:
             raise RecordError(f"record field {name} is too long")
     if raw["role"] not in ROLES:
         raise RecordError(f"unknown role {raw['role']!r}")
+    if raw["reachability"] not in REACHABILITY:
+        raise RecordError(f"unknown reachability {raw['reachability']!r}")
     return PeerRecord(**raw)

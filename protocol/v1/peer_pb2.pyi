@@ -25,3 +25,25 @@ class PeerInfo(_message.Message):
     software_version: str
     codecs: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, protocol_version: _Optional[int] = ..., peer_id: _Optional[str] = ..., software_version: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DialBackRequest(_message.Message):
+    __slots__ = ("run_id", "spec_hash", "port", "peer_id")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_HASH_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    spec_hash: bytes
+    port: int
+    peer_id: str
+    def __init__(self, run_id: _Optional[str] = ..., spec_hash: _Optional[bytes] = ..., port: _Optional[int] = ..., peer_id: _Optional[str] = ...) -> None: ...
+
+class DialBackReply(_message.Message):
+    __slots__ = ("reachable", "observed_host", "detail")
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_HOST_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    reachable: bool
+    observed_host: str
+    detail: str
+    def __init__(self, reachable: _Optional[bool] = ..., observed_host: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...

@@ -39,6 +39,11 @@ class PeerStub:
                 request_serializer=swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.PeerInfo.FromString,
                 _registered_method=True)
+        self.DialBack = channel.unary_unary(
+                '/swarmgrad.v1.Peer/DialBack',
+                request_serializer=swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.DialBackRequest.SerializeToString,
+                response_deserializer=swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.DialBackReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -50,6 +55,14 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DialBack(self, request, context):
+        """Refused with FAILED_PRECONDITION for another run, INVALID_ARGUMENT for a bad port or peer
+        id, RESOURCE_EXHAUSTED when too many dial-backs are under way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +70,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.GetInfoRequest.FromString,
                     response_serializer=swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.PeerInfo.SerializeToString,
+            ),
+            'DialBack': grpc.unary_unary_rpc_method_handler(
+                    servicer.DialBack,
+                    request_deserializer=swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.DialBackRequest.FromString,
+                    response_serializer=swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.DialBackReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +104,33 @@ class Peer:
             '/swarmgrad.v1.Peer/GetInfo',
             swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.GetInfoRequest.SerializeToString,
             swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.PeerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DialBack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmgrad.v1.Peer/DialBack',
+            swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.DialBackRequest.SerializeToString,
+            swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.DialBackReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,274 @@
+"""Reachability of this node's gRPC endpoint: learned from peers, then made good if it is missing.
+
+The DHT's own NAT tricks only carry DHT traffic; the gRPC endpoint is this module's job. A node
+never trusts its own view of its address. It asks a few peers to dial its port back
+(``protocol/peer.py``): any success makes it *direct*. If helpers answered and none got through,
+it is behind a NAT or a firewall; it then, in order:
+
+1. asks its router for a port mapping (UPnP IGD / NAT-PMP, ``node/portmap.py``), and has peers dial
+   the mapped port back: *upnp*;
+2. otherwise takes a relay: a reachable peer that offers one (its record's ``relay`` field)
+   carries connections to this node (``node/relay.py``): *relayed*, announced with the relay's
+   peer id. When the relay goes silent, another is found within seconds;
+3. with no relay to take, it is *unreachable*: it still averages, as a member that owns no part
+   (members only dial owners; the results come back on the same streams), and it is not
+   offered as a state donor.
+
+Reachable nodes offer a relay (bounded, ``RelayLimits``) unless ``relay_clients`` is 0. Until
+some peer has answered, a node is *unknown* and is treated as reachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from swarmgrad.node.discovery.records import PeerRecord
+from swarmgrad.node.identity import Identity
+from swarmgrad.node.portmap import PortMapError, PortMapping, map_port
+from swarmgrad.node.relay import RelayClient, RelayError, RelayLimits, RelayServer
+from swarmgrad.protocol.errors import SwarmgradError
+from swarmgrad.protocol.peer import DialBack, ask_dial_back, endpoint_of
+
+log = logging.getLogger(__name__)
+
+#: The share of the vector a member owns, relative to its bandwidth, by how it is reached:
+#: relayed links cost the relay's upload too, and an unreachable member cannot be dialed at all.
+OWNER_SHARE = {"unknown": 1.0, "direct": 1.0, "upnp": 1.0, "relayed": 0.1, "unreachable": 0.0}
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReachabilityConfig:
+    #: Peers asked to dial back at once; one success is enough.
+    helpers: int = 3
+    #: How often to look for helpers (or a relay) while there are none.
+    retry_seconds: float = 2.0
+    #: How often a settled verdict is checked again (a router reboots, a mapping expires).
+    recheck_seconds: float = 300.0
+    #: Ask the router for a port mapping when unreachable.
+    upnp: bool = True
+    #: Relay clients this node serves when it is reachable (0: offer no relay).
+    relay_clients: int = 8
+    relay_limits: RelayLimits = field(default_factory=RelayLimits)
+
+    def __post_init__(self) -> None:
+        if self.helpers < 1 or self.relay_clients < 0:
+            raise ValueError("helpers must be positive and relay_clients not negative")
+        if not 0 < self.retry_seconds <= self.recheck_seconds:
+            raise ValueError("retry_seconds must be positive and at most recheck_seconds")
+
+
+class Reachability:
+    """What this node announces about its endpoint; :meth:`run` keeps it true."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        *,
+        run_id: str,
+        spec_hash: bytes,
+        host: str,
+        port: int,
+        public_host: str,
+        peers: Callable[[], Awaitable[Sequence[PeerRecord]]],
+        changed: Callable[[], None],
+        config: ReachabilityConfig | None = None,
+    ) -> None:
+        self._identity = identity
+        self._run_id, self._spec_hash = run_id, spec_hash
+        self._host, self._port = host, port
+        self._peers, self._changed = peers, changed
+        self.config = config or ReachabilityConfig()
+        self.kind = "unknown"
+        self.endpoint = endpoint_of(public_host or host, port)
+        self.relay_endpoint = ""  # the relay this node offers
+        self.via = ""  # the relay peer carrying this node's endpoint
+        self.observed_host = ""
+        self._relay_server: RelayServer | None = None
+        self._relay_client: RelayClient | None = None
+        self._mapping: PortMapping | None = None
+        self._bad_relays: dict[str, float] = {}  # peer id -> until (loop time)
+        self._public_host = public_host
+
+    @property
+    def owner_share(self) -> float:
+        return OWNER_SHARE[self.kind]
+
+    def _set(self, kind: str, endpoint: str, via: str = "") -> None:
+        if (kind, endpoint, via) != (self.kind, self.endpoint, self.via):
+            log.info("reachability: %s at %s%s", kind, endpoint, f" via {via}" if via else "")
+            self.kind, self.endpoint, self.via = kind, endpoint, via
+            self._changed()
+
+    async def run(self) -> None:
+        try:
+            while True:
+                verdict = await self._probe(self._port)
+                if verdict is None:
+                    await asyncio.sleep(self.config.retry_seconds)
+                    continue
+                if verdict.reachable:
+                    await self._become_reachable("direct", self._direct_endpoint(verdict))
+                    await asyncio.sleep(self.config.recheck_seconds)
+                    continue
+                self.observed_host = verdict.observed_host
+                await self._stop_relay_server()
+                if await self._try_port_mapping():
+                    await asyncio.sleep(self.config.recheck_seconds)
+                    continue
+                await self._relay_until_recheck()
+        finally:
+            await self.close()
+
+    def _direct_endpoint(self, verdict: DialBack) -> str:
+        host = self._public_host or self._host
+        if host in _WILDCARDS:  # bound to every interface: announce the address peers saw
+            host = verdict.observed_host
+        return endpoint_of(host, self._port)
+
+    async def _become_reachable(self, kind: str, endpoint: str) -> None:
+        await self._leave_relay()
+        if self._relay_server is None and self.config.relay_clients > 0:
+            limits = self.config.relay_limits
+            server = RelayServer(
+                host=self._host,
+                limits=RelayLimits(
+                    max_clients=self.config.relay_clients,
+                    max_connections_per_client=limits.max_connections_per_client,
+                    handshake_timeout_seconds=limits.handshake_timeout_seconds,
+                    attach_timeout_seconds=limits.attach_timeout_seconds,
+                    ping_seconds=limits.ping_seconds,
+                    silence_seconds=limits.silence_seconds,
+                ),
+            )
+            port = await server.start()
+            self._relay_server = server
+            self.relay_endpoint = endpoint_of(endpoint.rpartition(":")[0].strip("[]"), port)
+        self._set(kind, endpoint)
+
+    async def _probe(self, port: int) -> DialBack | None:
+        """Ask up to ``helpers`` peers to dial ``port`` back: the first yes, else a no, else None
+        (nobody could be asked)."""
+        me = self._identity.peer_id
+        peers = [p for p in await self._peers() if p.peer_id != me and p.endpoint]
+        random.shuffle(peers)
+        candidates = [p for p in peers if p.reachability != "unreachable"][: self.config.helpers]
+        if not candidates:
+            return None
+
+        async def ask(peer: PeerRecord) -> DialBack | None:
+            try:
+                return await ask_dial_back(
+                    peer.endpoint,
+                    port=port,
+                    peer_id=me,
+                    run_id=self._run_id,
+                    spec_hash=self._spec_hash,
+                )
+            except SwarmgradError as error:
+                log.debug("could not ask %s to dial back: %s", peer.peer_id, error)
+                return None
+
+        answers = [a for a in await asyncio.gather(*map(ask, candidates)) if a is not None]
+        if not answers:
+            return None
+        return next((a for a in answers if a.reachable), answers[0])
+
+    async def _try_port_mapping(self) -> bool:
+        if not self.config.upnp:
+            return False
+        try:
+            if self._mapping is None:
+                self._mapping = await map_port(self._host, self._port)
+            else:
+                await self._mapping.renew()
+        except PortMapError as error:
+            log.info("no port mapping: %s", error)
+            self._mapping = None
+            return False
+        verdict = await self._probe(self._mapping.external_port)
+        if verdict is None or not verdict.reachable:
+            log.info("the mapped port %d is not reachable either", self._mapping.external_port)
+            await self._unmap()
+            return False
+        await self._become_reachable(
+            "upnp", endpoint_of(self._mapping.external_host, self._mapping.external_port)
+        )
+        return True
+
+    async def _relay_until_recheck(self) -> None:
+        """Hold a relay (finding another whenever one dies) until it is time to check again."""
+        loop = asyncio.get_running_loop()
+        recheck_at = loop.time() + self.config.recheck_seconds
+        while loop.time() < recheck_at:
+            relay = await self._pick_relay()
+            if relay is None:
+                self._set("unreachable", endpoint_of(self._host, self._port))
+                await asyncio.sleep(self.config.retry_seconds)
+                continue
+            client = RelayClient(
+                relay.relay,
+                self._identity,
+                target=(self._host, self._port),
+                limits=self.config.relay_limits,
+            )
+            try:
+                endpoint = await client.connect()
+            except RelayError as error:
+                log.info("relay %s: %s", relay.peer_id, error)
+                self._bad_relays[relay.peer_id] = loop.time() + 60.0
+                continue
+            self._relay_client = client
+            self._set("relayed", endpoint, via=relay.peer_id)
+            try:
+                async with asyncio.timeout(max(0.0, recheck_at - loop.time())):
+                    await client.wait_closed()
+            except TimeoutError:
+                return  # still relayed; probe again (the relay stays until a better verdict)
+            except RelayError as error:
+                log.warning("relay %s lost: %s; finding another", relay.peer_id, error)
+            self._bad_relays[relay.peer_id] = loop.time() + 60.0
+            await self._leave_relay()
+
+    async def _pick_relay(self) -> PeerRecord | None:
+        now = asyncio.get_running_loop().time()
+        offers = [
+            p
+            for p in await self._peers()
+            if p.relay
+            and p.reachability in ("direct", "upnp")
+            and p.peer_id != self._identity.peer_id
+            and self._bad_relays.get(p.peer_id, 0.0) < now
+        ]
+        return random.choice(offers) if offers else None
+
+    async def _leave_relay(self) -> None:
+        client, self._relay_client = self._relay_client, None
+        if client is not None:
+            await client.close()
+
+    async def _stop_relay_server(self) -> None:
+        server, self._relay_server = self._relay_server, None
+        self.relay_endpoint = ""
+        if server is not None:
+            await server.close()
+
+    async def _unmap(self) -> None:
+        mapping, self._mapping = self._mapping, None
+        if mapping is not None:
+            with contextlib.suppress(PortMapError):
+                await mapping.remove()
+
+    @property
+    def relay_server(self) -> RelayServer | None:
+        return self._relay_server
+
+    async def close(self) -> None:
+        await self._leave_relay()
+        await self._stop_relay_server()
+        await self._unmap()
