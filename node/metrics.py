@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,51 @@ _ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300)
 TrafficSource = Callable[[], Mapping[tuple[str, str], int]]
 #: kind -> failures so far (kinds from FAILURE_KINDS).
 FailureSource = Callable[[], Mapping[str, int]]
+#: How peers reach this node and how it reaches them: see :meth:`NodeMetrics.read_links`.
+LinkSource = Callable[[], "Links"]
+#: How a node's endpoint is reached (records.REACHABILITY).
+LINK_KINDS = ("unknown", "direct", "upnp", "relayed", "unreachable")
+
+
+@dataclass(frozen=True, slots=True)
+class Links:
+    reachability: str  # this node's
+    peers: Mapping[str, int]  # the other peers, by their reachability
+    relay_clients: int  # peers this node relays for
+    relayed_bytes: int  # bytes it carried for them, both ways
+
+
+class _LinkTallies(Collector):
+    def __init__(self, links: LinkSource) -> None:
+        self._links = links
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        links = self._links()
+        mine = GaugeMetricFamily(
+            "swarmgrad_reachability",
+            "How peers reach this node's endpoint (1 for the current kind).",
+            labels=["kind"],
+        )
+        peers = GaugeMetricFamily(
+            "swarmgrad_peer_links",
+            "Known peers by how this node reaches them: direct, upnp, relayed, unreachable.",
+            labels=["kind"],
+        )
+        for kind in LINK_KINDS:
+            mine.add_metric([kind], float(kind == links.reachability))
+            peers.add_metric([kind], float(links.peers.get(kind, 0)))
+        yield mine
+        yield peers
+        yield GaugeMetricFamily(
+            "swarmgrad_relay_clients",
+            "Unreachable peers this node relays connections for.",
+            value=links.relay_clients,
+        )
+        yield CounterMetricFamily(
+            "swarmgrad_relayed_bytes",
+            "Bytes this node carried for its relay clients, both ways.",
+            value=links.relayed_bytes,
+        )
 
 
 class _Tallies(Collector):
@@ -146,6 +191,10 @@ class NodeMetrics:
     def read_tallies(self, *, traffic: TrafficSource, failures: FailureSource) -> None:
         """Read byte and failure counters from these callables at every scrape."""
         self.registry.register(_Tallies(traffic, failures))
+
+    def read_links(self, links: LinkSource) -> None:
+        """Read reachability and relay figures from ``links`` at every scrape."""
+        self.registry.register(_LinkTallies(links))
 
     def serve(self, address: str) -> MetricsServer:
         """Serve ``/metrics`` on ``host:port`` (port 0: any free port) in a daemon thread."""

