@@ -213,8 +213,8 @@ class NatLab:
         deadline = time.monotonic() + 10
         while b"HTTP listening on port" not in _read(router.workdir / "miniupnpd.log"):
             if router.daemon.poll() is not None or time.monotonic() > deadline:
-                log = _read(router.workdir / "miniupnpd.log").decode(errors="replace")
-                raise LabError(f"miniupnpd did not start in {router.namespace}: {log[-500:]}")
+                said = _read(router.workdir / "miniupnpd.log").decode(errors="replace")
+                raise LabError(f"miniupnpd did not start in {router.namespace}: {said[-500:]}")
             time.sleep(0.05)
 
     def close(self) -> None:
