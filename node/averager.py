@@ -76,6 +76,8 @@ class Averager:
         self.traffic: Counter[str] = self.servicer.traffic
         self.endpoint = ""
         self.port = 0
+        #: Maps a peer's endpoint to the one to dial (a hole-punching route), if set.
+        self.route: Callable[[str], str] | None = None
 
     async def __aenter__(self) -> Averager:
         self._server, port = await start_server(
@@ -251,6 +253,8 @@ class Averager:
 
     def channel(self, endpoint: str) -> grpc.aio.Channel:
         """The node's (cached) channel to ``endpoint``, with the node's transport limits."""
+        if self.route is not None:
+            endpoint = self.route(endpoint)
         channel = self._channels.get(endpoint)
         if channel is None:
             channel = self._channels[endpoint] = open_channel(endpoint, self.limits)

@@ -41,7 +41,7 @@ FailureSource = Callable[[], Mapping[str, int]]
 #: How peers reach this node and how it reaches them: see :meth:`NodeMetrics.read_links`.
 LinkSource = Callable[[], "Links"]
 #: How a node's endpoint is reached (records.REACHABILITY).
-LINK_KINDS = ("unknown", "direct", "upnp", "relayed", "unreachable")
+LINK_KINDS = ("unknown", "direct", "upnp", "punched", "relayed", "unreachable")
 
 
 @dataclass(frozen=True, slots=True)

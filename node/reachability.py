@@ -7,14 +7,16 @@ it is behind a NAT or a firewall; it then, in order:
 
 1. asks its router for a port mapping (UPnP IGD / NAT-PMP, ``node/portmap.py``), and has peers dial
    the mapped port back: *upnp*;
-2. otherwise takes a relay: a reachable peer that offers one (its record's ``relay`` field)
+2. otherwise takes a relay: a peer not known to be NAT'd that offers one (its record's ``relay``)
    carries connections to this node (``node/relay.py``): *relayed*, announced with the relay's
    peer id. When the relay goes silent, another is found within seconds;
 3. with no relay to take, it is *unreachable*: it still averages, as a member that owns no part
    (members only dial owners; the results come back on the same streams), and it is not
    offered as a state donor.
 
-Reachable nodes offer a relay (bounded, ``RelayLimits``) unless ``relay_clients`` is 0. Until
+Nodes offer a relay (bounded, ``RelayLimits``) unless ``relay_clients`` is 0, from the start
+until they learn they are behind a NAT: when the only reachable peer is one node, nobody can
+confirm it until NAT'd peers hold a relay (through which they can be asked to dial back). Until
 some peer has answered, a node is *unknown* and is treated as reachable.
 """
 
@@ -54,6 +56,8 @@ class ReachabilityConfig:
     upnp: bool = True
     #: Relay clients this node serves when it is reachable (0: offer no relay).
     relay_clients: int = 8
+    #: Punch through to relayed peers when this node is behind a NAT too (else: their relays).
+    punch: bool = True
     relay_limits: RelayLimits = field(default_factory=RelayLimits)
 
     def __post_init__(self) -> None:
@@ -94,6 +98,13 @@ class Reachability:
         self._mapping: PortMapping | None = None
         self._bad_relays: dict[str, float] = {}  # peer id -> until (loop time)
         self._public_host = public_host
+        #: Set once a verdict other than "unknown" is in.
+        self.settled = asyncio.Event()
+
+    @property
+    def behind_nat(self) -> bool:
+        """Known to be undialable directly, with a public address peers saw (for punching)."""
+        return self.kind in ("relayed", "unreachable") and bool(self.observed_host)
 
     @property
     def owner_share(self) -> float:
@@ -104,9 +115,15 @@ class Reachability:
             log.info("reachability: %s at %s%s", kind, endpoint, f" via {via}" if via else "")
             self.kind, self.endpoint, self.via = kind, endpoint, via
             self._changed()
+        if kind != "unknown":
+            self.settled.set()
 
     async def run(self) -> None:
         try:
+            # Offer a relay from the start: when the only reachable peer is this one, nobody can
+            # confirm it before NAT'd peers hold a relay through which they can be asked back.
+            if (self._public_host or self._host) not in _WILDCARDS:
+                await self._start_relay_server(self.endpoint)
             while True:
                 verdict = await self._probe(self._port)
                 if verdict is None:
@@ -133,6 +150,14 @@ class Reachability:
 
     async def _become_reachable(self, kind: str, endpoint: str) -> None:
         await self._leave_relay()
+        if self._relay_server is not None and not self.relay_endpoint.startswith(
+            endpoint.rpartition(":")[0]
+        ):
+            await self._stop_relay_server()  # reachable at another address than it offered
+        await self._start_relay_server(endpoint)
+        self._set(kind, endpoint)
+
+    async def _start_relay_server(self, endpoint: str) -> None:
         if self._relay_server is None and self.config.relay_clients > 0:
             limits = self.config.relay_limits
             server = RelayServer(
@@ -149,7 +174,7 @@ class Reachability:
             port = await server.start()
             self._relay_server = server
             self.relay_endpoint = endpoint_of(endpoint.rpartition(":")[0].strip("[]"), port)
-        self._set(kind, endpoint)
+            self._changed()
 
     async def _probe(self, port: int) -> DialBack | None:
         """Ask up to ``helpers`` peers to dial ``port`` back: the first yes, else a no, else None
@@ -157,7 +182,10 @@ class Reachability:
         me = self._identity.peer_id
         peers = [p for p in await self._peers() if p.peer_id != me and p.endpoint]
         random.shuffle(peers)
-        candidates = [p for p in peers if p.reachability != "unreachable"][: self.config.helpers]
+        # Not relayed peers: a call through a relay reaches them from their own relay client, so
+        # the address they would observe (and dial back) is their own, not this node's.
+        helpers = [p for p in peers if p.reachability in ("direct", "upnp", "unknown")]
+        candidates = helpers[: self.config.helpers]
         if not candidates:
             return None
 
@@ -241,7 +269,7 @@ class Reachability:
             p
             for p in await self._peers()
             if p.relay
-            and p.reachability in ("direct", "upnp")
+            and p.reachability in ("direct", "upnp", "unknown")
             and p.peer_id != self._identity.peer_id
             and self._bad_relays.get(p.peer_id, 0.0) < now
         ]

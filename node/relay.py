@@ -97,10 +97,10 @@ async def _pipe(
             counter[key] += len(data)
             writer.write(data)
             await writer.drain()
-    except ConnectionError:
+    except OSError:  # reset, or not connected any more: this direction is over
         pass
     finally:
-        with contextlib.suppress(ConnectionError, RuntimeError):
+        with contextlib.suppress(OSError, RuntimeError):
             writer.write_eof()
 
 

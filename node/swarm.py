@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import enum
 import importlib.metadata
 import logging
@@ -38,6 +39,7 @@ from swarmgrad.node.group import Group
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.matchmaking import Matchmaker
 from swarmgrad.node.metrics import Links, NodeMetrics
+from swarmgrad.node.punch import PunchResponder, PunchRoute
 from swarmgrad.node.reachability import Reachability, ReachabilityConfig
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.throttle import TokenBucket
@@ -73,6 +75,8 @@ class SwarmConfig:
     max_state_donors: int = 4
     #: How this node learns and fixes its reachability (dial-back, UPnP, relays).
     reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
+    #: How long a first round waits for that verdict when there are peers to ask.
+    reachability_wait_seconds: float = 15.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -98,6 +102,7 @@ class Averaged:
     group: Group | None = None
     sent: torch.Tensor | None = None  # what this node contributed (after any preparation)
     error: str = ""
+    seconds: float = 0.0  # the all-reduce's own duration
 
 
 def allreduce_config(spec: RunSpec) -> AllReduceConfig:
@@ -143,6 +148,9 @@ class Swarm:
         self._discovery: HivemindDiscovery | None = None
         self._averager: Averager | None = None
         self.reachability: Reachability | None = None
+        self._punch_responder: PunchResponder | None = None
+        self._routes: dict[str, PunchRoute] = {}  # relayed endpoint -> its punching route
+        self._waited = False  # for a reachability verdict, before the first round
         self._matchmaker: Matchmaker | None = None
         self._snapshot: state.Snapshot | None = None
         #: The last few states published, by root: a download that began before this node moved
@@ -250,6 +258,14 @@ class Swarm:
                 log.warning("could not announce this node yet: %s", error)
             self._spawn(self._keep_announcing(), "announce")
             self._spawn(self.reachability.run(), "reachability")
+            if self.config.reachability.punch:
+                self._punch_responder = PunchResponder(
+                    host=self.config.host,
+                    target=(self.config.host, self._averager.port),
+                    public_host=self._punch_host,
+                )
+                self.peer_servicer.punch = self._punch_responder
+                self._averager.route = self._route
         except BaseException:
             await self._close()
             raise
@@ -269,6 +285,11 @@ class Swarm:
                 await self._discovery.leave()
             except DiscoveryError as error:
                 log.warning("could not announce leave: %s", error)
+        for route in self._routes.values():
+            await route.close()
+        self._routes.clear()
+        if self._punch_responder is not None:
+            await self._punch_responder.close()
         if self.reachability is not None:
             await self.reachability.close()  # its task is cancelled above; unmap, leave relays
         if self._averager is not None:
@@ -292,7 +313,13 @@ class Swarm:
 
     def _links(self) -> Links:
         summary = self.reachability_summary()
-        others = Counter(p.reachability for p in self.peers if p.peer_id != self.peer_id)
+        others = Counter(
+            "punched"
+            if p.endpoint in self._routes and self._routes[p.endpoint].counts["punched"]
+            else p.reachability
+            for p in self.peers
+            if p.peer_id != self.peer_id
+        )
         return Links(
             reachability=summary["reachability"],
             peers=others,
@@ -310,6 +337,11 @@ class Swarm:
             "relay": reach.relay_endpoint if reach is not None else "",
             "relay_clients": relay.clients if relay is not None else 0,
             "relayed_bytes": sum(relay.traffic.values()) if relay is not None else 0,
+            "links": {  # links this node dialed through punching routes, by how they went
+                "punched": sum(r.counts["punched"] for r in self._routes.values()),
+                "relayed": sum(r.counts["relayed"] for r in self._routes.values()),
+            },
+            "punched_in": self._punch_responder.counts["punched"] if self._punch_responder else 0,
         }
 
     @property
@@ -442,6 +474,7 @@ class Swarm:
             donors[0].epoch,
             len(donors),
         )
+        await self._prepare_routes([d.endpoint for d in donors])
         try:
             result = await state.download(
                 [(d.peer_id, self._averager.channel(d.endpoint)) for d in donors],
@@ -480,6 +513,7 @@ class Swarm:
         """
         assert self._matchmaker is not None
         assert self._averager is not None
+        await self._await_reachability()
         try:
             group = await self._matchmaker.form_group(
                 epoch,
@@ -495,7 +529,9 @@ class Swarm:
             self.counts["no group"] += 1
             return Averaged(Outcome.NO_GROUP, error="nobody else was ready in time")
         log.info("epoch %d: averaging in a group of %d", epoch, len(group.members))
+        await self._prepare_routes([m.endpoint for m in group.members])
         sent = vector if prepare is None else await asyncio.to_thread(prepare, vector, group)
+        started = asyncio.get_running_loop().time()
         try:
             result = await self._averager.all_reduce(sent, group, hooks=self._throttle)
         except RoundAborted as error:
@@ -508,7 +544,56 @@ class Swarm:
             self._spawn(self._withdraw(f"round/{epoch}"), f"withdraw-round-{epoch}")
         self.counts["averaged" if result.complete else "partial"] += 1
         self.failures.update(result.failure_kinds.values())
-        return Averaged(Outcome.AVERAGED, result=result, group=group, sent=sent)
+        seconds = asyncio.get_running_loop().time() - started
+        return Averaged(Outcome.AVERAGED, result=result, group=group, sent=sent, seconds=seconds)
+
+    # -- hole punching --------------------------------------------------------------------------
+
+    def _punch_host(self) -> str:
+        reach = self.reachability
+        return reach.observed_host if reach is not None and reach.behind_nat else ""
+
+    def _route(self, endpoint: str) -> str:
+        route = self._routes.get(endpoint)
+        return route.endpoint if route is not None else endpoint
+
+    async def _prepare_routes(self, endpoints: list[str]) -> None:
+        """Punching routes to the relayed peers among ``endpoints``, if this node is NAT'd too
+        (a reachable node is dialed by them instead; a relayed one's links go through relays)."""
+        if self._punch_responder is None or not self._punch_host():
+            return
+        relayed = {p.endpoint: p for p in self.peers if p.reachability == "relayed"}
+        for endpoint in endpoints:
+            record = relayed.get(endpoint)
+            if record is None or endpoint in self._routes or record.peer_id == self.peer_id:
+                continue
+
+            async def call(host: str, port: int, endpoint: str = endpoint) -> tuple[str, int]:
+                return await peer.ask_punch(
+                    endpoint,
+                    peer_id=self.peer_id,
+                    host=host,
+                    port=port,
+                    run_id=self.spec.run.id,
+                    spec_hash=self.spec.hash,
+                )
+
+            route = PunchRoute(
+                host=self.config.host, relayed=endpoint, public_host=self._punch_host, call=call
+            )
+            await route.start()
+            self._routes[endpoint] = route
+
+    async def _await_reachability(self) -> None:
+        """Before a first round with peers, wait (a little) for this node's reachability verdict:
+        a NAT'd node announced as reachable would own a part that nobody can dial."""
+        reach = self.reachability
+        if reach is None or reach.settled.is_set() or len(self.peers) < 2 or self._waited:
+            return
+        self._waited = True  # once: a node nobody can confirm stays "unknown" for good
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.config.reachability_wait_seconds):
+                await reach.settled.wait()
 
     def _owner_share(self) -> float:
         """How much of its bandwidth this node offers as an owner (none if it cannot be dialed)."""

@@ -288,6 +288,7 @@ class Trainer:
                 "val_loss": val_loss,
                 "group_size": report.group_size,
                 "round_seconds": report.seconds,
+                "allreduce_seconds": report.allreduce_seconds,
                 "bytes_sent": progress.bytes_sent,
                 "bytes_received": progress.bytes_received,
                 "missing_values": report.missing_values,

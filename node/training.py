@@ -50,6 +50,7 @@ class RoundReport:
     seconds: float
     missing_values: int = 0
     detail: str = ""
+    allreduce_seconds: float = 0.0  # the all-reduce alone (no matchmaking), when there was one
 
 
 class _Replica:
@@ -217,6 +218,7 @@ class _Replica:
             seconds=time.monotonic() - started,
             missing_values=missing,
             detail=averaged.error,
+            allreduce_seconds=averaged.seconds,
         )
 
 

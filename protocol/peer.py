@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -46,9 +47,21 @@ class PeerIdentity:
     codecs: tuple[str, ...]
 
 
+class PunchHandler(Protocol):
+    """The node's side of hole punching (``node/punch.py``)."""
+
+    def can_punch(self) -> bool: ...
+
+    def start(self, remote: tuple[str, int]) -> tuple[str, int]:
+        """Begin connecting to ``remote``; this node's public address and punching port."""
+        ...
+
+
 class PeerServicer(peer_pb2_grpc.PeerServicer):
     def __init__(self, me: PeerIdentity) -> None:
         self._me = me
+        #: Set by the node once it can punch (it knows its public address).
+        self.punch: PunchHandler | None = None
         self._dialing = asyncio.Semaphore(MAX_DIAL_BACKS)
         #: Dial-backs answered, by verdict ("reachable", "unreachable", "refused").
         self.dial_backs: dict[str, int] = {"reachable": 0, "unreachable": 0, "refused": 0}
@@ -114,6 +127,30 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         self.dial_backs["reachable"] += 1
         return peer_pb2.DialBackReply(reachable=True, observed_host=host)
 
+    async def Punch(
+        self,
+        request: peer_pb2.PunchRequest,
+        context: grpc.aio.ServicerContext[peer_pb2.PunchRequest, peer_pb2.PunchReply],
+    ) -> peer_pb2.PunchReply:
+        await self._check_run(request.run_id, request.spec_hash, context)
+        try:
+            address = ipaddress.ip_address(request.host)
+        except ValueError:
+            address = None
+        if address is None or address.version != 4 or not 0 < request.port < 65536:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad punching address")
+        punch = self.punch
+        if punch is None or not punch.can_punch():
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION
+                if punch is None
+                else grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "this peer cannot punch now",
+            )
+        assert punch is not None  # abort raised otherwise
+        host, port = punch.start((request.host, request.port))
+        return peer_pb2.PunchReply(host=host, port=port)
+
 
 def add_to_server(servicer: PeerServicer, server: grpc.aio.Server) -> None:
     peer_pb2_grpc.add_PeerServicer_to_server(servicer, server)
@@ -173,3 +210,34 @@ async def ask_dial_back(
     except ValueError:
         raise PeerUnavailable(f"{helper} answered with a malformed address") from None
     return DialBack(helper, reply.reachable, reply.observed_host, reply.detail[:500])
+
+
+async def ask_punch(
+    endpoint: str,
+    *,
+    peer_id: str,
+    host: str,
+    port: int,
+    run_id: str,
+    spec_hash: bytes,
+    timeout_seconds: float = 5.0,
+) -> tuple[str, int]:
+    """Ask the peer at ``endpoint`` (its relayed one) to punch with us; its host and port."""
+    channel = open_channel(endpoint)
+    try:
+        stub = peer_pb2_grpc.PeerStub(channel)
+        request = peer_pb2.PunchRequest(
+            run_id=run_id, spec_hash=spec_hash, peer_id=peer_id, host=host, port=port
+        )
+        reply: peer_pb2.PunchReply = await stub.Punch(request, timeout=timeout_seconds)
+    except grpc.aio.AioRpcError as error:
+        raise from_rpc_error(error, endpoint) from None
+    finally:
+        await channel.close()
+    try:
+        address = ipaddress.ip_address(reply.host)
+    except ValueError:
+        address = None
+    if address is None or address.version != 4 or not 0 < reply.port < 65536:
+        raise PeerUnavailable(f"{endpoint} answered a punch with a bad address")
+    return reply.host, reply.port

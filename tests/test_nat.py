@@ -7,6 +7,7 @@ Needs root (namespaces); the README's test set-up installs nftables and miniupnp
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -139,7 +140,8 @@ def test_natted_peers_find_another_relay_when_theirs_is_killed(
         node.start()
     try:
         (relayed,) = wait_until(nodes[2:], settled("relayed"), timeout_seconds=90, what="relayed")
-        ids = [n.status()["peer_id"] for n in nodes[:2]]
+        up = wait_until(nodes[:2], lambda s: "peer_id" in s, timeout_seconds=60, what="up")
+        ids = [s["peer_id"] for s in up]
         relay, other = (0, 1) if relayed["via"] == ids[0] else (1, 0)
         wait_until(nodes, trained(1), timeout_seconds=120, what="one round in")
         offset = nodes[2].log_path.stat().st_size
@@ -153,15 +155,50 @@ def test_natted_peers_find_another_relay_when_theirs_is_killed(
         assert process is not None
         process.kill()
         process.wait()
-        moved = wait_until(
+        killed_at = time.monotonic()
+        moved = f"relayed at {hosts[other].address}:"  # the log line when it re-announces
+        wait_until(
             nodes[2:],
-            lambda s: s.get("via") == ids[other] and s.get("reachability") == "relayed",
+            lambda s: moved in nodes[2].log_path.read_text()[offset:],
             timeout_seconds=20,
             what="on the other relay",
         )
-        assert moved[0]["endpoint"].startswith(hosts[other].address)
+        assert f"via {ids[other]}" in nodes[2].log_path.read_text()[offset:]
+        assert time.monotonic() - killed_at < 20
         survivors = [nodes[other], nodes[2]]
         done = wait_until(survivors, trained(n), timeout_seconds=240, what="trained on")
         assert len({s["checksum"] for s in done}) == 1
+    finally:
+        stop_all(nodes)
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["cone-nats", "symmetric-nats"])
+def test_two_natted_peers_punch_a_direct_link_or_fall_back_to_the_relay(
+    lab: NatLab, spec: Path, tmp_path: Path, symmetric: bool
+) -> None:
+    # One public peer (the relay, and the rendezvous), two peers behind their own routers.
+    n = 3
+    boot, public = lab.public(), lab.public()
+    homes = [lab.home(symmetric=symmetric), lab.home(symmetric=symmetric)]
+    maddrs = start_bootstrap(boot, tmp_path)
+    nodes = [
+        lab_node(host, f"node-{i}", spec_path=spec, bootstrap=maddrs, out_dir=tmp_path, rounds=n)
+        for i, host in enumerate([public, *homes])
+    ]
+    for node in nodes:
+        node.start()
+    try:
+        wait_until(nodes[1:], settled("relayed"), timeout_seconds=90, what="relayed")
+        done = wait_until(nodes, trained(n), timeout_seconds=240, what="trained")
+        assert len({s["checksum"] for s in done}) == 1
+        links = [s["links"] for s in done[1:]]
+        punched_in = sum(s["punched_in"] for s in done[1:])
+        if symmetric:  # a symmetric NAT moves the port: punching fails, the relay carries it
+            assert sum(link["punched"] for link in links) == 0
+            assert sum(link["relayed"] for link in links) > 0
+            assert punched_in == 0
+        else:  # the NAT'd peers dial each other's parts over punched links
+            assert sum(link["punched"] for link in links) > 0, links
+            assert punched_in > 0
     finally:
         stop_all(nodes)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n swarmgrad/protocol/v1/peer.proto\x12\x0cswarmgrad.v1\"3\n\x0eGetInfoRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_hash\x18\x02 \x01(\x0c\"_\n\x08PeerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x18\n\x10software_version\x18\x03 \x01(\t\x12\x0e\n\x06\x63odecs\x18\x04 \x03(\t\"S\n\x0f\x44ialBackRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_hash\x18\x02 \x01(\x0c\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x0f\n\x07peer_id\x18\x04 \x01(\t\"I\n\rDialBackReply\x12\x11\n\treachable\x18\x01 \x01(\x08\x12\x15\n\robserved_host\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t2\x8f\x01\n\x04Peer\x12?\n\x07GetInfo\x12\x1c.swarmgrad.v1.GetInfoRequest\x1a\x16.swarmgrad.v1.PeerInfo\x12\x46\n\x08\x44ialBack\x12\x1d.swarmgrad.v1.DialBackRequest\x1a\x1b.swarmgrad.v1.DialBackReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n swarmgrad/protocol/v1/peer.proto\x12\x0cswarmgrad.v1\"3\n\x0eGetInfoRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_hash\x18\x02 \x01(\x0c\"_\n\x08PeerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x18\n\x10software_version\x18\x03 \x01(\t\x12\x0e\n\x06\x63odecs\x18\x04 \x03(\t\"S\n\x0f\x44ialBackRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_hash\x18\x02 \x01(\x0c\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x0f\n\x07peer_id\x18\x04 \x01(\t\"I\n\rDialBackReply\x12\x11\n\treachable\x18\x01 \x01(\x08\x12\x15\n\robserved_host\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"^\n\x0cPunchRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_hash\x18\x02 \x01(\x0c\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x0c\n\x04port\x18\x05 \x01(\r\"(\n\nPunchReply\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r2\xce\x01\n\x04Peer\x12?\n\x07GetInfo\x12\x1c.swarmgrad.v1.GetInfoRequest\x1a\x16.swarmgrad.v1.PeerInfo\x12\x46\n\x08\x44ialBack\x12\x1d.swarmgrad.v1.DialBackRequest\x1a\x1b.swarmgrad.v1.DialBackReply\x12=\n\x05Punch\x12\x1a.swarmgrad.v1.PunchRequest\x1a\x18.swarmgrad.v1.PunchReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,6 +39,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DIALBACKREQUEST']._serialized_end=283
   _globals['_DIALBACKREPLY']._serialized_start=285
   _globals['_DIALBACKREPLY']._serialized_end=358
-  _globals['_PEER']._serialized_start=361
-  _globals['_PEER']._serialized_end=504
+  _globals['_PUNCHREQUEST']._serialized_start=360
+  _globals['_PUNCHREQUEST']._serialized_end=454
+  _globals['_PUNCHREPLY']._serialized_start=456
+  _globals['_PUNCHREPLY']._serialized_end=496
+  _globals['_PEER']._serialized_start=499
+  _globals['_PEER']._serialized_end=705
 # @@protoc_insertion_point(module_scope)

@@ -47,3 +47,25 @@ class DialBackReply(_message.Message):
     observed_host: str
     detail: str
     def __init__(self, reachable: _Optional[bool] = ..., observed_host: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class PunchRequest(_message.Message):
+    __slots__ = ("run_id", "spec_hash", "peer_id", "host", "port")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_HASH_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    spec_hash: bytes
+    peer_id: str
+    host: str
+    port: int
+    def __init__(self, run_id: _Optional[str] = ..., spec_hash: _Optional[bytes] = ..., peer_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
+class PunchReply(_message.Message):
+    __slots__ = ("host", "port")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...

@@ -44,6 +44,11 @@ class PeerStub:
                 request_serializer=swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.DialBackRequest.SerializeToString,
                 response_deserializer=swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.DialBackReply.FromString,
                 _registered_method=True)
+        self.Punch = channel.unary_unary(
+                '/swarmgrad.v1.Peer/Punch',
+                request_serializer=swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.PunchRequest.SerializeToString,
+                response_deserializer=swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.PunchReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -63,6 +68,14 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Punch(self, request, context):
+        """FAILED_PRECONDITION when the callee cannot punch (it knows no public address of its own),
+        RESOURCE_EXHAUSTED when too many punches are under way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +88,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.DialBack,
                     request_deserializer=swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.DialBackRequest.FromString,
                     response_serializer=swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.DialBackReply.SerializeToString,
+            ),
+            'Punch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Punch,
+                    request_deserializer=swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.PunchRequest.FromString,
+                    response_serializer=swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.PunchReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +149,33 @@ class Peer:
             '/swarmgrad.v1.Peer/DialBack',
             swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.DialBackRequest.SerializeToString,
             swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.DialBackReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Punch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmgrad.v1.Peer/Punch',
+            swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.PunchRequest.SerializeToString,
+            swarmgrad_dot_protocol_dot_v1_dot_peer__pb2.PunchReply.FromString,
             options,
             channel_credentials,
             insecure,
