@@ -11,7 +11,8 @@ after the other, each training the demo model (DiLoCo, int8, group of 4):
                 dropped, no UPnP);
   half-upnp:    the same, but one of the two routers offers UPnP.
 It prints how each peer came to be reached (direct / upnp / relayed), the share of the round's
-links (member -> owner of a part) that are direct, through a mapped port, or relayed, and the
+links (member -> owner of a part) that are direct, through a mapped port, punched (NAT'd to NAT'd)
+or relayed, and the
 median all-reduce and round times of the rounds where all four averaged, side by side with the
 all-public swarm. Needs root (namespaces), nftables and miniupnpd.
 """
@@ -27,13 +28,7 @@ from itertools import permutations
 from pathlib import Path
 from typing import Any
 
-from swarmgrad.simulations.natlab import (
-    Host,
-    NatLab,
-    lab_node,
-    start_bootstrap,
-    wait_until,
-)
+from swarmgrad.simulations.natlab import Host, NatLab, start_swarm, wait_until
 from swarmgrad.simulations.swarm import DEMO_SPEC
 
 
@@ -47,14 +42,8 @@ def run_swarm(name: str, layout: list[str], rounds: int, work: Path) -> dict[str
         hosts: list[Host] = []
         for kind in layout:
             hosts.append(lab.public() if kind == "public" else lab.home(upnp=kind == "upnp"))
-        maddrs = start_bootstrap(boot, out)
-        nodes = [
-            lab_node(h, f"node-{i}", spec_path=spec, bootstrap=maddrs, out_dir=out, rounds=rounds)
-            for i, h in enumerate(hosts)
-        ]
         started = time.monotonic()
-        for node in nodes:
-            node.start()
+        nodes = start_swarm(boot, hosts, spec_path=spec, out_dir=out, rounds=rounds)
         try:
             done = wait_until(
                 nodes,
@@ -68,10 +57,15 @@ def run_swarm(name: str, layout: list[str], rounds: int, work: Path) -> dict[str
         elapsed = time.monotonic() - started
     reach = [s["reachability"] for s in done]
     # In a round every member dials every other member's part (all own one here): the link from
-    # A to B is however B is reached.
-    links = {"direct": 0, "upnp": 0, "relayed": 0, "unreachable": 0}
-    for _, b in permutations(range(len(reach)), 2):
-        links[reach[b]] += 1
+    # A to B is however B is reached, except that a NAT'd A punches through to a relayed B (and
+    # counts its punched and relay-fallback connections).
+    links = {"direct": 0, "upnp": 0, "punched": 0, "relayed": 0, "unreachable": 0}
+    for a, b in permutations(range(len(reach)), 2):
+        kind = reach[b]
+        if kind == "relayed" and reach[a] in ("relayed", "unreachable"):
+            tried = done[a]["links"]
+            kind = "punched" if tried["punched"] and not tried["relayed"] else "relayed"
+        links[kind] += 1
     full = [
         h
         for s in done
@@ -110,14 +104,14 @@ def main() -> None:
         results = [run_swarm(name, layout, args.rounds, work) for name, layout in layouts.items()]
     print(f"4 peers, demo model, DiLoCo int8, {args.rounds} rounds per swarm")
     print(
-        f"{'swarm':<12} {'peers reached as':<34} {'links direct/upnp/relayed':<26} "
+        f"{'swarm':<12} {'peers reached as':<34} {'links direct/upnp/punched/relayed':<34} "
         f"{'all-reduce median (min-max)':<28} {'round median':<12} relayed"
     )
     base = results[0]["allreduce_median_s"]
     for r in results:
         reached = ", ".join(r["reachability"])
         total = sum(r["links"].values())
-        kinds = ("direct", "upnp", "relayed")
+        kinds = ("direct", "upnp", "punched", "relayed")
         pairs = "/".join(f"{100 * r['links'][k] / total:.0f}%" for k in kinds)
         med, spread = r["allreduce_median_s"], r["allreduce_spread_s"]
         allreduce = (
@@ -128,7 +122,7 @@ def main() -> None:
         )
         rounds = f"{r['round_median_s']:.2f} s" if r["round_median_s"] is not None else "-"
         print(
-            f"{r['name']:<12} {reached:<34} {pairs:<26} {allreduce:<28} {rounds:<12} "
+            f"{r['name']:<12} {reached:<34} {pairs:<34} {allreduce:<28} {rounds:<12} "
             f"{r['relayed_bytes'] / 1e6:.1f} MB"
         )
         if not r["identical"]:

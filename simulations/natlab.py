@@ -389,3 +389,19 @@ def wait_until(
             tails = "\n".join(f"== {n.name}: {n.status()}\n{n.tail()}" for n in nodes)
             raise LabError(f"not {what} within {timeout_seconds:g} s:\n{tails}")
         time.sleep(0.25)
+
+
+def start_swarm(
+    boot: Host, hosts: Sequence[Host], *, spec_path: Path, out_dir: Path, rounds: int
+) -> list[LabNode]:
+    """A bootstrap on ``boot`` and a trainer on each of ``hosts`` (``node-0``, ...), started."""
+    maddrs = start_bootstrap(boot, out_dir)
+    nodes = [
+        lab_node(
+            h, f"node-{i}", spec_path=spec_path, bootstrap=maddrs, out_dir=out_dir, rounds=rounds
+        )
+        for i, h in enumerate(hosts)
+    ]
+    for node in nodes:
+        node.start()
+    return nodes

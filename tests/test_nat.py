@@ -14,13 +14,7 @@ from typing import Any
 
 import pytest
 
-from swarmgrad.simulations.natlab import (
-    LabNode,
-    NatLab,
-    lab_node,
-    start_bootstrap,
-    wait_until,
-)
+from swarmgrad.simulations.natlab import LabNode, NatLab, start_swarm, wait_until
 from swarmgrad.simulations.swarm import DEMO_SPEC
 
 pytestmark = [
@@ -65,13 +59,7 @@ def test_two_public_and_two_natted_peers_train_together(
     boot = lab.public()
     public = [lab.public(), lab.public()]
     homes = [lab.home(), lab.home()]
-    maddrs = start_bootstrap(boot, tmp_path)
-    nodes = [
-        lab_node(host, f"node-{i}", spec_path=spec, bootstrap=maddrs, out_dir=tmp_path, rounds=n)
-        for i, host in enumerate(public + homes)
-    ]
-    for node in nodes:
-        node.start()
+    nodes = start_swarm(boot, public + homes, spec_path=spec, out_dir=tmp_path, rounds=n)
     try:
         wait_until(nodes[:2], settled("direct"), timeout_seconds=90, what="public peers direct")
         natted = wait_until(
@@ -102,13 +90,9 @@ def test_a_peer_behind_a_upnp_router_maps_a_port_and_is_reached_directly(
     n = 2
     boot, public = lab.public(), lab.public()
     upnp_home, plain_home = lab.home(upnp=True), lab.home()
-    maddrs = start_bootstrap(boot, tmp_path)
-    nodes = [
-        lab_node(host, f"node-{i}", spec_path=spec, bootstrap=maddrs, out_dir=tmp_path, rounds=n)
-        for i, host in enumerate([public, upnp_home, plain_home])
-    ]
-    for node in nodes:
-        node.start()
+    nodes = start_swarm(
+        boot, [public, upnp_home, plain_home], spec_path=spec, out_dir=tmp_path, rounds=n
+    )
     try:
         (mapped,) = wait_until(nodes[1:2], settled("upnp"), timeout_seconds=90, what="mapped")
         router = upnp_home.router
@@ -131,13 +115,7 @@ def test_natted_peers_find_another_relay_when_theirs_is_killed(
     n = 4
     boot = lab.public()
     hosts = [lab.public(), lab.public(), lab.home()]
-    maddrs = start_bootstrap(boot, tmp_path)
-    nodes = [
-        lab_node(host, f"node-{i}", spec_path=spec, bootstrap=maddrs, out_dir=tmp_path, rounds=n)
-        for i, host in enumerate(hosts)
-    ]
-    for node in nodes:
-        node.start()
+    nodes = start_swarm(boot, hosts, spec_path=spec, out_dir=tmp_path, rounds=n)
     try:
         (relayed,) = wait_until(nodes[2:], settled("relayed"), timeout_seconds=90, what="relayed")
         up = wait_until(nodes[:2], lambda s: "peer_id" in s, timeout_seconds=60, what="up")
@@ -180,13 +158,7 @@ def test_two_natted_peers_punch_a_direct_link_or_fall_back_to_the_relay(
     n = 3
     boot, public = lab.public(), lab.public()
     homes = [lab.home(symmetric=symmetric), lab.home(symmetric=symmetric)]
-    maddrs = start_bootstrap(boot, tmp_path)
-    nodes = [
-        lab_node(host, f"node-{i}", spec_path=spec, bootstrap=maddrs, out_dir=tmp_path, rounds=n)
-        for i, host in enumerate([public, *homes])
-    ]
-    for node in nodes:
-        node.start()
+    nodes = start_swarm(boot, [public, *homes], spec_path=spec, out_dir=tmp_path, rounds=n)
     try:
         wait_until(nodes[1:], settled("relayed"), timeout_seconds=90, what="relayed")
         done = wait_until(nodes, trained(n), timeout_seconds=240, what="trained")
