@@ -250,7 +250,9 @@ def status(
             str(row["epoch"]),
             f"{row['throughput']:.1f}",
             row["endpoint"] or "-",
-            row["reachability"] + (f" via {row['via'][:10]}" if row["via"] else ""),
+            row["reachability"]
+            + (f" via {row['via'][:10]}" if row["via"] else "")
+            + (f", {row['punched']} punched" if row["punched"] else ""),
             f"{row['last_seen_seconds']:.0f} s ago",
         )
     Console().print(table)

@@ -48,6 +48,7 @@ async def run_peers(
                             "endpoint": record.endpoint,
                             "reachability": record.reachability,
                             "via": record.via,
+                            "punched": record.punched,
                             "checksum": record.checksum,
                             "last_seen_seconds": max(0.0, now - record.issued_at),
                             "expires_in_seconds": record.expires_at - now,

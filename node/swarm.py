@@ -418,6 +418,7 @@ class Swarm:
             reachability=self.reachability.kind if self.reachability else "unknown",
             relay=self.reachability.relay_endpoint if self.reachability else "",
             via=self.reachability.via if self.reachability else "",
+            punched=sum(1 for r in self._routes.values() if r.counts["punched"]),
         )
         await self._discovery.announce(record)
         await self._discovery.announce_spec(

@@ -242,13 +242,20 @@ def _read(path: Path) -> bytes:
 
 def _router_rules(symmetric: bool) -> str:
     """A home router: masquerade out of wan0; forward only what the LAN started (and, for
-    miniupnpd's mappings, what its DNAT rules let in); miniupnpd's own chains exist up front
-    (it edits chains, it does not create them)."""
+    miniupnpd's mappings, what its DNAT rules let in); drop, not refuse, whatever else arrives
+    on wan0 (a router that answers an early punching SYN with a reset breaks the punch, and home
+    routers drop); miniupnpd's own chains exist up front (it edits chains, it does not create
+    them)."""
     masquerade = "masquerade fully-random" if symmetric else "masquerade"
     # One inet table named "filter" holds everything: miniupnpd's nftables backend edits the
     # chains of that table (its defaults for both the filter and the nat table).
     return f"""
 table inet filter {{
+    chain input {{
+        type filter hook input priority 0; policy accept;
+        iifname "wan0" ct state established,related accept
+        iifname "wan0" drop
+    }}
     chain forward {{
         type filter hook forward priority 0; policy drop;
         ct state established,related accept

@@ -6,6 +6,7 @@ Needs root (namespaces); the README's test set-up installs nftables and miniupnp
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from swarmgrad.simulations.natlab import LabNode, NatLab, start_swarm, wait_until
+from swarmgrad.simulations.natlab import LabNode, NatLab, node_command, start_swarm, wait_until
 from swarmgrad.simulations.swarm import DEMO_SPEC
 
 pytestmark = [
@@ -172,5 +173,20 @@ def test_two_natted_peers_punch_a_direct_link_or_fall_back_to_the_relay(
         else:  # the NAT'd peers dial each other's parts over punched links
             assert sum(link["punched"] for link in links) > 0, links
             assert punched_in > 0
+            # ... and `swarmgrad status` (run on the public segment) shows them.
+            maddrs = json.loads((tmp_path / "bootstrap.json").read_text())["maddrs"]
+            status = [*node_command("status", str(spec), "--json")]
+            status += [a for m in maddrs for a in ("--bootstrap", m)]
+            deadline = time.monotonic() + 40  # records are refreshed every 15 s
+            while True:
+                shown = boot.run(status, timeout=60)
+                assert shown.returncode == 0, shown.stderr[-2000:]
+                peers = json.loads(shown.stdout)["peers"]
+                if sum(p["punched"] for p in peers) > 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(1)
+            kinds = sorted(p["reachability"] for p in peers)
+            assert kinds == ["relayed", "relayed", "unknown"], peers
+            assert sum(p["punched"] for p in peers) > 0, peers
     finally:
         stop_all(nodes)

@@ -44,6 +44,7 @@ class PeerRecord:
     reachability: str  # one of REACHABILITY
     relay: str  # host:port of the relay this node offers to unreachable peers ("" if none)
     via: str  # the peer id of the relay that carries this node's endpoint, when relayed
+    punched: int  # peers this node reaches over links it punched through both NATs
     issued_at: float  # DHT time, seconds
     expires_at: float
 
@@ -72,6 +73,7 @@ class PeerRecord:
         reachability: str = "unknown",
         relay: str = "",
         via: str = "",
+        punched: int = 0,
     ) -> PeerRecord:
         return cls(
             peer_id=identity.peer_id,
@@ -88,6 +90,7 @@ class PeerRecord:
             reachability=reachability,
             relay=relay,
             via=via,
+            punched=punched,
             issued_at=now,
             expires_at=now + ttl_seconds,
         )
