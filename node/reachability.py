@@ -14,7 +14,7 @@ it is behind a NAT or a firewall; it then, in order:
    (members only dial owners; the results come back on the same streams), and it is not
    offered as a state donor.
 
-Nodes offer a relay (bounded, ``RelayLimits``) unless ``relay_clients`` is 0, from the start
+Nodes offer a relay (bounded, ``RelayLimits``) unless its ``max_clients`` is 0, from the start
 until they learn they are behind a NAT: when the only reachable peer is one node, nobody can
 confirm it until NAT'd peers hold a relay (through which they can be asked to dial back). Until
 some peer has answered, a node is *unknown* and is treated as reachable.
@@ -54,15 +54,14 @@ class ReachabilityConfig:
     recheck_seconds: float = 300.0
     #: Ask the router for a port mapping when unreachable.
     upnp: bool = True
-    #: Relay clients this node serves when it is reachable (0: offer no relay).
-    relay_clients: int = 8
     #: Punch through to relayed peers when this node is behind a NAT too (else: their relays).
     punch: bool = True
+    #: The relay this node offers; ``max_clients=0`` offers none.
     relay_limits: RelayLimits = field(default_factory=RelayLimits)
 
     def __post_init__(self) -> None:
-        if self.helpers < 1 or self.relay_clients < 0:
-            raise ValueError("helpers must be positive and relay_clients not negative")
+        if self.helpers < 1:
+            raise ValueError("helpers must be positive")
         if not 0 < self.retry_seconds <= self.recheck_seconds:
             raise ValueError("retry_seconds must be positive and at most recheck_seconds")
 
@@ -158,19 +157,8 @@ class Reachability:
         self._set(kind, endpoint)
 
     async def _start_relay_server(self, endpoint: str) -> None:
-        if self._relay_server is None and self.config.relay_clients > 0:
-            limits = self.config.relay_limits
-            server = RelayServer(
-                host=self._host,
-                limits=RelayLimits(
-                    max_clients=self.config.relay_clients,
-                    max_connections_per_client=limits.max_connections_per_client,
-                    handshake_timeout_seconds=limits.handshake_timeout_seconds,
-                    attach_timeout_seconds=limits.attach_timeout_seconds,
-                    ping_seconds=limits.ping_seconds,
-                    silence_seconds=limits.silence_seconds,
-                ),
-            )
+        if self._relay_server is None and self.config.relay_limits.max_clients > 0:
+            server = RelayServer(host=self._host, limits=self.config.relay_limits)
             port = await server.start()
             self._relay_server = server
             self.relay_endpoint = endpoint_of(endpoint.rpartition(":")[0].strip("[]"), port)

@@ -404,6 +404,7 @@ class Swarm:
     async def _announce(self) -> None:
         assert self._discovery is not None
         snapshot = self._snapshot
+        reach = self.reachability_summary()
         record = PeerRecord.create(
             self.identity,
             run_id=self.spec.run.id,
@@ -415,9 +416,9 @@ class Swarm:
             checksum=snapshot.checksum if snapshot is not None else "",
             throughput=self.throughput,
             bandwidth=self.config.bandwidth,
-            reachability=self.reachability.kind if self.reachability else "unknown",
-            relay=self.reachability.relay_endpoint if self.reachability else "",
-            via=self.reachability.via if self.reachability else "",
+            reachability=reach["reachability"],
+            relay=reach["relay"],
+            via=reach["via"],
             punched=sum(1 for r in self._routes.values() if r.counts["punched"]),
         )
         await self._discovery.announce(record)
