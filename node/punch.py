@@ -23,6 +23,7 @@ import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
+from swarmgrad.node.metrics import parse_address
 from swarmgrad.node.relay import splice
 
 log = logging.getLogger(__name__)
@@ -151,11 +152,10 @@ class PunchRoute:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         other = await self._punch()
         if other is None:
-            host, _, port = self._relayed.rpartition(":")
             try:
                 async with asyncio.timeout(PUNCH_DEADLINE_SECONDS):
-                    other = await asyncio.open_connection(host.strip("[]"), int(port))
-            except (TimeoutError, OSError) as error:
+                    other = await asyncio.open_connection(*parse_address(self._relayed))
+            except (TimeoutError, OSError, ValueError) as error:
                 log.info("relayed endpoint %s unreachable too: %s", self._relayed, error)
                 writer.close()
                 return

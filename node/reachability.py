@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.metrics import parse_address
 from swarmgrad.node.portmap import PortMapError, PortMapping, map_port
 from swarmgrad.node.relay import RelayClient, RelayError, RelayLimits, RelayServer
 from swarmgrad.protocol.errors import SwarmgradError
@@ -149,9 +150,8 @@ class Reachability:
 
     async def _become_reachable(self, kind: str, endpoint: str) -> None:
         await self._leave_relay()
-        if self._relay_server is not None and not self.relay_endpoint.startswith(
-            endpoint.rpartition(":")[0]
-        ):
+        host = parse_address(endpoint)[0]
+        if self._relay_server is not None and parse_address(self.relay_endpoint)[0] != host:
             await self._stop_relay_server()  # reachable at another address than it offered
         await self._start_relay_server(endpoint)
         self._set(kind, endpoint)
@@ -161,7 +161,7 @@ class Reachability:
             server = RelayServer(host=self._host, limits=self.config.relay_limits)
             port = await server.start()
             self._relay_server = server
-            self.relay_endpoint = endpoint_of(endpoint.rpartition(":")[0].strip("[]"), port)
+            self.relay_endpoint = endpoint_of(parse_address(endpoint)[0], port)
             self._changed()
 
     async def _probe(self, port: int) -> DialBack | None:

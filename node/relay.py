@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swarmgrad.node.identity import Identity, peer_id_of, verify
+from swarmgrad.node.metrics import parse_address
+from swarmgrad.protocol.peer import endpoint_of
 
 log = logging.getLogger(__name__)
 
@@ -322,16 +324,20 @@ class RelayClient:
         self._writer: asyncio.StreamWriter | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._session: asyncio.Task[None] | None = None
+        self._address: tuple[str, int] | None = None
         self.traffic: Counter[str] = Counter()
         self.endpoint = ""
 
     async def connect(self) -> str:
         """Open the control connection and get a relayed port; returns the relayed endpoint."""
-        host, _, port = self.relay.rpartition(":")
+        try:  # the address comes from a peer's record: it may be anything
+            self._address = parse_address(self.relay)
+        except ValueError as error:
+            raise RelayError(f"relay {self.relay[:64]!r}: {error}") from None
         timeout = self.limits.handshake_timeout_seconds
         try:
             async with asyncio.timeout(timeout):
-                self._reader, self._writer = await asyncio.open_connection(host.strip("[]"), port)
+                self._reader, self._writer = await asyncio.open_connection(*self._address)
         except (TimeoutError, OSError) as error:
             raise RelayError(f"could not connect to relay {self.relay}: {error}") from None
         try:
@@ -355,7 +361,7 @@ class RelayClient:
         if "error" in answer or not isinstance(answer.get("ready"), int):
             await self.close()
             raise RelayError(f"relay {self.relay} refused: {answer.get('error', answer)}")
-        self.endpoint = f"{host}:{answer['ready']}"
+        self.endpoint = endpoint_of(self._address[0], answer["ready"])
         self._session = asyncio.create_task(self._run())
         return self.endpoint
 
@@ -386,12 +392,12 @@ class RelayClient:
                 await asyncio.sleep(self.limits.ping_seconds)
 
     async def _attach(self, connection_id: str) -> None:
-        host, _, port = self.relay.rpartition(":")
+        assert self._address is not None  # connected
         timeout = self.limits.handshake_timeout_seconds
         relay: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         try:
             async with asyncio.timeout(timeout):
-                relay = await asyncio.open_connection(host.strip("[]"), port)
+                relay = await asyncio.open_connection(*self._address)
                 await read_frame(relay[0], timeout)  # the greeting
                 await write_frame(relay[1], {"data": connection_id})
                 local = await asyncio.open_connection(*self._target)
