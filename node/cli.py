@@ -68,6 +68,14 @@ def node(
     public_host: Annotated[
         str | None, typer.Option(help="Address peers dial, if not --host (a container's name).")
     ] = None,
+    discovery: Annotated[
+        str | None,
+        typer.Option(help="DHT backend: hivemind, or libp2p (pure Python, anywhere) [hivemind]."),
+    ] = None,
+    dht_secret: Annotated[
+        str | None,
+        typer.Option(help="libp2p: a private run's DHT key; nodes without it cannot connect."),
+    ] = None,
     device: Annotated[str | None, typer.Option(help="auto, cpu or cuda [auto].")] = None,
     threads: Annotated[
         int | None, typer.Option(help="Torch CPU threads (0: torch's default) [0].")
@@ -126,6 +134,8 @@ def node(
                 "host": host,
                 "port": port,
                 "public_host": public_host,
+                "discovery": discovery,
+                "dht_secret": dht_secret,
                 "device": device,
                 "threads": threads,
                 "metrics_address": metrics_address,
@@ -164,6 +174,12 @@ def bootstrap(
     maddrs_file: Annotated[
         Path | None, typer.Option(help="Also write the multiaddrs here (JSON).")
     ] = None,
+    discovery: Annotated[
+        str, typer.Option(help="DHT backend: hivemind or libp2p (the run's nodes use the same).")
+    ] = "hivemind",
+    dht_secret: Annotated[
+        str, typer.Option(help="libp2p: a private run's DHT key (its nodes give the same).")
+    ] = "",
 ) -> None:
     """Run a DHT-only bootstrap node and print the multiaddr to give to nodes (--bootstrap)."""
     from swarmgrad.node import main
@@ -174,9 +190,17 @@ def bootstrap(
     try:
         code = main.run(
             lambda stop: main.bootstrap(
-                host=host, port=port, initial_peers=peer or [], maddrs_file=maddrs_file, stop=stop
+                host=host,
+                port=port,
+                initial_peers=peer or [],
+                maddrs_file=maddrs_file,
+                stop=stop,
+                backend=discovery,
+                network_secret=dht_secret,
             )
         )
+    except ValueError as error:
+        raise _fail(EXIT_CONFIG, str(error)) from None
     except DiscoveryError as error:
         raise _fail(EXIT_NETWORK, str(error)) from None
     raise typer.Exit(code)
@@ -195,6 +219,12 @@ def status(
     ] = None,
     bootstrap_file: Annotated[
         Path | None, typer.Option(help="Read multiaddrs from a bootstrap's --maddrs-file.")
+    ] = None,
+    discovery: Annotated[
+        str | None, typer.Option(help="DHT backend [the spec's node.discovery, or hivemind].")
+    ] = None,
+    dht_secret: Annotated[
+        str | None, typer.Option(help="libp2p: a private run's DHT key [the spec's].")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON, not a table.")] = False,
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 30.0,
@@ -231,8 +261,16 @@ def status(
                 run_id=run_id,
                 spec_hash=loaded.hash if loaded is not None else None,
                 timeout_seconds=timeout,
+                backend=discovery or (loaded.node.discovery if loaded is not None else "hivemind"),
+                network_secret=(
+                    dht_secret
+                    if dht_secret is not None
+                    else (loaded.node.dht_secret if loaded is not None else "")
+                ),
             )
         )
+    except ValueError as error:
+        raise _fail(EXIT_CONFIG, str(error)) from None
     except (DiscoveryError, TimeoutError) as error:
         raise _fail(EXIT_NETWORK, f"could not read the run's peers: {error}") from None
     if as_json:
@@ -278,6 +316,9 @@ def simulate(
         Path | None,
         typer.Option(help="TOML, one [[event]] each: at_epoch, action (kill/stop/start), node."),
     ] = None,
+    discovery: Annotated[
+        str, typer.Option(help="DHT backend of the bootstrap and the nodes: hivemind or libp2p.")
+    ] = "hivemind",
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 600.0,
 ) -> None:
     """Run a bootstrap and N real node processes on loopback; print and save a summary."""
@@ -293,6 +334,7 @@ def simulate(
             out_dir=out,
             timeout_seconds=timeout,
             churn_path=churn,
+            discovery=discovery,
         )
     except (RunSpecError, node_config.ConfigError, swarm.SimulationError) as error:
         raise _fail(EXIT_CONFIG, str(error)) from None

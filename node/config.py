@@ -184,6 +184,8 @@ def node_config(
             port=node.port,
             public_host=node.public_host,
             bootstrap=maddrs,
+            discovery=node.discovery,
+            dht_secret=node.dht_secret,
             bandwidth=bandwidth,
             upload_bytes_per_second=upload_bytes_per_second,
         )

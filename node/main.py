@@ -23,7 +23,7 @@ from typing import Any
 
 from swarmgrad.node.checkpoint import Checkpointer
 from swarmgrad.node.config import ConfigError, NodeConfig
-from swarmgrad.node.discovery.hivemind_dht import start_dht
+from swarmgrad.node.discovery.base import start_discovery
 from swarmgrad.node.display import Display
 from swarmgrad.node.files import atomic_write
 from swarmgrad.node.identity import Identity
@@ -156,12 +156,32 @@ async def _train(
 
 
 async def bootstrap(
-    *, host: str, port: int, initial_peers: list[str], maddrs_file: Path | None, stop: asyncio.Event
+    *,
+    host: str,
+    port: int,
+    initial_peers: list[str],
+    maddrs_file: Path | None,
+    stop: asyncio.Event,
+    backend: str = "hivemind",
+    network_secret: str = "",
 ) -> int:
-    """A DHT-only node that others join through; prints the multiaddrs to give them."""
-    dht = await start_dht(initial_peers, host=host, port=port, start_timeout_seconds=60.0)
+    """A DHT-only node that others join through; prints the multiaddrs to give them.
+
+    It holds no run's records of its own (any run may bootstrap through it), so its identity is
+    a throwaway one and its run and spec are placeholders.
+    """
+    dht = await start_discovery(
+        backend,
+        Identity.generate(),
+        run_id="bootstrap",
+        spec_hash=bytes(32),
+        initial_peers=initial_peers,
+        host=host,
+        port=port,
+        network_secret=network_secret,
+    )
     try:
-        maddrs = [str(a) for a in dht.get_visible_maddrs()]
+        maddrs = dht.visible_maddrs()
         print("bootstrap node up; join with:", flush=True)
         for maddr in maddrs:
             print(f"  --bootstrap {maddr}", flush=True)
@@ -169,5 +189,5 @@ async def bootstrap(
             write_status(maddrs_file, {"maddrs": maddrs})
         await stop.wait()
     finally:
-        await asyncio.to_thread(dht.shutdown)
+        await dht.close()
     return 0

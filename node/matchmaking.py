@@ -19,7 +19,7 @@ import asyncio
 import hashlib
 import logging
 
-from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery, dht_time
+from swarmgrad.node.discovery.base import Discovery, dht_time
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.group import Group, Member
 from swarmgrad.node.identity import Identity
@@ -45,7 +45,7 @@ def assign_groups(round_: int, peer_ids: list[str], group_size: int) -> list[lis
 class Matchmaker:
     def __init__(
         self,
-        discovery: HivemindDiscovery,
+        discovery: Discovery,
         identity: Identity,
         *,
         group_size: int,

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmgrad.compression import codec_names
+from swarmgrad.node.discovery.base import BACKENDS
 
 PROTOCOL_VERSION = 1
 DEVICES = ("auto", "cpu", "cuda")
@@ -190,6 +191,8 @@ class NodeSection:
     metrics_address: str = "127.0.0.1:9464"  # Prometheus endpoint, host:port, or "off"
     checkpoint_every_rounds: int = 10
     keep_checkpoints: int = 3
+    discovery: str = "hivemind"  # the DHT backend: hivemind or libp2p (pure Python)
+    dht_secret: str = ""  # libp2p only: a private run's DHT key (never merges with others)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -203,6 +206,12 @@ class NodeSection:
             raise RunSpecError(
                 f"node.device must be one of {', '.join(DEVICES)}, got {self.device!r}"
             )
+        if self.discovery not in BACKENDS:
+            raise RunSpecError(
+                f"node.discovery must be one of {', '.join(BACKENDS)}, got {self.discovery!r}"
+            )
+        if self.dht_secret and self.discovery != "libp2p":
+            raise RunSpecError('node.dht_secret needs node.discovery = "libp2p"')
         if self.threads < 0:
             raise RunSpecError(f"node.threads must be 0 (torch's default) or more: {self.threads}")
         if self.metrics_address != "off":

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery, dht_time
+from swarmgrad.node.discovery.base import dht_time, start_discovery
 from swarmgrad.node.identity import Identity
 
 
@@ -16,17 +16,21 @@ async def run_peers(
     run_id: str,
     spec_hash: bytes | None,
     timeout_seconds: float,
+    backend: str = "hivemind",
+    network_secret: str = "",
 ) -> list[dict[str, Any]]:
     """One row per peer record of ``run_id`` (of ``spec_hash``, or of every spec in use).
 
     The reader joins the DHT with a throwaway identity: it announces nothing.
     """
     async with asyncio.timeout(timeout_seconds):
-        discovery = await HivemindDiscovery.start(
+        discovery = await start_discovery(
+            backend,
             Identity.generate(),
             run_id=run_id,
             spec_hash=spec_hash or bytes(32),
             initial_peers=bootstrap,
+            network_secret=network_secret,
             start_timeout_seconds=timeout_seconds,
         )
         try:

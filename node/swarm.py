@@ -32,8 +32,13 @@ import torch
 from swarmgrad.compression import codec_names, get_codec
 from swarmgrad.node.allreduce import AllReduceConfig, RoundResult
 from swarmgrad.node.averager import Averager
-from swarmgrad.node.discovery.base import DiscoveryError
-from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery, dht_time
+from swarmgrad.node.discovery.base import (
+    BACKENDS,
+    Discovery,
+    DiscoveryError,
+    dht_time,
+    start_discovery,
+)
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.group import Group
 from swarmgrad.node.identity import Identity
@@ -63,6 +68,10 @@ class SwarmConfig:
     port: int = 0
     public_host: str = ""  # the address peers dial, if not host
     bootstrap: tuple[str, ...] = ()
+    #: The DHT backend (:data:`swarmgrad.node.discovery.base.BACKENDS`); a run's nodes share one.
+    discovery: str = "hivemind"
+    #: libp2p only: a private run's DHT key; its DHT then never merges with any other.
+    dht_secret: str = ""
     #: Relative upload capacity: the share of each round's vector this node owns.
     bandwidth: float = 1.0
     #: Cap on this node's averaging uploads (a token bucket), for simulated slow links.
@@ -81,6 +90,10 @@ class SwarmConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.discovery not in BACKENDS:
+            raise ValueError(f"discovery must be one of {', '.join(BACKENDS)}: {self.discovery!r}")
+        if self.dht_secret and self.discovery != "libp2p":
+            raise ValueError("a DHT secret needs the libp2p discovery backend")
         if not self.bandwidth > 0:
             raise ValueError("bandwidth must be positive")
         if self.upload_bytes_per_second is not None and not self.upload_bytes_per_second > 0:
@@ -145,7 +158,7 @@ class Swarm:
     def __init__(self, spec: RunSpec, identity: Identity, config: SwarmConfig) -> None:
         self.spec, self.identity, self.config = spec, identity, config
         self.peer_id = identity.peer_id
-        self._discovery: HivemindDiscovery | None = None
+        self._discovery: Discovery | None = None
         self._averager: Averager | None = None
         self.reachability: Reachability | None = None
         self._punch_responder: PunchResponder | None = None
@@ -210,12 +223,14 @@ class Swarm:
 
     async def __aenter__(self) -> Swarm:
         self._loop = asyncio.get_running_loop()
-        self._discovery = await HivemindDiscovery.start(
+        self._discovery = await start_discovery(
+            self.config.discovery,
             self.identity,
             run_id=self.spec.run.id,
             spec_hash=self.spec.hash,
             initial_peers=self.config.bootstrap,
             host=self.config.host,
+            network_secret=self.config.dht_secret,
             start_timeout_seconds=self.config.dht_start_timeout_seconds,
         )
         try:

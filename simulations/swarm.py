@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmgrad.node import config as node_config
+from swarmgrad.node.discovery.base import BACKENDS
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.simulations.churn import MARKERS, ScheduleError, load_schedule
 
@@ -194,11 +195,14 @@ def simulate(
     timeout_seconds: float = 600.0,
     churn_path: Path | None = None,
     extra_node_args: tuple[str, ...] = (),
+    discovery: str = "hivemind",
 ) -> dict[str, Any]:
     """Run the swarm to ``rounds`` epochs (with the churn schedule in ``churn_path``, if any);
     return (and write to summary.json) its summary."""
     if nodes < 1 or rounds < 1:
         raise SimulationError("--nodes and --rounds must be at least 1")
+    if discovery not in BACKENDS:
+        raise SimulationError(f"--discovery must be one of {', '.join(BACKENDS)}")
     try:
         events = load_schedule(churn_path, nodes=nodes) if churn_path is not None else []
     except ScheduleError as error:
@@ -221,7 +225,7 @@ def simulate(
         maddrs_file.unlink(missing_ok=True)
         boot = _Process(
             "bootstrap",
-            _command("bootstrap", "--maddrs-file", str(maddrs_file)),
+            _command("bootstrap", "--maddrs-file", str(maddrs_file), "--discovery", discovery),
             out_dir / "bootstrap.log",
             env,
         )
@@ -249,6 +253,7 @@ def simulate(
                 "--threads", "1",
                 "--checkpoint-dir", str(checkpoints),
                 "--metrics-address", "127.0.0.1:0",
+                "--discovery", discovery,
                 *extra_node_args,
             ]  # fmt: skip
             if profile.upload_bytes_per_second is not None:

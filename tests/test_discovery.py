@@ -6,12 +6,22 @@ import asyncio
 import json
 import multiprocessing
 import os
+import signal
+import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 
-from swarmgrad.node.discovery.base import DiscoveryError
-from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery, dht_time, start_dht
+from swarmgrad.node.discovery.base import (
+    BACKENDS,
+    Discovery,
+    DiscoveryError,
+    dht_time,
+    start_discovery,
+)
+from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery, start_dht
 from swarmgrad.node.discovery.records import MAX_TTL_SECONDS, PeerRecord, RecordError
 from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.server import start_server
@@ -95,19 +105,19 @@ def test_only_the_owner_can_sign_its_record() -> None:
         record(me).sign(other)
 
 
-# -- the backend contract (real DHT nodes on 127.0.0.1) ------------------------------------------
+# -- the backend contract (real DHT nodes on 127.0.0.1), for each backend ----------------------
 
-Starter = Callable[..., Awaitable[HivemindDiscovery]]
+Starter = Callable[..., Awaitable[Any]]
 
 
-@pytest.fixture
-async def start() -> AsyncIterator[Starter]:
-    started: list[HivemindDiscovery] = []
+@pytest.fixture(params=BACKENDS)
+async def start(request: pytest.FixtureRequest) -> AsyncIterator[Starter]:
+    started: list[Discovery] = []
 
-    async def starter(identity: Identity, **kwargs: object) -> HivemindDiscovery:
+    async def starter(identity: Identity, **kwargs: Any) -> Any:
         kwargs.setdefault("run_id", RUN)
         kwargs.setdefault("spec_hash", SPEC)
-        node = await HivemindDiscovery.start(identity, **kwargs)  # type: ignore[arg-type]
+        node = await start_discovery(request.param, identity, **kwargs)
         started.append(node)
         return node
 
@@ -119,7 +129,7 @@ async def start() -> AsyncIterator[Starter]:
 
 
 async def wait_for(
-    node: HivemindDiscovery, predicate: Callable[[list[PeerRecord]], bool], seconds: float = 15
+    node: Discovery, predicate: Callable[[list[PeerRecord]], bool], seconds: float = 15
 ) -> list[PeerRecord]:
     async with asyncio.timeout(seconds):
         while True:
@@ -131,6 +141,23 @@ async def wait_for(
 
 def live(identity: Identity, ttl: float = 60.0, **changes: object) -> PeerRecord:
     return record(identity, ttl=ttl, now=dht_time(), **changes)
+
+
+async def store_raw(node: Any, key: str, subkey: str, value: bytes, expires: float) -> None:
+    """Write a value the way a malicious peer would: straight into the DHT, unsigned by us."""
+    if hasattr(node, "_dht"):  # hivemind
+        assert node._dht.store(key, value, expiration_time=expires, subkey=subkey)
+    else:
+        assert await node.sidecar.store(key, subkey, value, expires, timeout_seconds=10)
+
+
+def dht_pids(node: Any) -> list[int]:
+    """The processes that make up ``node``'s DHT (hivemind: its process and its p2pd daemon)."""
+    if hasattr(node, "_dht"):
+        children = f"/proc/{node._dht.pid}/task/{node._dht.pid}/children"
+        with open(children) as file:  # noqa: ASYNC230 (procfs)
+            return [node._dht.pid, *map(int, file.read().split())]
+    return [node.sidecar.pid]
 
 
 @pytest.mark.slow
@@ -157,15 +184,16 @@ async def test_another_spec_sees_nothing_and_forgeries_are_dropped_and_counted(
         Identity.generate(), spec_hash=b"\x09" * 32, initial_peers=boot.visible_maddrs()
     )
     assert await other_spec.find() == []
-    # Mallory writes under the honest peer's subkey, and a record signed by the wrong key.
+    # Mallory writes a record signed by the wrong key, and one under the honest peer's subkey.
     forged = tamper(live(mallory).sign(mallory), epoch=1_000_000)
-    future = boot._dht.store(
-        boot._topic_key("peers"), forged, expiration_time=dht_time() + 30, subkey=mallory.peer_id
-    )
-    assert future
+    key = f"run/{RUN}/{SPEC.hex()}/peers"
+    await store_raw(other_spec, key, mallory.peer_id, forged, dht_time() + 30)
+    stolen = live(mallory).sign(mallory)
+    await store_raw(other_spec, key, honest.peer_id + "x", stolen, dht_time() + 30)
     records = await boot.find()
     assert [r.peer_id for r in records] == [honest.peer_id]
     assert boot.rejected["RecordError"] >= 1
+    assert boot.rejected["subkey mismatch"] >= 1
 
 
 @pytest.mark.slow
@@ -187,13 +215,48 @@ async def test_unreachable_bootstrap_is_reported_clearly(start: Starter) -> None
         await start(Identity.generate(), initial_peers=[dead])
 
 
-async def test_a_dht_started_after_grpc_comes_from_a_clean_process(start: Starter) -> None:
+@pytest.mark.slow
+async def test_frozen_peers_do_not_slow_lookups_past_a_bound(start: Starter) -> None:
+    # py-libp2p alone waits 10-20 s (and connect() 120 s) on a peer that stopped answering.
+    ids = [Identity.generate() for _ in range(8)]
+    boot = await start(ids[0])
+    nodes = [boot] + [await start(i, initial_peers=boot.visible_maddrs()) for i in ids[1:]]
+    for node, identity in zip(nodes, ids, strict=True):
+        await node.announce(live(identity))
+    everyone = sorted(i.peer_id for i in ids)
+    await wait_for(nodes[-1], lambda rs: [r.peer_id for r in rs] == everyone, seconds=30)
+    frozen = [pid for node in nodes[2:4] for pid in dht_pids(node)]
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        seconds = []
+        for node in (boot, *nodes[4:]):
+            for _ in range(3):
+                started = time.monotonic()
+                found = await node.find()
+                seconds.append(time.monotonic() - started)
+                # Records live on several replicas: the live ones still hold the swarm's.
+                assert len(found) >= len(ids) - 2
+        assert max(seconds) < 5.0, f"lookups took {sorted(seconds)} s with 2 of 8 frozen"
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+
+
+# -- hivemind backend: its own process ------------------------------------------------------------
+
+async def test_a_dht_started_after_grpc_comes_from_a_clean_process() -> None:
     # A fork taken while gRPC's threads run can hang the child: after a gRPC server exists the
     # DHT comes from multiprocessing's fork server, and still works.
     server, _ = await start_server(lambda server: None)
+    started: list[HivemindDiscovery] = []
     try:
-        a = await start(Identity.generate())
-        b = await start(Identity.generate(), initial_peers=a.visible_maddrs())
+        a = await HivemindDiscovery.start(Identity.generate(), run_id=RUN, spec_hash=SPEC)
+        started.append(a)
+        b = await HivemindDiscovery.start(
+            Identity.generate(), run_id=RUN, spec_hash=SPEC, initial_peers=a.visible_maddrs()
+        )
+        started.append(b)
         for node in (a, b):
             assert node._dht.from_clean_process
             with open(f"/proc/{node._dht.pid}/stat") as stat:  # noqa: ASYNC230 (procfs)
@@ -201,6 +264,8 @@ async def test_a_dht_started_after_grpc_comes_from_a_clean_process(start: Starte
         await a.announce(live(a._identity))
         await wait_for(b, lambda rs: len(rs) == 1)
     finally:
+        for node in started:
+            await node.close()
         await server.stop(None)
 
 

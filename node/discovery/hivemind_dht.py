@@ -26,7 +26,7 @@ from typing import Any
 
 import hivemind
 
-from swarmgrad.node.discovery.base import DiscoveryError
+from swarmgrad.node.discovery.base import DiscoveryError, dht_time
 from swarmgrad.node.discovery.records import PeerRecord, RecordError
 from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.server import grpc_started
@@ -34,11 +34,6 @@ from swarmgrad.protocol.server import grpc_started
 log = logging.getLogger(__name__)
 
 MAX_SPEC_BYTES = 16 * 1024
-
-
-def dht_time() -> float:
-    """The clock records are stamped with (hivemind's DHT time)."""
-    return float(hivemind.utils.get_dht_time())
 
 
 class _DHT(hivemind.DHT):  # type: ignore[misc]
@@ -187,12 +182,13 @@ class HivemindDiscovery:
         spec_hash: bytes,
         initial_peers: Sequence[str] = (),
         host: str = "127.0.0.1",
+        port: int = 0,
         start_timeout_seconds: float = 60.0,
         call_timeout_seconds: float = 10.0,
     ) -> HivemindDiscovery:
         """Start a DHT node (its own process) and join through ``initial_peers`` if any."""
         dht = await start_dht(
-            initial_peers, host=host, port=0, start_timeout_seconds=start_timeout_seconds
+            initial_peers, host=host, port=port, start_timeout_seconds=start_timeout_seconds
         )
         return cls(
             dht,

@@ -1,0 +1,379 @@
+"""Discovery over py-libp2p's Kademlia DHT, for platforms hivemind's daemon does not cover.
+
+libp2p and hivemind cannot share a process (both register protobuf's ``crypto.pb.KeyType``), and
+py-libp2p runs on trio: the DHT lives in a sidecar process (:mod:`.libp2p_sidecar`) that this
+module starts, talks to over a socket pair (one JSON object per line) and supervises. This
+module never imports libp2p.
+
+Keys and values are the hivemind backend's: ``run/<run id>/<spec hash>/<topic>``, one subkey per
+peer id, the latest expiry winning per subkey; readers verify every record. If the sidecar dies,
+calls in flight fail with DiscoveryError, and it is started again (same key, same port when free)
+and this node's unexpired announcements are stored again: peers see at most a short gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import logging
+import socket
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+
+from swarmgrad.node.discovery.base import DiscoveryError
+from swarmgrad.node.discovery.records import PeerRecord, RecordError
+from swarmgrad.node.identity import Identity
+
+log = logging.getLogger(__name__)
+
+MAX_SPEC_BYTES = 16 * 1024
+MAX_LINE_BYTES = 8 << 20  # a get of a whole topic: up to 4096 entries of a few KB each
+RESTART_BACKOFF_SECONDS = (0.5, 1.0, 2.0, 5.0)
+
+
+def network_key(secret: str = "") -> str:
+    """The libp2p pre-shared key: swarmgrad's public network, or a private run's if ``secret``.
+    (The same derivation as the sidecar's; kept here so that this module imports no libp2p.)"""
+    return hashlib.sha256(f"swarmgrad/dht/v1\0{secret}".encode()).hexdigest()
+
+
+class Sidecar:
+    """The sidecar process and the socket to it; restarts it if it dies."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        *,
+        initial_peers: Sequence[str],
+        host: str,
+        port: int,
+        network_secret: str,
+        start_timeout_seconds: float,
+    ) -> None:
+        self._seed = identity.private_key.private_bytes(
+            Encoding.Raw, PrivateFormat.Raw, NoEncryption()
+        )
+        self.initial_peers = list(initial_peers)
+        self._host, self._port = host, port
+        self._network_key = network_key(network_secret)
+        self._start_timeout = start_timeout_seconds
+        self._process: asyncio.subprocess.Process | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._next_id = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
+        self.maddrs: list[str] = []
+        #: This node's announcements, (key, subkey) -> (value, expiry), stored again on restart.
+        self.announced: dict[tuple[str, str], tuple[bytes, float]] = {}
+        #: Times the sidecar died and was started again.
+        self.restarts = 0
+        self.restarted = asyncio.Event()
+
+    @property
+    def pid(self) -> int | None:
+        """The running sidecar's process id."""
+        return self._process.pid if self._process is not None else None
+
+    async def start(self) -> None:
+        ours, theirs = socket.socketpair()
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "swarmgrad.node.discovery.libp2p_sidecar",
+                "--fd",
+                str(theirs.fileno()),
+                "--listen",
+                f"/ip4/{self._host}/tcp/{self._port}",
+                "--network-key",
+                self._network_key,
+                "--bootstrap",
+                *self.initial_peers,
+                stdin=asyncio.subprocess.PIPE,
+                pass_fds=(theirs.fileno(),),
+            )
+        finally:
+            theirs.close()
+        assert process.stdin is not None
+        process.stdin.write(self._seed.hex().encode() + b"\n")
+        process.stdin.close()
+        reader, writer = await asyncio.open_unix_connection(sock=ours, limit=MAX_LINE_BYTES)
+        try:
+            async with asyncio.timeout(self._start_timeout):
+                line = await reader.readline()
+        except TimeoutError:
+            await self._kill(process, writer)
+            raise DiscoveryError(f"the DHT did not start in {self._start_timeout:g} s") from None
+        except BaseException:
+            await self._kill(process, writer)
+            raise
+        ready = json.loads(line) if line else {"event": "failed", "error": "the sidecar exited"}
+        if ready.get("event") != "ready":
+            await self._kill(process, writer)
+            peers = ", ".join(self.initial_peers) or "none"
+            raise DiscoveryError(f"could not join the DHT (bootstrap: {peers}): {ready['error']}")
+        self._process, self._writer = process, writer
+        self.maddrs = [str(m) for m in ready["maddrs"]]
+        self._port = int(self.maddrs[0].split("/tcp/")[1].split("/")[0])  # keep it on restart
+        self._spawn(self._read(reader))
+        self._spawn(self._supervise(process))
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        while line := await reader.readline():
+            try:
+                reply = json.loads(line)
+                future = self._pending.pop(int(reply["id"]))
+            except (ValueError, KeyError, TypeError):
+                log.warning("the DHT sidecar said something unexpected: %.200r", line)
+                continue
+            if not future.done():
+                future.set_result(reply)
+
+    async def _supervise(self, process: asyncio.subprocess.Process) -> None:
+        code = await process.wait()
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(DiscoveryError(f"the DHT sidecar exited ({code})"))
+        self._pending.clear()
+        if self._closing:
+            return
+        log.warning("the DHT sidecar exited with %s; starting it again", code)
+        for attempt, delay in enumerate((0.0, *RESTART_BACKOFF_SECONDS)):
+            await asyncio.sleep(delay)
+            try:
+                await self.start()
+                break
+            except DiscoveryError as error:
+                log.warning("restarting the DHT sidecar (try %d): %s", attempt + 1, error)
+                if attempt == 1:
+                    self._port = 0  # the old port may be taken by now
+        else:
+            log.error("the DHT sidecar could not be restarted; discovery is down")
+            return
+        self.restarts += 1
+        now = time.time()
+        for (key, subkey), (value, expires) in list(self.announced.items()):
+            if expires > now:
+                try:
+                    await self.store(key, subkey, value, expires, timeout_seconds=10.0)
+                except DiscoveryError as error:
+                    log.warning("re-announcing %s after a restart: %s", key, error)
+        self.restarted.set()
+
+    async def request(self, op: str, timeout_seconds: float, **fields: Any) -> dict[str, Any]:
+        if self._writer is None or self._process is None or self._process.returncode is not None:
+            raise DiscoveryError("the DHT sidecar is not running")
+        self._next_id += 1
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[self._next_id] = future
+        message = {"id": self._next_id, "op": op, **fields}
+        self._writer.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+        try:
+            async with asyncio.timeout(timeout_seconds):
+                reply = await future
+        except TimeoutError:
+            raise DiscoveryError(f"DHT call timed out after {timeout_seconds:g} s") from None
+        finally:
+            self._pending.pop(self._next_id, None)
+        if "error" in reply:
+            raise DiscoveryError(f"DHT {op} failed: {reply['error']}")
+        return reply
+
+    async def store(
+        self, key: str, subkey: str, value: bytes, expires: float, *, timeout_seconds: float
+    ) -> int:
+        reply = await self.request(
+            "store",
+            timeout_seconds,
+            key=key,
+            subkey=subkey,
+            value=base64.b64encode(value).decode(),
+            expires=expires,
+        )
+        return int(reply["stored"])
+
+    async def get(self, key: str, *, timeout_seconds: float) -> dict[str, bytes]:
+        """Unexpired values under ``key``, by subkey (malformed entries are skipped)."""
+        reply = await self.request("get", timeout_seconds, key=key)
+        values = {}
+        for entry in reply.get("entries", []):
+            try:
+                values[str(entry["subkey"])] = base64.b64decode(entry["value"], validate=True)
+            except (KeyError, TypeError, ValueError):
+                continue
+        return values
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._process is not None:
+            await self._kill(self._process, self._writer)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    @staticmethod
+    async def _kill(
+        process: asyncio.subprocess.Process, writer: asyncio.StreamWriter | None
+    ) -> None:
+        if writer is not None:
+            writer.close()  # the sidecar exits when its socket closes
+        try:
+            async with asyncio.timeout(5.0):
+                await process.wait()
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+
+class Libp2pDiscovery:
+    """The discovery interface (:class:`~.base.Discovery`) on the py-libp2p sidecar."""
+
+    def __init__(
+        self,
+        sidecar: Sidecar,
+        identity: Identity,
+        *,
+        run_id: str,
+        spec_hash: bytes,
+        call_timeout_seconds: float = 10.0,
+    ) -> None:
+        self._sidecar = sidecar
+        self._identity = identity
+        self.run_id, self.spec_hash = run_id, spec_hash
+        self._prefix = f"run/{run_id}/{spec_hash.hex()}"
+        self._timeout = call_timeout_seconds
+        self._announced_until = 0.0
+        #: Records dropped on read, by reason.
+        self.rejected: Counter[str] = Counter()
+
+    @classmethod
+    async def start(
+        cls,
+        identity: Identity,
+        *,
+        run_id: str,
+        spec_hash: bytes,
+        initial_peers: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        port: int = 0,
+        network_secret: str = "",
+        start_timeout_seconds: float = 30.0,
+        call_timeout_seconds: float = 10.0,
+    ) -> Libp2pDiscovery:
+        """Start the sidecar and join through ``initial_peers`` if any."""
+        sidecar = Sidecar(
+            identity,
+            initial_peers=initial_peers,
+            host=host,
+            port=port,
+            network_secret=network_secret,
+            start_timeout_seconds=start_timeout_seconds,
+        )
+        await sidecar.start()
+        return cls(
+            sidecar,
+            identity,
+            run_id=run_id,
+            spec_hash=spec_hash,
+            call_timeout_seconds=call_timeout_seconds,
+        )
+
+    def for_spec(self, spec_hash: bytes) -> Libp2pDiscovery:
+        """A view of the same DHT for another spec of this run (closing either closes both)."""
+        return Libp2pDiscovery(
+            self._sidecar,
+            self._identity,
+            run_id=self.run_id,
+            spec_hash=spec_hash,
+            call_timeout_seconds=self._timeout,
+        )
+
+    @property
+    def sidecar(self) -> Sidecar:
+        return self._sidecar
+
+    def visible_maddrs(self) -> list[str]:
+        return list(self._sidecar.maddrs)
+
+    def _topic_key(self, topic: str) -> str:
+        return f"{self._prefix}/{topic}"
+
+    async def _store(self, key: str, subkey: str, value: bytes, expires: float) -> None:
+        for attempt in range(3):  # a replica can miss its deadline on a busy machine
+            if attempt:
+                await asyncio.sleep(0.25 * 2 ** (attempt - 1))
+            stored = await self._sidecar.store(
+                key, subkey, value, expires, timeout_seconds=self._timeout
+            )
+            if stored:
+                return
+        raise DiscoveryError("no DHT node accepted the record")
+
+    async def announce(self, record: PeerRecord, topic: str = "peers") -> None:
+        if record.peer_id != self._identity.peer_id:
+            raise ValueError("a node announces its own record only")
+        key = self._topic_key(topic)
+        signed = record.sign(self._identity)
+        await self._store(key, record.peer_id, signed, record.expires_at)
+        self._sidecar.announced[(key, record.peer_id)] = (signed, record.expires_at)
+        self._announced_until = max(self._announced_until, record.expires_at)
+
+    async def announce_spec(self, canonical: bytes, *, expires_at: float) -> None:
+        if len(canonical) > MAX_SPEC_BYTES:
+            raise ValueError("the canonical run spec is too large to announce")
+        key, subkey = f"run/{self.run_id}/specs", self.spec_hash.hex()
+        await self._store(key, subkey, canonical, expires_at)
+        self._sidecar.announced[(key, subkey)] = (canonical, expires_at)
+
+    async def find_specs(self) -> dict[str, bytes]:
+        found = await self._sidecar.get(f"run/{self.run_id}/specs", timeout_seconds=self._timeout)
+        specs = {}
+        for subkey, data in found.items():
+            if len(data) <= MAX_SPEC_BYTES and hashlib.sha256(data).hexdigest() == subkey:
+                specs[subkey] = data
+            else:
+                self.rejected["bad spec"] += 1
+        return specs
+
+    async def leave(self, topic: str = "peers") -> None:
+        """Overwrite this node's record under ``topic`` with an empty value that outlives it."""
+        key = self._topic_key(topic)
+        expires = max(self._announced_until, time.time()) + 1.0
+        self._sidecar.announced.pop((key, self._identity.peer_id), None)
+        await self._store(key, self._identity.peer_id, b"", expires)
+
+    async def find(self, topic: str = "peers") -> list[PeerRecord]:
+        found = await self._sidecar.get(self._topic_key(topic), timeout_seconds=self._timeout)
+        now = time.time()
+        records = []
+        for subkey, data in found.items():
+            try:
+                record = PeerRecord.verify(
+                    data, run_id=self.run_id, spec_hash=self.spec_hash, now=now
+                )
+            except RecordError as error:
+                if data != b"":  # an empty value is a graceful leave, not an attack
+                    self.rejected[type(error).__name__] += 1
+                    log.debug("dropped record under %r: %s", subkey, error)
+                continue
+            if record.peer_id != subkey:
+                self.rejected["subkey mismatch"] += 1
+                continue
+            records.append(record)
+        return sorted(records, key=lambda r: r.peer_id)
+
+    async def close(self) -> None:
+        await self._sidecar.close()

@@ -1,0 +1,499 @@
+"""The py-libp2p discovery sidecar: a trio process that holds a libp2p host, its Kademlia DHT
+and a directory of signed records, and serves the node over a local socket.
+
+Run by :mod:`swarmgrad.node.discovery.libp2p_dht` (never imported by the node: libp2p and hivemind
+cannot share a process)::
+
+    python -m swarmgrad.node.discovery.libp2p_sidecar --fd 3 --listen /ip4/127.0.0.1/tcp/0 \\
+        [--bootstrap MADDR ...] [--network-key HEX]
+
+The node's Ed25519 private key (32 bytes, hex) comes on standard input, so the DHT peer id and
+multiaddr stay the same across restarts. The node talks over the inherited socket ``--fd``: one
+JSON object per line each way. First the sidecar says ``{"event": "ready", "maddrs": [...]}`` or
+``{"event": "failed", "error": ...}``; then it answers requests ``{"id", "op", ...}`` with
+``{"id", ...}`` or ``{"id", "error"}``. Ops: ``store`` (key, subkey, value (base64), expires),
+``get`` (key), ``maddrs``, ``stats``. It exits when that socket closes (the node died or left).
+
+Where records live: Kademlia's routing finds the ``REPLICAS`` peers closest to SHA-256(key);
+each keeps, per key, one entry per subkey (the latest expiry wins), like hivemind's dictionary
+values, served by this module's own protocol (``DIRECTORY_PROTOCOL``). py-libp2p's own values
+hold one value per key, which cannot list a swarm's peers. Storers check sizes and expiry only;
+readers (the node) verify every record's signature.
+
+What this contains of py-libp2p 0.8.1's defects (measured, ../DESIGN.md section 5):
+- plaintext and SECIO are offered by default: the host offers Noise only, under a pre-shared
+  key (libp2p private networks): the public swarmgrad key, or a run's own for a private run, so
+  no other libp2p network merges with ours;
+- an exception in a stream handler kills the host: every handler here catches and resets;
+- ``connect()`` to a silent peer blocks for 120 s, and a lookup waits for its slowest peer: every
+  connect, stream and query here runs under a deadline;
+- frozen peers are never evicted: a peer that misses a deadline leaves the routing table and is
+  skipped for ``PENALTY_SECONDS``;
+- AutoNAT always says "reachable": not used (the node's own reachability check decides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import math
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.abc import IHost, INetStream
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.crypto.x25519 import create_new_key_pair as create_noise_key_pair
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.kad_dht.utils import sort_peer_ids_by_distance
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.tools.anyio_service import background_trio_service
+
+log = logging.getLogger("swarmgrad.libp2p_sidecar")
+
+DIRECTORY_PROTOCOL = TProtocol("/swarmgrad/directory/1.0.0")
+REPLICAS = 4  # peers that hold each key's entries
+ALPHA = 3  # lookups in flight at once
+QUERY_SECONDS = 0.75  # one peer: connect (py-libp2p spends ~0.25 s on a new one) + answer
+LOOKUP_SECONDS = 1.5  # a whole lookup; then the closest peers known so far are used
+CONNECT_SECONDS = 5.0
+PENALTY_SECONDS = 30.0
+REFRESH_SECONDS = (1.0, 2.0, 4.0, 8.0, 15.0)  # after joining, then every 15 s
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_VALUE_BYTES = 16 * 1024
+MAX_KEY_CHARS, MAX_SUBKEY_CHARS = 512, 128
+MAX_ENTRIES_PER_KEY, MAX_ENTRIES = 4096, 65536
+MAX_TTL_SECONDS = 3600.0
+
+
+def network_key(secret: str = "") -> str:
+    """The libp2p pre-shared key (64 hex digits): swarmgrad's public network, or a private
+    run's own if ``secret`` is given."""
+    return hashlib.sha256(f"swarmgrad/dht/v1\0{secret}".encode()).hexdigest()
+
+
+# -- the directory: entries by key and subkey ---------------------------------------------------
+
+
+@dataclass(slots=True)
+class Entry:
+    value: bytes
+    expires: float
+
+
+class Directory:
+    """What this peer stores for others, bounded in entries, sizes and lifetimes."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, dict[str, Entry]] = {}
+
+    def store(self, key: str, subkey: str, value: bytes, expires: float, now: float) -> bool:
+        check_entry(key, subkey, value, expires, now)
+        self._purge(now)
+        entries = self.keys.setdefault(key, {})
+        old = entries.get(subkey)
+        if old is not None and old.expires >= expires:
+            return False  # a newer value (or this one) is already held
+        if old is None and (
+            len(entries) >= MAX_ENTRIES_PER_KEY
+            or sum(len(e) for e in self.keys.values()) >= MAX_ENTRIES
+        ):
+            raise ValueError("this peer's directory is full")
+        entries[subkey] = Entry(value, expires)
+        return True
+
+    def get(self, key: str, now: float) -> dict[str, Entry]:
+        return {s: e for s, e in self.keys.get(key, {}).items() if e.expires > now}
+
+    def _purge(self, now: float) -> None:
+        for key in list(self.keys):
+            live = {s: e for s, e in self.keys[key].items() if e.expires > now}
+            if live:
+                self.keys[key] = live
+            else:
+                del self.keys[key]
+
+
+def check_entry(key: str, subkey: str, value: bytes, expires: float, now: float) -> None:
+    if not 0 < len(key) <= MAX_KEY_CHARS or not 0 < len(subkey) <= MAX_SUBKEY_CHARS:
+        raise ValueError("key or subkey empty or too long")
+    if len(value) > MAX_VALUE_BYTES:
+        raise ValueError(f"value of {len(value)} bytes (at most {MAX_VALUE_BYTES})")
+    if not math.isfinite(expires) or expires <= now or expires > now + MAX_TTL_SECONDS:
+        raise ValueError("expiry in the past or too far ahead")
+
+
+def merge(into: dict[str, Entry], entries: dict[str, Entry]) -> None:
+    for subkey, entry in entries.items():
+        if subkey not in into or into[subkey].expires < entry.expires:
+            into[subkey] = entry
+
+
+def encode_entries(entries: dict[str, Entry]) -> list[dict[str, Any]]:
+    return [
+        {"subkey": s, "value": base64.b64encode(e.value).decode(), "expires": e.expires}
+        for s, e in entries.items()
+    ]
+
+
+def decode_entries(raw: object) -> dict[str, Entry]:
+    """Entries from a peer's answer; raises ValueError on anything malformed."""
+    if not isinstance(raw, list) or len(raw) > MAX_ENTRIES_PER_KEY:
+        raise ValueError("entries must be a list")
+    entries = {}
+    for item in raw:
+        if not isinstance(item, dict) or set(item) != {"subkey", "value", "expires"}:
+            raise ValueError("malformed entry")
+        subkey, value, expires = item["subkey"], item["value"], item["expires"]
+        if not isinstance(subkey, str) or not isinstance(value, str):
+            raise ValueError("malformed entry")
+        if not isinstance(expires, int | float) or isinstance(expires, bool):
+            raise ValueError("malformed entry")
+        entries[subkey] = Entry(base64.b64decode(value, validate=True), float(expires))
+    return entries
+
+
+# -- framing on libp2p streams -------------------------------------------------------------------
+
+
+async def read_message(stream: INetStream) -> dict[str, Any]:
+    header = await _read_exactly(stream, 4)
+    size = int.from_bytes(header, "big")
+    if size > MAX_MESSAGE_BYTES:
+        raise ValueError(f"a message of {size} bytes")
+    message = json.loads(await _read_exactly(stream, size))
+    if not isinstance(message, dict):
+        raise ValueError("a message that is not an object")
+    return message
+
+
+async def write_message(stream: INetStream, message: dict[str, Any]) -> None:
+    data = json.dumps(message, separators=(",", ":")).encode()
+    await stream.write(len(data).to_bytes(4, "big") + data)
+
+
+async def _read_exactly(stream: INetStream, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = await stream.read(size - len(data))
+        if not chunk:
+            raise EOFError("the stream ended early")
+        data += chunk
+    return data
+
+
+# -- the node: host, DHT, lookups ----------------------------------------------------------------
+
+
+@dataclass
+class Sidecar:
+    host: IHost
+    dht: KadDHT
+    directory: Directory = field(default_factory=Directory)
+    penalized: dict[ID, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    def maddrs(self) -> list[str]:
+        return [str(a) for a in self.host.get_addrs()]
+
+    def _usable(self, peer: ID) -> bool:
+        until = self.penalized.get(peer)
+        return peer != self.host.get_id() and (until is None or until < time.monotonic())
+
+    def penalize(self, peer: ID, why: str) -> None:
+        """A peer that missed a deadline or failed: out of the routing table, skipped a while."""
+        log.info("evicting %s: %s", peer, why)
+        self.penalized[peer] = time.monotonic() + PENALTY_SECONDS
+        self.dht.routing_table.remove_peer(peer)
+        self.count("evicted")
+
+    async def bounded(self, peer: ID, call: Callable[[], Awaitable[Any]], what: str) -> Any:
+        """``call()`` with the per-peer deadline; None (and the peer penalized) if it fails."""
+        try:
+            with trio.fail_after(QUERY_SECONDS):
+                return await call()
+        except trio.TooSlowError:
+            self.penalize(peer, f"{what} timed out after {QUERY_SECONDS:g} s")
+        except Exception as error:  # any failure of a remote peer: drop it, carry on
+            self.penalize(peer, f"{what} failed: {type(error).__name__}: {error}")
+        return None
+
+    async def closest(self, key: str) -> list[ID]:
+        """The peers closest to ``key`` that answered (this one included when it is among
+        them): an iterative Kademlia lookup, every query and the whole under a deadline."""
+        target = hashlib.sha256(key.encode()).digest()
+        me = self.host.get_id()
+        known = set(self.dht.routing_table.find_local_closest_peers(target, 20))
+        answered: set[ID] = {me}
+        asked: set[ID] = set()
+
+        async def ask(peer: ID) -> None:
+            found = await self.bounded(
+                peer,
+                lambda: self.dht.peer_routing._query_peer_for_closest(peer, target),
+                "a lookup",
+            )
+            if found is not None:
+                answered.add(peer)
+                known.update(p for p in found if self._usable(p))
+
+        with trio.move_on_after(LOOKUP_SECONDS):
+            while True:
+                ranked = sort_peer_ids_by_distance(target, [p for p in known if self._usable(p)])
+                todo = [p for p in ranked[:REPLICAS] if p not in asked][:ALPHA]
+                if not todo:
+                    break
+                asked.update(todo)
+                async with trio.open_nursery() as nursery:
+                    for peer in todo:
+                        nursery.start_soon(ask, peer)
+        return sort_peer_ids_by_distance(target, list(answered))[:REPLICAS]
+
+    async def remote(self, peer: ID, request: dict[str, Any]) -> dict[str, Any] | None:
+        async def call() -> dict[str, Any]:
+            stream = await self.host.new_stream(peer, [DIRECTORY_PROTOCOL])
+            try:
+                await write_message(stream, request)
+                return await read_message(stream)
+            finally:
+                await stream.close()
+
+        answer: dict[str, Any] | None = await self.bounded(peer, call, request["op"])
+        return answer
+
+    async def store(self, key: str, subkey: str, value: bytes, expires: float) -> int:
+        check_entry(key, subkey, value, expires, time.time())
+        stored = 0
+        request = {
+            "op": "store",
+            "key": key,
+            "subkey": subkey,
+            "value": base64.b64encode(value).decode(),
+            "expires": expires,
+        }
+
+        async def one(peer: ID) -> None:
+            nonlocal stored
+            if peer == self.host.get_id():
+                self.directory.store(key, subkey, value, expires, time.time())
+                stored += 1
+            elif (answer := await self.remote(peer, request)) is not None and "error" not in answer:
+                stored += 1
+
+        async with trio.open_nursery() as nursery:
+            for peer in await self.closest(key):
+                nursery.start_soon(one, peer)
+        return stored
+
+    async def get(self, key: str) -> dict[str, Entry]:
+        found: dict[str, Entry] = {}
+
+        async def one(peer: ID) -> None:
+            if peer == self.host.get_id():
+                merge(found, self.directory.get(key, time.time()))
+                return
+            answer = await self.remote(peer, {"op": "get", "key": key})
+            if answer is None:
+                return
+            try:
+                merge(found, decode_entries(answer.get("entries")))
+            except ValueError as error:
+                self.penalize(peer, f"a malformed answer ({error})")
+
+        async with trio.open_nursery() as nursery:
+            for peer in await self.closest(key):
+                nursery.start_soon(one, peer)
+        return found
+
+    async def serve_directory(self, stream: INetStream) -> None:
+        """Another peer's store or get. Any failure resets this stream, never the host."""
+        try:
+            with trio.fail_after(QUERY_SECONDS * 2):
+                request = await read_message(stream)
+                now = time.time()
+                if request.get("op") == "store":
+                    value = base64.b64decode(str(request.get("value")), validate=True)
+                    expires = request.get("expires")
+                    if not isinstance(expires, int | float) or isinstance(expires, bool):
+                        raise ValueError("malformed expiry")
+                    self.directory.store(
+                        str(request.get("key")), str(request.get("subkey")), value, expires, now
+                    )
+                    await write_message(stream, {"ok": True})
+                elif request.get("op") == "get":
+                    entries = self.directory.get(str(request.get("key")), now)
+                    await write_message(stream, {"entries": encode_entries(entries)})
+                else:
+                    raise ValueError(f"unknown op {request.get('op')!r}")
+            await stream.close()
+        except Exception as error:  # a bad or slow peer: its stream ends, the host stays up
+            self.count("bad requests")
+            log.info("directory request refused: %s: %s", type(error).__name__, error)
+            with contextlib.suppress(Exception):  # the stream may be gone: nothing to tell
+                await write_message(stream, {"error": str(error)[:200]})
+            await stream.reset()
+
+    async def join(self, bootstrap: list[str]) -> None:
+        """Connect to the bootstrap peers (at least one must answer), then fill the routing
+        table by looking up this peer's own neighbourhood."""
+        reached: list[str] = []
+        errors: list[str] = []
+
+        async def connect(address: str) -> None:
+            try:
+                info = info_from_p2p_addr(multiaddr.Multiaddr(address))
+                with trio.fail_after(CONNECT_SECONDS):
+                    await self.host.connect(info)
+                reached.append(address)
+            except trio.TooSlowError:
+                errors.append(f"{address}: no answer in {CONNECT_SECONDS:g} s")
+            except Exception as error:  # bad address, refused, wrong network key
+                errors.append(f"{address}: {type(error).__name__}: {error}")
+
+        async with trio.open_nursery() as nursery:
+            for address in bootstrap:
+                nursery.start_soon(connect, address)
+        if bootstrap and not reached:
+            raise ConnectionError("no bootstrap peer answered (" + "; ".join(errors) + ")")
+        await self.refresh()
+
+    async def refresh(self) -> None:
+        with trio.move_on_after(LOOKUP_SECONDS * 2):
+            await self.closest(str(self.host.get_id()))
+        for peer in list(self.host.get_connected_peers()):
+            if self._usable(peer) and not self.dht.routing_table.peer_in_table(peer):
+                with trio.move_on_after(QUERY_SECONDS):
+                    await self.dht.peer_routing._query_peer_for_closest(
+                        peer, hashlib.sha256(str(self.host.get_id()).encode()).digest()
+                    )
+
+    async def refresh_forever(self) -> None:
+        for delay in itertools.chain(REFRESH_SECONDS, itertools.repeat(REFRESH_SECONDS[-1])):
+            await trio.sleep(delay)
+            await self.refresh()
+
+
+# -- the local socket ---------------------------------------------------------------------------
+
+
+async def serve_node(sidecar: Sidecar, stream: trio.SocketStream) -> None:
+    """Answer the node's requests (concurrently) until it closes the socket."""
+    send_lock = trio.Lock()
+
+    async def send(message: dict[str, Any]) -> None:
+        async with send_lock:
+            await stream.send_all(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+
+    async def answer(request: dict[str, Any]) -> None:
+        reply: dict[str, Any] = {"id": request.get("id")}
+        try:
+            op = request.get("op")
+            if op == "store":
+                value = base64.b64decode(str(request["value"]), validate=True)
+                reply["stored"] = await sidecar.store(
+                    str(request["key"]), str(request["subkey"]), value, float(request["expires"])
+                )
+            elif op == "get":
+                reply["entries"] = encode_entries(await sidecar.get(str(request["key"])))
+            elif op == "maddrs":
+                reply["maddrs"] = sidecar.maddrs()
+            elif op == "stats":
+                reply["stats"] = {
+                    **sidecar.counts,
+                    "routing_table": sidecar.dht.routing_table.size(),
+                    "connected": len(sidecar.host.get_connected_peers()),
+                }
+            else:
+                raise ValueError(f"unknown op {op!r}")
+        except Exception as error:  # reported to the node, which raises DiscoveryError
+            reply["error"] = f"{type(error).__name__}: {error}"
+        await send(reply)
+
+    await send({"event": "ready", "maddrs": sidecar.maddrs()})
+    buffer = b""
+    async with trio.open_nursery() as nursery:
+        while True:
+            data = await stream.receive_some(1 << 16)
+            if not data:  # the node closed its end (or died): this process is done
+                nursery.cancel_scope.cancel()
+                return
+            buffer += data
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                nursery.start_soon(answer, json.loads(line))
+
+
+async def run(args: argparse.Namespace, seed: bytes) -> None:
+    sock = trio.socket.from_stdlib_socket(socket.socket(fileno=args.fd))
+    stream = trio.SocketStream(sock)
+    key_pair = create_new_key_pair(seed)
+    noise = NoiseTransport(key_pair, noise_privkey=create_noise_key_pair().private_key)
+    host = new_host(
+        key_pair=key_pair,
+        sec_opt={NOISE_PROTOCOL_ID: noise},  # Noise only: no plaintext, no SECIO, no TLS
+        psk=args.network_key,
+    )
+    dht = KadDHT(host, DHTMode.SERVER)
+    sidecar = Sidecar(host, dht)
+    host.set_stream_handler(DIRECTORY_PROTOCOL, sidecar.serve_directory)
+    async with AsyncExitStack() as stack:
+        try:
+            await stack.enter_async_context(host.run([multiaddr.Multiaddr(args.listen)]))
+            await stack.enter_async_context(background_trio_service(dht))
+            await sidecar.join(args.bootstrap)
+        except Exception as error:
+            failed = {"event": "failed", "error": f"{type(error).__name__}: {error}"}
+            await stream.send_all(json.dumps(failed).encode() + b"\n")
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sidecar.refresh_forever)
+            await serve_node(sidecar, stream)
+            nursery.cancel_scope.cancel()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--fd", type=int, required=True, help="the node's end of a socket pair")
+    parser.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0")
+    parser.add_argument("--bootstrap", nargs="*", default=[])
+    parser.add_argument("--network-key", default=network_key())
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args()
+    # py-libp2p logs every failed dial (routine in a swarm) as an error, some through the root
+    # logger: only this module's own messages are shown unless DEBUG is asked for.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("dht sidecar %(levelname)s %(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(args.log_level)
+    log.propagate = False
+    logging.basicConfig(level=logging.DEBUG if args.log_level == "DEBUG" else logging.CRITICAL)
+    libp2p_log = logging.getLogger("libp2p")
+    libp2p_log.handlers[:] = [handler] if args.log_level == "DEBUG" else [logging.NullHandler()]
+    libp2p_log.setLevel(args.log_level)
+    seed = bytes.fromhex(sys.stdin.readline().strip())
+    if len(seed) != 32:
+        sys.exit("expected the 32-byte Ed25519 private key (hex) on standard input")
+    trio.run(run, args, seed)
+
+
+if __name__ == "__main__":
+    main()
