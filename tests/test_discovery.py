@@ -7,7 +7,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -155,7 +154,7 @@ def dht_pids(node: Any) -> list[int]:
     """The processes that make up ``node``'s DHT (hivemind: its process and its p2pd daemon)."""
     if hasattr(node, "_dht"):
         children = f"/proc/{node._dht.pid}/task/{node._dht.pid}/children"
-        with open(children) as file:  # noqa: ASYNC230 (procfs)
+        with open(children) as file:
             return [node._dht.pid, *map(int, file.read().split())]
     return [node.sidecar.pid]
 
@@ -244,6 +243,7 @@ async def test_frozen_peers_do_not_slow_lookups_past_a_bound(start: Starter) -> 
 
 
 # -- hivemind backend: its own process ------------------------------------------------------------
+
 
 async def test_a_dht_started_after_grpc_comes_from_a_clean_process() -> None:
     # A fork taken while gRPC's threads run can hang the child: after a gRPC server exists the

@@ -144,6 +144,9 @@ class Sidecar:
 
     async def _supervise(self, process: asyncio.subprocess.Process) -> None:
         code = await process.wait()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(DiscoveryError(f"the DHT sidecar exited ({code})"))

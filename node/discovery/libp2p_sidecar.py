@@ -55,8 +55,8 @@ import trio
 from libp2p import new_host
 from libp2p.abc import IHost, INetStream
 from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.custom_types import TProtocol
 from libp2p.crypto.x25519 import create_new_key_pair as create_noise_key_pair
+from libp2p.custom_types import TProtocol
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 from libp2p.peer.id import ID
@@ -420,6 +420,7 @@ async def serve_node(sidecar: Sidecar, stream: trio.SocketStream) -> None:
                 reply["stats"] = {
                     **sidecar.counts,
                     "routing_table": sidecar.dht.routing_table.size(),
+                    "entries": sum(len(e) for e in sidecar.directory.keys.values()),
                     "connected": len(sidecar.host.get_connected_peers()),
                 }
             else:
