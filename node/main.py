@@ -86,10 +86,11 @@ async def node(config: NodeConfig, stop: asyncio.Event) -> int:
     # which would inherit them (and hold them past a kill -9 of this one).
     async with Swarm(config.spec, identity, config.swarm) as swarm:
         log.info(
-            "joined run %s (spec %s); gRPC %s; DHT %s",
+            "joined run %s (spec %s); gRPC %s; DHT (%s) %s",
             config.spec.run.id,
             config.spec.short_hash,
             swarm.endpoint,
+            config.swarm.discovery,
             " ".join(swarm.visible_maddrs()),
         )
         with (

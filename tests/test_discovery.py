@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import multiprocessing
 import os
@@ -183,6 +184,18 @@ async def test_another_spec_sees_nothing_and_forgeries_are_dropped_and_counted(
         Identity.generate(), spec_hash=b"\x09" * 32, initial_peers=boot.visible_maddrs()
     )
     assert await other_spec.find() == []
+    # Specs are listed above the hash, checked against it: both specs in use are seen.
+    ours, theirs = b'{"spec":"a"}', b'{"spec":"b"}'
+    await boot.for_spec(hashlib.sha256(ours).digest()).announce_spec(
+        ours, expires_at=dht_time() + 30
+    )
+    await other_spec.for_spec(hashlib.sha256(theirs).digest()).announce_spec(
+        theirs, expires_at=dht_time() + 30
+    )
+    await store_raw(other_spec, f"run/{RUN}/specs", "00" * 32, ours, dht_time() + 30)  # a liar
+    specs = await boot.find_specs()
+    assert specs == {hashlib.sha256(s).hexdigest(): s for s in (ours, theirs)}
+    assert boot.rejected["bad spec"] >= 1
     # Mallory writes a record signed by the wrong key, and one under the honest peer's subkey.
     forged = tamper(live(mallory).sign(mallory), epoch=1_000_000)
     key = f"run/{RUN}/{SPEC.hex()}/peers"

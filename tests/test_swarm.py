@@ -108,6 +108,35 @@ def test_four_nodes_learn_together_and_refuse_another_spec(tmp_path: Path, cache
     assert final < alone, (final, alone)
 
 
+def test_four_nodes_learn_together_over_the_pure_python_dht(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    # The same swarm with --discovery libp2p: py-libp2p's DHT in each node's sidecar process.
+    rounds = 10
+    summary = simulate(
+        nodes=4,
+        rounds=rounds,
+        spec_path=None,
+        profile_path=None,
+        out_dir=tmp_path / "sim",
+        discovery="libp2p",
+    )
+    peers = summary["peers"]
+    assert [p["epoch"] for p in peers] == [rounds] * 4
+    assert summary["replicas_identical"], [p["checksum"] for p in peers]
+    for peer in peers:
+        averaged = peer["outcomes"].get("averaged", 0) + peer["outcomes"].get("partial", 0)
+        assert averaged >= rounds - 2, peer["outcomes"]
+    per_peer = min(p["samples"] for p in peers)
+    spec = RunSpec.load(tmp_path / "sim" / "run.toml")
+    initial, alone = train_alone(spec, samples=per_peer, cache_dir=cache_dir, threads=2)
+    final = summary["final_val_loss"]
+    assert final < initial - 1.5, (initial, final)
+    assert final < alone, (final, alone)
+    for i in range(4):
+        assert "DHT (libp2p) /ip4/127.0.0.1/" in (tmp_path / "sim" / f"node-{i}.log").read_text()
+
+
 def test_sync_mode_averages_every_step_and_stays_identical(tmp_path: Path, cache_dir: Path) -> None:
     spec = tmp_path / "sync.toml"
     spec.write_text(

@@ -180,9 +180,10 @@ class Sidecar:
         if self._writer is None or self._process is None or self._process.returncode is not None:
             raise DiscoveryError("the DHT sidecar is not running")
         self._next_id += 1
+        request_id = self._next_id
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._pending[self._next_id] = future
-        message = {"id": self._next_id, "op": op, **fields}
+        self._pending[request_id] = future
+        message = {"id": request_id, "op": op, **fields}
         self._writer.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
         try:
             async with asyncio.timeout(timeout_seconds):
@@ -190,7 +191,7 @@ class Sidecar:
         except TimeoutError:
             raise DiscoveryError(f"DHT call timed out after {timeout_seconds:g} s") from None
         finally:
-            self._pending.pop(self._next_id, None)
+            self._pending.pop(request_id, None)
         if "error" in reply:
             raise DiscoveryError(f"DHT {op} failed: {reply['error']}")
         return reply
