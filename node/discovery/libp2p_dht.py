@@ -95,6 +95,8 @@ class Sidecar:
                 f"/ip4/{self._host}/tcp/{self._port}",
                 "--network-key",
                 self._network_key,
+                "--log-level",  # the sidecar logs to this process's stderr, at this module's level
+                logging.getLevelName(min(log.getEffectiveLevel(), logging.WARNING)),
                 "--bootstrap",
                 *self.initial_peers,
                 stdin=asyncio.subprocess.PIPE,

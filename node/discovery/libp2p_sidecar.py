@@ -12,7 +12,8 @@ multiaddr stay the same across restarts. The node talks over the inherited socke
 JSON object per line each way. First the sidecar says ``{"event": "ready", "maddrs": [...]}`` or
 ``{"event": "failed", "error": ...}``; then it answers requests ``{"id", "op", ...}`` with
 ``{"id", ...}`` or ``{"id", "error"}``. Ops: ``store`` (key, subkey, value (base64), expires),
-``get`` (key), ``maddrs``, ``stats``. It exits when that socket closes (the node died or left).
+``get`` (key), ``closest`` (key: the peers holding it), ``maddrs``, ``stats``. It exits when
+that socket closes (the node died or left).
 
 Where records live: Kademlia's routing finds the ``REPLICAS`` peers closest to SHA-256(key);
 each keeps, per key, one entry per subkey (the latest expiry wins), like hivemind's dictionary
@@ -28,7 +29,7 @@ What this contains of py-libp2p 0.8.1's defects (measured, ../DESIGN.md section 
 - ``connect()`` to a silent peer blocks for 120 s, and a lookup waits for its slowest peer: every
   connect, stream and query here runs under a deadline;
 - frozen peers are never evicted: a peer that misses a deadline leaves the routing table and is
-  skipped for ``PENALTY_SECONDS``;
+  skipped by lookups for a while (longer with each failure in a row);
 - AutoNAT always says "reachable": not used (the node's own reachability check decides).
 """
 
@@ -58,7 +59,10 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.x25519 import create_new_key_pair as create_noise_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.kad_dht.routing_table import KBucket
 from libp2p.kad_dht.utils import sort_peer_ids_by_distance
+from libp2p.network import swarm as libp2p_swarm
+from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -67,19 +71,45 @@ from libp2p.tools.anyio_service import background_trio_service
 
 log = logging.getLogger("swarmgrad.libp2p_sidecar")
 
+
 DIRECTORY_PROTOCOL = TProtocol("/swarmgrad/directory/1.0.0")
-REPLICAS = 4  # peers that hold each key's entries
-ALPHA = 3  # lookups in flight at once
-QUERY_SECONDS = 0.75  # one peer: connect (py-libp2p spends ~0.25 s on a new one) + answer
-LOOKUP_SECONDS = 1.5  # a whole lookup; then the closest peers known so far are used
+REPLICAS = 5  # peers that hold each key's entries
+ALPHA = 3  # queries in flight at once in a lookup
+PING_SECONDS = 0.5  # a routing table's liveness check
+SLOW_SECONDS = 0.5  # a query open this long no longer holds a lookup up
+QUERY_SECONDS = 3.0  # a query that has not answered by now failed: its peer is evicted
+LOOKUP_SECONDS = 1.5  # a whole lookup; then the closest peers that answered are used
 CONNECT_SECONDS = 5.0
-PENALTY_SECONDS = 30.0
-REFRESH_SECONDS = (1.0, 2.0, 4.0, 8.0, 15.0)  # after joining, then every 15 s
+PENALTY_SECONDS = (10.0, 300.0)  # after a first failure; the cap after many in a row
+REFRESH_SECONDS = (2.0, 5.0, 15.0, 30.0)  # after joining, then every 30 s
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_VALUE_BYTES = 16 * 1024
 MAX_KEY_CHARS, MAX_SUBKEY_CHARS = 512, 128
 MAX_ENTRIES_PER_KEY, MAX_ENTRIES = 4096, 65536
 MAX_TTL_SECONDS = 3600.0
+
+# py-libp2p 0.8.1 dials a peer's addresses "happy eyeballs" style, but waits out the whole 250 ms
+# head start even when the first dial has already succeeded: every new connection costs 250 ms
+# (measured: connect 0.252 s, a query on an open connection 5-9 ms). Our peers are dialed at one
+# address each, where the head start buys nothing.
+if not hasattr(libp2p_swarm, "_HAPPY_EYEBALLS_DELAY"):
+    raise ImportError("py-libp2p changed: review the dial-delay workaround in this module")
+libp2p_swarm._HAPPY_EYEBALLS_DELAY = 0.0
+
+# When a k-bucket is full, py-libp2p pings its oldest peer before admitting a new one, with no
+# deadline, holding the bucket's lock, from inside the DHT's stream handler: one frozen peer and
+# the host stops answering lookups (its 12 handler slots fill up behind the lock). Bounded here:
+# a peer that does not answer a ping in time is the one replaced.
+_unbounded_ping = KBucket._ping_peer
+
+
+async def _bounded_ping(bucket: KBucket, peer: ID) -> bool:
+    with trio.move_on_after(PING_SECONDS):
+        return bool(await _unbounded_ping(bucket, peer))
+    return False
+
+
+KBucket._ping_peer = _bounded_ping  # type: ignore[method-assign,assignment]
 
 
 def network_key(secret: str = "") -> str:
@@ -206,8 +236,15 @@ class Sidecar:
     host: IHost
     dht: KadDHT
     directory: Directory = field(default_factory=Directory)
-    penalized: dict[ID, float] = field(default_factory=dict)
+    #: Peers that failed: (consecutive failures, skipped until this monotonic time).
+    penalized: dict[ID, tuple[int, float]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
+    #: Queries in flight (any lookup's), by peer: since when. One open longer than
+    #: ``SLOW_SECONDS`` marks its peer slow for every lookup until it resolves.
+    querying: dict[ID, float] = field(default_factory=dict)
+    #: Where queries run: a lookup that meets its deadline leaves its stragglers here to finish
+    #: (py-libp2p shields a new connection's handshakes from cancellation).
+    background: trio.Nursery | None = None
 
     def count(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
@@ -216,13 +253,18 @@ class Sidecar:
         return [str(a) for a in self.host.get_addrs()]
 
     def _usable(self, peer: ID) -> bool:
-        until = self.penalized.get(peer)
-        return peer != self.host.get_id() and (until is None or until < time.monotonic())
+        until = self.penalized.get(peer, (0, 0.0))[1]
+        return peer != self.host.get_id() and until < time.monotonic()
 
     def penalize(self, peer: ID, why: str) -> None:
-        """A peer that missed a deadline or failed: out of the routing table, skipped a while."""
-        log.info("evicting %s: %s", peer, why)
-        self.penalized[peer] = time.monotonic() + PENALTY_SECONDS
+        """A peer that missed a deadline or failed: out of the routing table (it comes back
+        when it answers again), and skipped by lookups for a time that doubles with each
+        failure in a row, from ``PENALTY_SECONDS[0]`` to ``[1]``. A busy peer is skipped
+        briefly; a frozen one soon costs nothing."""
+        failures = self.penalized.get(peer, (0, 0.0))[0] + 1
+        seconds = min(PENALTY_SECONDS[0] * 2 ** (failures - 1), PENALTY_SECONDS[1])
+        log.debug("evicting %s for %g s: %s", peer, seconds, why)
+        self.penalized[peer] = (failures, time.monotonic() + seconds)
         self.dht.routing_table.remove_peer(peer)
         self.count("evicted")
 
@@ -230,43 +272,81 @@ class Sidecar:
         """``call()`` with the per-peer deadline; None (and the peer penalized) if it fails."""
         try:
             with trio.fail_after(QUERY_SECONDS):
-                return await call()
+                result = await call()
         except trio.TooSlowError:
             self.penalize(peer, f"{what} timed out after {QUERY_SECONDS:g} s")
         except Exception as error:  # any failure of a remote peer: drop it, carry on
             self.penalize(peer, f"{what} failed: {type(error).__name__}: {error}")
+        else:
+            self.penalized.pop(peer, None)
+            return result
         return None
 
     async def closest(self, key: str) -> list[ID]:
-        """The peers closest to ``key`` that answered (this one included when it is among
-        them): an iterative Kademlia lookup, every query and the whole under a deadline."""
+        """The ``REPLICAS`` peers closest to ``key`` that answered (this one included when it
+        is among them): an iterative Kademlia lookup, ``ALPHA`` queries in flight.
+
+        A query still open after ``SLOW_SECONDS`` no longer holds the lookup up: the next-
+        closest peer is asked in its place (it still counts if it answers in time). The whole
+        lookup ends within ``LOOKUP_SECONDS``; a query fails (and its peer is evicted) only after
+        ``QUERY_SECONDS``, long enough for a new connection over a slow link."""
         target = hashlib.sha256(key.encode()).digest()
         me = self.host.get_id()
-        known = set(self.dht.routing_table.find_local_closest_peers(target, 20))
+        known = {
+            *self.dht.routing_table.find_local_closest_peers(target, 20),
+            *self.host.get_connected_peers(),  # right after joining, the table is empty
+        }
         answered: set[ID] = {me}
-        asked: set[ID] = set()
+        asked: set[ID] = {me}
+        pending: dict[ID, float] = {}  # asked, not answered: when
+        send, receive = trio.open_memory_channel[tuple[ID, list[ID] | None]](math.inf)
 
         async def ask(peer: ID) -> None:
-            found = await self.bounded(
-                peer,
-                lambda: self.dht.peer_routing._query_peer_for_closest(peer, target),
-                "a lookup",
-            )
-            if found is not None:
-                answered.add(peer)
-                known.update(p for p in found if self._usable(p))
+            self.querying.setdefault(peer, time.monotonic())
+            try:
+                found = await self.bounded(
+                    peer,
+                    lambda: self.dht.peer_routing._query_peer_for_closest(peer, target),
+                    "a lookup",
+                )
+            finally:
+                self.querying.pop(peer, None)
+            # The lookup may be over (it met its deadline): then nobody listens.
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                send.send_nowait((peer, found))
 
-        with trio.move_on_after(LOOKUP_SECONDS):
-            while True:
-                ranked = sort_peer_ids_by_distance(target, [p for p in known if self._usable(p)])
-                todo = [p for p in ranked[:REPLICAS] if p not in asked][:ALPHA]
-                if not todo:
-                    break
-                asked.update(todo)
-                async with trio.open_nursery() as nursery:
-                    for peer in todo:
-                        nursery.start_soon(ask, peer)
+        async with receive:
+            with trio.move_on_after(LOOKUP_SECONDS):
+                while True:
+                    now = time.monotonic()
+                    slow = {
+                        p
+                        for p, since in (*pending.items(), *self.querying.items())
+                        if now - since > SLOW_SECONDS
+                    }
+                    candidates = [p for p in known if p not in slow and self._usable(p)]
+                    top = sort_peer_ids_by_distance(target, [me, *candidates])[:REPLICAS]
+                    waiting = len(pending.keys() - slow)
+                    for peer in [p for p in top if p not in asked][: max(0, ALPHA - waiting)]:
+                        asked.add(peer)
+                        pending[peer] = now
+                        waiting += 1
+                        self._spawn(ask, peer)
+                    if waiting == 0 and all(p in answered for p in top):
+                        break  # the closest known have all answered
+                    if not pending:
+                        break  # nobody left to ask
+                    with trio.move_on_after(SLOW_SECONDS / 2):
+                        peer, found = await receive.receive()
+                        del pending[peer]
+                        if found is not None:
+                            answered.add(peer)
+                            known.update(p for p in found if p != me and self._usable(p))
         return sort_peer_ids_by_distance(target, list(answered))[:REPLICAS]
+
+    def _spawn(self, task: Callable[[ID], Awaitable[None]], peer: ID) -> None:
+        assert self.background is not None, "the sidecar's nursery is not running"
+        self.background.start_soon(task, peer)
 
     async def remote(self, peer: ID, request: dict[str, Any]) -> dict[str, Any] | None:
         async def call() -> dict[str, Any]:
@@ -280,9 +360,39 @@ class Sidecar:
         answer: dict[str, Any] | None = await self.bounded(peer, call, request["op"])
         return answer
 
+    async def on_replicas(
+        self, key: str, local: Callable[[], Any], request: dict[str, Any]
+    ) -> list[Any]:
+        """``request`` sent to the peers that hold ``key`` (``local()`` for this one): their
+        answers, once all have answered, or once ``SLOW_SECONDS`` have passed with at least one
+        answer in (a slow replica is not waited for; the others hold the same entries)."""
+        replicas = await self.closest(key)
+        answers: list[Any] = []
+        send, receive = trio.open_memory_channel[Any](math.inf)
+
+        async def one(peer: ID) -> None:
+            answer = await self.remote(peer, request)
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                send.send_nowait(answer)
+
+        remote = [p for p in replicas if p != self.host.get_id()]
+        if len(remote) < len(replicas):
+            answers.append(local())
+        for peer in remote:
+            self._spawn(one, peer)
+        async with receive:
+            soft = trio.current_time() + SLOW_SECONDS
+            with trio.move_on_after(QUERY_SECONDS):
+                for _ in remote:
+                    with trio.CancelScope(deadline=soft if answers else math.inf) as scope:
+                        answers.append(await receive.receive())
+                    if scope.cancelled_caught:
+                        break
+        return [a for a in answers if a is not None]
+
     async def store(self, key: str, subkey: str, value: bytes, expires: float) -> int:
+        """Store on the key's replicas; how many took it."""
         check_entry(key, subkey, value, expires, time.time())
-        stored = 0
         request = {
             "op": "store",
             "key": key,
@@ -291,37 +401,22 @@ class Sidecar:
             "expires": expires,
         }
 
-        async def one(peer: ID) -> None:
-            nonlocal stored
-            if peer == self.host.get_id():
-                self.directory.store(key, subkey, value, expires, time.time())
-                stored += 1
-            elif (answer := await self.remote(peer, request)) is not None and "error" not in answer:
-                stored += 1
+        def local() -> dict[str, Any]:
+            self.directory.store(key, subkey, value, expires, time.time())
+            return {"ok": True}
 
-        async with trio.open_nursery() as nursery:
-            for peer in await self.closest(key):
-                nursery.start_soon(one, peer)
-        return stored
+        answers = await self.on_replicas(key, local, request)
+        return sum("error" not in a for a in answers)
 
     async def get(self, key: str) -> dict[str, Entry]:
+        """The key's unexpired entries, merged from its replicas (the latest expiry wins)."""
         found: dict[str, Entry] = {}
-
-        async def one(peer: ID) -> None:
-            if peer == self.host.get_id():
-                merge(found, self.directory.get(key, time.time()))
-                return
-            answer = await self.remote(peer, {"op": "get", "key": key})
-            if answer is None:
-                return
+        local = lambda: {"entries": encode_entries(self.directory.get(key, time.time()))}  # noqa: E731
+        for answer in await self.on_replicas(key, local, {"op": "get", "key": key}):
             try:
                 merge(found, decode_entries(answer.get("entries")))
-            except ValueError as error:
-                self.penalize(peer, f"a malformed answer ({error})")
-
-        async with trio.open_nursery() as nursery:
-            for peer in await self.closest(key):
-                nursery.start_soon(one, peer)
+            except ValueError:
+                self.count("malformed answers")
         return found
 
     async def serve_directory(self, stream: INetStream) -> None:
@@ -377,14 +472,9 @@ class Sidecar:
         await self.refresh()
 
     async def refresh(self) -> None:
-        with trio.move_on_after(LOOKUP_SECONDS * 2):
-            await self.closest(str(self.host.get_id()))
-        for peer in list(self.host.get_connected_peers()):
-            if self._usable(peer) and not self.dht.routing_table.peer_in_table(peer):
-                with trio.move_on_after(QUERY_SECONDS):
-                    await self.dht.peer_routing._query_peer_for_closest(
-                        peer, hashlib.sha256(str(self.host.get_id()).encode()).digest()
-                    )
+        """Look up this peer's own neighbourhood: the peers asked enter the routing table, and
+        peers near this one learn of it."""
+        await self.closest(str(self.host.get_id()))
 
     async def refresh_forever(self) -> None:
         for delay in itertools.chain(REFRESH_SECONDS, itertools.repeat(REFRESH_SECONDS[-1])):
@@ -414,6 +504,8 @@ async def serve_node(sidecar: Sidecar, stream: trio.SocketStream) -> None:
                 )
             elif op == "get":
                 reply["entries"] = encode_entries(await sidecar.get(str(request["key"])))
+            elif op == "closest":  # the peers that hold a key's entries (diagnostics)
+                reply["peers"] = [str(p) for p in await sidecar.closest(str(request["key"]))]
             elif op == "maddrs":
                 reply["maddrs"] = sidecar.maddrs()
             elif op == "stats":
@@ -452,6 +544,15 @@ async def run(args: argparse.Namespace, seed: bytes) -> None:
         key_pair=key_pair,
         sec_opt={NOISE_PROTOCOL_ID: noise},  # Noise only: no plaintext, no SECIO, no TLS
         psk=args.network_key,
+        connection_config=ConnectionConfig(
+            dial_timeout=CONNECT_SECONDS,
+            # py-libp2p finishes a new connection's handshakes in a scope shielded from the
+            # caller's deadline, bounded by this alone (10 s by default).
+            outbound_upgrade_timeout=QUERY_SECONDS,
+            outbound_stream_protocol_negotiation_timeout=QUERY_SECONDS,
+            inbound_upgrade_timeout=CONNECT_SECONDS,
+            inbound_stream_protocol_negotiation_timeout=CONNECT_SECONDS,
+        ),
     )
     dht = KadDHT(host, DHTMode.SERVER)
     sidecar = Sidecar(host, dht)
@@ -460,15 +561,20 @@ async def run(args: argparse.Namespace, seed: bytes) -> None:
         try:
             await stack.enter_async_context(host.run([multiaddr.Multiaddr(args.listen)]))
             await stack.enter_async_context(background_trio_service(dht))
+            background = await stack.enter_async_context(trio.open_nursery())
+            sidecar.background = background
             await sidecar.join(args.bootstrap)
         except Exception as error:
             failed = {"event": "failed", "error": f"{type(error).__name__}: {error}"}
             await stream.send_all(json.dumps(failed).encode() + b"\n")
+            if sidecar.background is not None:
+                sidecar.background.cancel_scope.cancel()
             return
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(sidecar.refresh_forever)
+        try:
+            background.start_soon(sidecar.refresh_forever)
             await serve_node(sidecar, stream)
-            nursery.cancel_scope.cancel()
+        finally:
+            background.cancel_scope.cancel()
 
 
 def main() -> None:
@@ -480,16 +586,15 @@ def main() -> None:
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args()
     # py-libp2p logs every failed dial (routine in a swarm) as an error, some through the root
-    # logger: only this module's own messages are shown unless DEBUG is asked for.
+    # logger: only this module's own messages are shown.
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("dht sidecar %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(logging.Formatter("dht sidecar %(levelname)s: %(message)s"))
     log.addHandler(handler)
     log.setLevel(args.log_level)
     log.propagate = False
-    logging.basicConfig(level=logging.DEBUG if args.log_level == "DEBUG" else logging.CRITICAL)
-    libp2p_log = logging.getLogger("libp2p")
-    libp2p_log.handlers[:] = [handler] if args.log_level == "DEBUG" else [logging.NullHandler()]
-    libp2p_log.setLevel(args.log_level)
+    logging.getLogger().handlers[:] = [logging.NullHandler()]
+    logging.getLogger().setLevel(logging.CRITICAL)
+    logging.getLogger("libp2p").handlers[:] = [logging.NullHandler()]
     seed = bytes.fromhex(sys.stdin.readline().strip())
     if len(seed) != 32:
         sys.exit("expected the 32-byte Ed25519 private key (hex) on standard input")
