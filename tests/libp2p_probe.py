@@ -2,11 +2,11 @@
 hivemind, which cannot share a process with libp2p).
 
     python tests/libp2p_probe.py MADDR [--security noise|plaintext] [--network-key HEX]
-        [--garbage]
+        [--garbage] [--protocol ID]
 
 Connects to MADDR offering only the given security protocol under the given pre-shared key
-(none: a public libp2p host), optionally sends garbage on the swarmgrad directory protocol, and
-prints one JSON line: ``{"connected": bool, "error": str, "garbage": str}``.
+(none: a public libp2p host), optionally sends garbage on a protocol (default: the swarmgrad
+directory), and prints one JSON line: ``{"connected": bool, "error": str, "garbage": str}``.
 """
 
 from __future__ import annotations
@@ -44,16 +44,19 @@ async def probe(args: argparse.Namespace) -> dict[str, object]:
             with trio.fail_after(5):
                 await host.connect(info)
                 # A connection is only real once a protocol runs over it.
-                stream = await host.new_stream(info.peer_id, [DIRECTORY])
+                stream = await host.new_stream(info.peer_id, [TProtocol(args.protocol)])
             result["connected"] = True
         except BaseException as error:
             result["error"] = f"{type(error).__name__}: {error}"[:300]
             return result
         if args.garbage:
-            with trio.move_on_after(5):
-                await stream.write((1 << 31).to_bytes(4, "big") + b"\xff" * 64)
-                answer = await stream.read(4096)
-                result["garbage"] = answer.decode(errors="replace")
+            try:
+                with trio.move_on_after(5):
+                    await stream.write((1 << 31).to_bytes(4, "big") + b"\xff" * 64)
+                    answer = await stream.read(4096)
+                    result["garbage"] = answer.decode(errors="replace")
+            except Exception as error:  # the peer reset the stream: an answer too
+                result["garbage"] = f"{type(error).__name__}: {error}"[:300]
     return result
 
 
@@ -63,6 +66,7 @@ def main() -> None:
     parser.add_argument("--security", choices=("noise", "plaintext"), default="noise")
     parser.add_argument("--network-key", default="")
     parser.add_argument("--garbage", action="store_true")
+    parser.add_argument("--protocol", default=DIRECTORY, help="the protocol to open a stream on")
     args = parser.parse_args()
     logging.getLogger("libp2p").handlers[:] = [logging.NullHandler()]
     print(json.dumps(trio.run(probe, args)), flush=True)

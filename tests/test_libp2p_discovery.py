@@ -119,6 +119,11 @@ async def test_a_peer_sending_garbage_gets_an_error_and_the_host_lives_on(start:
     assert [r.peer_id for r in await node.find()] == [node._identity.peer_id]
     stats = (await node.sidecar.request("stats", 5))["stats"]
     assert stats["bad requests"] == 1
+    # The same on py-libp2p's own protocols (its DHT, identify, ping): the host stays up.
+    for protocol in ("/ipfs/kad/1.0.0", "/ipfs/id/1.0.0", "/ipfs/ping/1.0.0"):
+        await probe(node.visible_maddrs()[0], "--network-key", network_key(), "--garbage",
+                    "--protocol", protocol)  # fmt: skip
+        assert [r.peer_id for r in await node.find()] == [node._identity.peer_id], protocol
 
 
 @pytest.mark.slow

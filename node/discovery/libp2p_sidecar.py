@@ -535,6 +535,29 @@ async def serve_node(sidecar: Sidecar, stream: trio.SocketStream) -> None:
                 nursery.start_soon(answer, json.loads(line))
 
 
+def contain_handlers(host: IHost, sidecar: Sidecar) -> None:
+    """Wrap every stream handler the host has (py-libp2p's DHT, identify and ping, and ours):
+    py-libp2p awaits a handler unguarded, so one that raises on a peer's bad input would take
+    the whole host down. Wrapped, it costs that peer its stream."""
+    mux = host.get_mux()
+
+    def contained(protocol: TProtocol, handler: Any) -> Any:
+        async def guarded(stream: INetStream) -> None:
+            try:
+                await handler(stream)
+            except Exception as error:  # a peer's bad input: its stream ends, the host lives
+                sidecar.count("handler errors")
+                log.debug("%s handler: %s: %s", protocol, type(error).__name__, error)
+                with contextlib.suppress(Exception):
+                    await stream.reset()
+
+        return guarded
+
+    for protocol, handler in list(mux.handlers.items()):
+        if protocol is not None and handler is not None:
+            host.set_stream_handler(protocol, contained(protocol, handler))
+
+
 async def run(args: argparse.Namespace, seed: bytes) -> None:
     sock = trio.socket.from_stdlib_socket(socket.socket(fileno=args.fd))
     stream = trio.SocketStream(sock)
@@ -561,6 +584,7 @@ async def run(args: argparse.Namespace, seed: bytes) -> None:
         try:
             await stack.enter_async_context(host.run([multiaddr.Multiaddr(args.listen)]))
             await stack.enter_async_context(background_trio_service(dht))
+            contain_handlers(host, sidecar)
             background = await stack.enter_async_context(trio.open_nursery())
             sidecar.background = background
             await sidecar.join(args.bootstrap)
