@@ -127,3 +127,14 @@ def test_paths_default_under_swarmgrad_home(spec: Path, tmp_path: Path) -> None:
     assert config.identity_path == tmp_path / "home" / "identity.key"
     assert config.checkpoint_dir == tmp_path / "home" / "checkpoints" / "r"
     assert config.cache_dir == tmp_path / "home" / "cache"
+
+
+def test_the_discovery_backend_and_a_dht_secret_reach_the_swarm(spec: Path, tmp_path: Path) -> None:
+    env = _env(tmp_path, SWARMGRAD_DISCOVERY="libp2p", SWARMGRAD_DHT_SECRET="our run")
+    config = node_config(spec_path=spec, environ=env)
+    assert (config.swarm.discovery, config.swarm.dht_secret) == ("libp2p", "our run")
+    assert config.spec.hash == RunSpec.from_toml('[run]\nid = "r"\n').hash  # never announced
+    with pytest.raises(ConfigError, match="--discovery must be one of hivemind, libp2p"):
+        node_config(spec_path=spec, environ=_env(tmp_path), settings={"discovery": "mdns"})
+    with pytest.raises(ConfigError, match=r"SWARMGRAD_DHT_SECRET.*needs node\.discovery"):
+        node_config(spec_path=spec, environ=_env(tmp_path, SWARMGRAD_DHT_SECRET="s"))
