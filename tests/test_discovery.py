@@ -144,11 +144,8 @@ def live(identity: Identity, ttl: float = 60.0, **changes: object) -> PeerRecord
 
 
 async def store_raw(node: Any, key: str, subkey: str, value: bytes, expires: float) -> None:
-    """Write a value the way a malicious peer would: straight into the DHT, unsigned by us."""
-    if hasattr(node, "_dht"):  # hivemind
-        assert node._dht.store(key, value, expiration_time=expires, subkey=subkey)
-    else:
-        assert await node.sidecar.store(key, subkey, value, expires, timeout_seconds=10)
+    """Write a value the way a malicious peer would: straight into the DHT, unchecked."""
+    assert await node._store(key, subkey, value, expires)
 
 
 def dht_pids(node: Any) -> list[int]:

@@ -8,15 +8,23 @@ imported into one process, and the libp2p backend keeps libp2p out of the node's
 
 from __future__ import annotations
 
+import abc
+import asyncio
+import hashlib
+import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Protocol
 
-from swarmgrad.node.discovery.records import PeerRecord
+from swarmgrad.node.discovery.records import PeerRecord, RecordError
 from swarmgrad.node.identity import Identity
 
+log = logging.getLogger(__name__)
+
 BACKENDS = ("hivemind", "libp2p")
+MAX_SPEC_BYTES = 16 * 1024
+STORE_BACKOFF_SECONDS = (0.25, 0.5, 1.0, 2.0)  # between tries of a store nobody took
 
 
 class DiscoveryError(Exception):
@@ -68,6 +76,121 @@ class Discovery(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class SignedDirectory(abc.ABC):
+    """The interface over a DHT that keeps, per key, one value per subkey (the latest expiry
+    wins): what both backends share. Records of a run live under ``run/<run id>/<spec
+    hash>/<topic>`` (``peers`` for the swarm, ``round/<r>`` for matchmaking), one subkey per peer
+    id, so one read returns a whole topic and nodes of another spec never see each other; one key
+    sits above the hash, ``run/<run id>/specs``, each spec in use under its SHA-256, so a node
+    whose spec differs can say which fields differ. The DHT stores what anyone sends: every
+    record is verified on read, and what is dropped is counted in ``rejected``.
+
+    A backend implements the two raw operations, ``_store`` and ``_get``, with deadlines.
+    """
+
+    def __init__(
+        self, identity: Identity, *, run_id: str, spec_hash: bytes, call_timeout_seconds: float
+    ) -> None:
+        self._identity = identity
+        self.run_id, self.spec_hash = run_id, spec_hash
+        self._prefix = f"run/{run_id}/{spec_hash.hex()}"
+        self._timeout = call_timeout_seconds
+        self._announced_until = 0.0
+        #: Records dropped on read, by reason.
+        self.rejected: Counter[str] = Counter()
+
+    @abc.abstractmethod
+    async def _store(self, key: str, subkey: str, value: bytes, expires: float) -> bool:
+        """Store one value; whether any DHT node took it."""
+
+    @abc.abstractmethod
+    async def _get(self, key: str) -> dict[str, bytes | None]:
+        """The unexpired values under ``key`` by subkey (None: a value that is not bytes)."""
+
+    @abc.abstractmethod
+    def for_spec(self, spec_hash: bytes) -> SignedDirectory: ...
+
+    @abc.abstractmethod
+    def visible_maddrs(self) -> list[str]: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    def _topic_key(self, topic: str) -> str:
+        return f"{self._prefix}/{topic}"
+
+    async def _put(self, key: str, subkey: str, value: bytes, expires: float) -> None:
+        # Now and then no replica takes a store (seen with hivemind, ~1 in 200, more on an
+        # overloaded machine right after a node joined; with libp2p while replicas are busy);
+        # a try a moment later goes through.
+        for delay in (0.0, *STORE_BACKOFF_SECONDS):
+            if delay:
+                log.info("DHT store under %s not accepted; trying again", key)
+                await asyncio.sleep(delay)
+            if await self._store(key, subkey, value, expires):
+                return
+        raise DiscoveryError("no DHT node accepted the record")
+
+    async def announce(self, record: PeerRecord, topic: str = "peers") -> None:
+        if record.peer_id != self._identity.peer_id:
+            raise ValueError("a node announces its own record only")
+        await self._put(
+            self._topic_key(topic), record.peer_id, record.sign(self._identity), record.expires_at
+        )
+        self._announced_until = max(self._announced_until, record.expires_at)
+
+    async def announce_spec(self, canonical: bytes, *, expires_at: float) -> None:
+        if len(canonical) > MAX_SPEC_BYTES:
+            raise ValueError("the canonical run spec is too large to announce")
+        await self._put(f"run/{self.run_id}/specs", self.spec_hash.hex(), canonical, expires_at)
+
+    async def find_specs(self) -> dict[str, bytes]:
+        specs = {}
+        for subkey, data in (await self._get(f"run/{self.run_id}/specs")).items():
+            if (
+                data is not None
+                and len(data) <= MAX_SPEC_BYTES
+                and hashlib.sha256(data).hexdigest() == subkey
+            ):
+                specs[subkey] = data
+            else:
+                self.rejected["bad spec"] += 1
+        return specs
+
+    async def leave(self, topic: str = "peers") -> None:
+        """Overwrite this node's record under ``topic`` with an empty value (readers skip it).
+
+        The DHT keeps the value with the latest expiry, so the tombstone must outlive the last
+        record announced.
+        """
+        expires = max(self._announced_until, dht_time()) + 1.0
+        await self._put(self._topic_key(topic), self._identity.peer_id, b"", expires)
+
+    async def find(self, topic: str = "peers") -> list[PeerRecord]:
+        found = await self._get(self._topic_key(topic))
+        now = dht_time()
+        records = []
+        for subkey, data in found.items():
+            if data == b"":  # a graceful leave, not an attack
+                continue
+            try:
+                record = PeerRecord.verify(
+                    data if data is not None else b"",
+                    run_id=self.run_id,
+                    spec_hash=self.spec_hash,
+                    now=now,
+                )
+            except RecordError as error:
+                self.rejected[type(error).__name__] += 1
+                log.debug("dropped record under %r: %s", subkey, error)
+                continue
+            if record.peer_id != subkey:
+                self.rejected["subkey mismatch"] += 1
+                continue
+            records.append(record)
+        return sorted(records, key=lambda r: r.peer_id)
 
 
 async def start_discovery(

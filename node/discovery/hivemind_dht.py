@@ -1,39 +1,30 @@
 """Discovery over ``hivemind.DHT``: Kademlia on the go-libp2p daemon that hivemind's wheel ships.
 
-Records of a run live under DHT keys ``run/<run id>/<spec hash>/<topic>`` (``peers`` for the
-swarm, ``round/<r>`` for matchmaking), one subkey per peer id, so one ``get`` returns a whole
-topic and nodes of another spec never see each other. One key sits above the spec hash,
-``run/<run id>/specs``: each spec in use, under its hash, so a node whose spec differs from the
-swarm's can say which fields differ instead of waiting alone. The DHT
-runs in hivemind's own process; every call here is awaited with a deadline. hivemind stores what
-anyone sends, so readers verify every record (``records.PeerRecord.verify``) and count rejects.
+hivemind's dictionary values (a subkey per peer, the latest expiry winning) are what
+:class:`~.base.SignedDirectory` needs. The DHT runs in hivemind's own process; every call here is
+awaited with a deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import multiprocessing
 import os
 import signal
 import threading
 import time
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import hivemind
 
-from swarmgrad.node.discovery.base import DiscoveryError, dht_time
-from swarmgrad.node.discovery.records import PeerRecord, RecordError
+from swarmgrad.node.discovery.base import DiscoveryError, SignedDirectory
 from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.server import grpc_started
 
 log = logging.getLogger(__name__)
-
-MAX_SPEC_BYTES = 16 * 1024
 
 
 class _DHT(hivemind.DHT):  # type: ignore[misc]
@@ -154,7 +145,9 @@ def _kill(dht: Any) -> None:
         dht.join(5.0)
 
 
-class HivemindDiscovery:
+class HivemindDiscovery(SignedDirectory):
+    """The discovery interface on ``hivemind.DHT`` (its own process)."""
+
     def __init__(
         self,
         dht: Any,
@@ -164,14 +157,10 @@ class HivemindDiscovery:
         spec_hash: bytes,
         call_timeout_seconds: float = 10.0,
     ) -> None:
+        super().__init__(
+            identity, run_id=run_id, spec_hash=spec_hash, call_timeout_seconds=call_timeout_seconds
+        )
         self._dht = dht
-        self._identity = identity
-        self.run_id, self.spec_hash = run_id, spec_hash
-        self._prefix = f"run/{run_id}/{spec_hash.hex()}"
-        self._timeout = call_timeout_seconds
-        self._announced_until = 0.0
-        #: Records dropped on read, by reason.
-        self.rejected: Counter[str] = Counter()
 
     @classmethod
     async def start(
@@ -212,113 +201,26 @@ class HivemindDiscovery:
         """Multiaddrs other nodes can bootstrap from."""
         return [str(a) for a in self._dht.get_visible_maddrs()]
 
-    def _topic_key(self, topic: str) -> str:
-        return f"{self._prefix}/{topic}"
-
-    async def announce(self, record: PeerRecord, topic: str = "peers") -> None:
-        if record.peer_id != self._identity.peer_id:
-            raise ValueError("a node announces its own record only")
-        signed = record.sign(self._identity)
-        # hivemind now and then reports that no replica took a store (seen in local swarms,
-        # ~1 store in 200, more on an overloaded machine right after a node joined); a retry a
-        # moment later goes through. Backoff 0.25, 0.5, 1, 2 s.
-        for attempt in range(5):
-            if attempt:
-                log.info("DHT store under %s not accepted; retrying", topic)
-                await asyncio.sleep(0.25 * 2 ** (attempt - 1))
-            ok = await self._call(
+    async def _store(self, key: str, subkey: str, value: bytes, expires: float) -> bool:
+        return bool(
+            await self._call(
                 self._dht.store(
-                    self._topic_key(topic),
-                    signed,
-                    expiration_time=record.expires_at,
-                    subkey=record.peer_id,
-                    return_future=True,
+                    key, value, expiration_time=expires, subkey=subkey, return_future=True
                 )
             )
-            if ok:
-                break
-        if not ok:
-            raise DiscoveryError("no DHT node accepted the record")
-        self._announced_until = max(self._announced_until, record.expires_at)
-
-    async def announce_spec(self, canonical: bytes, *, expires_at: float) -> None:
-        """Publish this run spec under the run id alone, where nodes of other specs can see it."""
-        if len(canonical) > MAX_SPEC_BYTES:
-            raise ValueError("the canonical run spec is too large to announce")
-        await self._call(
-            self._dht.store(
-                f"run/{self.run_id}/specs",
-                canonical,
-                expiration_time=expires_at,
-                subkey=self.spec_hash.hex(),
-                return_future=True,
-            )
         )
 
-    async def find_specs(self) -> dict[str, bytes]:
-        """Specs announced for this run id, by hash; each checked against its hash."""
-        found = await self._call(
-            self._dht.get(f"run/{self.run_id}/specs", latest=True, return_future=True)
-        )
-        entries = found.value if found is not None else {}
-        specs = {}
-        for subkey, item in entries.items() if isinstance(entries, dict) else ():
-            data = getattr(item, "value", None)
-            if (
-                isinstance(subkey, str)
-                and isinstance(data, bytes)
-                and len(data) <= MAX_SPEC_BYTES
-                and hashlib.sha256(data).hexdigest() == subkey
-            ):
-                specs[subkey] = data
-            else:
-                self.rejected["bad spec"] += 1
-        return specs
-
-    async def leave(self, topic: str = "peers") -> None:
-        """Overwrite this node's record under ``topic`` with an empty value (readers skip it).
-
-        The DHT keeps the value with the latest expiration, so the tombstone must outlive the
-        last record announced.
-        """
-        await self._call(
-            self._dht.store(
-                self._topic_key(topic),
-                b"",
-                expiration_time=max(self._announced_until, dht_time()) + 1.0,
-                subkey=self._identity.peer_id,
-                return_future=True,
-            )
-        )
-
-    async def find(self, topic: str = "peers") -> list[PeerRecord]:
-        key = self._topic_key(topic)
+    async def _get(self, key: str) -> dict[str, bytes | None]:
         found = await self._call(self._dht.get(key, latest=True, return_future=True))
-        now = dht_time()
-        records = []
         entries = found.value if found is not None else {}
-        if not isinstance(entries, dict):
+        if not isinstance(entries, dict):  # a plain value where a dictionary belongs
             self.rejected["malformed key"] += 1
-            return []
+            return {}
+        values: dict[str, bytes | None] = {}
         for subkey, item in entries.items():
             data = getattr(item, "value", None)
-            try:
-                record = PeerRecord.verify(
-                    data if isinstance(data, bytes) else b"",
-                    run_id=self.run_id,
-                    spec_hash=self.spec_hash,
-                    now=now,
-                )
-            except RecordError as error:
-                if data != b"":  # an empty value is a graceful leave, not an attack
-                    self.rejected[type(error).__name__] += 1
-                    log.debug("dropped record under %r: %s", subkey, error)
-                continue
-            if record.peer_id != subkey:
-                self.rejected["subkey mismatch"] += 1
-                continue
-            records.append(record)
-        return sorted(records, key=lambda r: r.peer_id)
+            values[str(subkey)] = data if isinstance(data, bytes) else None
+        return values
 
     async def close(self) -> None:
         await asyncio.to_thread(self._dht.shutdown)

@@ -21,19 +21,16 @@ import logging
 import socket
 import sys
 import time
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
-from swarmgrad.node.discovery.base import DiscoveryError
-from swarmgrad.node.discovery.records import PeerRecord, RecordError
+from swarmgrad.node.discovery.base import DiscoveryError, SignedDirectory
 from swarmgrad.node.identity import Identity
 
 log = logging.getLogger(__name__)
 
-MAX_SPEC_BYTES = 16 * 1024
 MAX_LINE_BYTES = 8 << 20  # a get of a whole topic: up to 4096 entries of a few KB each
 RESTART_BACKOFF_SECONDS = (0.5, 1.0, 2.0, 5.0)
 
@@ -244,7 +241,7 @@ class Sidecar:
             await process.wait()
 
 
-class Libp2pDiscovery:
+class Libp2pDiscovery(SignedDirectory):
     """The discovery interface (:class:`~.base.Discovery`) on the py-libp2p sidecar."""
 
     def __init__(
@@ -256,14 +253,10 @@ class Libp2pDiscovery:
         spec_hash: bytes,
         call_timeout_seconds: float = 10.0,
     ) -> None:
+        super().__init__(
+            identity, run_id=run_id, spec_hash=spec_hash, call_timeout_seconds=call_timeout_seconds
+        )
         self._sidecar = sidecar
-        self._identity = identity
-        self.run_id, self.spec_hash = run_id, spec_hash
-        self._prefix = f"run/{run_id}/{spec_hash.hex()}"
-        self._timeout = call_timeout_seconds
-        self._announced_until = 0.0
-        #: Records dropped on read, by reason.
-        self.rejected: Counter[str] = Counter()
 
     @classmethod
     async def start(
@@ -314,72 +307,16 @@ class Libp2pDiscovery:
     def visible_maddrs(self) -> list[str]:
         return list(self._sidecar.maddrs)
 
-    def _topic_key(self, topic: str) -> str:
-        return f"{self._prefix}/{topic}"
+    async def _store(self, key: str, subkey: str, value: bytes, expires: float) -> bool:
+        stored = await self._sidecar.store(
+            key, subkey, value, expires, timeout_seconds=self._timeout
+        )
+        if stored:  # stored again if the sidecar is restarted (a leave's tombstone too)
+            self._sidecar.announced[(key, subkey)] = (value, expires)
+        return stored > 0
 
-    async def _store(self, key: str, subkey: str, value: bytes, expires: float) -> None:
-        for attempt in range(3):  # a replica can miss its deadline on a busy machine
-            if attempt:
-                await asyncio.sleep(0.25 * 2 ** (attempt - 1))
-            stored = await self._sidecar.store(
-                key, subkey, value, expires, timeout_seconds=self._timeout
-            )
-            if stored:
-                return
-        raise DiscoveryError("no DHT node accepted the record")
-
-    async def announce(self, record: PeerRecord, topic: str = "peers") -> None:
-        if record.peer_id != self._identity.peer_id:
-            raise ValueError("a node announces its own record only")
-        key = self._topic_key(topic)
-        signed = record.sign(self._identity)
-        await self._store(key, record.peer_id, signed, record.expires_at)
-        self._sidecar.announced[(key, record.peer_id)] = (signed, record.expires_at)
-        self._announced_until = max(self._announced_until, record.expires_at)
-
-    async def announce_spec(self, canonical: bytes, *, expires_at: float) -> None:
-        if len(canonical) > MAX_SPEC_BYTES:
-            raise ValueError("the canonical run spec is too large to announce")
-        key, subkey = f"run/{self.run_id}/specs", self.spec_hash.hex()
-        await self._store(key, subkey, canonical, expires_at)
-        self._sidecar.announced[(key, subkey)] = (canonical, expires_at)
-
-    async def find_specs(self) -> dict[str, bytes]:
-        found = await self._sidecar.get(f"run/{self.run_id}/specs", timeout_seconds=self._timeout)
-        specs = {}
-        for subkey, data in found.items():
-            if len(data) <= MAX_SPEC_BYTES and hashlib.sha256(data).hexdigest() == subkey:
-                specs[subkey] = data
-            else:
-                self.rejected["bad spec"] += 1
-        return specs
-
-    async def leave(self, topic: str = "peers") -> None:
-        """Overwrite this node's record under ``topic`` with an empty value that outlives it."""
-        key = self._topic_key(topic)
-        expires = max(self._announced_until, time.time()) + 1.0
-        self._sidecar.announced.pop((key, self._identity.peer_id), None)
-        await self._store(key, self._identity.peer_id, b"", expires)
-
-    async def find(self, topic: str = "peers") -> list[PeerRecord]:
-        found = await self._sidecar.get(self._topic_key(topic), timeout_seconds=self._timeout)
-        now = time.time()
-        records = []
-        for subkey, data in found.items():
-            try:
-                record = PeerRecord.verify(
-                    data, run_id=self.run_id, spec_hash=self.spec_hash, now=now
-                )
-            except RecordError as error:
-                if data != b"":  # an empty value is a graceful leave, not an attack
-                    self.rejected[type(error).__name__] += 1
-                    log.debug("dropped record under %r: %s", subkey, error)
-                continue
-            if record.peer_id != subkey:
-                self.rejected["subkey mismatch"] += 1
-                continue
-            records.append(record)
-        return sorted(records, key=lambda r: r.peer_id)
+    async def _get(self, key: str) -> dict[str, bytes | None]:
+        return dict(await self._sidecar.get(key, timeout_seconds=self._timeout))
 
     async def close(self) -> None:
         await self._sidecar.close()
