@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import copy
 import hashlib
 import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol, Self
 
 from swarmgrad.node.discovery.records import PeerRecord, RecordError
 from swarmgrad.node.identity import Identity
@@ -109,8 +110,12 @@ class SignedDirectory(abc.ABC):
     async def _get(self, key: str) -> dict[str, bytes | None]:
         """The unexpired values under ``key`` by subkey (None: a value that is not bytes)."""
 
-    @abc.abstractmethod
-    def for_spec(self, spec_hash: bytes) -> SignedDirectory: ...
+    def for_spec(self, spec_hash: bytes) -> Self:
+        """A view of the same DHT for another spec of this run (closing either closes both)."""
+        view = copy.copy(self)
+        view.spec_hash, view._prefix = spec_hash, f"run/{self.run_id}/{spec_hash.hex()}"
+        view._announced_until, view.rejected = 0.0, Counter()
+        return view
 
     @abc.abstractmethod
     def visible_maddrs(self) -> list[str]: ...
@@ -209,6 +214,14 @@ async def start_discovery(
 
     ``network_secret`` (libp2p only) keeps a private run's DHT apart from every other.
     """
+    common: dict[str, Any] = {
+        "run_id": run_id,
+        "spec_hash": spec_hash,
+        "initial_peers": initial_peers,
+        "host": host,
+        "port": port,
+        "start_timeout_seconds": start_timeout_seconds,
+    }
     if backend == "hivemind":
         if network_secret:
             raise ValueError("a DHT secret needs --discovery libp2p (hivemind's DHT has none)")
@@ -219,27 +232,9 @@ async def start_discovery(
                 f"the hivemind discovery backend is unavailable here ({error}); "
                 "use --discovery libp2p"
             ) from None
-
-        return await HivemindDiscovery.start(
-            identity,
-            run_id=run_id,
-            spec_hash=spec_hash,
-            initial_peers=initial_peers,
-            host=host,
-            port=port,
-            start_timeout_seconds=start_timeout_seconds,
-        )
+        return await HivemindDiscovery.start(identity, **common)
     if backend == "libp2p":
         from swarmgrad.node.discovery.libp2p_dht import Libp2pDiscovery
 
-        return await Libp2pDiscovery.start(
-            identity,
-            run_id=run_id,
-            spec_hash=spec_hash,
-            initial_peers=initial_peers,
-            host=host,
-            port=port,
-            network_secret=network_secret,
-            start_timeout_seconds=start_timeout_seconds,
-        )
+        return await Libp2pDiscovery.start(identity, network_secret=network_secret, **common)
     raise ValueError(f"unknown discovery backend {backend!r} (one of {', '.join(BACKENDS)})")

@@ -187,16 +187,6 @@ class HivemindDiscovery(SignedDirectory):
             call_timeout_seconds=call_timeout_seconds,
         )
 
-    def for_spec(self, spec_hash: bytes) -> HivemindDiscovery:
-        """A view of the same DHT for another spec of this run (closing either closes both)."""
-        return HivemindDiscovery(
-            self._dht,
-            self._identity,
-            run_id=self.run_id,
-            spec_hash=spec_hash,
-            call_timeout_seconds=self._timeout,
-        )
-
     def visible_maddrs(self) -> list[str]:
         """Multiaddrs other nodes can bootstrap from."""
         return [str(a) for a in self._dht.get_visible_maddrs()]

@@ -290,16 +290,6 @@ class Libp2pDiscovery(SignedDirectory):
             call_timeout_seconds=call_timeout_seconds,
         )
 
-    def for_spec(self, spec_hash: bytes) -> Libp2pDiscovery:
-        """A view of the same DHT for another spec of this run (closing either closes both)."""
-        return Libp2pDiscovery(
-            self._sidecar,
-            self._identity,
-            run_id=self.run_id,
-            spec_hash=spec_hash,
-            call_timeout_seconds=self._timeout,
-        )
-
     @property
     def sidecar(self) -> Sidecar:
         return self._sidecar
