@@ -396,9 +396,14 @@ class Swarm:
                 f"({first_hash[:12]}, yours is {mine[:12]}): {diffs}. Use the run's spec file "
                 f"(or pick another run id) to join."
             )
-        await self._discovery.announce_spec(
-            self.spec.canonical(), expires_at=dht_time() + self.config.record_ttl_seconds
-        )
+        try:
+            await self._discovery.announce_spec(
+                self.spec.canonical(), expires_at=dht_time() + self.config.record_ttl_seconds
+            )
+        except DiscoveryError as error:  # the announce loop publishes it again: not fatal
+            self.counts["announce failed"] += 1
+            self.failures["discovery"] += 1
+            log.warning("could not announce the run spec yet: %s", error)
 
     # -- peer records ---------------------------------------------------------------------------
 
