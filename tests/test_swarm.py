@@ -108,9 +108,7 @@ def test_four_nodes_learn_together_and_refuse_another_spec(tmp_path: Path, cache
     assert final < alone, (final, alone)
 
 
-def test_four_nodes_learn_together_over_the_pure_python_dht(
-    tmp_path: Path, cache_dir: Path
-) -> None:
+def test_four_nodes_learn_together_over_the_pure_python_dht(tmp_path: Path) -> None:
     # The same swarm with --discovery libp2p: py-libp2p's DHT in each node's sidecar process.
     rounds = 10
     summary = simulate(
@@ -127,14 +125,16 @@ def test_four_nodes_learn_together_over_the_pure_python_dht(
     for peer in peers:
         averaged = peer["outcomes"].get("averaged", 0) + peer["outcomes"].get("partial", 0)
         assert averaged >= rounds - 2, peer["outcomes"]
-    per_peer = min(p["samples"] for p in peers)
-    spec = RunSpec.load(tmp_path / "sim" / "run.toml")
-    initial, alone = train_alone(spec, samples=per_peer, cache_dir=cache_dir, threads=2)
-    final = summary["final_val_loss"]
-    assert final < initial - 1.5, (initial, final)
-    assert final < alone, (final, alone)
+    # What this backend must give matchmaking: every peer sees the others in time, so rounds
+    # are averaged by the whole swarm, not by whoever one node happened to find. (Whether the
+    # swarm beats one peer training alone is the hivemind test's question, over 20 rounds: at
+    # 10 the margin, ~0.1 nats, is within run-to-run noise.)
     for i in range(4):
+        history = json.loads((tmp_path / "sim" / f"node-{i}.json").read_text())["history"]
+        full = [h["epoch"] for h in history if h["outcome"] == "averaged" and h["group_size"] == 4]
+        assert len(full) >= rounds - 2, [(h["outcome"], h["group_size"]) for h in history]
         assert "DHT (libp2p) /ip4/127.0.0.1/" in (tmp_path / "sim" / f"node-{i}.log").read_text()
+    assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.5, summary["loss_curve"]
 
 
 def test_sync_mode_averages_every_step_and_stays_identical(tmp_path: Path, cache_dir: Path) -> None:
