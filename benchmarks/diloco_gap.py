@@ -1,0 +1,175 @@
+"""Where DiLoCo's loss gap to per-step averaging comes from, on the demo model, with no network.
+
+An algorithm study, not a swarm: N replicas of the demo model in one process, each on its own
+data stream (as N peers would be), averaged exactly in fp32. It reuses the node's model, data
+and outer optimizer (:class:`swarmgrad.node.diloco.OuterOptimizer`); what it leaves out is what
+``benchmarks/communication.py`` measures (codecs, the wire, real processes). Three settings share
+the initial weights and the sample budget per replica:
+
+* ``sync``: one AdamW step per global batch of one micro-batch from each replica;
+* ``alone``: one replica's stream only (1/N of the samples), the yardstick the tests use;
+* ``diloco``: H inner AdamW steps per replica, then the outer step on the averaged delta.
+
+``--warm-start-steps S`` first trains the initial model alone for S steps of batch N x B on a
+stream none of the replicas sees, and starts every setting from it (the DiLoCo paper starts its
+runs from a pretrained model).
+
+    .venv/bin/python benchmarks/diloco_gap.py                          # demo budget, ~2 min
+    .venv/bin/python benchmarks/diloco_gap.py --steps 250 --inner-steps 50 --warm-start-steps 250
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from swarmgrad.node import config as node_config
+from swarmgrad.node.data import Batches, Corpus, load_corpus
+from swarmgrad.node.diloco import OuterOptimizer
+from swarmgrad.node.model import GPT, build_model, flatten, unflatten
+from swarmgrad.node.runspec import RunSpec
+from swarmgrad.simulations.swarm import DEMO_SPEC
+
+
+def _loss(model: GPT, windows: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float(model.loss(windows[:, :-1], windows[:, 1:]))
+
+
+def _adamw(model: GPT, lr: float) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+
+
+def _step(model: GPT, optimizer: torch.optim.Optimizer, batches: Batches, scale: float) -> None:
+    inputs, targets = next(batches)
+    (model.loss(inputs, targets) * scale).backward()  # type: ignore[no-untyped-call]
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+class Study:
+    def __init__(self, spec: RunSpec, corpus: Corpus, *, replicas: int, windows: int) -> None:
+        self.spec, self.corpus, self.replicas = spec, corpus, replicas
+        self.windows = corpus.validation(seq_len=spec.model.seq_len, num_windows=windows)
+        self.initial = build_model(spec.model, seed=spec.data.seed)
+
+    def streams(self, batch_size: int | None = None, names: int | None = None) -> list[Batches]:
+        return [
+            self.corpus.batches(
+                seq_len=self.spec.model.seq_len,
+                batch_size=batch_size or self.spec.data.batch_size,
+                seed=self.spec.data.seed,
+                peer_id=f"replica-{i}",
+            )
+            for i in range(self.replicas if names is None else names)
+        ]
+
+    def warm_start(self, steps: int, lr: float) -> None:
+        stream = self.corpus.batches(
+            seq_len=self.spec.model.seq_len,
+            batch_size=self.replicas * self.spec.data.batch_size,
+            seed=self.spec.data.seed,
+            peer_id="warm-start",
+        )
+        optimizer = _adamw(self.initial, lr)
+        for _ in range(steps):
+            _step(self.initial, optimizer, stream, 1.0)
+
+    def sync(self, steps: int, lr: float) -> float:
+        model = copy.deepcopy(self.initial)
+        optimizer, streams = _adamw(model, lr), self.streams()
+        for _ in range(steps):
+            for stream in streams:  # gradients add up: one step on the mean over N micro-batches
+                inputs, targets = next(stream)
+                loss = model.loss(inputs, targets) / self.replicas
+                loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return _loss(model, self.windows)
+
+    def alone(self, steps: int, lr: float) -> float:
+        model = copy.deepcopy(self.initial)
+        optimizer, stream = _adamw(model, lr), self.streams(names=1)[0]
+        for _ in range(steps):
+            _step(model, optimizer, stream, 1.0)
+        return _loss(model, self.windows)
+
+    def diloco(
+        self, steps: int, lr: float, *, inner_steps: int, outer_lr: float, outer_momentum: float
+    ) -> list[float]:
+        """Validation loss after each outer round."""
+        models = [copy.deepcopy(self.initial) for _ in range(self.replicas)]
+        optimizers = [_adamw(m, lr) for m in models]
+        streams = self.streams()
+        outer = OuterOptimizer(
+            flatten(list(self.initial.parameters())), lr=outer_lr, momentum=outer_momentum
+        )
+        curve = []
+        for _ in range(steps // inner_steps):
+            deltas = []
+            for model, optimizer, stream in zip(models, optimizers, streams, strict=True):
+                for _ in range(inner_steps):
+                    _step(model, optimizer, stream, 1.0)
+                deltas.append(outer.pseudo_gradient(flatten(list(model.parameters()))))
+            theta = outer.step(torch.stack(deltas).mean(0), own=deltas[0])
+            for model in models:
+                unflatten(theta, list(model.parameters()))
+            curve.append(_loss(models[0], self.windows))
+        return curve
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=250, help="inner steps per replica")
+    parser.add_argument("--inner-steps", type=int, nargs="+", default=[10, 50], help="H values")
+    parser.add_argument("--outer", nargs="+", default=["1.0/0.0", "0.7/0.9"], help="lr/momentum")
+    parser.add_argument("--lr", type=float, help="inner AdamW lr (default: the demo spec's)")
+    parser.add_argument("--warm-start-steps", type=int, default=0)
+    parser.add_argument("--eval-windows", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "run.toml"
+        path.write_text(DEMO_SPEC)
+        spec = RunSpec.load(path)
+    lr = args.lr or spec.algorithm.inner_lr
+    corpus = load_corpus(
+        spec.data, vocab_size=spec.model.vocab_size, cache_dir=node_config.home() / "cache"
+    )
+    study = Study(spec, corpus, replicas=args.replicas, windows=args.eval_windows)
+    study.warm_start(args.warm_start_steps, lr)
+    start = _loss(study.initial, study.windows)
+    print(
+        f"{args.replicas} replicas x {args.steps} steps of batch {spec.data.batch_size}, "
+        f"inner lr {lr:g}, warm start {args.warm_start_steps} steps (val loss {start:.3f}), "
+        f"{args.eval_windows} validation windows"
+    )
+    rows: list[tuple[str, float, str]] = []
+    began = time.monotonic()
+    reference = study.sync(args.steps, lr)
+    rows.append(("sync (batch N x B)", reference, ""))
+    rows.append(("alone (1/N samples)", study.alone(args.steps, lr), ""))
+    for h in args.inner_steps:
+        for outer in args.outer:
+            outer_lr, momentum = (float(x) for x in outer.split("/"))
+            curve = study.diloco(
+                args.steps, lr, inner_steps=h, outer_lr=outer_lr, outer_momentum=momentum
+            )
+            shape = f"worst round {max(curve):.3f}, last 3 {statistics.fmean(curve[-3:]):.3f}"
+            rows.append((f"diloco H={h} outer {outer}", curve[-1], shape))
+    print(f"{'setting':<28}{'val loss':>9}{'gap':>8}  curve")
+    for name, loss, shape in rows:
+        print(f"{name:<28}{loss:>9.3f}{(loss - reference) / reference:>+8.1%}  {shape}")
+    print(f"({time.monotonic() - began:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
