@@ -12,6 +12,8 @@ The target defaults to sync fp32's final loss (what per-step averaging reaches o
 
     .venv/bin/python benchmarks/communication.py                 # 4 nodes, ~10 minutes on 2 cores
     .venv/bin/python benchmarks/communication.py --inner-steps 50 --samples-per-peer 4000
+    .venv/bin/python benchmarks/communication.py --inner-steps 25 --outer 1.0/0.5 \\
+        --warm-start-steps 250        # from a model that has trained a while, as the paper does
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from swarmgrad.node.config import home
+from swarmgrad.node.runspec import RunSpec
+from swarmgrad.simulations.baseline import warm_start
 from swarmgrad.simulations.swarm import DEMO_SPEC, simulate
 
 SETTINGS = [
@@ -33,10 +38,25 @@ SETTINGS = [
 ]
 
 
-def spec_text(algorithm: str, codec: str, *, nodes: int, inner_steps: int, batch: int) -> str:
+def spec_text(
+    algorithm: str,
+    codec: str,
+    *,
+    nodes: int,
+    inner_steps: int,
+    batch: int,
+    outer: str = "1.0/0.0",
+    init: str = "",
+) -> str:
     text = DEMO_SPEC.replace('codec = "int8"', f'codec = "{codec}"')
     text = text.replace("group_size = 4", f"group_size = {nodes}")
     text = re.sub(r"inner_steps = \d+", f"inner_steps = {inner_steps}", text)
+    outer_lr, outer_momentum = (float(x) for x in outer.split("/"))
+    text = text.replace(
+        "outer_lr = 1.0\nouter_momentum = 0.0",
+        f"outer_lr = {outer_lr}\nouter_momentum = {outer_momentum}",
+    )
+    text = text.replace("seq_len = 64\n", f"seq_len = 64\n{init}")
     if algorithm == "sync":
         # One optimizer step per global batch of one micro-batch from every peer.
         text = text.replace(
@@ -57,10 +77,36 @@ def main() -> None:
         "--samples-per-peer", type=int, default=4000, help="sample budget of every setting"
     )
     parser.add_argument("--target-loss", type=float, help="default: sync fp32's final loss")
+    parser.add_argument("--outer", default="1.0/0.0", help="DiLoCo's outer lr/momentum")
+    parser.add_argument(
+        "--warm-start-steps",
+        type=int,
+        default=0,
+        help="first train the initial model alone for this many steps of the global batch, on a "
+        "stream no peer sees, and start every setting from it (model.init)",
+    )
     parser.add_argument("--only", nargs="*", help="run only these settings (by name)")
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()
     batch = 16  # the demo spec's data.batch_size
+    with tempfile.TemporaryDirectory() as keep:
+        init = ""
+        if args.warm_start_steps:
+            weights = Path(keep) / "warm.safetensors"
+            digest, loss = warm_start(
+                RunSpec.from_toml(DEMO_SPEC),
+                steps=args.warm_start_steps,
+                batch_size=args.nodes * batch,
+                cache_dir=home() / "cache",
+                path=weights,
+            )
+            init = f'init = "{weights}"\ninit_sha256 = "{digest}"\n'
+            print(f"warm start: {args.warm_start_steps} steps alone, val loss {loss:.3f}")
+        results = run_settings(args, batch=batch, init=init)
+    report(args, results)
+
+
+def run_settings(args: argparse.Namespace, *, batch: int, init: str) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     for name, algorithm, codec in SETTINGS:
         if args.only and name not in args.only:
@@ -71,7 +117,13 @@ def main() -> None:
             spec = Path(tmp) / "run.toml"
             spec.write_text(
                 spec_text(
-                    algorithm, codec, nodes=args.nodes, inner_steps=args.inner_steps, batch=batch
+                    algorithm,
+                    codec,
+                    nodes=args.nodes,
+                    inner_steps=args.inner_steps,
+                    batch=batch,
+                    outer=args.outer,
+                    init=init,
                 )
             )
             summary = simulate(
@@ -89,9 +141,16 @@ def main() -> None:
             f"replicas identical: {summary['replicas_identical']}",
             flush=True,
         )
+    return results
+
+
+def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None:
     reference = results.get("sync fp32")
     target = args.target_loss or (reference["final_val_loss"] if reference else None)
-    print(f"\n{args.nodes} peers, {args.samples_per_peer} samples per peer, H = {args.inner_steps}")
+    print(
+        f"\n{args.nodes} peers, {args.samples_per_peer} samples per peer, H = {args.inner_steps}, "
+        f"outer {args.outer}, warm start {args.warm_start_steps} steps"
+    )
     print(f"target validation loss: {target:.3f}" if target else "no target")
     header = f"{'setting':<14}{'final loss':>11}{'gap':>8}{'MiB to target':>15}{'ratio':>9}"
     print(header + f"{'MiB total':>11}{'total ratio':>13}")

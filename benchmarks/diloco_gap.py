@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -34,6 +35,7 @@ from swarmgrad.node.data import Batches, Corpus, load_corpus
 from swarmgrad.node.diloco import OuterOptimizer
 from swarmgrad.node.model import GPT, build_model, flatten, unflatten
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.simulations.baseline import warm_start
 from swarmgrad.simulations.swarm import DEMO_SPEC
 
 
@@ -69,17 +71,6 @@ class Study:
             )
             for i in range(self.replicas if names is None else names)
         ]
-
-    def warm_start(self, steps: int, lr: float) -> None:
-        stream = self.corpus.batches(
-            seq_len=self.spec.model.seq_len,
-            batch_size=self.replicas * self.spec.data.batch_size,
-            seed=self.spec.data.seed,
-            peer_id="warm-start",
-        )
-        optimizer = _adamw(self.initial, lr)
-        for _ in range(steps):
-            _step(self.initial, optimizer, stream, 1.0)
 
     def sync(self, steps: int, lr: float) -> float:
         model = copy.deepcopy(self.initial)
@@ -137,16 +128,32 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "run.toml"
-        path.write_text(DEMO_SPEC)
-        spec = RunSpec.load(path)
-    lr = args.lr or spec.algorithm.inner_lr
+        run(args, Path(tmp))
+
+
+def run(args: argparse.Namespace, tmp: Path) -> None:
+    spec = RunSpec.from_toml(DEMO_SPEC)
+    if args.lr:
+        spec = dataclasses.replace(
+            spec, algorithm=dataclasses.replace(spec.algorithm, inner_lr=args.lr)
+        )
+    lr = spec.algorithm.inner_lr
     corpus = load_corpus(
         spec.data, vocab_size=spec.model.vocab_size, cache_dir=node_config.home() / "cache"
     )
-    study = Study(spec, corpus, replicas=args.replicas, windows=args.eval_windows)
-    study.warm_start(args.warm_start_steps, lr)
-    start = _loss(study.initial, study.windows)
+    if args.warm_start_steps:
+        weights = Path(tmp) / "warm.safetensors"
+        digest, _ = warm_start(
+            spec,
+            steps=args.warm_start_steps,
+            batch_size=args.replicas * spec.data.batch_size,
+            cache_dir=node_config.home() / "cache",
+            path=weights,
+        )
+        init = dataclasses.replace(spec.model, init=str(weights), init_sha256=digest)
+        spec = dataclasses.replace(spec, model=init)
+    lab = Study(spec, corpus, replicas=args.replicas, windows=args.eval_windows)
+    start = _loss(lab.initial, lab.windows)
     print(
         f"{args.replicas} replicas x {args.steps} steps of batch {spec.data.batch_size}, "
         f"inner lr {lr:g}, warm start {args.warm_start_steps} steps (val loss {start:.3f}), "
@@ -154,13 +161,13 @@ def main() -> None:
     )
     rows: list[tuple[str, float, str]] = []
     began = time.monotonic()
-    reference = study.sync(args.steps, lr)
+    reference = lab.sync(args.steps, lr)
     rows.append(("sync (batch N x B)", reference, ""))
-    rows.append(("alone (1/N samples)", study.alone(args.steps, lr), ""))
+    rows.append(("alone (1/N samples)", lab.alone(args.steps, lr), ""))
     for h in args.inner_steps:
         for outer in args.outer:
             outer_lr, momentum = (float(x) for x in outer.split("/"))
-            curve = study.diloco(
+            curve = lab.diloco(
                 args.steps, lr, inner_steps=h, outer_lr=outer_lr, outer_momentum=momentum
             )
             shape = f"worst round {max(curve):.3f}, last 3 {statistics.fmean(curve[-3:]):.3f}"

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from swarmgrad.node.model import InitWeightsError, init_weights
 from swarmgrad.node.runspec import NodeSection, RunSpec, RunSpecError
 from swarmgrad.node.swarm import SwarmConfig
 
@@ -172,6 +173,11 @@ def node_config(
     environ = _environment(environ)
     base = home(environ)
     spec = RunSpec.load(spec_path)
+    if spec.model.init:  # a wrong file is a set-up error, said before the node joins anything
+        try:
+            init_weights(spec.model)
+        except InitWeightsError as error:
+            raise ConfigError(str(error)) from None
     node = resolve_settings(spec.node, environ, settings or {})
     maddrs = bootstrap_addresses(
         spec.network.bootstrap, bootstrap, bootstrap_file=bootstrap_file, environ=environ

@@ -1,15 +1,20 @@
 """The demo model: a small GPT-style decoder (pre-norm, causal attention, tied embeddings).
 
-Its initial weights are a function of the run spec alone (a CPU generator seeded with
-``data.seed``), so every peer of a run starts from the same parameters without sending any.
+Its initial weights are a function of the run spec alone: a CPU generator seeded with
+``data.seed``, or the file ``model.init`` names, checked against ``model.init_sha256`` and the
+model's shapes. So every peer of a run starts from the same parameters without sending any.
 Parameters are also viewed as one flat fp32 vector (``flatten`` / ``unflatten``): what DiLoCo
 averages and checksums.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from pathlib import Path
 
+import safetensors
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,10 +69,60 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+class InitWeightsError(ValueError):
+    """The weights ``model.init`` names cannot start this run; the message says why."""
+
+
+def init_weights(config: ModelSection) -> dict[str, torch.Tensor]:
+    """The tensors of ``model.init``, after checking its SHA-256 and every name and shape."""
+    path = Path(config.init)
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise InitWeightsError(f"model.init: cannot read {path}: {error.strerror}") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != config.init_sha256:
+        raise InitWeightsError(
+            f"model.init: {path} has SHA-256 {digest}, but model.init_sha256 is "
+            f"{config.init_sha256}: these are not the weights the run starts from"
+        )
+    try:
+        tensors = safetensors.torch.load(data)
+    except safetensors.SafetensorError as error:
+        raise InitWeightsError(f"model.init: {path} is not a safetensors file: {error}") from None
+    with torch.device("meta"):  # names and shapes only, no memory
+        expected = {name: t.shape for name, t in GPT(config).state_dict().items()}
+    missing, extra = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected)
+    if missing or extra:
+        raise InitWeightsError(
+            f"model.init: {path} does not fit the [model] section: missing {missing[:5]}, "
+            f"unexpected {extra[:5]}"
+        )
+    for name, shape in expected.items():
+        tensor = tensors[name]
+        if tensor.shape != shape or not tensor.is_floating_point():
+            raise InitWeightsError(
+                f"model.init: {name} is {tensor.dtype} {list(tensor.shape)} in {path}, the model "
+                f"needs floating point {list(shape)}"
+            )
+        if not torch.isfinite(tensor).all():
+            raise InitWeightsError(f"model.init: {name} in {path} holds NaN or Inf")
+    return tensors
+
+
+def save_weights(model: GPT, path: Path) -> str:
+    """Write ``model``'s weights for ``model.init``; returns their SHA-256 for ``init_sha256``."""
+    safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def build_model(config: ModelSection, *, seed: int) -> GPT:
     """The run's initial model: identical on every peer for the same spec."""
-    generator = torch.Generator().manual_seed(seed)
     model = GPT(config)
+    if config.init:
+        model.load_state_dict(init_weights(config))
+        return model
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("bias"):

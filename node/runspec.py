@@ -13,6 +13,8 @@ Example (every section but ``[run]`` may be left out to take the defaults)::
     [model]
     d_model = 128
     n_layers = 2
+    # init = "warm.safetensors"   # optional: start from these weights, pinned by
+    # init_sha256 = "9f86d0..."   # their SHA-256
 
     [algorithm]
     name = "diloco"
@@ -87,9 +89,30 @@ class ModelSection:
     n_layers: int = 2
     n_heads: int = 4
     seq_len: int = 128
+    #: Start from these weights (a safetensors file; a relative path is read from the spec
+    #: file's folder) instead of the seeded random ones: a pretrained or warmed-up model.
+    init: str = ""
+    #: The SHA-256 (hex) of the ``init`` file, required with it: the hash covers this, not the
+    #: path, so peers keep the file wherever they like but all start from the same weights.
+    init_sha256: str = ""
 
     def __post_init__(self) -> None:
-        _positive("model", **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        _positive(
+            "model",
+            **{k: getattr(self, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads")},
+            seq_len=self.seq_len,
+        )
+        if bool(self.init) != bool(self.init_sha256):
+            raise RunSpecError(
+                "model.init and model.init_sha256 go together: the file to start from and its "
+                "SHA-256 (sha256sum FILE), so every peer starts from the same weights"
+            )
+        if self.init_sha256 and not (
+            len(self.init_sha256) == 64 and all(c in "0123456789abcdef" for c in self.init_sha256)
+        ):
+            raise RunSpecError(
+                f"model.init_sha256 must be 64 lowercase hex digits, got {self.init_sha256!r}"
+            )
         if self.d_model % self.n_heads:
             raise RunSpecError(
                 f"model.d_model ({self.d_model}) must be a multiple of model.n_heads "
@@ -244,6 +267,7 @@ class RunSpec:
             for f in dataclasses.fields(self)
             if f.name not in OPERATIONAL
         }
+        del sections["model"]["init"]  # where a peer keeps the file; init_sha256 pins what it is
         return json.dumps(sections, sort_keys=True, separators=(",", ":")).encode()
 
     @property
@@ -290,9 +314,13 @@ class RunSpec:
         except OSError as error:
             raise RunSpecError(f"cannot read run spec {path}: {error.strerror}") from None
         try:
-            return cls.from_toml(text)
+            spec = cls.from_toml(text)
         except RunSpecError as error:
             raise RunSpecError(f"{path}: {error}") from None
+        if spec.model.init and not Path(spec.model.init).is_absolute():
+            init = str(path.absolute().parent / spec.model.init)
+            spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, init=init))
+        return spec
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RunSpec:

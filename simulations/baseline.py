@@ -1,7 +1,8 @@
 """The yardstick for a swarm's loss: the same model and data trained by one process alone.
 
 Same initial weights, same data stream as the swarm's first peer, the same inner optimizer, and
-no averaging; evaluated on the same validation windows as the nodes.
+no averaging; evaluated on the same validation windows as the nodes. Also a warm start: a model
+trained alone for a while on a stream no peer sees, saved for a spec's ``model.init``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 import torch
 
 from swarmgrad.node.data import load_corpus
-from swarmgrad.node.model import build_model
+from swarmgrad.node.model import build_model, save_weights
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.trainer import evaluate
 
@@ -47,3 +48,24 @@ def train_alone(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return initial, evaluate(model, windows, cpu)
+
+
+def warm_start(
+    spec: RunSpec, *, steps: int, batch_size: int, cache_dir: Path, path: Path
+) -> tuple[str, float]:
+    """Train ``steps`` AdamW steps of ``batch_size`` from the spec's initial model on a stream of
+    its own, and save the weights at ``path``; returns (SHA-256 for ``model.init_sha256``, the
+    validation loss reached)."""
+    corpus = load_corpus(spec.data, vocab_size=spec.model.vocab_size, cache_dir=cache_dir)
+    batches = corpus.batches(
+        seq_len=spec.model.seq_len, batch_size=batch_size, seed=spec.data.seed, peer_id="warm-start"
+    )
+    model = build_model(spec.model, seed=spec.data.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.algorithm.inner_lr, weight_decay=0.0)
+    for _ in range(steps):
+        inputs, targets = next(batches)
+        model.loss(inputs, targets).backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    windows = corpus.validation(seq_len=spec.model.seq_len, num_windows=32)
+    return save_weights(model, path), evaluate(model, windows, torch.device("cpu"))

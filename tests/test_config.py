@@ -3,13 +3,17 @@ which layer holds the bad value."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from swarmgrad.node.config import ConfigError, home, node_config
-from swarmgrad.node.runspec import RunSpec, RunSpecError
+from swarmgrad.node.model import build_model, save_weights
+from swarmgrad.node.runspec import ModelSection, RunSpec, RunSpecError
 
 SPEC = """\
 [run]
@@ -138,3 +142,37 @@ def test_the_discovery_backend_and_a_dht_secret_reach_the_swarm(spec: Path, tmp_
         node_config(spec_path=spec, environ=_env(tmp_path), settings={"discovery": "mdns"})
     with pytest.raises(ConfigError, match=r"SWARMGRAD_DHT_SECRET.*needs node\.discovery"):
         node_config(spec_path=spec, environ=_env(tmp_path, SWARMGRAD_DHT_SECRET="s"))
+
+
+def test_initial_weights_are_checked_before_the_node_starts(tmp_path: Path) -> None:
+    model = ModelSection(d_model=32, n_heads=2, n_layers=1, seq_len=16, vocab_size=64)
+    donor = build_model(model, seed=7)
+    digest = save_weights(donor, tmp_path / "warm.safetensors")
+    smaller = save_weights(
+        build_model(dataclasses.replace(model, d_model=16), seed=7), tmp_path / "small.safetensors"
+    )
+    shape = "[model]\nd_model = 32\nn_heads = 2\nn_layers = 1\nseq_len = 16\nvocab_size = 64\n"
+
+    def configure(init: str, sha: str) -> Path:
+        path = tmp_path / "run.toml"
+        path.write_text(f'{SPEC}{shape}init = "{init}"\ninit_sha256 = "{sha}"\n')
+        return path
+
+    config = node_config(spec_path=configure("warm.safetensors", digest), environ=_env(tmp_path))
+    started = build_model(config.spec.model, seed=0)  # the seed no longer matters
+    for (name, mine), theirs in zip(
+        started.state_dict().items(), donor.state_dict().values(), strict=True
+    ):
+        assert torch.equal(mine, theirs), name
+
+    with pytest.raises(ConfigError, match=f"has SHA-256 {smaller}.*not the weights"):
+        node_config(spec_path=configure("small.safetensors", digest), environ=_env(tmp_path))
+    wrong_shape = r"embed.weight is torch.float32 \[64, 16\] .* needs floating point \[64, 32\]"
+    with pytest.raises(ConfigError, match=wrong_shape):
+        node_config(spec_path=configure("small.safetensors", smaller), environ=_env(tmp_path))
+    with pytest.raises(ConfigError, match=r"cannot read .*gone\.safetensors"):
+        node_config(spec_path=configure("gone.safetensors", digest), environ=_env(tmp_path))
+    (tmp_path / "junk.safetensors").write_bytes(b"\x08" + bytes(40))
+    junk = hashlib.sha256((tmp_path / "junk.safetensors").read_bytes()).hexdigest()
+    with pytest.raises(ConfigError, match="not a safetensors file"):
+        node_config(spec_path=configure("junk.safetensors", junk), environ=_env(tmp_path))

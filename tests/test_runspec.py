@@ -30,6 +30,20 @@ def test_hash_changes_with_training_fields_but_not_with_bootstrap() -> None:
     assert other_bootstrap.network.bootstrap == ("/ip4/1.2.3.4/tcp/1",)
 
 
+def test_the_hash_pins_the_initial_weights_not_where_a_peer_keeps_them(tmp_path: Path) -> None:
+    def spec(folder: str, digest: str) -> RunSpec:
+        (tmp_path / folder).mkdir(exist_ok=True)
+        path = tmp_path / folder / "run.toml"
+        path.write_text(MINIMAL + f'[model]\ninit = "w.safetensors"\ninit_sha256 = "{digest}"\n')
+        return RunSpec.load(path)
+
+    here, there = spec("a", "0" * 64), spec("b", "0" * 64)
+    assert here.model.init == str(tmp_path / "a" / "w.safetensors")  # beside the spec file
+    assert here.hash == there.hash
+    assert spec("c", "1" * 64).hash != here.hash
+    assert here.hash != RunSpec.from_toml(MINIMAL).hash
+
+
 def test_integers_are_accepted_where_floats_are_expected() -> None:
     spec = RunSpec.from_toml(MINIMAL + "[algorithm]\nouter_lr = 1\n")
     assert spec.algorithm.outer_lr == 1.0
@@ -55,6 +69,8 @@ def test_integers_are_accepted_where_floats_are_expected() -> None:
         (MINIMAL + "[averaging]\ngroup_size = 1\n", "group_size must be at least 2"),
         (MINIMAL + "[averaging]\nsender_timeout_seconds = 30.0\n", "reducer_timeout_seconds"),
         (MINIMAL + "[data]\nsource = 'files'\n", "data.paths"),
+        (MINIMAL + "[model]\ninit = 'w.safetensors'\n", "go together"),
+        (MINIMAL + "[model]\ninit = 'w'\ninit_sha256 = 'abc'\n", "64 lowercase hex"),
         (MINIMAL + "[network]\nbootstrap = 'x'\n", "list of strings"),
         (MINIMAL + "model = 3\n", r"unknown key.*run.model"),
         ("[run\n", "not valid TOML"),
