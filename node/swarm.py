@@ -54,6 +54,9 @@ from swarmgrad.protocol.errors import RoundAborted, SwarmgradError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 SERVED_STATES = 3
+#: A readiness record stays this long after its group is formed (past matchmaking's settle
+#: time), for group mates still reading the candidates, then it is withdrawn.
+WITHDRAW_MARGIN_SECONDS = 2.5
 
 
 class SpecMismatch(RuntimeError):
@@ -551,19 +554,32 @@ class Swarm:
             self.counts["no group"] += 1
             return Averaged(Outcome.NO_GROUP, error="nobody else was ready in time")
         log.info("epoch %d: averaging in a group of %d", epoch, len(group.members))
-        await self._prepare_routes([m.endpoint for m in group.members])
-        sent = vector if prepare is None else await asyncio.to_thread(prepare, vector, group)
-        started = asyncio.get_running_loop().time()
+        topic = f"round/{epoch}"
+        # The readiness record goes soon after the group is formed (its mates have read it by
+        # then), not only when the round ends: a peer whose matchmaking starts while this one is
+        # still in a failing attempt would build its group from this attempt's record while this
+        # node's next attempt announces another (its weight grows in between), and the two would
+        # compute different group ids every time. CI saw that livelock: two peers ~5 s out of
+        # phase, each attempt refused as UNKNOWN_ROUND, for minutes.
+        early = asyncio.create_task(
+            self._withdraw_after(topic, self._matchmaker.settle_seconds + WITHDRAW_MARGIN_SECONDS),
+            name=f"withdraw-round-{epoch}-early",
+        )
         try:
+            await self._prepare_routes([m.endpoint for m in group.members])
+            sent = vector if prepare is None else await asyncio.to_thread(prepare, vector, group)
+            started = asyncio.get_running_loop().time()
             result = await self._averager.all_reduce(sent, group, hooks=self._throttle)
         except RoundAborted as error:
             self.counts["aborted"] += 1
             self.failures["aborted_round"] += 1
             return Averaged(Outcome.ABORTED, group=group, error=str(error))
         finally:
-            # The group has met: withdraw the readiness record, so that a peer arriving late
-            # for this round does not form a group with peers that have moved on.
-            self._spawn(self._withdraw(f"round/{epoch}"), f"withdraw-round-{epoch}")
+            # Also when the round ends (early or not): a peer arriving late for this round must
+            # not form a group with peers that have moved on, and the delayed withdrawal must
+            # not take down the record of this node's next attempt.
+            early.cancel()
+            self._spawn(self._withdraw(topic), f"withdraw-round-{epoch}")
         self.counts["averaged" if result.complete else "partial"] += 1
         self.failures.update(result.failure_kinds.values())
         seconds = asyncio.get_running_loop().time() - started
@@ -620,6 +636,10 @@ class Swarm:
     def _owner_share(self) -> float:
         """How much of its bandwidth this node offers as an owner (none if it cannot be dialed)."""
         return self.reachability.owner_share if self.reachability is not None else 1.0
+
+    async def _withdraw_after(self, topic: str, delay_seconds: float) -> None:
+        await asyncio.sleep(delay_seconds)
+        await self._withdraw(topic)
 
     async def _withdraw(self, topic: str) -> None:
         assert self._discovery is not None
