@@ -642,7 +642,8 @@ class Swarm:
         await self._withdraw(topic)
 
     async def _withdraw(self, topic: str) -> None:
-        assert self._discovery is not None
+        if self._discovery is None:  # closed meanwhile: the graceful leave withdrew everything
+            return
         try:
             await self._discovery.leave(topic)
         except DiscoveryError as error:

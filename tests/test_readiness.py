@@ -1,0 +1,69 @@
+"""Readiness records and failed attempts: a peer's record for a round does not outlive its group.
+
+Two real swarms (hivemind DHT, gRPC) in one process. One member stalls after its group is formed
+(its ``prepare`` step sleeps, as a slow or stuck attempt would); while it stalls, a peer starting
+matchmaking for the same round must not see its record. If it did, it would build a group from
+that attempt's record while the staller's next attempt announces another (its weight grows in
+between), and the two would compute different group ids on every attempt: the livelock CI saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from swarmgrad.node.group import Group
+from swarmgrad.node.identity import Identity
+from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.swarm import WITHDRAW_MARGIN_SECONDS, Swarm, SwarmConfig
+from swarmgrad.simulations.swarm import DEMO_SPEC
+
+pytestmark = pytest.mark.slow
+
+SPEC = RunSpec.from_toml(
+    DEMO_SPEC.replace("group_size = 4", "group_size = 2")
+    .replace('codec = "int8"', 'codec = "none"')
+    .replace("matchmaking_timeout_seconds = 20.0", "matchmaking_timeout_seconds = 10.0")
+)
+
+
+async def test_a_stalled_attempt_withdraws_its_readiness_record() -> None:
+    stall_seconds = WITHDRAW_MARGIN_SECONDS + 6.0
+    stalled = threading.Event()
+
+    def stall(vector: torch.Tensor, group: Group) -> torch.Tensor:
+        stalled.set()
+        threading.Event().wait(stall_seconds)  # in the worker thread, as the codec step runs
+        return vector
+
+    async with Swarm(SPEC, Identity.generate(), SwarmConfig()) as first:
+        bootstrap = tuple(first._discovery.visible_maddrs())  # type: ignore[union-attr]
+        async with Swarm(SPEC, Identity.generate(), SwarmConfig(bootstrap=bootstrap)) as second:
+            vector = torch.ones(1000)
+            rounds = [
+                asyncio.create_task(first.average(vector, epoch=0, weight=1.0, prepare=stall)),
+                asyncio.create_task(second.average(vector * 3, epoch=0, weight=1.0)),
+            ]
+            assert await asyncio.to_thread(stalled.wait, 30), "no group formed"
+            formed = asyncio.get_running_loop().time()
+            # Both records are there while the group forms (the mates read them), then the
+            # staller's goes although its attempt has not ended.
+            deadline = formed + WITHDRAW_MARGIN_SECONDS + 3.0
+            while True:
+                ready = await second._discovery.find("round/0")  # type: ignore[union-attr]
+                if first.peer_id not in {r.peer_id for r in ready}:
+                    break
+                now = asyncio.get_running_loop().time()
+                assert now < deadline, "the stalled member's readiness record is still up"
+                await asyncio.sleep(0.2)
+            assert asyncio.get_running_loop().time() - formed < stall_seconds - 1.0
+            assert not rounds[0].done()  # still in its attempt
+            async with asyncio.timeout(60):
+                results = await asyncio.gather(*rounds)
+    # The stall made the attempt late, not wrong: nothing mixed, and no one hung.
+    for result in results:
+        if result.result is not None and result.result.complete:
+            assert torch.allclose(result.result.averaged, torch.full((1000,), 2.0))
