@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swarmgrad.node.files import atomic_write
 from swarmgrad.node.runspec import ModelSection
 
 
@@ -111,9 +112,11 @@ def init_weights(config: ModelSection) -> dict[str, torch.Tensor]:
 
 
 def save_weights(model: GPT, path: Path) -> str:
-    """Write ``model``'s weights for ``model.init``; returns their SHA-256 for ``init_sha256``."""
-    safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """Write ``model``'s weights for ``model.init`` (atomically); returns their SHA-256 for
+    ``init_sha256``."""
+    data = safetensors.torch.save({k: v.contiguous() for k, v in model.state_dict().items()})
+    atomic_write(path, data)
+    return hashlib.sha256(data).hexdigest()
 
 
 def build_model(config: ModelSection, *, seed: int) -> GPT:

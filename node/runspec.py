@@ -97,11 +97,8 @@ class ModelSection:
     init_sha256: str = ""
 
     def __post_init__(self) -> None:
-        _positive(
-            "model",
-            **{k: getattr(self, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads")},
-            seq_len=self.seq_len,
-        )
+        sizes = ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len")
+        _positive("model", **{k: getattr(self, k) for k in sizes})
         if bool(self.init) != bool(self.init_sha256):
             raise RunSpecError(
                 "model.init and model.init_sha256 go together: the file to start from and its "
