@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from swarmgrad.node.data import load_corpus
-from swarmgrad.node.model import build_model, save_weights
+from swarmgrad.node.data import Corpus, load_corpus
+from swarmgrad.node.model import GPT, build_model, save_weights
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.trainer import evaluate
 
@@ -30,23 +30,12 @@ def train_alone(
     if threads is not None:
         torch.set_num_threads(threads)
     corpus = load_corpus(spec.data, vocab_size=spec.model.vocab_size, cache_dir=cache_dir)
-    batches = corpus.batches(
-        seq_len=spec.model.seq_len,
-        batch_size=spec.data.batch_size,
-        seed=spec.data.seed,
-        peer_id=peer_id,
-    )
     windows = corpus.validation(seq_len=spec.model.seq_len, num_windows=eval_windows)
     model = build_model(spec.model, seed=spec.data.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.algorithm.inner_lr, weight_decay=0.0)
-
     cpu = torch.device("cpu")
     initial = evaluate(model, windows, cpu)
-    for _ in range(max(1, samples // spec.data.batch_size)):
-        inputs, targets = next(batches)
-        model.loss(inputs, targets).backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    steps = max(1, samples // spec.data.batch_size)
+    _train(model, spec, corpus, batch_size=spec.data.batch_size, peer_id=peer_id, steps=steps)
     return initial, evaluate(model, windows, cpu)
 
 
@@ -57,15 +46,22 @@ def warm_start(
     its own, and save the weights at ``path``; returns (SHA-256 for ``model.init_sha256``, the
     validation loss reached)."""
     corpus = load_corpus(spec.data, vocab_size=spec.model.vocab_size, cache_dir=cache_dir)
-    batches = corpus.batches(
-        seq_len=spec.model.seq_len, batch_size=batch_size, seed=spec.data.seed, peer_id="warm-start"
-    )
     model = build_model(spec.model, seed=spec.data.seed)
+    _train(model, spec, corpus, batch_size=batch_size, peer_id="warm-start", steps=steps)
+    windows = corpus.validation(seq_len=spec.model.seq_len, num_windows=32)
+    return save_weights(model, path), evaluate(model, windows, torch.device("cpu"))
+
+
+def _train(
+    model: GPT, spec: RunSpec, corpus: Corpus, *, batch_size: int, peer_id: str, steps: int
+) -> None:
+    """``steps`` plain AdamW steps (the spec's inner lr) on ``peer_id``'s stream of batches."""
+    batches = corpus.batches(
+        seq_len=spec.model.seq_len, batch_size=batch_size, seed=spec.data.seed, peer_id=peer_id
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.algorithm.inner_lr, weight_decay=0.0)
     for _ in range(steps):
         inputs, targets = next(batches)
         model.loss(inputs, targets).backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    windows = corpus.validation(seq_len=spec.model.seq_len, num_windows=32)
-    return save_weights(model, path), evaluate(model, windows, torch.device("cpu"))
