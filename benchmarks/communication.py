@@ -10,7 +10,12 @@ setting the script reports, per peer:
 
 The target defaults to sync fp32's final loss (what per-step averaging reaches on the budget).
 
+Each seed (``--seeds``) fixes the peers' identities and so their data streams (``simulate``'s
+``seed``): within a seed every setting sees the same data, and its gap is measured against the
+sync run of the same seed. Over several seeds the script reports the median and the range.
+
     .venv/bin/python benchmarks/communication.py                 # 4 nodes, ~10 minutes on 2 cores
+    .venv/bin/python benchmarks/communication.py --seeds 1 2 3 --only "sync fp32" "diloco int4"
     .venv/bin/python benchmarks/communication.py --inner-steps 50 --samples-per-peer 4000
     .venv/bin/python benchmarks/communication.py --inner-steps 25 --outer 1.0/0.5 \\
         --warm-start-steps 250        # from a model that has trained a while, as the paper does
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -85,6 +91,9 @@ def main() -> None:
         help="first train the initial model alone for this many steps of the global batch, on a "
         "stream no peer sees, and start every setting from it (model.init)",
     )
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[1], help="one run of every setting per seed"
+    )
     parser.add_argument("--only", nargs="*", help="run only these settings (by name)")
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()
@@ -102,11 +111,15 @@ def main() -> None:
             )
             init = f'init = "{weights}"\ninit_sha256 = "{digest}"\n'
             print(f"warm start: {args.warm_start_steps} steps alone, val loss {loss:.3f}")
-        results = run_settings(args, batch=batch, init=init)
+        results = {
+            seed: run_settings(args, batch=batch, init=init, seed=seed) for seed in args.seeds
+        }
     report(args, results)
 
 
-def run_settings(args: argparse.Namespace, *, batch: int, init: str) -> dict[str, dict[str, Any]]:
+def run_settings(
+    args: argparse.Namespace, *, batch: int, init: str, seed: int
+) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     for name, algorithm, codec in SETTINGS:
         if args.only and name not in args.only:
@@ -133,10 +146,11 @@ def run_settings(args: argparse.Namespace, *, batch: int, init: str) -> dict[str
                 profile_path=None,
                 out_dir=Path(tmp) / "sim",
                 timeout_seconds=3600,
+                seed=seed,
             )
         results[name] = summary
         print(
-            f"{name}: {epochs} epochs in {summary['wall_seconds']:.0f} s, val loss "
+            f"seed {seed}, {name}: {epochs} epochs in {summary['wall_seconds']:.0f} s, val loss "
             f"{summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f}, "
             f"replicas identical: {summary['replicas_identical']}",
             flush=True,
@@ -144,40 +158,83 @@ def run_settings(args: argparse.Namespace, *, batch: int, init: str) -> dict[str
     return results
 
 
-def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None:
-    reference = results.get("sync fp32")
-    target = args.target_loss or (reference["final_val_loss"] if reference else None)
+def _sent(point: dict[str, Any] | None) -> float | None:
+    return point["bytes_sent_per_peer"] if point else None
+
+
+def compare(
+    runs: dict[str, dict[str, Any]], target_loss: float | None
+) -> dict[str, dict[str, Any]]:
+    """One seed's rows: each setting's final loss, gap, bytes and ratios to sync fp32's."""
+    reference = runs.get("sync fp32")
+    target = target_loss or (reference["final_val_loss"] if reference else None)
+    rows = {}
+    for name, summary in runs.items():
+        curve = summary["loss_curve"]
+        row: dict[str, Any] = {
+            "final": summary["final_val_loss"],
+            "total": curve[-1]["bytes_sent_per_peer"] if curve else 0.0,
+            "to_target": _sent(first_reaching(curve, target)) if target else None,
+            "target": target,
+        }
+        if reference:
+            ref_curve = reference["loss_curve"]
+            ref_total = ref_curve[-1]["bytes_sent_per_peer"]
+            ref_to_target = _sent(first_reaching(ref_curve, target)) if target else None
+            row["gap"] = (row["final"] - reference["final_val_loss"]) / reference["final_val_loss"]
+            row["total_ratio"] = ref_total / row["total"] if row["total"] else None
+            row["ratio"] = (
+                ref_to_target / row["to_target"] if ref_to_target and row["to_target"] else None
+            )
+        rows[name] = row
+    return rows
+
+
+def _fmt(value: float | None, spec: str, missing: str = "") -> str:
+    """``value`` as ``spec`` says (a trailing "x" is written after the number)."""
+    if value is None:
+        return missing
+    return format(value, spec[:-1]) + "x" if spec.endswith("x") else format(value, spec)
+
+
+def report(args: argparse.Namespace, results: dict[int, dict[str, dict[str, Any]]]) -> None:
     print(
         f"\n{args.nodes} peers, {args.samples_per_peer} samples per peer, H = {args.inner_steps}, "
         f"outer {args.outer}, warm start {args.warm_start_steps} steps"
     )
-    print(f"target validation loss: {target:.3f}" if target else "no target")
-    header = f"{'setting':<14}{'final loss':>11}{'gap':>8}{'MiB to target':>15}{'ratio':>9}"
-    print(header + f"{'MiB total':>11}{'total ratio':>13}")
-    print("-" * (len(header) + 24))
-    for name, summary in results.items():
-        final = summary["final_val_loss"]
-        curve = summary["loss_curve"]
-        total = curve[-1]["bytes_sent_per_peer"] if curve else 0.0
-        reached = first_reaching(curve, target) if target else None
-        gap = ratio = total_ratio = ""
-        if reference:
-            ref_final = reference["final_val_loss"]
-            gap = f"{(final - ref_final) / ref_final:+.1%}"
-            ref_total = reference["loss_curve"][-1]["bytes_sent_per_peer"]
-            total_ratio = f"{ref_total / total:.0f}x" if total else ""
-            ref_reached = first_reaching(reference["loss_curve"], target) if target else None
-            if reached and ref_reached and reached["bytes_sent_per_peer"]:
-                ratio = (
-                    f"{ref_reached['bytes_sent_per_peer'] / reached['bytes_sent_per_peer']:.0f}x"
-                )
-        to_target = f"{reached['bytes_sent_per_peer'] / 2**20:.1f}" if reached else "not reached"
-        print(
-            f"{name:<14}{final:>11.3f}{gap:>8}{to_target:>15}{ratio:>9}"
-            f"{total / 2**20:>11.1f}{total_ratio:>13}"
-        )
+    header = f"{'seed':<6}{'setting':<14}{'final loss':>11}{'gap':>8}{'MiB to target':>15}"
+    header += f"{'ratio':>9}{'MiB total':>11}{'total ratio':>13}"
+    print(header)
+    print("-" * len(header))
+    table = {seed: compare(runs, args.target_loss) for seed, runs in results.items()}
+    for seed, rows in table.items():
+        for name, row in rows.items():
+            print(
+                f"{seed:<6}{name:<14}{row['final']:>11.3f}{_fmt(row.get('gap'), '+.1%'):>8}"
+                f"{_fmt(row['to_target'] and row['to_target'] / 2**20, '.1f', 'not reached'):>15}"
+                f"{_fmt(row.get('ratio'), '.0fx'):>9}{row['total'] / 2**20:>11.1f}"
+                f"{_fmt(row.get('total_ratio'), '.0fx'):>13}"
+            )
+    if len(table) > 1:
+        print(f"\nover {len(table)} seeds: median [min, max]")
+        names = list(next(iter(table.values())))
+        for name in names:
+            rows = [rows[name] for rows in table.values() if name in rows]
+            print(
+                f"{name:<14} final {_spread([r['final'] for r in rows], '.3f')}"
+                f"  gap {_spread([r.get('gap') for r in rows], '+.1%')}"
+                f"  total ratio {_spread([r.get('total_ratio') for r in rows], '.0fx')}"
+            )
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps({"results": results, "table": table}, indent=1))
+
+
+def _spread(values: list[float | None], spec: str) -> str:
+    known = [v for v in values if v is not None]
+    if not known:
+        return "-"
+    low, mid, high = (_fmt(v, spec) for v in (min(known), statistics.median(known), max(known)))
+    return f"{mid} [{low}, {high}]"
 
 
 if __name__ == "__main__":

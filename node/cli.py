@@ -320,6 +320,13 @@ def simulate(
         str, typer.Option(help="DHT backend of the bootstrap and the nodes: hivemind or libp2p.")
     ] = "hivemind",
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 600.0,
+    seed: Annotated[
+        int | None,
+        typer.Option(
+            help="Derive node i's key (and so its data stream) from this seed and i, so a rerun "
+            "sees the same data. The keys are predictable: for experiments only."
+        ),
+    ] = None,
 ) -> None:
     """Run a bootstrap and N real node processes on loopback; print and save a summary."""
     from swarmgrad.simulations import swarm
@@ -335,6 +342,7 @@ def simulate(
             timeout_seconds=timeout,
             churn_path=churn,
             discovery=discovery,
+            seed=seed,
         )
     except (RunSpecError, node_config.ConfigError, swarm.SimulationError) as error:
         raise _fail(EXIT_CONFIG, str(error)) from None

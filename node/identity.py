@@ -69,6 +69,18 @@ class Identity:
         return cls(Ed25519PrivateKey.generate())
 
     @classmethod
+    def from_seed(cls, seed: str) -> Identity:
+        """A key anyone can recompute from ``seed``: for simulations that want each peer (and so
+        its data stream) to be the same from run to run, never for a node others must trust."""
+        return cls(Ed25519PrivateKey.from_private_bytes(hashlib.sha256(seed.encode()).digest()))
+
+    def save(self, path: Path) -> None:
+        """Write the key to ``path`` (0600), replacing the key there, if any."""
+        path.unlink(missing_ok=True)
+        if not self._save(path):
+            raise IdentityError(f"another process wrote {path} while this one replaced it")
+
+    @classmethod
     def load_or_create(cls, path: Path) -> Identity:
         """Load the key at ``path``, or create it (and its folder) if there is none."""
         if path.exists():

@@ -33,6 +33,7 @@ from typing import Any
 
 from swarmgrad.node import config as node_config
 from swarmgrad.node.discovery.base import BACKENDS
+from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.simulations.churn import MARKERS, ScheduleError, load_schedule
 
@@ -70,6 +71,11 @@ codec = "int8"
 group_size = 4
 matchmaking_timeout_seconds = 20.0
 """
+
+
+def simulation_identity(seed: int, index: int) -> Identity:
+    """Node ``index``'s key in a simulation run with ``--seed seed``."""
+    return Identity.from_seed(f"swarmgrad-simulation:{seed}:{index}")
 
 
 class SimulationError(RuntimeError):
@@ -196,9 +202,14 @@ def simulate(
     churn_path: Path | None = None,
     extra_node_args: tuple[str, ...] = (),
     discovery: str = "hivemind",
+    seed: int | None = None,
 ) -> dict[str, Any]:
     """Run the swarm to ``rounds`` epochs (with the churn schedule in ``churn_path``, if any);
-    return (and write to summary.json) its summary."""
+    return (and write to summary.json) its summary.
+
+    With ``seed``, node i's identity is derived from (seed, i) instead of drawn at random, so
+    its peer id, and with it its data stream, is the same in every run with that seed: settings
+    compared side by side see the same data."""
     if nodes < 1 or rounds < 1:
         raise SimulationError("--nodes and --rounds must be at least 1")
     if discovery not in BACKENDS:
@@ -238,11 +249,14 @@ def simulate(
             log_path.unlink(missing_ok=True)
             checkpoints = out_dir / "checkpoints" / f"node-{i}"
             shutil.rmtree(checkpoints, ignore_errors=True)  # a new simulation starts fresh
+            key = out_dir / f"node-{i}.key"
+            if seed is not None:
+                simulation_identity(seed, i).save(key)
             args = [
                 "node",
                 str(spec_path),
                 *(a for m in maddrs for a in ("--bootstrap", m)),
-                "--identity", str(out_dir / f"node-{i}.key"),
+                "--identity", str(key),
                 "--cache-dir", str(cache_dir),
                 "--max-epochs", str(rounds),
                 "--linger",  # a node done early serves state until all are (latecomers catch up)

@@ -47,3 +47,16 @@ def test_a_corrupt_key_file_is_refused_not_replaced(tmp_path: Path) -> None:
     with pytest.raises(IdentityError, match="9 bytes"):
         Identity.load_or_create(path)
     assert path.read_bytes() == b"not a key"
+
+
+def test_a_seeded_identity_is_the_same_every_time_and_saved_like_a_created_one(
+    tmp_path: Path,
+) -> None:
+    a, again, other = (Identity.from_seed(s) for s in ("run:1:0", "run:1:0", "run:1:1"))
+    assert a.peer_id == again.peer_id != other.peer_id
+    path = tmp_path / "node.key"
+    Identity.load_or_create(path)  # a random key is there: save replaces it
+    a.save(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert Identity.load_or_create(path).peer_id == a.peer_id
+    assert [p.name for p in tmp_path.iterdir()] == ["node.key"]

@@ -18,7 +18,7 @@ from swarmgrad.node.config import home
 from swarmgrad.node.data import load_demo
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.simulations.baseline import train_alone
-from swarmgrad.simulations.swarm import DEMO_SPEC, simulate
+from swarmgrad.simulations.swarm import DEMO_SPEC, simulate, simulation_identity
 
 pytestmark = pytest.mark.slow
 
@@ -146,10 +146,12 @@ def test_sync_mode_averages_every_step_and_stays_identical(tmp_path: Path, cache
     )
     steps = 12
     summary = simulate(
-        nodes=2, rounds=steps, spec_path=spec, profile_path=None, out_dir=tmp_path / "sim"
+        nodes=2, rounds=steps, spec_path=spec, profile_path=None, out_dir=tmp_path / "sim", seed=7
     )
     peers = summary["peers"]
     assert [p["epoch"] for p in peers] == [steps, steps]
+    # --seed: node i is the same peer (and so reads the same data stream) in every such run
+    assert [p["peer_id"] for p in peers] == [simulation_identity(7, i).peer_id for i in (0, 1)]
     assert summary["replicas_identical"]
     # 64 samples a step: each of the 2 peers brings 32 (two micro-batches of 16) to a step
     # (one more micro-batch if it once found no group in time and accumulated on).
