@@ -94,6 +94,12 @@ def main() -> None:
     parser.add_argument(
         "--seeds", type=int, nargs="+", default=[1], help="one run of every setting per seed"
     )
+    parser.add_argument(
+        "--eval-windows",
+        type=int,
+        default=128,
+        help="held-out windows each node evaluates after each round (the node's default is 32)",
+    )
     parser.add_argument("--only", nargs="*", help="run only these settings (by name)")
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()
@@ -147,6 +153,7 @@ def run_settings(
                 out_dir=Path(tmp) / "sim",
                 timeout_seconds=3600,
                 seed=seed,
+                extra_node_args=("--eval-windows", str(args.eval_windows)),
             )
         results[name] = summary
         print(
@@ -200,7 +207,8 @@ def _fmt(value: float | None, spec: str, missing: str = "") -> str:
 def report(args: argparse.Namespace, results: dict[int, dict[str, dict[str, Any]]]) -> None:
     print(
         f"\n{args.nodes} peers, {args.samples_per_peer} samples per peer, H = {args.inner_steps}, "
-        f"outer {args.outer}, warm start {args.warm_start_steps} steps"
+        f"outer {args.outer}, warm start {args.warm_start_steps} steps, "
+        f"{args.eval_windows} validation windows"
     )
     header = f"{'seed':<6}{'setting':<14}{'final loss':>11}{'gap':>8}{'MiB to target':>15}"
     header += f"{'ratio':>9}{'MiB total':>11}{'total ratio':>13}"

@@ -34,7 +34,7 @@ from swarmgrad.node import config as node_config
 from swarmgrad.node.data import Batches, Corpus, load_corpus
 from swarmgrad.node.diloco import OuterOptimizer
 from swarmgrad.node.model import GPT, build_model, flatten, unflatten
-from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.runspec import AlgorithmSection, RunSpec
 from swarmgrad.simulations.baseline import warm_start
 from swarmgrad.simulations.swarm import DEMO_SPEC
 
@@ -48,16 +48,25 @@ def _adamw(model: GPT, lr: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
 
 
-def _step(model: GPT, optimizer: torch.optim.Optimizer, batches: Batches, scale: float) -> None:
+def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def _step(model: GPT, optimizer: torch.optim.Optimizer, batches: Batches, lr: float) -> None:
     inputs, targets = next(batches)
-    (model.loss(inputs, targets) * scale).backward()  # type: ignore[no-untyped-call]
+    model.loss(inputs, targets).backward()  # type: ignore[no-untyped-call]
+    _set_lr(optimizer, lr)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
 class Study:
-    def __init__(self, spec: RunSpec, corpus: Corpus, *, replicas: int, windows: int) -> None:
+    def __init__(
+        self, spec: RunSpec, corpus: Corpus, *, replicas: int, windows: int, data_seed: int = 0
+    ) -> None:
         self.spec, self.corpus, self.replicas = spec, corpus, replicas
+        self.data_seed = data_seed
         self.windows = corpus.validation(seq_len=spec.model.seq_len, num_windows=windows)
         self.initial = build_model(spec.model, seed=spec.data.seed)
 
@@ -67,46 +76,53 @@ class Study:
                 seq_len=self.spec.model.seq_len,
                 batch_size=batch_size or self.spec.data.batch_size,
                 seed=self.spec.data.seed,
-                peer_id=f"replica-{i}",
+                peer_id=f"replica-{i}" if not self.data_seed else f"replica-{self.data_seed}-{i}",
             )
             for i in range(self.replicas if names is None else names)
         ]
 
-    def sync(self, steps: int, lr: float) -> float:
+    def sync(self, steps: int, schedule: AlgorithmSection) -> float:
         model = copy.deepcopy(self.initial)
-        optimizer, streams = _adamw(model, lr), self.streams()
-        for _ in range(steps):
+        optimizer, streams = _adamw(model, schedule.inner_lr), self.streams()
+        for step in range(steps):
             for stream in streams:  # gradients add up: one step on the mean over N micro-batches
                 inputs, targets = next(stream)
                 loss = model.loss(inputs, targets) / self.replicas
                 loss.backward()  # type: ignore[no-untyped-call]
+            _set_lr(optimizer, schedule.lr_at(step))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         return _loss(model, self.windows)
 
-    def alone(self, steps: int, lr: float) -> float:
+    def alone(self, steps: int, schedule: AlgorithmSection) -> float:
         model = copy.deepcopy(self.initial)
-        optimizer, stream = _adamw(model, lr), self.streams(names=1)[0]
-        for _ in range(steps):
-            _step(model, optimizer, stream, 1.0)
+        optimizer, stream = _adamw(model, schedule.inner_lr), self.streams(names=1)[0]
+        for step in range(steps):
+            _step(model, optimizer, stream, schedule.lr_at(step))
         return _loss(model, self.windows)
 
     def diloco(
-        self, steps: int, lr: float, *, inner_steps: int, outer_lr: float, outer_momentum: float
+        self,
+        steps: int,
+        schedule: AlgorithmSection,
+        *,
+        inner_steps: int,
+        outer_lr: float,
+        outer_momentum: float,
     ) -> list[float]:
         """Validation loss after each outer round."""
         models = [copy.deepcopy(self.initial) for _ in range(self.replicas)]
-        optimizers = [_adamw(m, lr) for m in models]
+        optimizers = [_adamw(m, schedule.inner_lr) for m in models]
         streams = self.streams()
         outer = OuterOptimizer(
             flatten(list(self.initial.parameters())), lr=outer_lr, momentum=outer_momentum
         )
         curve = []
-        for _ in range(steps // inner_steps):
+        for round_ in range(steps // inner_steps):
             deltas = []
             for model, optimizer, stream in zip(models, optimizers, streams, strict=True):
-                for _ in range(inner_steps):
-                    _step(model, optimizer, stream, 1.0)
+                for i in range(inner_steps):
+                    _step(model, optimizer, stream, schedule.lr_at(round_ * inner_steps + i))
                 deltas.append(outer.pseudo_gradient(flatten(list(model.parameters()))))
             theta = outer.step(torch.stack(deltas).mean(0), own=deltas[0])
             for model in models:
@@ -123,6 +139,14 @@ def main() -> None:
     parser.add_argument("--outer", nargs="+", default=["1.0/0.0", "0.7/0.9"], help="lr/momentum")
     parser.add_argument("--lr", type=float, help="inner AdamW lr (default: the demo spec's)")
     parser.add_argument("--warm-start-steps", type=int, default=0)
+    parser.add_argument(
+        "--schedule",
+        default="0/0",
+        help="inner lr WARMUP/DECAY steps (the spec's algorithm.warmup_steps/decay_steps)",
+    )
+    parser.add_argument(
+        "--data-seed", type=int, default=0, help="another draw of the replicas' data streams"
+    )
     parser.add_argument("--eval-windows", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -133,11 +157,14 @@ def main() -> None:
 
 def run(args: argparse.Namespace, tmp: Path) -> None:
     spec = RunSpec.from_toml(DEMO_SPEC)
-    if args.lr:
-        spec = dataclasses.replace(
-            spec, algorithm=dataclasses.replace(spec.algorithm, inner_lr=args.lr)
-        )
-    lr = spec.algorithm.inner_lr
+    warmup, decay = (int(x) for x in args.schedule.split("/"))
+    schedule = dataclasses.replace(
+        spec.algorithm,
+        inner_lr=args.lr or spec.algorithm.inner_lr,
+        warmup_steps=warmup,
+        decay_steps=decay,
+    )
+    lr = schedule.inner_lr
     corpus = load_corpus(
         spec.data, vocab_size=spec.model.vocab_size, cache_dir=node_config.home() / "cache"
     )
@@ -152,24 +179,29 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
         )
         init = dataclasses.replace(spec.model, init=str(weights), init_sha256=digest)
         spec = dataclasses.replace(spec, model=init)
-    lab = Study(spec, corpus, replicas=args.replicas, windows=args.eval_windows)
+    lab = Study(
+        spec, corpus, replicas=args.replicas, windows=args.eval_windows, data_seed=args.data_seed
+    )
     start = _loss(lab.initial, lab.windows)
     print(
         f"{args.replicas} replicas x {args.steps} steps of batch {spec.data.batch_size}, "
-        f"inner lr {lr:g}, warm start {args.warm_start_steps} steps (val loss {start:.3f}), "
+        f"inner lr {lr:g} (schedule {args.schedule}), "
+        f"warm start {args.warm_start_steps} steps (val loss {start:.3f}), "
         f"{args.eval_windows} validation windows"
     )
     rows: list[tuple[str, float, str]] = []
     began = time.monotonic()
-    reference = lab.sync(args.steps, lr)
+    reference = lab.sync(args.steps, schedule)
     rows.append(("sync (batch N x B)", reference, ""))
-    rows.append(("alone (1/N samples)", lab.alone(args.steps, lr), ""))
+    print(f"sync: {reference:.3f}", flush=True)
+    rows.append(("alone (1/N samples)", lab.alone(args.steps, schedule), ""))
     for h in args.inner_steps:
         for outer in args.outer:
             outer_lr, momentum = (float(x) for x in outer.split("/"))
             curve = lab.diloco(
-                args.steps, lr, inner_steps=h, outer_lr=outer_lr, outer_momentum=momentum
+                args.steps, schedule, inner_steps=h, outer_lr=outer_lr, outer_momentum=momentum
             )
+            print(f"diloco H={h} {outer}: {curve[-1]:.3f}", flush=True)
             shape = f"worst round {max(curve):.3f}, last 3 {statistics.fmean(curve[-3:]):.3f}"
             rows.append((f"diloco H={h} outer {outer}", curve[-1], shape))
     print(f"{'setting':<28}{'val loss':>9}{'gap':>8}  curve")

@@ -110,6 +110,13 @@ def node(
         Path | None, typer.Option(help="Write a JSON summary here after every round.")
     ] = None,
     display: Annotated[str, typer.Option(help="auto, live, log or none.")] = "auto",
+    eval_windows: Annotated[
+        int,
+        typer.Option(
+            help="Held-out windows evaluated after each round: more give a steadier "
+            "validation loss and take longer."
+        ),
+    ] = 32,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Train with the run's peers: join, average every round, leave gracefully on Ctrl-C.
@@ -147,6 +154,7 @@ def node(
             slowdown=slowdown,
             status_file=status_file,
             display=display,
+            eval_windows=eval_windows,
         )
     except (RunSpecError, node_config.ConfigError) as error:
         raise _fail(EXIT_CONFIG, str(error)) from None

@@ -51,6 +51,7 @@ class Progress:
     val_loss: float = math.nan
     initial_val_loss: float = math.nan
     tokens_per_second: float = 0.0
+    lr: float = math.nan  # the inner optimizer's learning rate at the last step
     peers: int = 0
     group_size: int = 0
     bytes_sent: int = 0
@@ -92,6 +93,11 @@ def _autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 class Trainer:
@@ -156,6 +162,8 @@ class Trainer:
         done = self.config.max_epochs is not None and replica.epoch >= self.config.max_epochs
         while not stop.is_set() and not done:
             step_started = time.monotonic()
+            progress.lr = algorithm.lr_at(replica.schedule_step)
+            set_lr(optimizer, progress.lr)
             inputs, targets = next(batches)
             inputs, targets = _to(inputs, device), _to(targets, device)
             with _autocast(device):

@@ -280,6 +280,12 @@ class DiLoCo(_Replica):
         tensors, meta = super().state_dict()
         return tensors, meta | {"steps": self._steps}
 
+    @property
+    def schedule_step(self) -> int:
+        """The next inner step's place in the run, for the learning-rate schedule: the same on
+        every member (epoch x inner_steps + steps into this round), resumed or resynced."""
+        return self.epoch * self.inner_steps + self._steps % self.inner_steps
+
     def step(self, samples: int) -> RoundReport | None:
         """Count one inner step of ``samples``; run an outer round when one is due."""
         self._steps += 1
@@ -385,6 +391,11 @@ class SyncDataParallel(_Replica):
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors, meta = super().state_dict()
         return tensors, meta | {"micro_batches": self._micro_batches}
+
+    @property
+    def schedule_step(self) -> int:
+        """The next optimizer step's place in the run: the global step, the same on every member."""
+        return self.epoch
 
     def step(self, samples: int) -> RoundReport | None:
         """Count one backward pass over ``samples``; average and step when the batch is full."""

@@ -14,7 +14,7 @@ import torch
 from swarmgrad.node.data import Corpus, load_corpus
 from swarmgrad.node.model import GPT, build_model, save_weights
 from swarmgrad.node.runspec import RunSpec
-from swarmgrad.node.trainer import evaluate
+from swarmgrad.node.trainer import evaluate, set_lr
 
 
 def train_alone(
@@ -47,21 +47,39 @@ def warm_start(
     validation loss reached)."""
     corpus = load_corpus(spec.data, vocab_size=spec.model.vocab_size, cache_dir=cache_dir)
     model = build_model(spec.model, seed=spec.data.seed)
-    _train(model, spec, corpus, batch_size=batch_size, peer_id="warm-start", steps=steps)
+    _train(
+        model,
+        spec,
+        corpus,
+        batch_size=batch_size,
+        peer_id="warm-start",
+        steps=steps,
+        schedule=False,
+    )
     windows = corpus.validation(seq_len=spec.model.seq_len, num_windows=32)
     return save_weights(model, path), evaluate(model, windows, torch.device("cpu"))
 
 
 def _train(
-    model: GPT, spec: RunSpec, corpus: Corpus, *, batch_size: int, peer_id: str, steps: int
+    model: GPT,
+    spec: RunSpec,
+    corpus: Corpus,
+    *,
+    batch_size: int,
+    peer_id: str,
+    steps: int,
+    schedule: bool = True,
 ) -> None:
-    """``steps`` plain AdamW steps (the spec's inner lr) on ``peer_id``'s stream of batches."""
+    """``steps`` plain AdamW steps on ``peer_id``'s stream of batches, at the spec's inner lr and
+    (with ``schedule``) its warm-up and decay, as a node's inner optimizer runs them."""
     batches = corpus.batches(
         seq_len=spec.model.seq_len, batch_size=batch_size, seed=spec.data.seed, peer_id=peer_id
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.algorithm.inner_lr, weight_decay=0.0)
-    for _ in range(steps):
+    for step in range(steps):
         inputs, targets = next(batches)
         model.loss(inputs, targets).backward()  # type: ignore[no-untyped-call]
+        if schedule:
+            set_lr(optimizer, spec.algorithm.lr_at(step))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

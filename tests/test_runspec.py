@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,22 @@ def test_integers_are_accepted_where_floats_are_expected() -> None:
     assert spec.hash == RunSpec.from_toml(MINIMAL + "[algorithm]\nouter_lr = 1.0\n").hash
 
 
+def test_the_inner_lr_warms_up_then_decays_to_its_floor_and_stays() -> None:
+    constant = RunSpec.from_toml(MINIMAL + "[algorithm]\ninner_lr = 1e-3\n").algorithm
+    assert {constant.lr_at(step) for step in (0, 10, 10**6)} == {1e-3}
+    text = (
+        "[algorithm]\ninner_lr = 1e-3\nwarmup_steps = 10\ndecay_steps = 110\nmin_lr_ratio = 0.1\n"
+    )
+    algorithm = RunSpec.from_toml(MINIMAL + text).algorithm
+    assert algorithm.lr_at(0) == pytest.approx(1e-4)  # the first step already moves
+    assert algorithm.lr_at(4) == pytest.approx(5e-4)
+    assert algorithm.lr_at(9) == pytest.approx(1e-3)
+    assert algorithm.lr_at(60) == pytest.approx(0.55e-3)  # half-way down the cosine
+    assert algorithm.lr_at(110) == algorithm.lr_at(5000) == pytest.approx(1e-4)
+    decay = [algorithm.lr_at(step) for step in range(9, 111)]
+    assert all(a >= b for a, b in itertools.pairwise(decay))
+
+
 @pytest.mark.parametrize(
     ("toml", "match"),
     [
@@ -65,6 +82,10 @@ def test_integers_are_accepted_where_floats_are_expected() -> None:
         (MINIMAL + "[algorithm]\nname = 'adam'\n", "algorithm.name"),
         (MINIMAL + "[algorithm]\ninner_steps = 0\n", "algorithm.inner_steps must be positive"),
         (MINIMAL + "[algorithm]\nouter_momentum = 1.0\n", "outer_momentum"),
+        (MINIMAL + "[algorithm]\nwarmup_steps = -1\n", "warmup_steps and algorithm.decay"),
+        (MINIMAL + "[algorithm]\nwarmup_steps = 50\ndecay_steps = 50\n", "must exceed"),
+        (MINIMAL + "[algorithm]\nmin_lr_ratio = 0.0\n", r"min_lr_ratio must be in \(0, 1\]"),
+        (MINIMAL + "[algorithm]\nmin_lr_ratio = 1.5\n", r"min_lr_ratio must be in \(0, 1\]"),
         (MINIMAL + "[averaging]\ncodec = 'zip'\n", "averaging.codec 'zip' is unknown"),
         (MINIMAL + "[averaging]\ngroup_size = 1\n", "group_size must be at least 2"),
         (MINIMAL + "[averaging]\nsender_timeout_seconds = 30.0\n", "reducer_timeout_seconds"),

@@ -140,7 +140,11 @@ def test_four_nodes_learn_together_over_the_pure_python_dht(tmp_path: Path) -> N
 def test_sync_mode_averages_every_step_and_stays_identical(tmp_path: Path, cache_dir: Path) -> None:
     spec = tmp_path / "sync.toml"
     spec.write_text(
-        DEMO_SPEC.replace('name = "diloco"', 'name = "sync"\ntarget_batch_size = 64')
+        DEMO_SPEC.replace(
+            'name = "diloco"',
+            'name = "sync"\ntarget_batch_size = 64\nwarmup_steps = 2\ndecay_steps = 10\n'
+            "min_lr_ratio = 0.25",
+        )
         .replace('codec = "int8"', 'codec = "none"')
         .replace("group_size = 4", "group_size = 2")
     )
@@ -153,6 +157,9 @@ def test_sync_mode_averages_every_step_and_stays_identical(tmp_path: Path, cache
     # --seed: node i is the same peer (and so reads the same data stream) in every such run
     assert [p["peer_id"] for p in peers] == [simulation_identity(7, i).peer_id for i in (0, 1)]
     assert summary["replicas_identical"]
+    for i in (0, 1):  # the schedule reached its floor by the last steps (2e-3 x 0.25)
+        status = json.loads((tmp_path / "sim" / f"node-{i}.json").read_text())
+        assert status["lr"] == pytest.approx(5e-4)
     # 64 samples a step: each of the 2 peers brings 32 (two micro-batches of 16) to a step
     # (one more micro-batch if it once found no group in time and accumulated on).
     for peer in peers:
@@ -189,6 +196,11 @@ def test_the_cli_explains_bad_input(tmp_path: Path) -> None:
     typo = swarmgrad("node", str(bad), env={"SWARMGRAD_HOEM": "/tmp", "PATH": "/usr/bin"})
     assert typo.returncode == 2
     assert "SWARMGRAD_HOEM" in typo.stderr
+    good = tmp_path / "good.toml"
+    good.write_text('[run]\nid = "r"\n')
+    no_windows = swarmgrad("node", str(good), "--eval-windows", "0")
+    assert no_windows.returncode == 2
+    assert "--eval-windows must be at least 1" in no_windows.stderr
 
 
 def _start_lone_node(tmp_path: Path, cache_dir: Path) -> subprocess.Popen[str]:
