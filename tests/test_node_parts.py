@@ -138,6 +138,23 @@ def test_error_feedback_sends_exact_own_part_and_carries_what_the_codec_drops() 
     assert (sent_total - inputs).norm() < 2 * one_round_error
 
 
+def test_the_lr_schedule_position_is_the_same_on_every_member_whatever_its_history() -> None:
+    # DiLoCo: epoch x H + steps into the round. A member that resumed or downloaded the state at
+    # epoch 2 sits where one that trained from the start does, whatever steps it took before.
+    model = torch.nn.Linear(4, 4)
+    fresh = DiLoCo(_fake_swarm("none", "a"), model, inner_steps=5, outer_lr=1.0, outer_momentum=0)
+    assert fresh.schedule_step == 0
+    for _ in range(3):
+        fresh.step(samples=16)
+    assert fresh.schedule_step == 3
+    fresh.epoch = 2
+    assert fresh.schedule_step == 13
+    joined = DiLoCo(_fake_swarm("none", "b"), model, inner_steps=5, outer_lr=1.0, outer_momentum=0)
+    tensors, meta = fresh.state_dict()
+    joined.load_state_dict(tensors, meta)
+    assert joined.schedule_step == 13
+
+
 # -- who to resync from -------------------------------------------------------------------------
 
 
