@@ -52,6 +52,7 @@ def spec_text(
     inner_steps: int,
     batch: int,
     outer: str = "1.0/0.0",
+    schedule: str = "0/0",
     init: str = "",
 ) -> str:
     text = DEMO_SPEC.replace('codec = "int8"', f'codec = "{codec}"')
@@ -63,6 +64,10 @@ def spec_text(
         f"outer_lr = {outer_lr}\nouter_momentum = {outer_momentum}",
     )
     text = text.replace("seq_len = 64\n", f"seq_len = 64\n{init}")
+    warmup, decay = (int(x) for x in schedule.split("/"))
+    text = text.replace(
+        "outer_momentum = ", f"warmup_steps = {warmup}\ndecay_steps = {decay}\nouter_momentum = "
+    )
     if algorithm == "sync":
         # One optimizer step per global batch of one micro-batch from every peer.
         text = text.replace(
@@ -84,6 +89,9 @@ def main() -> None:
     )
     parser.add_argument("--target-loss", type=float, help="default: sync fp32's final loss")
     parser.add_argument("--outer", default="1.0/0.0", help="DiLoCo's outer lr/momentum")
+    parser.add_argument(
+        "--schedule", default="0/0", help="inner lr WARMUP/DECAY steps (algorithm.warmup_steps/...)"
+    )
     parser.add_argument(
         "--warm-start-steps",
         type=int,
@@ -142,6 +150,7 @@ def run_settings(
                     inner_steps=args.inner_steps,
                     batch=batch,
                     outer=args.outer,
+                    schedule=args.schedule,
                     init=init,
                 )
             )
@@ -207,7 +216,8 @@ def _fmt(value: float | None, spec: str, missing: str = "") -> str:
 def report(args: argparse.Namespace, results: dict[int, dict[str, dict[str, Any]]]) -> None:
     print(
         f"\n{args.nodes} peers, {args.samples_per_peer} samples per peer, H = {args.inner_steps}, "
-        f"outer {args.outer}, warm start {args.warm_start_steps} steps, "
+        f"outer {args.outer}, inner lr schedule {args.schedule}, "
+        f"warm start {args.warm_start_steps} steps, "
         f"{args.eval_windows} validation windows"
     )
     header = f"{'seed':<6}{'setting':<14}{'final loss':>11}{'gap':>8}{'MiB to target':>15}"
