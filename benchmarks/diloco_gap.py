@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import itertools
 import statistics
 import tempfile
 import time
@@ -138,6 +139,12 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, nargs="+", default=[10, 50], help="H values")
     parser.add_argument("--outer", nargs="+", default=["1.0/0.0", "0.7/0.9"], help="lr/momentum")
     parser.add_argument("--lr", type=float, help="inner AdamW lr (default: the demo spec's)")
+    parser.add_argument(
+        "--diloco-lr",
+        type=float,
+        nargs="+",
+        help="DiLoCo's inner lr(s), if not --lr (sync and alone keep --lr)",
+    )
     parser.add_argument("--warm-start-steps", type=int, default=0)
     parser.add_argument(
         "--schedule",
@@ -195,18 +202,25 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
     rows.append(("sync (batch N x B)", reference, ""))
     print(f"sync: {reference:.3f}", flush=True)
     rows.append(("alone (1/N samples)", lab.alone(args.steps, schedule), ""))
-    for h in args.inner_steps:
-        for outer in args.outer:
-            outer_lr, momentum = (float(x) for x in outer.split("/"))
-            curve = lab.diloco(
-                args.steps, schedule, inner_steps=h, outer_lr=outer_lr, outer_momentum=momentum
-            )
-            print(f"diloco H={h} {outer}: {curve[-1]:.3f}", flush=True)
-            shape = f"worst round {max(curve):.3f}, last 3 {statistics.fmean(curve[-3:]):.3f}"
-            rows.append((f"diloco H={h} outer {outer}", curve[-1], shape))
-    print(f"{'setting':<28}{'val loss':>9}{'gap':>8}  curve")
+    for h, outer, inner_lr in itertools.product(
+        args.inner_steps, args.outer, args.diloco_lr or [lr]
+    ):
+        outer_lr, momentum = (float(x) for x in outer.split("/"))
+        curve = lab.diloco(
+            args.steps,
+            dataclasses.replace(schedule, inner_lr=inner_lr),
+            inner_steps=h,
+            outer_lr=outer_lr,
+            outer_momentum=momentum,
+        )
+        name = f"diloco H={h} outer {outer}" + (f" lr {inner_lr:g}" if args.diloco_lr else "")
+        print(f"{name}: {curve[-1]:.3f}", flush=True)
+        shape = f"worst round {max(curve):.3f}, last 3 {statistics.fmean(curve[-3:]):.3f}"
+        rows.append((name, curve[-1], shape))
+    width = max(28, *(len(name) + 2 for name, _, _ in rows))
+    print(f"{'setting':<{width}}{'val loss':>9}{'gap':>8}  curve")
     for name, loss, shape in rows:
-        print(f"{name:<28}{loss:>9.3f}{(loss - reference) / reference:>+8.1%}  {shape}")
+        print(f"{name:<{width}}{loss:>9.3f}{(loss - reference) / reference:>+8.1%}  {shape}")
     print(f"({time.monotonic() - began:.0f} s)")
 
 

@@ -552,6 +552,8 @@ class Swarm:
             return Averaged(Outcome.NO_GROUP, error=str(error))
         if group is None:
             self.counts["no group"] += 1
+            # This peer trains on: a latecomer for the round must not count on it.
+            await self._withdraw(f"round/{epoch}")
             return Averaged(Outcome.NO_GROUP, error="nobody else was ready in time")
         log.info("epoch %d: averaging in a group of %d", epoch, len(group.members))
         topic = f"round/{epoch}"

@@ -1,4 +1,5 @@
-"""Readiness records and failed attempts: a peer's record for a round does not outlive its group.
+"""Readiness records and failed attempts: a peer's record for a round does not outlive its group,
+nor an attempt that found nobody.
 
 Two real swarms (hivemind DHT, gRPC) in one process. One member stalls after its group is formed
 (its ``prepare`` step sleeps, as a slow or stuck attempt would); while it stalls, a peer starting
@@ -18,7 +19,7 @@ import torch
 from swarmgrad.node.group import Group
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
-from swarmgrad.node.swarm import WITHDRAW_MARGIN_SECONDS, Swarm, SwarmConfig
+from swarmgrad.node.swarm import WITHDRAW_MARGIN_SECONDS, Outcome, Swarm, SwarmConfig
 from swarmgrad.simulations.swarm import DEMO_SPEC
 
 pytestmark = pytest.mark.slow
@@ -67,3 +68,28 @@ async def test_a_stalled_attempt_withdraws_its_readiness_record() -> None:
     for result in results:
         if result.result is not None and result.result.complete:
             assert torch.allclose(result.result.averaged, torch.full((1000,), 2.0))
+
+
+async def test_a_peer_that_found_nobody_takes_its_readiness_record_down() -> None:
+    # It trains on; a peer arriving for the round later must not build a group around it.
+    spec = RunSpec.from_toml(
+        DEMO_SPEC.replace("group_size = 4", "group_size = 2").replace(
+            "matchmaking_timeout_seconds = 20.0", "matchmaking_timeout_seconds = 2.0"
+        )
+    )
+    async with Swarm(spec, Identity.generate(), SwarmConfig()) as lone:
+        bootstrap = tuple(lone._discovery.visible_maddrs())  # type: ignore[union-attr]
+        async with Swarm(spec, Identity.generate(), SwarmConfig(bootstrap=bootstrap)) as witness:
+            attempt = asyncio.create_task(lone.average(torch.ones(100), epoch=0, weight=1.0))
+            deadline = asyncio.get_running_loop().time() + 10.0
+            while True:  # the witness sees the record while the lone peer waits
+                ready = await witness._discovery.find("round/0")  # type: ignore[union-attr]
+                if lone.peer_id in {r.peer_id for r in ready}:
+                    break
+                assert asyncio.get_running_loop().time() < deadline, "no readiness record seen"
+                await asyncio.sleep(0.1)
+            async with asyncio.timeout(30):
+                result = await attempt
+            assert result.outcome is Outcome.NO_GROUP
+            ready = await witness._discovery.find("round/0")  # type: ignore[union-attr]
+            assert lone.peer_id not in {r.peer_id for r in ready}
