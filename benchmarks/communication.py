@@ -52,6 +52,8 @@ RUN_ARGS = (
     "samples_per_peer",
     "outer",
     "schedule",
+    "lr",
+    "diloco_lr",
     "warm_start_steps",
     "eval_windows",
 )
@@ -66,6 +68,7 @@ def spec_text(
     batch: int,
     outer: str = "1.0/0.0",
     schedule: str = "0/0",
+    inner_lr: float | None = None,
     init: str = "",
 ) -> str:
     text = DEMO_SPEC.replace('codec = "int8"', f'codec = "{codec}"')
@@ -77,6 +80,8 @@ def spec_text(
         f"outer_lr = {outer_lr}\nouter_momentum = {outer_momentum}",
     )
     text = text.replace("seq_len = 64\n", f"seq_len = 64\n{init}")
+    if inner_lr is not None:
+        text = re.sub(r"inner_lr = [0-9.e-]+", f"inner_lr = {inner_lr!r}", text)
     warmup, decay = (int(x) for x in schedule.split("/"))
     text = text.replace(
         "outer_momentum = ", f"warmup_steps = {warmup}\ndecay_steps = {decay}\nouter_momentum = "
@@ -111,6 +116,10 @@ def main() -> None:
         "--from-json", type=Path, help="report on the results a --json run saved; run nothing"
     )
     parser.add_argument("--outer", default="1.0/0.0", help="DiLoCo's outer lr/momentum")
+    parser.add_argument("--lr", type=float, help="inner AdamW lr (default: the demo spec's)")
+    parser.add_argument(
+        "--diloco-lr", type=float, help="the diloco settings' inner lr, if not --lr's"
+    )
     parser.add_argument(
         "--schedule", default="0/0", help="inner lr WARMUP/DECAY steps (algorithm.warmup_steps/...)"
     )
@@ -182,6 +191,9 @@ def run_settings(
                     batch=batch,
                     outer=args.outer,
                     schedule=args.schedule,
+                    inner_lr=args.diloco_lr
+                    if algorithm == "diloco" and args.diloco_lr
+                    else args.lr,
                     init=init,
                 )
             )
@@ -247,7 +259,8 @@ def _fmt(value: float | None, spec: str, missing: str = "") -> str:
 def report(args: argparse.Namespace, results: dict[int, dict[str, dict[str, Any]]]) -> None:
     print(
         f"\n{args.nodes} peers, {args.samples_per_peer} samples per peer, H = {args.inner_steps}, "
-        f"outer {args.outer}, inner lr schedule {args.schedule}, "
+        f"outer {args.outer}, inner lr {args.lr or 'as the demo spec'}"
+        f"{f' (diloco {args.diloco_lr:g})' if args.diloco_lr else ''}, schedule {args.schedule}, "
         f"warm start {args.warm_start_steps} steps, "
         f"{args.eval_windows} validation windows"
     )
