@@ -36,6 +36,7 @@ from swarmgrad.node.data import Batches, Corpus, load_corpus
 from swarmgrad.node.diloco import OuterOptimizer
 from swarmgrad.node.model import GPT, build_model, flatten, unflatten
 from swarmgrad.node.runspec import AlgorithmSection, RunSpec
+from swarmgrad.node.trainer import set_lr
 from swarmgrad.simulations.baseline import warm_start
 from swarmgrad.simulations.swarm import DEMO_SPEC
 
@@ -49,15 +50,10 @@ def _adamw(model: GPT, lr: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
 
 
-def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-
-
 def _step(model: GPT, optimizer: torch.optim.Optimizer, batches: Batches, lr: float) -> None:
     inputs, targets = next(batches)
     model.loss(inputs, targets).backward()  # type: ignore[no-untyped-call]
-    _set_lr(optimizer, lr)
+    set_lr(optimizer, lr)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -90,7 +86,7 @@ class Study:
                 inputs, targets = next(stream)
                 loss = model.loss(inputs, targets) / self.replicas
                 loss.backward()  # type: ignore[no-untyped-call]
-            _set_lr(optimizer, schedule.lr_at(step))
+            set_lr(optimizer, schedule.lr_at(step))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         return _loss(model, self.windows)
