@@ -44,6 +44,7 @@ import torch
 from swarmgrad.compression import Codec, get_codec
 from swarmgrad.node.group import Group, chunk_sizes
 from swarmgrad.node.reducer import PartReducer
+from swarmgrad.protocol.auth import Signer
 from swarmgrad.protocol.averaging import (
     StreamHeader,
     aggregate_method,
@@ -155,6 +156,7 @@ class _Round:
 
     me: int
     group: Group
+    signer: Signer
     config: AllReduceConfig
     deadline: float
     channel: Callable[[str], grpc.aio.Channel]
@@ -176,6 +178,7 @@ async def run_round(
     me: int,
     group: Group,
     vector: torch.Tensor,
+    signer: Signer,
     config: AllReduceConfig,
     reducer: PartReducer | None,
     channel: Callable[[str], grpc.aio.Channel],
@@ -186,12 +189,14 @@ async def run_round(
     """Run this member's side of one round; ``reducer`` reduces its own part (None: owns none).
 
     ``traffic`` counts payload bytes this member sends (``sent``) and receives (``received``)
-    as a client; the servicer counts its own side.
+    as a client; the servicer counts its own side. ``signer`` (this member's key) signs the
+    header of every stream.
     """
     loop = asyncio.get_running_loop()
     state = _Round(
         me=me,
         group=group,
+        signer=signer,
         config=config,
         deadline=loop.time() + config.round_timeout_seconds,
         channel=channel,
@@ -282,9 +287,11 @@ async def _exchange_with_owner(
             round=group.round,
             group_id=group.group_id,
             sender=group.members[state.me].peer_id,
+            receiver=owner.peer_id,
             part=part,
             weight=group.members[state.me].weight,
-        )
+        ),
+        state.signer,
     )
 
     async def requests() -> AsyncIterator[Framed | averaging_pb2.AggregateRequest]:

@@ -4,7 +4,8 @@ One ``Averager`` per node. It owns the gRPC server (shared with the node's other
 the channels to peers, and the registry of rounds in progress, which is how a stream from a peer
 finds the :class:`PartReducer` of the round it belongs to. A stream may arrive a little before
 this node has started the same round (members start at slightly different times); it waits up to
-``join_timeout_seconds`` for the round to appear before it is refused with UNKNOWN_ROUND.
+``join_timeout_seconds`` for the round to appear before it is refused with UNKNOWN_ROUND (at
+most :data:`MAX_EARLY_STREAMS` wait at once: streams are signed, but keys cost nothing).
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ import torch
 
 from swarmgrad.node.allreduce import AllReduceConfig, RoundHooks, RoundResult, run_round
 from swarmgrad.node.group import Group, chunk_sizes
+from swarmgrad.node.identity import Identity
 from swarmgrad.node.reducer import PartReducer, SenderSession
+from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.averaging import AveragingServicer, StreamHeader, add_to_server
-from swarmgrad.protocol.errors import ProtocolViolation, RoundAborted
-from swarmgrad.protocol.server import ServerLimits, open_channel, start_server
+from swarmgrad.protocol.errors import ProtocolViolation, RoundAborted, quote
+from swarmgrad.protocol.server import Rejections, ServerLimits, open_channel, start_server
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
 log = logging.getLogger(__name__)
@@ -33,6 +36,8 @@ log = logging.getLogger(__name__)
 #: How long a finished round's reducer keeps answering streams still reading their results.
 _LINGER_SECONDS = 5.0
 _FINISHED_MEMORY = 256
+#: Streams that may wait at once for a round this node has not started (yet).
+MAX_EARLY_STREAMS = 64
 
 
 @dataclass(slots=True)
@@ -47,7 +52,7 @@ class Averager:
 
     def __init__(
         self,
-        peer_id: str,
+        identity: Identity,
         config: AllReduceConfig,
         *,
         host: str = "127.0.0.1",
@@ -55,21 +60,35 @@ class Averager:
         public_host: str = "",
         limits: ServerLimits | None = None,
         services: Sequence[Callable[[grpc.aio.Server], None]] = (),
+        min_message_bytes: int = 0,
+        verifier: Verifier | None = None,
+        rejections: Rejections | None = None,
     ) -> None:
-        """``services`` register the node's other servicers on the same gRPC server;
-        ``public_host`` is the address peers dial, when it is not ``host`` (a container's name)."""
-        self.peer_id = peer_id
+        """``services`` register the node's other servicers on the same gRPC server, whose
+        messages may be up to ``min_message_bytes``; ``public_host`` is the address peers dial,
+        when it is not ``host`` (a container's name). ``verifier`` and ``rejections`` are the
+        node's, shared by its services."""
+        self.identity = identity
+        self.peer_id = identity.peer_id
         self._services = tuple(services)
         self.config = config
         self._host, self._port, self._public_host = host, port, public_host or host
-        self.limits = limits or ServerLimits(max_message_bytes=2 * config.max_chunk_bytes)
+        self.limits = limits or ServerLimits(
+            max_message_bytes=max(2 * config.max_chunk_bytes, min_message_bytes)
+        )
         self._rounds: dict[tuple[int, bytes], _ActiveRound] = {}
         self._finished: dict[tuple[int, bytes], None] = {}
         self._rounds_changed = asyncio.Condition()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._server: grpc.aio.Server | None = None
         self._background: set[asyncio.Task[None]] = set()
-        self.servicer = AveragingServicer(self, self.limits)
+        self._early_streams = 0
+        self.servicer = AveragingServicer(
+            self,
+            verifier=verifier or Verifier(self.peer_id),
+            limits=self.limits,
+            rejections=rejections,
+        )
         #: Rounds by outcome: "complete", "partial" (some values missing or partial), "aborted".
         self.rounds: Counter[str] = Counter()
         #: Payload bytes "sent" and "received" by this node, as client and as owner.
@@ -167,6 +186,7 @@ class Averager:
                 me=me,
                 group=group,
                 vector=vector.contiguous(),
+                signer=self.identity,
                 config=self.config,
                 reducer=reducer,
                 channel=self.channel,
@@ -209,8 +229,8 @@ class Averager:
             raise ProtocolViolation(
                 ResultCode.WRONG_RUN,
                 f"this node is in run {self.config.run_id!r} spec "
-                f"{self.config.spec_hash.hex()[:12]}, the stream is for run {header.run_id!r} "
-                f"spec {header.spec_hash.hex()[:12]}",
+                f"{self.config.spec_hash.hex()[:12]}, the stream is for run "
+                f"{quote(header.run_id)} spec {header.spec_hash.hex()[:12]}",
             )
         key = (header.round, header.group_id)
         active = await self._wait_for_round(key)
@@ -239,9 +259,21 @@ class Averager:
     async def _wait_for_round(self, key: tuple[int, bytes]) -> _ActiveRound:
         if key in self._finished and key not in self._rounds:
             raise ProtocolViolation(ResultCode.UNKNOWN_ROUND, f"round {key[0]} has ended here")
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.config.join_timeout_seconds), self._rounds_changed:
-                await self._rounds_changed.wait_for(lambda: key in self._rounds)
+        if key not in self._rounds:
+            if self._early_streams >= MAX_EARLY_STREAMS:
+                raise ProtocolViolation(
+                    ResultCode.OVERLOADED, "too many streams are waiting for rounds to start"
+                )
+            self._early_streams += 1
+            try:
+                with contextlib.suppress(TimeoutError):
+                    async with (
+                        asyncio.timeout(self.config.join_timeout_seconds),
+                        self._rounds_changed,
+                    ):
+                        await self._rounds_changed.wait_for(lambda: key in self._rounds)
+            finally:
+                self._early_streams -= 1
         active = self._rounds.get(key)
         if active is None:
             raise ProtocolViolation(

@@ -9,15 +9,13 @@ can read it (as ssh does), since anyone who reads it can act as this node.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import (
     Encoding,
     NoEncryption,
@@ -25,28 +23,16 @@ from cryptography.hazmat.primitives.serialization import (
     PublicFormat,
 )
 
+from swarmgrad.protocol.keys import peer_id_of
+from swarmgrad.protocol.keys import verify_signature as verify
+
+__all__ = ["Identity", "IdentityError", "peer_id_of", "verify"]
+
 _KEY_BYTES = 32
 
 
 class IdentityError(Exception):
     """The key file is unusable: wrong size, readable by others, or not a file."""
-
-
-def peer_id_of(public_key: bytes) -> str:
-    """The peer id that belongs to a raw 32-byte Ed25519 public key."""
-    if len(public_key) != _KEY_BYTES:
-        raise ValueError(f"an Ed25519 public key has {_KEY_BYTES} bytes, got {len(public_key)}")
-    digest = hashlib.sha256(public_key).digest()[:20]
-    return "sg" + base64.b32encode(digest).decode().lower().rstrip("=")
-
-
-def verify(public_key: bytes, signature: bytes, message: bytes) -> bool:
-    """Whether ``signature`` is ``public_key``'s signature of ``message``."""
-    try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, message)
-    except (InvalidSignature, ValueError):
-        return False
-    return True
 
 
 @dataclass(frozen=True, slots=True)

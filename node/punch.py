@@ -76,40 +76,56 @@ async def simultaneous_open(
 
 
 class PunchResponder:
-    """The callee's side: answers Punch requests and splices punched links to its gRPC server."""
+    """The callee's side: answers Punch requests and splices punched links to its gRPC server
+    (``target``, set once the server is bound). At most ``max_punching`` punches are under way
+    at once; the count is taken in the same step as the check, so a burst of calls cannot slip
+    past it."""
 
     def __init__(
-        self, *, host: str, target: tuple[str, int], public_host: Callable[[], str]
+        self,
+        *,
+        host: str,
+        target: tuple[str, int] | None,
+        public_host: Callable[[], str],
+        max_punching: int = 4,
     ) -> None:
-        self._host, self._target, self._public_host = host, target, public_host
+        self._host, self.target, self._public_host = host, target, public_host
+        self._max = max_punching
+        self._punching = 0
         self._tasks: set[asyncio.Task[None]] = set()
-        self._running = asyncio.Semaphore(4)
-        #: "punched" and "failed" links, and the bytes carried.
+        #: "punched" and "failed" links, punches "refused" as too many, and the bytes carried.
         self.counts: Counter[str] = Counter()
         self.traffic: Counter[str] = Counter()
 
     def can_punch(self) -> bool:
-        return bool(self._public_host()) and not self._running.locked()
+        return bool(self._public_host()) and self.target is not None
 
-    def start(self, remote: tuple[str, int]) -> tuple[str, int]:
-        """Start connecting to ``remote``; returns this side's public address and port."""
+    def try_start(self, remote: tuple[str, int]) -> tuple[str, int] | None:
+        """Start connecting to ``remote``: this side's public address and port, or None if
+        ``max_punching`` punches are under way."""
+        if self._punching >= self._max:
+            self.counts["refused"] += 1
+            return None
         first = punching_socket(self._host)
+        self._punching += 1
         task = asyncio.create_task(self._link(first, remote))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return self._public_host(), first.getsockname()[1]
 
     async def _link(self, first: socket.socket, remote: tuple[str, int]) -> None:
-        async with self._running:
-            try:
-                punched = await simultaneous_open(
-                    first, remote, deadline_seconds=PUNCH_DEADLINE_SECONDS
-                )
-                local = await asyncio.open_connection(*self._target)
-            except (TimeoutError, OSError) as error:
-                self.counts["failed"] += 1
-                log.info("no punched link from %s:%d: %s", *remote, error)
-                return
+        try:
+            assert self.target is not None  # can_punch said so before this started
+            punched = await simultaneous_open(
+                first, remote, deadline_seconds=PUNCH_DEADLINE_SECONDS
+            )
+            local = await asyncio.open_connection(*self.target)
+        except (TimeoutError, OSError) as error:
+            self.counts["failed"] += 1
+            log.info("no punched link from %s:%d: %s", *remote, error)
+            return
+        finally:
+            self._punching -= 1
         self.counts["punched"] += 1
         await splice(punched, local, self.traffic)
 

@@ -181,8 +181,9 @@ class Reachability:
             try:
                 return await ask_dial_back(
                     peer.endpoint,
+                    signer=self._identity,
+                    helper_id=peer.peer_id,
                     port=port,
-                    peer_id=me,
                     run_id=self._run_id,
                     spec_hash=self._spec_hash,
                 )
@@ -283,6 +284,12 @@ class Reachability:
     @property
     def relay_server(self) -> RelayServer | None:
         return self._relay_server
+
+    def origin_of(self, local: str) -> str | None:
+        """The address a connection relayed to this node came from, given the ``host:port`` its
+        local end has (None: not a relayed connection)."""
+        client = self._relay_client
+        return client.origins.get(local) if client is not None else None
 
     async def close(self) -> None:
         await self._leave_relay()

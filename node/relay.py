@@ -12,8 +12,13 @@ Frames on the relay port are a 4-byte big-endian length and a JSON object (at mo
     relay  -> any:    {"relay": "swarmgrad/1", "nonce": hex}
     client -> relay:  {"hello": peer_id, "key": hex, "sig": hex(Ed25519(nonce + peer_id))}
                       or {"data": id}
-    relay  -> client: {"ready": port} | {"error": why} | {"open": id} | {"ping": 0}
+    relay  -> client: {"ready": port} | {"error": why} | {"open": id, "from": host} | {"ping": 0}
     client -> relay:  {"ping": 0}
+
+``from`` is the address the dialer connected from, as the relay saw it: the client's gRPC server
+sees every relayed connection come from the client itself, and ``Peer.Punch`` must know who really
+called (it punches only towards its caller). :attr:`RelayClient.origins` maps the local end of each
+spliced connection to that address while the connection lasts.
 
 Both sides ping every ``ping_seconds`` and give up on silence after ``silence_seconds``, so a
 client learns within seconds that its relay died. Load is bounded (clients per relay, pending and
@@ -273,7 +278,9 @@ class RelayServer:
         client.pending[connection_id] = attached
         self._pending[connection_id] = client
         try:
-            await write_frame(client.writer, {"open": connection_id})
+            dialer = writer.get_extra_info("peername")
+            origin = str(dialer[0]) if isinstance(dialer, tuple) else ""
+            await write_frame(client.writer, {"open": connection_id, "from": origin})
             async with asyncio.timeout(self.limits.attach_timeout_seconds):
                 other = await attached
             self.counts["connections"] += 1
@@ -326,6 +333,9 @@ class RelayClient:
         self._session: asyncio.Task[None] | None = None
         self._address: tuple[str, int] | None = None
         self.traffic: Counter[str] = Counter()
+        #: For each relayed connection spliced to the target now: the local end's ``host:port``
+        #: (what the target sees as its peer) -> the host the dialer connected to the relay from.
+        self.origins: dict[str, str] = {}
         self.endpoint = ""
 
     async def connect(self) -> str:
@@ -377,7 +387,10 @@ class RelayClient:
             while True:
                 message = await read_frame(self._reader, self.limits.silence_seconds)
                 if isinstance(message.get("open"), str):
-                    task = asyncio.create_task(self._attach(message["open"]))
+                    origin = message.get("from")
+                    task = asyncio.create_task(
+                        self._attach(message["open"], origin if isinstance(origin, str) else "")
+                    )
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
         finally:
@@ -391,7 +404,7 @@ class RelayClient:
                 await write_frame(self._writer, {"ping": 0})
                 await asyncio.sleep(self.limits.ping_seconds)
 
-    async def _attach(self, connection_id: str) -> None:
+    async def _attach(self, connection_id: str, origin: str) -> None:
         assert self._address is not None  # connected
         timeout = self.limits.handshake_timeout_seconds
         relay: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
@@ -406,7 +419,14 @@ class RelayClient:
             if relay is not None:
                 _close_quietly(relay[1])
             return
-        await splice(relay, local, self.traffic)
+        sockname = local[1].get_extra_info("sockname")
+        here = endpoint_of(sockname[0], sockname[1]) if isinstance(sockname, tuple) else ""
+        if here and origin:
+            self.origins[here] = origin[:64]
+        try:
+            await splice(relay, local, self.traffic)
+        finally:
+            self.origins.pop(here, None)
 
     async def close(self) -> None:
         for task in [self._session, *self._tasks]:

@@ -49,7 +49,9 @@ from swarmgrad.node.reachability import Reachability, ReachabilityConfig
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.throttle import TokenBucket
 from swarmgrad.protocol import peer, state
+from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.errors import RoundAborted, SwarmgradError
+from swarmgrad.protocol.server import Rejections
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -164,7 +166,6 @@ class Swarm:
         self._discovery: Discovery | None = None
         self._averager: Averager | None = None
         self.reachability: Reachability | None = None
-        self._punch_responder: PunchResponder | None = None
         self._routes: dict[str, PunchRoute] = {}  # relayed endpoint -> its punching route
         self._waited = False  # for a reachability verdict, before the first round
         self._matchmaker: Matchmaker | None = None
@@ -182,12 +183,19 @@ class Swarm:
             if config.upload_bytes_per_second is not None
             else None
         )
+        #: Checks every signed request this node receives (one replay memory for all services).
+        self.verifier = Verifier(self.peer_id)
+        #: Requests this node's services refused, by service and result code.
+        self.rejections = Rejections()
         self.state_servicer = state.StateServicer(
             run_id=spec.run.id,
             spec_hash=spec.hash,
             lookup=self._served.get,
+            verifier=self.verifier,
+            rejections=self.rejections,
             pace=self._throttle.take if self._throttle is not None else None,
         )
+        self._punch_responder: PunchResponder | None = None
         self.peer_servicer = peer.PeerServicer(
             peer.PeerIdentity(
                 peer_id=self.peer_id,
@@ -195,7 +203,12 @@ class Swarm:
                 spec_hash=spec.hash,
                 software_version=_software_version(),
                 codecs=tuple(codec_names()),
-            )
+            ),
+            signer=identity,
+            verifier=self.verifier,
+            rejections=self.rejections,
+            punch=self._punch_handler(),
+            origin=self._origin,
         )
         self.codec = get_codec(spec.averaging.codec)
         self.codec_is_lossless = spec.averaging.codec == "none"
@@ -203,7 +216,6 @@ class Swarm:
         self.counts: Counter[str] = Counter()
         #: Failures by kind (:data:`swarmgrad.node.metrics.FAILURE_KINDS`).
         self.failures: Counter[str] = Counter()
-        self._rejections: Counter[str] = Counter()  # the servicer's, once it runs
         self._state_received_bytes = 0
         self.metrics = NodeMetrics(
             peer_id=self.peer_id,
@@ -239,7 +251,7 @@ class Swarm:
         try:
             await self._check_spec()
             self._averager = Averager(
-                self.peer_id,
+                self.identity,
                 allreduce_config(self.spec),
                 host=self.config.host,
                 port=self.config.port,
@@ -248,6 +260,9 @@ class Swarm:
                     lambda server: state.add_to_server(self.state_servicer, server),
                     lambda server: peer.add_to_server(self.peer_servicer, server),
                 ],
+                min_message_bytes=state.MAX_MESSAGE_BYTES,
+                verifier=self.verifier,
+                rejections=self.rejections,
             )
             await self._averager.__aenter__()
             self.reachability = Reachability(
@@ -261,7 +276,6 @@ class Swarm:
                 changed=self._refresh.set,
                 config=self.config.reachability,
             )
-            self._rejections = self._averager.servicer.rejections
             self._matchmaker = Matchmaker(
                 self._discovery,
                 self.identity,
@@ -276,13 +290,8 @@ class Swarm:
                 log.warning("could not announce this node yet: %s", error)
             self._spawn(self._keep_announcing(), "announce")
             self._spawn(self.reachability.run(), "reachability")
-            if self.config.reachability.punch:
-                self._punch_responder = PunchResponder(
-                    host=self.config.host,
-                    target=(self.config.host, self._averager.port),
-                    public_host=self._punch_host,
-                )
-                self.peer_servicer.punch = self._punch_responder
+            if self._punch_responder is not None:
+                self._punch_responder.target = (self.config.host, self._averager.port)
                 self._averager.route = self._route
         except BaseException:
             await self._close()
@@ -378,7 +387,7 @@ class Swarm:
 
     def _failure_totals(self) -> Counter[str]:
         # Streams our servicer rejected are violations by the peers that sent them.
-        return self.failures + Counter({"protocol_violation": sum(self._rejections.values())})
+        return self.failures + Counter({"protocol_violation": self.rejections.total()})
 
     def visible_maddrs(self) -> list[str]:
         return self._discovery.visible_maddrs() if self._discovery is not None else []
@@ -503,6 +512,7 @@ class Swarm:
         try:
             result = await state.download(
                 [(d.peer_id, self._averager.channel(d.endpoint)) for d in donors],
+                signer=self.identity,
                 run_id=self.spec.run.id,
                 spec_hash=self.spec.hash,
                 root=donors[0].checksum,
@@ -593,6 +603,19 @@ class Swarm:
         reach = self.reachability
         return reach.observed_host if reach is not None and reach.behind_nat else ""
 
+    def _punch_handler(self) -> PunchResponder | None:
+        if self.config.reachability.punch:
+            # Its target, this node's gRPC port, is set once the server is bound.
+            self._punch_responder = PunchResponder(
+                host=self.config.host, target=None, public_host=self._punch_host
+            )
+        return self._punch_responder
+
+    def _origin(self, local: str) -> str | None:
+        """Where a connection our relay client spliced to our server came from (Peer.Punch
+        punches only towards its caller)."""
+        return self.reachability.origin_of(local) if self.reachability is not None else None
+
     def _route(self, endpoint: str) -> str:
         route = self._routes.get(endpoint)
         return route.endpoint if route is not None else endpoint
@@ -608,10 +631,13 @@ class Swarm:
             if record is None or endpoint in self._routes or record.peer_id == self.peer_id:
                 continue
 
-            async def call(host: str, port: int, endpoint: str = endpoint) -> tuple[str, int]:
+            async def call(
+                host: str, port: int, endpoint: str = endpoint, callee: str = record.peer_id
+            ) -> tuple[str, int]:
                 return await peer.ask_punch(
                     endpoint,
-                    peer_id=self.peer_id,
+                    signer=self.identity,
+                    callee=callee,
                     host=host,
                     port=port,
                     run_id=self.spec.run.id,

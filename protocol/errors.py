@@ -32,6 +32,10 @@ STATUS_OF: dict[int, grpc.StatusCode] = {
     ResultCode.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ResultCode.TIMED_OUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     ResultCode.ABORTED: grpc.StatusCode.ABORTED,
+    ResultCode.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    ResultCode.UNKNOWN_STATE: grpc.StatusCode.NOT_FOUND,
+    ResultCode.WRONG_ADDRESS: grpc.StatusCode.PERMISSION_DENIED,
+    ResultCode.CANNOT_PUNCH: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 _REJECTION_NAMES = frozenset(ResultCode.Name(code) for code in STATUS_OF)
@@ -42,6 +46,13 @@ _UNAVAILABLE = {
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.INTERNAL,
 }
+
+
+def quote(value: object, limit: int = 40) -> str:
+    """A peer's string as an error message may show it: repr'd and cut to ``limit`` characters,
+    so what a peer sends is never echoed back or logged at length."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class SwarmgradError(Exception):

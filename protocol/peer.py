@@ -1,27 +1,45 @@
-"""The Peer service: who a node is (GetInfo), and dial-back: how a node learns if it is reachable.
+"""The Peer service: who a node is (GetInfo), dial-back (how a node learns if it is reachable),
+and the rendezvous of hole punching.
 
 A node asks a few peers to ``DialBack`` its gRPC port. Each opens a fresh connection to that port
 at the address the request came from (so nobody can aim it at a third party), asks ``GetInfo``
-there within :data:`DIAL_BACK_TIMEOUT_SECONDS`, and answers whether the caller's own peer id
-answered, and from which address it saw the caller. Dial-backs under way are bounded per node.
+there with a random challenge within :data:`DIAL_BACK_TIMEOUT_SECONDS`, and answers whether the
+caller's own key signed the answer, and from which address it saw the caller. ``Punch`` starts a
+simultaneous open towards the address the call came from (for a call through this node's relay:
+the address the relay saw), never towards a host the caller merely names. DialBack and Punch act
+for the caller, so they carry its signature (``protocol/auth.py``); both are bounded per node.
+Every refusal has its documented status and is counted in ``rejections``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
+import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
-from swarmgrad.protocol.errors import PeerUnavailable, SwarmgradError, from_rpc_error
-from swarmgrad.protocol.server import open_channel
-from swarmgrad.protocol.v1 import peer_pb2, peer_pb2_grpc
+from swarmgrad.protocol.auth import Signer, Verifier, sign_request, signed_bytes
+from swarmgrad.protocol.errors import (
+    PeerUnavailable,
+    ProtocolViolation,
+    SwarmgradError,
+    from_rpc_error,
+    quote,
+)
+from swarmgrad.protocol.keys import peer_id_of, verify_signature
+from swarmgrad.protocol.server import Rejections, open_channel, unary
+from swarmgrad.protocol.v1 import peer_pb2
+from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 DIAL_BACK_TIMEOUT_SECONDS = 3.0
 MAX_DIAL_BACKS = 8  # under way at once, per node
+MAX_CHALLENGE_BYTES = 64
+SERVICE = "swarmgrad.v1.Peer"
+_GET_INFO, _DIAL_BACK, _PUNCH = (f"/{SERVICE}/{m}" for m in ("GetInfo", "DialBack", "Punch"))
 
 
 def host_of(peer: str) -> str:
@@ -38,6 +56,12 @@ def endpoint_of(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def local_endpoint(peer: str) -> str:
+    """``host:port`` of a gRPC ``context.peer()`` string, as :func:`endpoint_of` writes it."""
+    kind, _, rest = peer.partition(":")
+    return rest if kind in ("ipv4", "ipv6") else ""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PeerIdentity:
     peer_id: str
@@ -50,127 +74,222 @@ class PeerIdentity:
 class PunchHandler(Protocol):
     """The node's side of hole punching (``node/punch.py``)."""
 
-    def can_punch(self) -> bool: ...
+    def can_punch(self) -> bool:
+        """Whether this node knows a public address of its own to punch from."""
+        ...
 
-    def start(self, remote: tuple[str, int]) -> tuple[str, int]:
-        """Begin connecting to ``remote``; this node's public address and punching port."""
+    def try_start(self, remote: tuple[str, int]) -> tuple[str, int] | None:
+        """Begin connecting to ``remote``: this node's public address and punching port, or
+        None when too many punches are under way (the check and the start are one step)."""
         ...
 
 
-class PeerServicer(peer_pb2_grpc.PeerServicer):
-    def __init__(self, me: PeerIdentity) -> None:
-        self._me = me
-        #: Set by the node once it can punch (it knows its public address).
-        self.punch: PunchHandler | None = None
-        self._dialing = asyncio.Semaphore(MAX_DIAL_BACKS)
-        #: Dial-backs answered, by verdict ("reachable", "unreachable", "refused").
-        self.dial_backs: dict[str, int] = {"reachable": 0, "unreachable": 0, "refused": 0}
+#: The address a connection really came from, for one this node's relay client spliced to its
+#: gRPC server: given ``host:port`` of the local end gRPC sees, the host the relay saw (or None).
+Origin = Callable[[str], str | None]
 
-    async def _check_run(
-        self, run_id: str, spec_hash: bytes, context: grpc.aio.ServicerContext[object, object]
+
+def _info_fields(
+    challenge: bytes, info: peer_pb2.PeerInfo, run_id: str, spec_hash: bytes
+) -> list[str | bytes | int]:
+    return [challenge, info.peer_id, run_id, spec_hash]
+
+
+def dial_back_fields(request: peer_pb2.DialBackRequest) -> list[str | bytes | int]:
+    return [request.run_id, request.spec_hash, request.port, request.peer_id]
+
+
+def punch_fields(request: peer_pb2.PunchRequest) -> list[str | bytes | int]:
+    return [request.run_id, request.spec_hash, request.peer_id, request.host, request.port]
+
+
+class PeerServicer:
+    def __init__(
+        self,
+        me: PeerIdentity,
+        *,
+        signer: Signer,
+        verifier: Verifier,
+        rejections: Rejections | None = None,
+        punch: PunchHandler | None = None,
+        origin: Origin | None = None,
     ) -> None:
+        if signer.peer_id != me.peer_id:
+            raise ValueError("the Peer service answers with its own node's key")
+        self._me, self._signer, self._verifier = me, signer, verifier
+        self.rejections = rejections if rejections is not None else Rejections()
+        self._punch, self._origin = punch, origin
+        self._dialing = 0
+        #: Dial-backs answered, by verdict ("reachable", "unreachable"), and punches started.
+        self.dial_backs: dict[str, int] = {"reachable": 0, "unreachable": 0}
+        self.punches = 0
+
+    def _check_run(self, run_id: str, spec_hash: bytes) -> None:
         if run_id != self._me.run_id or spec_hash != self._me.spec_hash:
-            self.dial_backs["refused"] += 1
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"WRONG_RUN: this peer trains run {self._me.run_id} spec "
-                f"{self._me.spec_hash.hex()[:12]}",
+            raise ProtocolViolation(
+                ResultCode.WRONG_RUN,
+                f"this peer trains run {self._me.run_id} spec {self._me.spec_hash.hex()[:12]}",
             )
 
     async def GetInfo(
-        self,
-        request: peer_pb2.GetInfoRequest,
-        context: grpc.aio.ServicerContext[peer_pb2.GetInfoRequest, peer_pb2.PeerInfo],
+        self, request: peer_pb2.GetInfoRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> peer_pb2.PeerInfo:
-        await self._check_run(request.run_id, request.spec_hash, context)
-        return peer_pb2.PeerInfo(
+        self._check_run(request.run_id, request.spec_hash)
+        if len(request.challenge) > MAX_CHALLENGE_BYTES:
+            raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "a challenge over 64 bytes")
+        info = peer_pb2.PeerInfo(
             protocol_version=PROTOCOL_VERSION,
             peer_id=self._me.peer_id,
             software_version=self._me.software_version,
             codecs=list(self._me.codecs),
+            public_key=self._signer.public_key,
         )
+        if request.challenge:
+            fields = _info_fields(request.challenge, info, self._me.run_id, self._me.spec_hash)
+            info.signature = self._signer.sign(signed_bytes(_GET_INFO, info.peer_id, fields))
+        return info
 
     async def DialBack(
-        self,
-        request: peer_pb2.DialBackRequest,
-        context: grpc.aio.ServicerContext[peer_pb2.DialBackRequest, peer_pb2.DialBackReply],
+        self, request: peer_pb2.DialBackRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> peer_pb2.DialBackReply:
-        await self._check_run(request.run_id, request.spec_hash, context)
+        self._check_run(request.run_id, request.spec_hash)
         host = host_of(context.peer())
-        if not 0 < request.port < 65536 or not 0 < len(request.peer_id) <= 128 or not host:
-            self.dial_backs["refused"] += 1
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad port, peer id or caller")
-        if self._dialing.locked():
-            self.dial_backs["refused"] += 1
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many dial-backs")
-        async with self._dialing:
-            endpoint = endpoint_of(host, request.port)
-            try:
-                info = await get_info(
-                    endpoint,
-                    run_id=self._me.run_id,
-                    spec_hash=self._me.spec_hash,
-                    timeout_seconds=DIAL_BACK_TIMEOUT_SECONDS,
-                )
-            except SwarmgradError as error:
-                self.dial_backs["unreachable"] += 1
-                return peer_pb2.DialBackReply(
-                    reachable=False, observed_host=host, detail=str(error)
-                )
-        if info.peer_id != request.peer_id:
-            self.dial_backs["unreachable"] += 1
-            return peer_pb2.DialBackReply(
-                reachable=False,
-                observed_host=host,
-                detail=f"{endpoint} answered as {info.peer_id}, not {request.peer_id}",
+        if not 0 < request.port < 65536 or not host:
+            raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "bad port or caller address")
+        self._verifier.verify(
+            _DIAL_BACK,
+            request.auth,
+            receiver=request.receiver,
+            fields=dial_back_fields(request),
+            sender=request.peer_id,
+        )
+        if self._dialing >= MAX_DIAL_BACKS:
+            raise ProtocolViolation(ResultCode.OVERLOADED, "too many dial-backs under way")
+        self._dialing += 1
+        endpoint = endpoint_of(host, request.port)
+        try:
+            await get_info(
+                endpoint,
+                run_id=self._me.run_id,
+                spec_hash=self._me.spec_hash,
+                timeout_seconds=DIAL_BACK_TIMEOUT_SECONDS,
+                expected_peer=request.peer_id,
             )
+        except SwarmgradError as error:
+            self.dial_backs["unreachable"] += 1
+            return peer_pb2.DialBackReply(reachable=False, observed_host=host, detail=str(error))
+        finally:
+            self._dialing -= 1
         self.dial_backs["reachable"] += 1
         return peer_pb2.DialBackReply(reachable=True, observed_host=host)
 
     async def Punch(
-        self,
-        request: peer_pb2.PunchRequest,
-        context: grpc.aio.ServicerContext[peer_pb2.PunchRequest, peer_pb2.PunchReply],
+        self, request: peer_pb2.PunchRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> peer_pb2.PunchReply:
-        await self._check_run(request.run_id, request.spec_hash, context)
-        try:
-            address = ipaddress.ip_address(request.host)
-        except ValueError:
-            address = None
-        if address is None or address.version != 4 or not 0 < request.port < 65536:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad punching address")
-        punch = self.punch
-        if punch is None or not punch.can_punch():
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION
-                if punch is None
-                else grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "this peer cannot punch now",
+        self._check_run(request.run_id, request.spec_hash)
+        if not _is_ipv4(request.host) or not 0 < request.port < 65536:
+            raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "bad punching address")
+        self._verifier.verify(
+            _PUNCH,
+            request.auth,
+            receiver=request.receiver,
+            fields=punch_fields(request),
+            sender=request.peer_id,
+        )
+        came_from = self._origin(local_endpoint(context.peer())) if self._origin else None
+        came_from = came_from or host_of(context.peer())
+        if request.host != came_from:
+            raise ProtocolViolation(
+                ResultCode.WRONG_ADDRESS,
+                f"asked to punch towards {quote(request.host)}, but the call came from "
+                f"{came_from}: this peer punches only towards its caller",
             )
-        assert punch is not None  # abort raised otherwise
-        host, port = punch.start((request.host, request.port))
-        return peer_pb2.PunchReply(host=host, port=port)
+        punch = self._punch
+        if punch is None or not punch.can_punch():
+            raise ProtocolViolation(ResultCode.CANNOT_PUNCH, "this peer cannot punch now")
+        started = punch.try_start((request.host, request.port))
+        if started is None:
+            raise ProtocolViolation(ResultCode.OVERLOADED, "too many punches under way")
+        self.punches += 1
+        return peer_pb2.PunchReply(host=started[0], port=started[1])
+
+
+def _is_ipv4(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).version == 4
+    except ValueError:
+        return False
 
 
 def add_to_server(servicer: PeerServicer, server: grpc.aio.Server) -> None:
-    peer_pb2_grpc.add_PeerServicer_to_server(servicer, server)
+    def handler(method: Any, parse: Callable[[bytes], Any]) -> grpc.RpcMethodHandler:
+        return unary(method, parse=parse, rejections=servicer.rejections, service="Peer")
+
+    handlers = {
+        "GetInfo": handler(servicer.GetInfo, peer_pb2.GetInfoRequest.FromString),
+        "DialBack": handler(servicer.DialBack, peer_pb2.DialBackRequest.FromString),
+        "Punch": handler(servicer.Punch, peer_pb2.PunchRequest.FromString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
-async def get_info(
-    endpoint: str, *, run_id: str, spec_hash: bytes, timeout_seconds: float
-) -> peer_pb2.PeerInfo:
-    """Ask ``endpoint`` who it is, over a connection of its own (never a shared channel: a
-    dial-back must prove that a new connection gets through)."""
+async def _call(
+    endpoint: str,
+    method: str,
+    request: object,
+    parse: Callable[[bytes], object],
+    timeout_seconds: float,
+) -> object:
+    """One unary call over a connection of its own (a dial-back must prove that a new
+    connection gets through), translated into the error tree."""
     channel = open_channel(endpoint)
     try:
-        stub = peer_pb2_grpc.PeerStub(channel)
-        request = peer_pb2.GetInfoRequest(run_id=run_id, spec_hash=spec_hash)
-        info: peer_pb2.PeerInfo = await stub.GetInfo(request, timeout=timeout_seconds)
-        return info
+        call = channel.unary_unary(
+            method,
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=parse,
+        )
+        return await call(request, timeout=timeout_seconds)
     except grpc.aio.AioRpcError as error:
         raise from_rpc_error(error, endpoint) from None
     finally:
         await channel.close()
+
+
+async def get_info(
+    endpoint: str,
+    *,
+    run_id: str,
+    spec_hash: bytes,
+    timeout_seconds: float,
+    expected_peer: str | None = None,
+) -> peer_pb2.PeerInfo:
+    """Ask ``endpoint`` who it is. With ``expected_peer``, the answer must be signed by that
+    peer's key over a fresh challenge (ProtocolViolation otherwise): whoever answers there holds
+    the key, not merely knows the id."""
+    challenge = secrets.token_bytes(16) if expected_peer is not None else b""
+    request = peer_pb2.GetInfoRequest(run_id=run_id, spec_hash=spec_hash, challenge=challenge)
+    info = await _call(endpoint, _GET_INFO, request, peer_pb2.PeerInfo.FromString, timeout_seconds)
+    assert isinstance(info, peer_pb2.PeerInfo)
+    if expected_peer is None:
+        return info
+    if info.peer_id != expected_peer:
+        raise ProtocolViolation(
+            ResultCode.UNAUTHENTICATED,
+            f"{endpoint} answered as {quote(info.peer_id)}, not {expected_peer}",
+        )
+    fields = _info_fields(challenge, info, run_id, spec_hash)
+    try:
+        genuine = peer_id_of(info.public_key) == expected_peer and verify_signature(
+            info.public_key, info.signature, signed_bytes(_GET_INFO, expected_peer, fields)
+        )
+    except ValueError:
+        genuine = False
+    if not genuine:
+        raise ProtocolViolation(
+            ResultCode.UNAUTHENTICATED, f"{endpoint} could not prove the key of {expected_peer}"
+        )
+    return info
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,25 +305,24 @@ class DialBack:
 async def ask_dial_back(
     helper: str,
     *,
+    signer: Signer,
+    helper_id: str,
     port: int,
-    peer_id: str,
     run_id: str,
     spec_hash: bytes,
     timeout_seconds: float = DIAL_BACK_TIMEOUT_SECONDS + 2.0,
 ) -> DialBack:
-    """Ask the peer at ``helper`` to dial this node back on ``port``; raises PeerUnavailable if
-    the helper itself cannot be asked, ProtocolViolation if it refuses."""
-    channel = open_channel(helper)
-    try:
-        stub = peer_pb2_grpc.PeerStub(channel)
-        request = peer_pb2.DialBackRequest(
-            run_id=run_id, spec_hash=spec_hash, port=port, peer_id=peer_id
-        )
-        reply: peer_pb2.DialBackReply = await stub.DialBack(request, timeout=timeout_seconds)
-    except grpc.aio.AioRpcError as error:
-        raise from_rpc_error(error, helper) from None
-    finally:
-        await channel.close()
+    """Ask the peer ``helper_id`` at ``helper`` to dial this node (``signer``) back on ``port``;
+    raises PeerUnavailable if the helper itself cannot be asked, ProtocolViolation if it
+    refuses."""
+    request = peer_pb2.DialBackRequest(
+        run_id=run_id, spec_hash=spec_hash, port=port, peer_id=signer.peer_id, receiver=helper_id
+    )
+    request.auth.CopyFrom(sign_request(signer, _DIAL_BACK, helper_id, dial_back_fields(request)))
+    reply = await _call(
+        helper, _DIAL_BACK, request, peer_pb2.DialBackReply.FromString, timeout_seconds
+    )
+    assert isinstance(reply, peer_pb2.DialBackReply)
     try:
         ipaddress.ip_address(reply.observed_host)
     except ValueError:
@@ -215,29 +333,27 @@ async def ask_dial_back(
 async def ask_punch(
     endpoint: str,
     *,
-    peer_id: str,
+    signer: Signer,
+    callee: str,
     host: str,
     port: int,
     run_id: str,
     spec_hash: bytes,
     timeout_seconds: float = 5.0,
 ) -> tuple[str, int]:
-    """Ask the peer at ``endpoint`` (its relayed one) to punch with us; its host and port."""
-    channel = open_channel(endpoint)
-    try:
-        stub = peer_pb2_grpc.PeerStub(channel)
-        request = peer_pb2.PunchRequest(
-            run_id=run_id, spec_hash=spec_hash, peer_id=peer_id, host=host, port=port
-        )
-        reply: peer_pb2.PunchReply = await stub.Punch(request, timeout=timeout_seconds)
-    except grpc.aio.AioRpcError as error:
-        raise from_rpc_error(error, endpoint) from None
-    finally:
-        await channel.close()
-    try:
-        address = ipaddress.ip_address(reply.host)
-    except ValueError:
-        address = None
-    if address is None or address.version != 4 or not 0 < reply.port < 65536:
+    """Ask the peer ``callee`` at ``endpoint`` (its relayed one) to punch with us (``signer``,
+    punching from ``host:port``); its host and port."""
+    request = peer_pb2.PunchRequest(
+        run_id=run_id,
+        spec_hash=spec_hash,
+        peer_id=signer.peer_id,
+        host=host,
+        port=port,
+        receiver=callee,
+    )
+    request.auth.CopyFrom(sign_request(signer, _PUNCH, callee, punch_fields(request)))
+    reply = await _call(endpoint, _PUNCH, request, peer_pb2.PunchReply.FromString, timeout_seconds)
+    assert isinstance(reply, peer_pb2.PunchReply)
+    if not _is_ipv4(reply.host) or not 0 < reply.port < 65536:
         raise PeerUnavailable(f"{endpoint} answered a punch with a bad address")
     return reply.host, reply.port

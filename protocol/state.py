@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,13 +30,16 @@ import grpc
 import numpy as np
 import torch
 
+from swarmgrad.protocol.auth import Signer, Verifier, sign_request
 from swarmgrad.protocol.errors import (
     PeerUnavailable,
     ProtocolViolation,
     SwarmgradError,
     from_rpc_error,
+    quote,
 )
 from swarmgrad.protocol.framing import bytes_message, parse_flat
+from swarmgrad.protocol.server import Rejections, unary, unary_stream
 from swarmgrad.protocol.v1 import state_pb2
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
@@ -84,13 +87,21 @@ class Snapshot:
 
 
 SERVICE = "swarmgrad.v1.State"
+#: Request size limit on both ends: a chunk of the largest size a manifest may declare.
+MAX_MESSAGE_BYTES = 4 * MAX_CHUNK_VALUES + 1024
 _DOWNLOAD = f"/{SERVICE}/Download"
 _MANIFEST = f"/{SERVICE}/Manifest"
 
 
 class StateServicer:
-    """Serves the states ``lookup`` finds by root; ``pace`` (if any) is awaited before each
-    chunk with its size (a token bucket on a simulated slow uplink)."""
+    """Serves the states ``lookup`` finds by root to peers whose requests are signed; ``pace``
+    (if any) is awaited before each chunk with its size (a token bucket on a slow uplink).
+
+    Refusals (each counted in ``rejections``): a malformed request is INVALID_ARGUMENT, another
+    run FAILED_PRECONDITION, an unsigned, stale or replayed request UNAUTHENTICATED, an unknown
+    root NOT_FOUND, a chunk range outside the state INVALID_ARGUMENT, and more than
+    ``max_downloads_per_peer`` downloads at once from one peer RESOURCE_EXHAUSTED.
+    """
 
     def __init__(
         self,
@@ -98,39 +109,45 @@ class StateServicer:
         run_id: str,
         spec_hash: bytes,
         lookup: Callable[[str], Snapshot | None],
+        verifier: Verifier,
+        rejections: Rejections | None = None,
         pace: Callable[[int], Awaitable[None]] | None = None,
+        max_downloads_per_peer: int = 2 * STREAMS_PER_DONOR,
     ) -> None:
         self._run_id, self._spec_hash = run_id, spec_hash
         #: Finds a served state by root (replaceable: fault injection serves a lie through it).
         self.lookup = lookup
+        self._verifier = verifier
+        self.rejections = rejections if rejections is not None else Rejections()
         self._pace = pace
+        self._max_downloads = max_downloads_per_peer
+        self._downloads: Counter[str] = Counter()
         #: Chunks and payload bytes served.
         self.chunks_served = 0
         self.sent_bytes = 0
 
-    async def _snapshot(
-        self, request: state_pb2.StateRequest, context: grpc.aio.ServicerContext[object, object]
-    ) -> Snapshot:
+    def _snapshot(self, method: str, request: state_pb2.StateRequest) -> tuple[str, Snapshot]:
+        """The requesting peer and the state it asks for."""
         if request.run_id != self._run_id or request.spec_hash != self._spec_hash:
-            violation = ProtocolViolation(
+            raise ProtocolViolation(
                 ResultCode.WRONG_RUN,
                 f"this node serves run {self._run_id!r} spec {self._spec_hash.hex()[:12]}",
             )
-            await context.abort(violation.status, str(violation))
+        peer = self._verifier.verify(
+            method, request.auth, receiver=request.receiver, fields=request_fields(request)
+        )
         snapshot = self.lookup(request.root)
         if snapshot is None:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"state {request.root!r} is not served here (any more)"
+            raise ProtocolViolation(
+                ResultCode.UNKNOWN_STATE,
+                f"state {quote(request.root)} is not served here (any more)",
             )
-        assert snapshot is not None  # abort raises
-        return snapshot
+        return peer, snapshot
 
     async def Manifest(
-        self,
-        request: state_pb2.StateRequest,
-        context: grpc.aio.ServicerContext[state_pb2.StateRequest, state_pb2.StateManifest],
+        self, request: state_pb2.StateRequest, context: object
     ) -> state_pb2.StateManifest:
-        snapshot = await self._snapshot(request, context)
+        _, snapshot = self._snapshot(_MANIFEST, request)
         return state_pb2.StateManifest(
             epoch=snapshot.epoch,
             num_values=snapshot.values.numel(),
@@ -139,39 +156,71 @@ class StateServicer:
         )
 
     async def Download(
-        self,
-        request: state_pb2.StateRequest,
-        context: grpc.aio.ServicerContext[state_pb2.StateRequest, state_pb2.StateChunk],
+        self, request: state_pb2.StateRequest, context: object
     ) -> AsyncIterator[bytes]:
         """The chunks asked for, as serialized ``StateChunk`` messages."""
-        snapshot = await self._snapshot(request, context)
+        peer, snapshot = self._snapshot(_DOWNLOAD, request)
         first, count = request.first_chunk, request.num_chunks
         if count < 1 or first + count > snapshot.num_chunks:
-            violation = ProtocolViolation(
+            raise ProtocolViolation(
                 ResultCode.BAD_SHAPE,
                 f"chunks [{first}, {first + count}) are not in 0..{snapshot.num_chunks}",
             )
-            await context.abort(violation.status, str(violation))
-        step = snapshot.chunk_values
-        data = snapshot.values.contiguous().numpy().data.cast("B")
-        for index in range(first, first + count):
-            chunk = data[4 * index * step : 4 * (index + 1) * step]
-            if self._pace is not None:
-                await self._pace(len(chunk))
-            yield bytes_message({1: index}, 2, chunk)
-            self.chunks_served += 1
-            self.sent_bytes += len(chunk)
+        if self._downloads[peer] >= self._max_downloads:
+            raise ProtocolViolation(
+                ResultCode.OVERLOADED, f"{peer} already has {self._downloads[peer]} downloads"
+            )
+        self._downloads[peer] += 1
+        try:
+            step = snapshot.chunk_values
+            data = snapshot.values.contiguous().numpy().data.cast("B")
+            for index in range(first, first + count):
+                chunk = data[4 * index * step : 4 * (index + 1) * step]
+                if self._pace is not None:
+                    await self._pace(len(chunk))
+                yield bytes_message({1: index}, 2, chunk)
+                self.chunks_served += 1
+                self.sent_bytes += len(chunk)
+        finally:
+            self._downloads[peer] -= 1
+            if self._downloads[peer] <= 0:
+                del self._downloads[peer]
+
+
+def request_fields(request: state_pb2.StateRequest) -> list[str | bytes | int]:
+    """What a state request's signature covers besides its auth."""
+    return [
+        request.run_id,
+        request.spec_hash,
+        request.root,
+        request.first_chunk,
+        request.num_chunks,
+    ]
+
+
+def _signed(
+    signer: Signer,
+    method: str,
+    receiver: str,
+    template: state_pb2.StateRequest,
+    *,
+    first_chunk: int = 0,
+    num_chunks: int = 0,
+) -> state_pb2.StateRequest:
+    """A copy of ``template`` for ``receiver``, for these chunks, signed."""
+    request = state_pb2.StateRequest()
+    request.CopyFrom(template)
+    request.receiver, request.first_chunk, request.num_chunks = receiver, first_chunk, num_chunks
+    request.auth.CopyFrom(sign_request(signer, method, receiver, request_fields(request)))
+    return request
 
 
 def add_to_server(servicer: StateServicer, server: grpc.aio.Server) -> None:
+    parse, rejections = state_pb2.StateRequest.FromString, servicer.rejections
     handlers = {
-        "Manifest": grpc.unary_unary_rpc_method_handler(
-            servicer.Manifest,
-            request_deserializer=state_pb2.StateRequest.FromString,
-            response_serializer=state_pb2.StateManifest.SerializeToString,
-        ),
-        "Download": grpc.unary_stream_rpc_method_handler(
-            servicer.Download, request_deserializer=state_pb2.StateRequest.FromString
+        "Manifest": unary(servicer.Manifest, parse=parse, rejections=rejections, service="State"),
+        "Download": unary_stream(
+            servicer.Download, parse=parse, rejections=rejections, service="State"
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
@@ -191,6 +240,7 @@ class Download:
 async def download(
     donors: Sequence[tuple[str, grpc.aio.Channel]],
     *,
+    signer: Signer,
     run_id: str,
     spec_hash: bytes,
     root: str,
@@ -200,14 +250,20 @@ async def download(
     """The state ``root`` (of ``num_values`` values), from ``donors`` (peer id, channel) at once.
 
     Raises PeerUnavailable or ProtocolViolation if no donor gives a valid manifest, or the donors
-    still standing cannot deliver every chunk. ``timeout_seconds`` bounds each request.
+    still standing cannot deliver every chunk. ``timeout_seconds`` bounds each request; every
+    request is signed by ``signer``.
     """
     failures: dict[str, str] = {}
     manifest: state_pb2.StateManifest | None = None
+    template = state_pb2.StateRequest(run_id=run_id, spec_hash=spec_hash, root=root)
     for peer, channel in donors:
         try:
             manifest = await _manifest(
-                channel, peer, run_id, spec_hash, root, num_values, timeout_seconds
+                channel,
+                peer,
+                _signed(signer, _MANIFEST, peer, template),
+                num_values,
+                timeout_seconds,
             )
             break
         except SwarmgradError as error:
@@ -216,7 +272,8 @@ async def download(
         raise _failed(f"no donor gave the manifest of state {root}", failures)
     job = _Job(
         manifest=manifest,
-        request=state_pb2.StateRequest(run_id=run_id, spec_hash=spec_hash, root=root),
+        request=template,
+        signer=signer,
         timeout_seconds=timeout_seconds,
         failures=failures,
     )
@@ -240,9 +297,7 @@ async def download(
 async def _manifest(
     channel: grpc.aio.Channel,
     peer: str,
-    run_id: str,
-    spec_hash: bytes,
-    root: str,
+    request: state_pb2.StateRequest,
     num_values: int,
     timeout_seconds: float,
 ) -> state_pb2.StateManifest:
@@ -251,7 +306,7 @@ async def _manifest(
         request_serializer=state_pb2.StateRequest.SerializeToString,
         response_deserializer=state_pb2.StateManifest.FromString,
     )
-    request = state_pb2.StateRequest(run_id=run_id, spec_hash=spec_hash, root=root)
+    root = request.root
     try:
         manifest: state_pb2.StateManifest = await call(request, timeout=timeout_seconds)
     except grpc.aio.AioRpcError as error:
@@ -277,6 +332,7 @@ class _Job:
 
     manifest: state_pb2.StateManifest
     request: state_pb2.StateRequest
+    signer: Signer
     timeout_seconds: float
     failures: dict[str, str]
     values: torch.Tensor = field(init=False)
@@ -324,9 +380,9 @@ class _Job:
         self, stub: grpc.aio.UnaryStreamMultiCallable, peer: str, first: int, count: int
     ) -> int:
         """Chunks ``[first, first + count)`` from ``peer``, each checked; returns how many."""
-        request = state_pb2.StateRequest()
-        request.CopyFrom(self.request)
-        request.first_chunk, request.num_chunks = first, count
+        request = _signed(
+            self.signer, _DOWNLOAD, peer, self.request, first_chunk=first, num_chunks=count
+        )
         step = self.manifest.chunk_values
         target = self.values.numpy()
         done = 0

@@ -1,9 +1,11 @@
 """An all-reduce member in its own process, driven by JSON lines (tests, benchmarks, simulations).
 
-    python -m swarmgrad.simulations.allreduce_peer --peer-id p0 --codecs int8,fp16 --out-dir DIR
+    python -m swarmgrad.simulations.allreduce_peer --name p0 --codecs int8,fp16 --out-dir DIR
 
-It starts one :class:`Averager` per codec on 127.0.0.1 (port 0), prints
-``{"event": "ready", "endpoints": {codec: "host:port"}}`` and then obeys commands on stdin:
+Its key is derived from ``--name`` (:meth:`Identity.from_seed`: the same peer id every run; for
+experiments only). It starts one :class:`Averager` per codec on 127.0.0.1 (port 0), prints
+``{"event": "ready", "peer_id": id, "endpoints": {codec: "host:port"}}`` and then obeys commands
+on stdin:
 
 ``{"cmd": "round", "codec": C, "round": R, "members": [...], "seed": S, "size": N, "fault": F}``
     Average ``randn(N)`` drawn from seed S with the group ``members`` (dicts of Member fields).
@@ -43,6 +45,7 @@ import torch
 from swarmgrad.node.allreduce import AllReduceConfig
 from swarmgrad.node.averager import Averager
 from swarmgrad.node.group import Group, Member
+from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.errors import RoundAborted
 
 
@@ -78,6 +81,7 @@ def _emit(event: dict[str, Any]) -> None:
 
 async def _serve(args: argparse.Namespace) -> None:
     out_dir = Path(args.out_dir)
+    identity = Identity.from_seed(f"allreduce-peer/{args.name}")
     averagers: dict[str, Averager] = {}
     async with contextlib.AsyncExitStack() as stack:
         for codec in args.codecs.split(","):
@@ -91,12 +95,13 @@ async def _serve(args: argparse.Namespace) -> None:
                 reducer_timeout_seconds=args.reducer_timeout,
                 join_timeout_seconds=args.join_timeout,
             )
-            averagers[codec] = await stack.enter_async_context(Averager(args.peer_id, config))
+            averagers[codec] = await stack.enter_async_context(Averager(identity, config))
         # Torch and grpc leave ~10^6 long-lived objects; without this, the collector's full
         # passes over them stall the first rounds by ~0.1 s each.
         gc.collect()
         gc.freeze()
-        _emit({"event": "ready", "endpoints": {c: a.endpoint for c, a in averagers.items()}})
+        endpoints = {c: a.endpoint for c, a in averagers.items()}
+        _emit({"event": "ready", "peer_id": identity.peer_id, "endpoints": endpoints})
         prepared: dict[tuple[int, int], torch.Tensor] = {}
         buffer: torch.Tensor | None = None
         loop = asyncio.get_running_loop()
@@ -172,7 +177,7 @@ async def _round(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peer-id", required=True)
+    parser.add_argument("--name", required=True, help="this peer's key is derived from it")
     parser.add_argument("--codecs", default="int8", help="comma-separated; one averager each")
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--run-id", default="test-run")
@@ -192,33 +197,34 @@ def main() -> None:
 class PeerProcess:
     """The parent's handle on one allreduce_peer process (asyncio subprocess, JSON lines)."""
 
-    def __init__(self, process: asyncio.subprocess.Process, peer_id: str) -> None:
-        self.process, self.peer_id = process, peer_id
+    def __init__(self, process: asyncio.subprocess.Process, name: str) -> None:
+        self.process, self.name = process, name
+        self.peer_id = ""  # known once it is ready
         self.endpoints: dict[str, str] = {}
 
     @classmethod
     async def start(
-        cls, peer_id: str, out_dir: Path, *extra: str, ready_timeout_seconds: float = 60.0
+        cls, name: str, out_dir: Path, *extra: str, ready_timeout_seconds: float = 60.0
     ) -> PeerProcess:
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             "swarmgrad.simulations.allreduce_peer",
-            "--peer-id",
-            peer_id,
+            "--name",
+            name,
             "--out-dir",
             str(out_dir),
             *extra,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
         )
-        peer = cls(process, peer_id)
+        peer = cls(process, name)
         try:
             ready = await peer.event(ready_timeout_seconds)
         except BaseException:
             peer.kill()
             raise
-        peer.endpoints = ready["endpoints"]
+        peer.peer_id, peer.endpoints = ready["peer_id"], ready["endpoints"]
         return peer
 
     def member(self, codec: str, *, weight: float = 1.0, bandwidth: float = 1.0) -> dict[str, Any]:
@@ -240,7 +246,7 @@ class PeerProcess:
         async with asyncio.timeout(timeout_seconds):
             line = await self.process.stdout.readline()
         if not line:
-            raise EOFError(f"{self.peer_id} exited with {await self.process.wait()}")
+            raise EOFError(f"{self.name} exited with {await self.process.wait()}")
         event: dict[str, Any] = json.loads(line)
         return event
 

@@ -7,16 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
+import socket
 import struct
 from collections.abc import AsyncIterator
+from typing import Any
 
+import grpc
 import pytest
 
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.punch import PunchResponder
 from swarmgrad.node.relay import RelayClient, RelayError, RelayLimits, RelayServer
 from swarmgrad.protocol import peer
-from swarmgrad.protocol.errors import PeerUnavailable, ProtocolViolation
+from swarmgrad.protocol.auth import Verifier, sign_request
+from swarmgrad.protocol.errors import STATUS_OF, PeerUnavailable, ProtocolViolation
 from swarmgrad.protocol.server import start_server
+from swarmgrad.protocol.v1 import peer_pb2
 
 RUN, SPEC = "run-r", b"\x05" * 32
 
@@ -27,11 +35,15 @@ def identity_of(me: Identity) -> peer.PeerIdentity:
     )
 
 
+def servicer_of(me: Identity, **options: Any) -> peer.PeerServicer:
+    return peer.PeerServicer(identity_of(me), signer=me, verifier=Verifier(me.peer_id), **options)
+
+
 @pytest.fixture
 async def node() -> AsyncIterator[tuple[Identity, peer.PeerServicer, int]]:
     """A gRPC server with the Peer service on 127.0.0.1 (what every node runs)."""
     me = Identity.generate()
-    servicer = peer.PeerServicer(identity_of(me))
+    servicer = servicer_of(me)
     server, port = await start_server(lambda s: peer.add_to_server(servicer, s))
     try:
         yield me, servicer, port
@@ -39,64 +51,177 @@ async def node() -> AsyncIterator[tuple[Identity, peer.PeerServicer, int]]:
         await server.stop(None)
 
 
+async def ask(helper: tuple[Identity, int], me: Identity, port: int, **options: Any) -> Any:
+    return await peer.ask_dial_back(
+        f"127.0.0.1:{helper[1]}",
+        signer=me,
+        helper_id=helper[0].peer_id,
+        port=port,
+        run_id=options.pop("run_id", RUN),
+        spec_hash=SPEC,
+        **options,
+    )
+
+
+class _Impostor(peer.PeerServicer):
+    """Answers GetInfo with another peer's id (it does not hold that peer's key)."""
+
+    claimed = ""
+
+    async def GetInfo(self, request: Any, context: Any) -> peer_pb2.PeerInfo:
+        info = await super().GetInfo(request, context)
+        info.peer_id = self.claimed
+        return info
+
+
 async def test_a_node_that_answers_is_told_it_is_reachable_and_where(
     node: tuple[Identity, peer.PeerServicer, int],
 ) -> None:
-    _, helper, helper_port = node
+    helper_id, helper, helper_port = node
     me = Identity.generate()
-    mine = peer.PeerServicer(identity_of(me))
-    server, port = await start_server(lambda s: peer.add_to_server(mine, s))
+    server, port = await start_server(lambda s: peer.add_to_server(servicer_of(me), s))
+    other = Identity.generate()
+    impostor = _Impostor(identity_of(other), signer=other, verifier=Verifier(other.peer_id))
+    impostor.claimed = me.peer_id
+    fake, fake_port = await start_server(lambda s: peer.add_to_server(impostor, s))
     try:
-        verdict = await peer.ask_dial_back(
-            f"127.0.0.1:{helper_port}", port=port, peer_id=me.peer_id, run_id=RUN, spec_hash=SPEC
-        )
+        verdict = await ask((helper_id, helper_port), me, port)
         assert verdict.reachable
         assert verdict.observed_host == "127.0.0.1"
-        # The same port claimed by another peer id: whoever answers there is not that peer.
-        other = Identity.generate().peer_id
-        verdict = await peer.ask_dial_back(
-            f"127.0.0.1:{helper_port}", port=port, peer_id=other, run_id=RUN, spec_hash=SPEC
-        )
+        # Another peer's own port, claimed by me: whoever answers there is not me.
+        verdict = await ask((helper_id, helper_port), other, port)
         assert not verdict.reachable
         assert "answered as" in verdict.detail
-        assert helper.dial_backs == {"reachable": 1, "unreachable": 1, "refused": 0}
+        # A server that says it is me, but cannot sign the helper's challenge with my key.
+        verdict = await ask((helper_id, helper_port), me, fake_port)
+        assert not verdict.reachable
+        assert "could not prove the key" in verdict.detail
+        assert helper.dial_backs == {"reachable": 1, "unreachable": 2}
     finally:
         await server.stop(None)
+        await fake.stop(None)
 
 
 async def test_a_port_nobody_answers_is_unreachable_within_the_deadline(
     node: tuple[Identity, peer.PeerServicer, int],
 ) -> None:
-    _, helper, helper_port = node
+    helper_id, helper, helper_port = node
     # A port that was bound and released: nothing listens there.
     server, dead_port = await start_server(lambda s: None)
     await server.stop(None)
     loop = asyncio.get_running_loop()
     started = loop.time()
-    verdict = await peer.ask_dial_back(
-        f"127.0.0.1:{helper_port}", port=dead_port, peer_id="sgx", run_id=RUN, spec_hash=SPEC
-    )
+    verdict = await ask((helper_id, helper_port), Identity.generate(), dead_port)
     assert not verdict.reachable
     assert loop.time() - started < peer.DIAL_BACK_TIMEOUT_SECONDS + 2
     assert helper.dial_backs["unreachable"] == 1
 
 
-async def test_bad_dial_back_requests_get_clear_statuses(
-    node: tuple[Identity, peer.PeerServicer, int],
+async def _raw(port: int, method: str, request: bytes) -> grpc.aio.AioRpcError | None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            await channel.unary_unary(f"/{peer.SERVICE}/{method}")(request, timeout=10)
+        except grpc.aio.AioRpcError as error:
+            return error
+    return None
+
+
+async def test_bad_peer_requests_get_their_statuses_counted_not_tracebacks(
+    node: tuple[Identity, peer.PeerServicer, int], caplog: pytest.LogCaptureFixture
 ) -> None:
-    _, helper, port = node
-    endpoint = f"127.0.0.1:{port}"
+    helper_id, helper, port = node
+    me, mallory = Identity.generate(), Identity.generate()
     with pytest.raises(ProtocolViolation, match="says WRONG_RUN"):
-        await peer.ask_dial_back(endpoint, port=1, peer_id="sgx", run_id="other", spec_hash=SPEC)
-    with pytest.raises(ProtocolViolation, match="INVALID_ARGUMENT"):
-        await peer.ask_dial_back(endpoint, port=0, peer_id="sgx", run_id=RUN, spec_hash=SPEC)
-    with pytest.raises(ProtocolViolation, match="INVALID_ARGUMENT"):
-        await peer.ask_dial_back(endpoint, port=80, peer_id="", run_id=RUN, spec_hash=SPEC)
-    assert helper.dial_backs["refused"] == 3
+        await ask((helper_id, port), me, 1, run_id="other")
+    with pytest.raises(ProtocolViolation, match="says BAD_PAYLOAD: bad port"):
+        await ask((helper_id, port), me, 0)
+    # Dial-back in another's name: mallory signs a request that names me.
+    request = peer_pb2.DialBackRequest(
+        run_id=RUN, spec_hash=SPEC, port=80, peer_id=me.peer_id, receiver=helper_id.peer_id
+    )
+    request.auth.CopyFrom(
+        sign_request(mallory, "/swarmgrad.v1.Peer/DialBack", helper_id.peer_id, [])
+    )
+    with caplog.at_level("INFO"):
+        error = await _raw(port, "DialBack", request.SerializeToString())
+        assert error is not None
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+        for method in ("GetInfo", "DialBack", "Punch"):  # bytes that are no message at all
+            for _ in range(20):
+                error = await _raw(port, method, b"\x0a\xff\xff" + b"y" * 300)
+                assert error is not None
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "y" * 20 not in (error.details() or "")
+    assert helper.rejections.by_code("Peer") == {
+        "WRONG_RUN": 1,
+        "BAD_PAYLOAD": 61,
+        "UNAUTHENTICATED": 1,
+    }
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len([r for r in caplog.records if "refused" in r.getMessage()]) <= 3
     with pytest.raises(PeerUnavailable):  # and a helper that is gone is only unavailable
         await peer.ask_dial_back(
-            "127.0.0.1:1", port=80, peer_id="sgx", run_id=RUN, spec_hash=SPEC, timeout_seconds=2
+            "127.0.0.1:1",
+            signer=me,
+            helper_id=helper_id.peer_id,
+            port=80,
+            run_id=RUN,
+            spec_hash=SPEC,
+            timeout_seconds=2,
         )
+
+
+@pytest.fixture
+async def puncher() -> AsyncIterator[tuple[Identity, peer.PeerServicer, PunchResponder, int]]:
+    """A node that can punch (it believes its public address is 127.0.0.1)."""
+    me = Identity.generate()
+    responder = PunchResponder(host="127.0.0.1", target=None, public_host=lambda: "127.0.0.1")
+    servicer = servicer_of(me, punch=responder)
+    server, port = await start_server(lambda s: peer.add_to_server(servicer, s))
+    responder.target = ("127.0.0.1", port)
+    try:
+        yield me, servicer, responder, port
+    finally:
+        await responder.close()
+        await server.stop(None)
+
+
+async def test_punch_goes_only_towards_the_caller_and_its_limit_holds_under_a_burst(
+    puncher: tuple[Identity, peer.PeerServicer, PunchResponder, int],
+) -> None:
+    callee, servicer, responder, port = puncher
+    caller = Identity.generate()
+    silent = socket.socket()  # bound, not listening: every punch to it is refused and retried
+    silent.bind(("127.0.0.1", 0))
+
+    async def punch(host: str) -> grpc.StatusCode:
+        try:
+            await peer.ask_punch(
+                f"127.0.0.1:{port}",
+                signer=caller,
+                callee=callee.peer_id,
+                host=host,
+                port=silent.getsockname()[1],
+                run_id=RUN,
+                spec_hash=SPEC,
+            )
+        except ProtocolViolation as error:
+            return STATUS_OF[error.code]
+        return grpc.StatusCode.OK
+
+    try:
+        # A host the call did not come from: refused, and nothing is dialed.
+        assert await punch("10.9.8.7") == grpc.StatusCode.PERMISSION_DENIED
+        assert servicer.punches == 0
+        fds = len(os.listdir("/proc/self/fd"))
+        statuses = await asyncio.gather(*(punch("127.0.0.1") for _ in range(60)))
+        assert statuses.count(grpc.StatusCode.OK) == 4
+        assert statuses.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 56
+        assert responder.counts["refused"] == 56
+        assert len(os.listdir("/proc/self/fd")) < fds + 20
+        assert servicer.rejections.by_code("Peer") == {"WRONG_ADDRESS": 1, "OVERLOADED": 56}
+    finally:
+        silent.close()
 
 
 FAST = RelayLimits(ping_seconds=0.2, silence_seconds=1.0, attach_timeout_seconds=2.0)
@@ -129,6 +254,42 @@ async def test_a_relay_carries_grpc_to_a_node_behind_it(
         assert relay.traffic["out"] > 0
     finally:
         await client.close()
+
+
+async def test_through_a_relay_punch_knows_who_really_called(relay: RelayServer) -> None:
+    # A relayed call reaches the node's server from its own relay client (127.0.0.1 here, as
+    # anywhere); the relay tells the client where the dialer connected from, and Punch asks that.
+    me, caller = Identity.generate(), Identity.generate()
+    looked_up: list[str | None] = []
+    clients: list[RelayClient] = []
+
+    def origin(local: str) -> str | None:
+        looked_up.append(clients[0].origins.get(local))
+        return looked_up[-1]
+
+    responder = PunchResponder(host="127.0.0.1", target=None, public_host=lambda: "127.0.0.1")
+    servicer = servicer_of(me, punch=responder, origin=origin)
+    server, port = await start_server(lambda s: peer.add_to_server(servicer, s))
+    responder.target = ("127.0.0.1", port)
+    clients.append(RelayClient(f"127.0.0.1:{relay.port}", me, target=("127.0.0.1", port)))
+    try:
+        relayed = await clients[0].connect()
+        host, _ = await peer.ask_punch(
+            relayed,
+            signer=caller,
+            callee=me.peer_id,
+            host="127.0.0.1",
+            port=9,
+            run_id=RUN,
+            spec_hash=SPEC,
+        )
+        assert host == "127.0.0.1"
+        assert looked_up == ["127.0.0.1"]  # the relay-reported origin, not a guess
+        assert servicer.punches == 1
+    finally:
+        await clients[0].close()
+        await responder.close()
+        await server.stop(None)
 
 
 async def test_a_relay_refuses_impostors_and_strangers_and_bounds_its_clients(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -18,12 +19,19 @@ import pytest
 import pytest_asyncio
 import torch
 
+from swarmgrad.node.identity import Identity
+from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.swarm import Swarm, SwarmConfig
 from swarmgrad.protocol import state
+from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.errors import PeerUnavailable, ProtocolViolation
 from swarmgrad.protocol.server import open_channel, start_server
+from swarmgrad.protocol.v1 import state_pb2
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
+from swarmgrad.simulations.swarm import DEMO_SPEC
 
 RUN, SPEC_HASH = "r", b"\1" * 32
+JOINER = Identity.from_seed("test-state-sync/joiner")
 NUM_VALUES, CHUNK_VALUES = 20_000, 1024  # 20 chunks, the last one short
 
 
@@ -55,6 +63,7 @@ class Donors:
             lookup=lambda root: (
                 snapshot if snapshot is not None and root == TRUE.checksum else None
             ),
+            verifier=Verifier(name),
             pace=pace,
         )
         server, port = await start_server(lambda s: state.add_to_server(servicer, s))
@@ -80,6 +89,7 @@ async def donors() -> AsyncIterator[Donors]:
 async def _download(donors: list[tuple[str, grpc.aio.Channel]]) -> state.Download:
     return await state.download(
         donors,
+        signer=JOINER,
         run_id=RUN,
         spec_hash=SPEC_HASH,
         root=TRUE.checksum,
@@ -134,7 +144,7 @@ async def test_a_lying_manifest_a_dying_donor_and_a_stale_one_cost_only_retries(
     assert "a manifest that is not state" in result.failures["liar"]
     assert "dying" in result.failures
     assert result.chunks_by_donor.get("dying", 0) <= 2
-    assert "NOT_FOUND" in result.failures["stale"]
+    assert "UNKNOWN_STATE" in result.failures["stale"]
     assert result.chunks_by_donor["good"] >= 20 - 2
 
 
@@ -151,6 +161,7 @@ async def test_a_state_of_another_size_or_run_is_refused(donors: Donors) -> None
     with pytest.raises(PeerUnavailable, match="offers 20000 values, the model has 100"):
         await state.download(
             [(name, channel)],
+            signer=JOINER,
             run_id=RUN,
             spec_hash=SPEC_HASH,
             root=TRUE.checksum,
@@ -160,6 +171,7 @@ async def test_a_state_of_another_size_or_run_is_refused(donors: Donors) -> None
     with pytest.raises(PeerUnavailable, match="WRONG_RUN"):
         await state.download(
             [(name, channel)],
+            signer=JOINER,
             run_id="other",
             spec_hash=SPEC_HASH,
             root=TRUE.checksum,
@@ -172,7 +184,9 @@ async def test_nan_in_an_agreed_state_is_refused(donors: Donors) -> None:
     values = TRUE.values.clone()
     values[3] = float("nan")
     poisoned = state.Snapshot.of(7, values, chunk_values=CHUNK_VALUES)
-    servicer = state.StateServicer(run_id=RUN, spec_hash=SPEC_HASH, lookup=lambda root: poisoned)
+    servicer = state.StateServicer(
+        run_id=RUN, spec_hash=SPEC_HASH, lookup=lambda root: poisoned, verifier=Verifier("nan")
+    )
     server, port = await start_server(lambda s: state.add_to_server(servicer, s))
     donors.servers.append(server)
     channel = open_channel(f"127.0.0.1:{port}")
@@ -180,6 +194,7 @@ async def test_nan_in_an_agreed_state_is_refused(donors: Donors) -> None:
     with pytest.raises(ProtocolViolation) as raised:
         await state.download(
             [("nan", channel)],
+            signer=JOINER,
             run_id=RUN,
             spec_hash=SPEC_HASH,
             root=poisoned.checksum,
@@ -192,13 +207,16 @@ async def test_nan_in_an_agreed_state_is_refused(donors: Donors) -> None:
 async def test_a_finite_state_whose_sum_overflows_is_accepted(donors: Donors) -> None:
     values = torch.full((NUM_VALUES,), 3e38)  # finite values; their fp32 sum is inf
     huge = state.Snapshot.of(7, values, chunk_values=CHUNK_VALUES)
-    servicer = state.StateServicer(run_id=RUN, spec_hash=SPEC_HASH, lookup=lambda root: huge)
+    servicer = state.StateServicer(
+        run_id=RUN, spec_hash=SPEC_HASH, lookup=lambda root: huge, verifier=Verifier("huge")
+    )
     server, port = await start_server(lambda s: state.add_to_server(servicer, s))
     donors.servers.append(server)
     channel = open_channel(f"127.0.0.1:{port}")
     donors.channels.append(channel)
     result = await state.download(
         [("huge", channel)],
+        signer=JOINER,
         run_id=RUN,
         spec_hash=SPEC_HASH,
         root=huge.checksum,
@@ -216,7 +234,9 @@ class _Garbler(state.StateServicer):
 
 
 async def test_a_donor_sending_malformed_chunks_is_dropped(donors: Donors) -> None:
-    garbler = _Garbler(run_id=RUN, spec_hash=SPEC_HASH, lookup=lambda root: TRUE)
+    garbler = _Garbler(
+        run_id=RUN, spec_hash=SPEC_HASH, lookup=lambda root: TRUE, verifier=Verifier("garbler")
+    )
     server, port = await start_server(lambda s: state.add_to_server(garbler, s))
     donors.servers.append(server)
     channel = open_channel(f"127.0.0.1:{port}")
@@ -225,6 +245,97 @@ async def test_a_donor_sending_malformed_chunks_is_dropped(donors: Donors) -> No
     assert torch.equal(result.snapshot.values, TRUE.values)
     assert "a malformed chunk" in result.failures["garbler"]
     assert "garbler" not in result.chunks_by_donor
+
+
+# -- who may download: signed requests only, each refusal its status ----------------------------
+
+
+async def _status(channel: grpc.aio.Channel, method: str, request: bytes) -> grpc.StatusCode:
+    call = channel.unary_stream(f"/{state.SERVICE}/{method}")
+    try:
+        async for _ in call(request, timeout=10):
+            pass
+    except grpc.aio.AioRpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
+
+
+async def test_only_signed_fresh_requests_meant_for_this_donor_are_served(
+    donors: Donors, caplog: pytest.LogCaptureFixture
+) -> None:
+    name, channel = await donors.add("donor")
+    servicer = donors.servicers[name]
+    template = state_pb2.StateRequest(run_id=RUN, spec_hash=SPEC_HASH, root=TRUE.checksum)
+    good = state._signed(JOINER, state._DOWNLOAD, name, template, first_chunk=0, num_chunks=1)
+    for_another = state._signed(JOINER, state._DOWNLOAD, "other", template, num_chunks=1)
+    for_another.receiver = name  # the signature was for "other"
+    unsigned = state_pb2.StateRequest()
+    unsigned.CopyFrom(good)
+    unsigned.ClearField("auth")
+    cases = [
+        (unsigned.SerializeToString(), grpc.StatusCode.UNAUTHENTICATED),
+        (for_another.SerializeToString(), grpc.StatusCode.UNAUTHENTICATED),
+        (b"\xff\x01garbage", grpc.StatusCode.INVALID_ARGUMENT),
+        (good.SerializeToString(), grpc.StatusCode.OK),
+        (good.SerializeToString(), grpc.StatusCode.UNAUTHENTICATED),  # the same request again
+    ]
+    with caplog.at_level("INFO"):
+        for request, expected in cases:
+            assert await _status(channel, "Download", request) == expected, request[:20]
+        for _ in range(50):  # a flood of garbage: counted, not logged line by line
+            await _status(channel, "Manifest", b"\x0a\xff")
+    refused = servicer.rejections.by_code("State")
+    assert refused == {"UNAUTHENTICATED": 3, "BAD_PAYLOAD": 51}
+    lines = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(lines) <= 4
+    assert all(r.levelname == "INFO" for r in lines)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_one_peer_cannot_hold_more_than_its_share_of_a_donors_downloads(
+    donors: Donors,
+) -> None:
+    gate = asyncio.Event()
+
+    async def hold(num_bytes: int) -> None:
+        await gate.wait()
+
+    name, channel = await donors.add("donor", pace=hold)
+    template = state_pb2.StateRequest(run_id=RUN, spec_hash=SPEC_HASH, root=TRUE.checksum)
+
+    def request() -> bytes:
+        signed = state._signed(JOINER, state._DOWNLOAD, name, template, num_chunks=1)
+        return signed.SerializeToString()
+
+    limit = 2 * state.STREAMS_PER_DONOR
+    held = [asyncio.create_task(_status(channel, "Download", request())) for _ in range(limit)]
+    async with asyncio.timeout(10):
+        while sum(donors.servicers[name]._downloads.values()) < limit:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    assert await _status(channel, "Download", request()) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    gate.set()
+    assert set(await asyncio.gather(*held)) == {grpc.StatusCode.OK}
+
+
+@pytest.mark.slow
+async def test_a_run_with_small_averaging_chunks_still_serves_its_state() -> None:
+    # The transport's message limit once followed [averaging] chunk_values alone: below ~115k
+    # values it was smaller than a 1 MiB state chunk, and every download failed.
+    spec = RunSpec.from_toml(
+        DEMO_SPEC.replace('codec = "int8"', 'codec = "int8"\nchunk_values = 4096')
+    )
+    values = torch.randn(3 * state.CHUNK_VALUES, generator=torch.Generator().manual_seed(3))
+    async with Swarm(spec, Identity.generate(), SwarmConfig()) as donor:
+        donor.publish(state.Snapshot.of(4, values), throughput=1.0)
+        bootstrap = tuple(donor.visible_maddrs())
+        async with Swarm(spec, Identity.generate(), SwarmConfig(bootstrap=bootstrap)) as joiner:
+            async with asyncio.timeout(30):
+                while not (donors := await joiner.find_donors(0, "")):  # noqa: ASYNC110 - DHT
+                    await asyncio.sleep(0.2)
+            got = await joiner.download_state(donors, values.numel())
+    assert got is not None
+    assert torch.equal(got.values, values)
+    assert got.epoch == 4
 
 
 # -- across processes: donors and a joiner, each its own process, found through the DHT ---------

@@ -1,3 +1,4 @@
+from swarmgrad.protocol.v1 import auth_pb2 as _auth_pb2
 from swarmgrad.protocol.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -24,6 +25,10 @@ class ResultCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OVERLOADED: _ClassVar[ResultCode]
     TIMED_OUT: _ClassVar[ResultCode]
     ABORTED: _ClassVar[ResultCode]
+    UNAUTHENTICATED: _ClassVar[ResultCode]
+    UNKNOWN_STATE: _ClassVar[ResultCode]
+    WRONG_ADDRESS: _ClassVar[ResultCode]
+    CANNOT_PUNCH: _ClassVar[ResultCode]
 RESULT_CODE_UNSPECIFIED: ResultCode
 OK: ResultCode
 WRONG_RUN: ResultCode
@@ -38,6 +43,10 @@ DUPLICATE_PART: ResultCode
 OVERLOADED: ResultCode
 TIMED_OUT: ResultCode
 ABORTED: ResultCode
+UNAUTHENTICATED: ResultCode
+UNKNOWN_STATE: ResultCode
+WRONG_ADDRESS: ResultCode
+CANNOT_PUNCH: ResultCode
 
 class RoundKey(_message.Message):
     __slots__ = ("run_id", "spec_hash", "round", "group_id")
@@ -52,16 +61,20 @@ class RoundKey(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., spec_hash: _Optional[bytes] = ..., round: _Optional[int] = ..., group_id: _Optional[bytes] = ...) -> None: ...
 
 class PartHeader(_message.Message):
-    __slots__ = ("key", "sender", "part", "weight")
+    __slots__ = ("key", "sender", "part", "weight", "receiver", "auth")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
     key: RoundKey
     sender: str
     part: int
     weight: float
-    def __init__(self, key: _Optional[_Union[RoundKey, _Mapping]] = ..., sender: _Optional[str] = ..., part: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...
+    receiver: str
+    auth: _auth_pb2.Auth
+    def __init__(self, key: _Optional[_Union[RoundKey, _Mapping]] = ..., sender: _Optional[str] = ..., part: _Optional[int] = ..., weight: _Optional[float] = ..., receiver: _Optional[str] = ..., auth: _Optional[_Union[_auth_pb2.Auth, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("index", "meta", "payload")

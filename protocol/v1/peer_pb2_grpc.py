@@ -55,22 +55,24 @@ class PeerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def GetInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Every method: INVALID_ARGUMENT for a malformed request, FAILED_PRECONDITION for another run.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DialBack(self, request, context):
-        """Refused with FAILED_PRECONDITION for another run, INVALID_ARGUMENT for a bad port or peer
-        id, RESOURCE_EXHAUSTED when too many dial-backs are under way.
+        """UNAUTHENTICATED without the caller's valid signature, INVALID_ARGUMENT for a bad port or
+        peer id, RESOURCE_EXHAUSTED when too many dial-backs are under way.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Punch(self, request, context):
-        """FAILED_PRECONDITION when the callee cannot punch (it knows no public address of its own),
-        RESOURCE_EXHAUSTED when too many punches are under way.
+        """UNAUTHENTICATED without the caller's valid signature, PERMISSION_DENIED for a host other than
+        the one the call came from, FAILED_PRECONDITION when the callee cannot punch (it knows no
+        public address of its own), RESOURCE_EXHAUSTED when too many punches are under way.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -22,21 +22,22 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from swarmgrad.protocol.v1 import auth_pb2 as swarmgrad_dot_protocol_dot_v1_dot_auth__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!swarmgrad/protocol/v1/state.proto\x12\x0cswarmgrad.v1\"h\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_hash\x18\x02 \x01(\x0c\x12\x0c\n\x04root\x18\x03 \x01(\t\x12\x13\n\x0b\x66irst_chunk\x18\x04 \x01(\x04\x12\x12\n\nnum_chunks\x18\x05 \x01(\x04\"Y\n\rStateManifest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x12\n\nnum_values\x18\x02 \x01(\x04\x12\x14\n\x0c\x63hunk_values\x18\x03 \x01(\x04\x12\x0f\n\x07\x64igests\x18\x04 \x01(\x0c\"+\n\nStateChunk\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x0e\n\x06values\x18\x02 \x01(\x0c\x32\x90\x01\n\x05State\x12\x43\n\x08Manifest\x12\x1a.swarmgrad.v1.StateRequest\x1a\x1b.swarmgrad.v1.StateManifest\x12\x42\n\x08\x44ownload\x12\x1a.swarmgrad.v1.StateRequest\x1a\x18.swarmgrad.v1.StateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!swarmgrad/protocol/v1/state.proto\x12\x0cswarmgrad.v1\x1a swarmgrad/protocol/v1/auth.proto\"\x9c\x01\n\x0cStateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_hash\x18\x02 \x01(\x0c\x12\x0c\n\x04root\x18\x03 \x01(\t\x12\x13\n\x0b\x66irst_chunk\x18\x04 \x01(\x04\x12\x12\n\nnum_chunks\x18\x05 \x01(\x04\x12\x10\n\x08receiver\x18\x06 \x01(\t\x12 \n\x04\x61uth\x18\x07 \x01(\x0b\x32\x12.swarmgrad.v1.Auth\"Y\n\rStateManifest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x12\n\nnum_values\x18\x02 \x01(\x04\x12\x14\n\x0c\x63hunk_values\x18\x03 \x01(\x04\x12\x0f\n\x07\x64igests\x18\x04 \x01(\x0c\"+\n\nStateChunk\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x0e\n\x06values\x18\x02 \x01(\x0c\x32\x90\x01\n\x05State\x12\x43\n\x08Manifest\x12\x1a.swarmgrad.v1.StateRequest\x1a\x1b.swarmgrad.v1.StateManifest\x12\x42\n\x08\x44ownload\x12\x1a.swarmgrad.v1.StateRequest\x1a\x18.swarmgrad.v1.StateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarmgrad.protocol.v1.state_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STATEREQUEST']._serialized_start=51
-  _globals['_STATEREQUEST']._serialized_end=155
-  _globals['_STATEMANIFEST']._serialized_start=157
-  _globals['_STATEMANIFEST']._serialized_end=246
-  _globals['_STATECHUNK']._serialized_start=248
-  _globals['_STATECHUNK']._serialized_end=291
-  _globals['_STATE']._serialized_start=294
-  _globals['_STATE']._serialized_end=438
+  _globals['_STATEREQUEST']._serialized_start=86
+  _globals['_STATEREQUEST']._serialized_end=242
+  _globals['_STATEMANIFEST']._serialized_start=244
+  _globals['_STATEMANIFEST']._serialized_end=333
+  _globals['_STATECHUNK']._serialized_start=335
+  _globals['_STATECHUNK']._serialized_end=378
+  _globals['_STATE']._serialized_start=381
+  _globals['_STATE']._serialized_end=525
 # @@protoc_insertion_point(module_scope)
