@@ -91,7 +91,7 @@ async def start_swarm(backend: str, count: int) -> tuple[list[Discovery], list[I
 async def announce_all(nodes: list[Discovery], ids: list[Identity]) -> None:
     async def one(node: Discovery, identity: Identity) -> None:
         record = PeerRecord.create(
-            identity,
+            identity.peer_id,
             run_id=RUN,
             spec_hash=SPEC,
             endpoint="127.0.0.1:1",

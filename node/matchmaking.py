@@ -20,11 +20,17 @@ import hashlib
 import logging
 
 from swarmgrad.node.discovery.base import Discovery, dht_time
+from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.group import Group, Member
 from swarmgrad.node.identity import Identity
 
 log = logging.getLogger(__name__)
+
+#: A readiness record outlives its matchmaking by this much (stragglers still read it).
+READY_MARGIN_SECONDS = 30.0
+#: The longest matchmaking whose readiness record (and its withdrawal) a DHT still takes.
+MAX_MATCHMAKING_TIMEOUT_SECONDS = MAX_TTL_SECONDS - READY_MARGIN_SECONDS - 30.0
 
 
 def assign_groups(round_: int, peer_ids: list[str], group_size: int) -> list[list[str]]:
@@ -56,6 +62,10 @@ class Matchmaker:
     ) -> None:
         if group_size < 2:
             raise ValueError("group_size must be at least 2")
+        if not 0 < matchmaking_timeout_seconds <= MAX_MATCHMAKING_TIMEOUT_SECONDS:
+            raise ValueError(
+                f"matchmaking_timeout_seconds must be in (0, {MAX_MATCHMAKING_TIMEOUT_SECONDS:g}]"
+            )
         self._discovery, self._identity = discovery, identity
         self.group_size = group_size
         self.timeout_seconds = matchmaking_timeout_seconds
@@ -68,12 +78,12 @@ class Matchmaker:
         """This peer's group for ``round_``, or None if it found nobody in time."""
         topic = f"round/{round_}"
         ready = PeerRecord.create(
-            self._identity,
+            self._identity.peer_id,
             run_id=self._discovery.run_id,
             spec_hash=self._discovery.spec_hash,
             endpoint=endpoint,
             now=dht_time(),
-            ttl_seconds=self.timeout_seconds + 60.0,
+            ttl_seconds=self.timeout_seconds + READY_MARGIN_SECONDS,
             epoch=round_,
             bandwidth=bandwidth,
             weight=weight,

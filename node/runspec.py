@@ -46,8 +46,9 @@ from typing import Any
 
 from swarmgrad.compression import codec_names
 from swarmgrad.node.discovery.base import BACKENDS
+from swarmgrad.node.matchmaking import MAX_MATCHMAKING_TIMEOUT_SECONDS
+from swarmgrad.protocol import PROTOCOL_VERSION
 
-PROTOCOL_VERSION = 1
 DEVICES = ("auto", "cpu", "cuda")
 #: Sections that say how a node takes part, not what the run is: outside the hash.
 OPERATIONAL = frozenset({"network", "node"})
@@ -209,6 +210,12 @@ class AveragingSection:
             sender_timeout_seconds=self.sender_timeout_seconds,
             reducer_timeout_seconds=self.reducer_timeout_seconds,
         )
+        if self.matchmaking_timeout_seconds > MAX_MATCHMAKING_TIMEOUT_SECONDS:
+            raise RunSpecError(
+                f"averaging.matchmaking_timeout_seconds must be at most "
+                f"{MAX_MATCHMAKING_TIMEOUT_SECONDS:g} (readiness records must fit the DHT's "
+                f"lifetime cap), got {self.matchmaking_timeout_seconds:g}"
+            )
         if not self.sender_timeout_seconds < self.reducer_timeout_seconds:
             raise RunSpecError(
                 "averaging.reducer_timeout_seconds must exceed averaging.sender_timeout_seconds"

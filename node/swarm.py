@@ -39,6 +39,7 @@ from swarmgrad.node.discovery.base import (
     dht_time,
     start_discovery,
 )
+from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.group import Group
 from swarmgrad.node.identity import Identity
@@ -59,6 +60,8 @@ SERVED_STATES = 3
 #: A readiness record stays this long after its group is formed (past matchmaking's settle
 #: time), for group mates still reading the candidates, then it is withdrawn.
 WITHDRAW_MARGIN_SECONDS = 2.5
+#: Room under the DHT's lifetime cap for a leave, which outlives the record it withdraws.
+MAX_RECORD_TTL_SECONDS = MAX_TTL_SECONDS - 30.0
 
 
 class SpecMismatch(RuntimeError):
@@ -105,6 +108,11 @@ class SwarmConfig:
             raise ValueError("upload_bytes_per_second must be positive")
         if not 0 < self.announce_interval_seconds < self.record_ttl_seconds:
             raise ValueError("announce_interval_seconds must be positive and below the TTL")
+        if self.record_ttl_seconds > MAX_RECORD_TTL_SECONDS:
+            raise ValueError(
+                f"record_ttl_seconds must be at most {MAX_RECORD_TTL_SECONDS:g} (the DHT refuses "
+                "longer-lived values)"
+            )
 
 
 class Outcome(enum.Enum):
@@ -438,7 +446,7 @@ class Swarm:
         snapshot = self._snapshot
         reach = self.reachability_summary()
         record = PeerRecord.create(
-            self.identity,
+            self.peer_id,
             run_id=self.spec.run.id,
             spec_hash=self.spec.hash,
             endpoint=self.endpoint,

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from swarmgrad.protocol import PROTOCOL_VERSION
 from swarmgrad.protocol.auth import Signer, Verifier, sign_request, signed_bytes
 from swarmgrad.protocol.errors import (
     PeerUnavailable,
@@ -34,7 +35,6 @@ from swarmgrad.protocol.server import Rejections, open_channel, unary
 from swarmgrad.protocol.v1 import peer_pb2
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
-PROTOCOL_VERSION = 2
 DIAL_BACK_TIMEOUT_SECONDS = 3.0
 MAX_DIAL_BACKS = 8  # under way at once, per node
 MAX_CHALLENGE_BYTES = 64

@@ -21,8 +21,9 @@ from swarmgrad.node.discovery.base import (
     dht_time,
     start_discovery,
 )
-from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery, start_dht
-from swarmgrad.node.discovery.records import MAX_TTL_SECONDS, PeerRecord, RecordError
+from swarmgrad.node.discovery.envelope import Kind, open_envelope, seal
+from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery, SealedValues, start_dht
+from swarmgrad.node.discovery.records import MAX_SPEC_BYTES, PeerRecord, RecordError, validate
 from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.server import start_server
 
@@ -40,69 +41,144 @@ def record(
         "ttl_seconds": ttl,
     }
     fields.update(changes)
-    return PeerRecord.create(identity, **fields)  # type: ignore[arg-type]
+    return PeerRecord.create(identity.peer_id, **fields)  # type: ignore[arg-type]
 
 
-# -- records ------------------------------------------------------------------------------------
+# -- records and sealed values -------------------------------------------------------------------
+
+KEY = f"run/{RUN}/{SPEC.hex()}/peers"
 
 
-def test_a_signed_record_verifies_and_round_trips() -> None:
+def sealed(identity: Identity, rec: PeerRecord | None = None, **options: Any) -> bytes:
+    rec = rec if rec is not None else record(identity)
+    fields: dict[str, Any] = {
+        "key": KEY,
+        "kind": Kind.PEER,
+        "body": rec.body(),
+        "issued_at": rec.issued_at,
+        "expires_at": rec.expires_at,
+    }
+    fields.update(options)
+    return seal(identity, **fields)
+
+
+def test_a_sealed_record_validates_and_round_trips() -> None:
     me = Identity.generate()
     original = record(me, epoch=7, throughput=123.5)
-    parsed = PeerRecord.verify(original.sign(me), run_id=RUN, spec_hash=SPEC, now=1001.0)
-    assert parsed == original
+    envelope = validate(KEY, me.peer_id, sealed(me, original), 1060.0, now=1001.0)
+    assert envelope.signer == me.peer_id
+    assert PeerRecord.parse(envelope.body) == original
 
 
 def tamper(data: bytes, **changes: object) -> bytes:
-    body = json.loads(data[:-64])
+    """The sealed record ``data`` with its body changed (the seal no longer matches)."""
+    opened = open_envelope(data)
+    body = json.loads(opened.body)
     body.update(changes)
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode() + data[-64:]
+    new = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    start = data.index(opened.body)  # the body follows its 4-byte length
+    end = start + len(opened.body)
+    return data[: start - 4] + len(new).to_bytes(4, "little") + new + data[end:]
+
+
+ME, OTHER = Identity.from_seed("test-discovery/me"), Identity.from_seed("test-discovery/other")
+
+
+def _resealed(rec: PeerRecord, **options: Any) -> bytes:
+    return sealed(ME, rec, **options)
 
 
 @pytest.mark.parametrize(
-    ("mutate", "match"),
+    ("value", "subkey", "expires", "match"),
     [
-        (lambda d: tamper(d, epoch=99), "bad signature"),
-        (lambda d: tamper(d, peer_id="sgother"), "carries the key"),
-        (lambda d: tamper(d, public_key=Identity.generate().public_key.hex()), "carries the key"),
-        (lambda d: tamper(d, public_key="zz"), "malformed public key"),
-        (lambda d: tamper(d, epoch="7"), "wrong type"),
-        (lambda d: tamper(d, reachability=1), "wrong type"),
-        (lambda d: tamper(d, reachability="teleported"), "unknown reachability"),
-        (lambda d: tamper(d, role="admin"), "unknown role"),
-        (lambda d: tamper(d, extra=1), "fields"),
-        (lambda d: d[:-1], "bad signature|not JSON"),
-        (lambda d: b"\x00" * 100, "not JSON"),
-        (lambda d: d + b"x" * 5000, "too large"),
-        (lambda d: b"", "too small"),
+        # The DHT's own attacks: a copy with a later expiry, an unsigned leave, a plain value.
+        (lambda: sealed(ME)[:-64] + bytes(64), "me", 1060.0, "bad signature"),
+        (lambda: sealed(ME), "me", 1200.0, "another expiry"),
+        (lambda: b"", "me", 1060.0, "a value of 0 bytes"),
+        (lambda: b"\x00" * 200, "me", 1060.0, "not a sealed"),
+        (lambda: tamper(sealed(ME), epoch=99), "me", 1060.0, "bad signature"),
+        # Filed where it does not belong.
+        (lambda: sealed(ME), "other", 1060.0, "in the slot of"),
+        (lambda: sealed(ME, key=KEY.replace("peers", "round/3")), "me", 1060.0, "another key"),
+        (lambda: sealed(ME, kind=Kind.SPEC), "me", 1060.0, "does not belong"),
+        (lambda: sealed(ME, kind=Kind.LEAVE), "me", 1060.0, "a withdrawal with a body"),
+        # Lifetimes.
+        (lambda: sealed(ME, record(ME, ttl=600)), "me", 1600.0, "lifetime over"),
+        (lambda: sealed(ME, record(ME, now=1100.0)), "me", 1160.0, "issued in the future"),
+        (lambda: sealed(ME, record(ME, ttl=0.5)), "me", 1000.5, "expired"),
+        # Bodies: someone else's record, another run's, times that disagree, bad fields.
+        (lambda: sealed(ME, record(OTHER)), "me", 1060.0, "sealed by"),
+        (lambda: sealed(ME, record(ME, run_id="run-b")), "me", 1060.0, "another run"),
+        (lambda: sealed(ME, record(ME), issued_at=990.0), "me", 1060.0, "disagrees"),
+        (lambda: sealed(ME, body=b"{}"), "me", 1060.0, "fields"),
+        (lambda: sealed(ME, body=b"\xff"), "me", 1060.0, "not JSON"),
     ],
 )
-def test_forged_or_malformed_records_are_refused(
-    mutate: Callable[[bytes], bytes], match: str
+def test_forged_misfiled_or_malformed_values_are_refused(
+    value: Callable[[], bytes], subkey: str, expires: float, match: str
 ) -> None:
-    me = Identity.generate()
+    slot = {"me": ME.peer_id, "other": OTHER.peer_id}[subkey]
     with pytest.raises(RecordError, match=match):
-        PeerRecord.verify(mutate(record(me).sign(me)), run_id=RUN, spec_hash=SPEC, now=1001.0)
+        validate(KEY, slot, value(), expires, now=1001.0)
 
 
-def test_records_of_another_run_expired_or_immortal_are_refused() -> None:
-    me = Identity.generate()
-    data = record(me, ttl=60).sign(me)
-    with pytest.raises(RecordError, match="not run-b"):
-        PeerRecord.verify(data, run_id="run-b", spec_hash=SPEC, now=1001.0)
-    with pytest.raises(RecordError, match="spec"):
-        PeerRecord.verify(data, run_id=RUN, spec_hash=b"\x08" * 32, now=1001.0)
-    with pytest.raises(RecordError, match="expired"):
-        PeerRecord.verify(data, run_id=RUN, spec_hash=SPEC, now=1061.0)
-    immortal = record(me, ttl=MAX_TTL_SECONDS + 1).sign(me)
-    with pytest.raises(RecordError, match="lifetime"):
-        PeerRecord.verify(immortal, run_id=RUN, spec_hash=SPEC, now=1001.0)
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"epoch": "7"}, "wrong type"),
+        ({"reachability": 1}, "wrong type"),
+        ({"reachability": "teleported"}, "unknown reachability"),
+        ({"role": "admin"}, "unknown role"),
+        ({"extra": 1}, "fields"),
+    ],
+)
+def test_records_with_unknown_fields_or_values_are_refused(
+    change: dict[str, object], match: str
+) -> None:
+    body = json.loads(record(ME).body())
+    body.update(change)
+    with pytest.raises(RecordError, match=match):
+        PeerRecord.parse(json.dumps(body).encode())
 
 
-def test_only_the_owner_can_sign_its_record() -> None:
-    me, other = Identity.generate(), Identity.generate()
-    with pytest.raises(ValueError, match="own peer id"):
-        record(me).sign(other)
+def test_readiness_is_only_for_its_own_round_and_specs_fit_the_limit() -> None:
+    ready = record(ME, epoch=3)
+    key = KEY.replace("peers", "round/3")
+    assert validate(key, ME.peer_id, sealed(ME, ready, key=key, kind=Kind.READY), 1060.0, 1001.0)
+    wrong = KEY.replace("peers", "round/4")
+    with pytest.raises(RecordError, match="another round"):
+        validate(wrong, ME.peer_id, sealed(ME, ready, key=wrong, kind=Kind.READY), 1060.0, 1001.0)
+    specs = f"run/{RUN}/specs"
+    huge = sealed(ME, key=specs, kind=Kind.SPEC, body=b"x" * (MAX_SPEC_BYTES + 1))
+    with pytest.raises(RecordError, match="size limit"):
+        validate(specs, ME.peer_id, huge, 1060.0, 1001.0)
+    with pytest.raises(RecordError, match="does not belong"):  # not a swarmgrad key at all
+        validate("elsewhere", ME.peer_id, sealed(ME, key="elsewhere"), 1060.0, 1001.0)
+
+
+def test_hivemind_nodes_keep_only_sealed_values_under_their_own_key() -> None:
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils import MSGPackSerializer as Pack
+
+    now = dht_time()
+    rec = record(ME, now=now)
+    value = sealed(ME, rec)
+    key_id = DHTID.generate(source=KEY).to_bytes()
+    validator = SealedValues()
+
+    def valid(key: bytes, subkey: object, data: object, expires: float) -> bool:
+        return bool(
+            validator.validate(DHTRecord(key, Pack.dumps(subkey), Pack.dumps(data), expires))
+        )
+
+    assert valid(key_id, ME.peer_id, value, rec.expires_at)
+    assert not valid(DHTID.generate(source="other").to_bytes(), ME.peer_id, value, rec.expires_at)
+    assert not valid(key_id, OTHER.peer_id, value, rec.expires_at)
+    assert not valid(key_id, ME.peer_id, b"plain junk", rec.expires_at)
+    assert not valid(key_id, ME.peer_id, value, rec.expires_at + 10)
+    regular = DHTRecord(key_id, b"", Pack.dumps(value), rec.expires_at)  # a value with no subkey
+    assert not validator.validate(regular)
 
 
 # -- the backend contract (real DHT nodes on 127.0.0.1), for each backend ----------------------
@@ -171,9 +247,7 @@ async def test_peers_find_each_other_through_a_bootstrap_node(start: Starter) ->
 
 
 @pytest.mark.slow
-async def test_another_spec_sees_nothing_and_forgeries_are_dropped_and_counted(
-    start: Starter,
-) -> None:
+async def test_another_spec_sees_nothing_and_the_dht_refuses_forgeries(start: Starter) -> None:
     honest, mallory = Identity.generate(), Identity.generate()
     boot = await start(honest)
     await boot.announce(live(honest))
@@ -181,28 +255,30 @@ async def test_another_spec_sees_nothing_and_forgeries_are_dropped_and_counted(
         Identity.generate(), spec_hash=b"\x09" * 32, initial_peers=boot.visible_maddrs()
     )
     assert await other_spec.find() == []
-    # Specs are listed above the hash, checked against it: both specs in use are seen.
+    # Specs are listed above the hash, each announcer in its own slot: both specs in use are
+    # seen, and announcing the same spec again (as every node does) is no conflict.
     ours, theirs = b'{"spec":"a"}', b'{"spec":"b"}'
-    await boot.for_spec(hashlib.sha256(ours).digest()).announce_spec(
-        ours, expires_at=dht_time() + 30
-    )
-    await other_spec.for_spec(hashlib.sha256(theirs).digest()).announce_spec(
-        theirs, expires_at=dht_time() + 30
-    )
-    await store_raw(other_spec, f"run/{RUN}/specs", "00" * 32, ours, dht_time() + 30)  # a liar
+    for _ in range(2):
+        await boot.announce_spec(ours, expires_at=dht_time() + 30)
+        await other_spec.announce_spec(theirs, expires_at=dht_time() + 30)
     specs = await boot.find_specs()
     assert specs == {hashlib.sha256(s).hexdigest(): s for s in (ours, theirs)}
-    assert boot.rejected["bad spec"] >= 1
-    # Mallory writes a record signed by the wrong key, and one under the honest peer's subkey.
-    forged = tamper(live(mallory).sign(mallory), epoch=1_000_000)
-    key = f"run/{RUN}/{SPEC.hex()}/peers"
-    await store_raw(other_spec, key, mallory.peer_id, forged, dht_time() + 30)
-    stolen = live(mallory).sign(mallory)
-    await store_raw(other_spec, key, honest.peer_id + "x", stolen, dht_time() + 30)
-    records = await boot.find()
-    assert [r.peer_id for r in records] == [honest.peer_id]
-    assert boot.rejected["RecordError"] >= 1
-    assert boot.rejected["subkey mismatch"] >= 1
+    # What a writer without the right key tries, straight into the DHT: every node refuses it.
+    now = dht_time()
+    mine = live(mallory)
+    genuine = sealed(honest, live(honest), key=KEY)
+    forgeries = [
+        (honest.peer_id, genuine[:-64] + bytes(64), now + 30),  # an altered copy
+        (honest.peer_id, genuine, now + 100),  # the genuine value, to live longer
+        (honest.peer_id, b"", now + 30),  # an unsigned leave
+        (honest.peer_id, sealed(mallory, mine, key=KEY), mine.expires_at),  # another's slot
+        (mallory.peer_id, sealed(mallory, live(mallory, ttl=3000.0), key=KEY), now + 3000),
+    ]
+    for subkey, value, expires in forgeries:
+        assert not await other_spec._store(KEY, subkey, value, expires)
+    assert not await other_spec._store(f"run/{RUN}/specs", honest.peer_id, theirs, now + 30)
+    assert [r.peer_id for r in await boot.find()] == [honest.peer_id]
+    assert await boot.find_specs() == specs
 
 
 @pytest.mark.slow

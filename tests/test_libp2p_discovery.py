@@ -48,7 +48,12 @@ async def start() -> AsyncIterator[Starter]:
 
 def live(identity: Identity) -> PeerRecord:
     return PeerRecord.create(
-        identity, run_id=RUN, spec_hash=SPEC, endpoint="127.0.0.1:1", now=dht_time(), ttl_seconds=60
+        identity.peer_id,
+        run_id=RUN,
+        spec_hash=SPEC,
+        endpoint="127.0.0.1:1",
+        now=dht_time(),
+        ttl_seconds=60,
     )
 
 

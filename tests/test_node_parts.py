@@ -161,7 +161,7 @@ def test_the_lr_schedule_position_is_the_same_on_every_member_whatever_its_histo
 def _record(epoch: int, checksum: str) -> PeerRecord:
     identity = Identity.generate()
     return PeerRecord.create(
-        identity,
+        identity.peer_id,
         run_id="r",
         spec_hash=b"\0" * 32,
         endpoint="127.0.0.1:1",

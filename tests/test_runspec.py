@@ -73,7 +73,7 @@ def test_the_inner_lr_warms_up_then_decays_to_its_floor_and_stays() -> None:
         ("", r"\[run\] section"),
         ("[run]\n", r"\[run\]: .*id"),
         ('[run]\nid = "a b"\n', "run.id must be"),
-        ('[run]\nid = "x"\nprotocol_version = 2\n', "not supported"),
+        ('[run]\nid = "x"\nprotocol_version = 1\n', "not supported"),
         (MINIMAL + "[modle]\n", "unknown section.*modle"),
         (MINIMAL + "[model]\nlayers = 2\n", "unknown key.*model.layers"),
         (MINIMAL + "[model]\nd_model = 130\nn_heads = 4\n", "multiple of model.n_heads"),

@@ -18,13 +18,13 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Protocol, Self
 
-from swarmgrad.node.discovery.records import PeerRecord, RecordError
+from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS, Envelope, Kind, seal
+from swarmgrad.node.discovery.records import MAX_SPEC_BYTES, PeerRecord, RecordError, validate
 from swarmgrad.node.identity import Identity
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("hivemind", "libp2p")
-MAX_SPEC_BYTES = 16 * 1024
 STORE_BACKOFF_SECONDS = (0.25, 0.5, 1.0, 2.0)  # between tries of a store nobody took
 
 
@@ -65,11 +65,12 @@ class Discovery(Protocol):
         ...
 
     async def announce_spec(self, canonical: bytes, *, expires_at: float) -> None:
-        """Publish the canonical run spec under the run id alone (not under its hash)."""
+        """Publish the canonical run spec under the run id alone (not under its hash), in this
+        node's own slot."""
         ...
 
     async def find_specs(self) -> dict[str, bytes]:
-        """Every spec announced for the run id, by SHA-256 hex, each checked against its hash."""
+        """Every spec announced for the run id, by SHA-256 hex."""
         ...
 
     async def leave(self, topic: str = "peers") -> None:
@@ -84,9 +85,12 @@ class SignedDirectory(abc.ABC):
     wins): what both backends share. Records of a run live under ``run/<run id>/<spec
     hash>/<topic>`` (``peers`` for the swarm, ``round/<r>`` for matchmaking), one subkey per peer
     id, so one read returns a whole topic and nodes of another spec never see each other; one key
-    sits above the hash, ``run/<run id>/specs``, each spec in use under its SHA-256, so a node
-    whose spec differs can say which fields differ. The DHT stores what anyone sends: every
-    record is verified on read, and what is dropped is counted in ``rejected``.
+    sits above the hash, ``run/<run id>/specs``, where each node announces the spec it trains in
+    its own slot, so a node whose spec differs can say which fields differ.
+
+    Every value is sealed (:mod:`.envelope`) to its key, its signer's slot and its expiry; the
+    DHT nodes of both backends refuse anything else before storing it, and a read checks each
+    value again (what it drops is counted in ``rejected``). A leave is a sealed, empty value.
 
     A backend implements the two raw operations, ``_store`` and ``_get``, with deadlines.
     """
@@ -107,8 +111,9 @@ class SignedDirectory(abc.ABC):
         """Store one value; whether any DHT node took it."""
 
     @abc.abstractmethod
-    async def _get(self, key: str) -> dict[str, bytes | None]:
-        """The unexpired values under ``key`` by subkey (None: a value that is not bytes)."""
+    async def _get(self, key: str) -> dict[str, tuple[bytes | None, float]]:
+        """The unexpired values under ``key`` by subkey, with their expiry (None: a value that
+        is not bytes)."""
 
     def for_spec(self, spec_hash: bytes) -> Self:
         """A view of the same DHT for another spec of this run (closing either closes both)."""
@@ -138,64 +143,81 @@ class SignedDirectory(abc.ABC):
                 return
         raise DiscoveryError("no DHT node accepted the record")
 
+    async def _seal_and_put(
+        self, key: str, kind: Kind, body: bytes, *, issued_at: float, expires_at: float
+    ) -> None:
+        if expires_at - issued_at > MAX_TTL_SECONDS:
+            raise ValueError(f"a DHT value may live at most {MAX_TTL_SECONDS:g} s")
+        value = seal(
+            self._identity,
+            key=key,
+            kind=kind,
+            body=body,
+            issued_at=issued_at,
+            expires_at=expires_at,
+        )
+        await self._put(key, self._identity.peer_id, value, expires_at)
+        self._announced_until = max(self._announced_until, expires_at)
+
     async def announce(self, record: PeerRecord, topic: str = "peers") -> None:
         if record.peer_id != self._identity.peer_id:
             raise ValueError("a node announces its own record only")
-        await self._put(
-            self._topic_key(topic), record.peer_id, record.sign(self._identity), record.expires_at
+        await self._seal_and_put(
+            self._topic_key(topic),
+            Kind.PEER if topic == "peers" else Kind.READY,
+            record.body(),
+            issued_at=record.issued_at,
+            expires_at=record.expires_at,
         )
-        self._announced_until = max(self._announced_until, record.expires_at)
 
     async def announce_spec(self, canonical: bytes, *, expires_at: float) -> None:
         if len(canonical) > MAX_SPEC_BYTES:
             raise ValueError("the canonical run spec is too large to announce")
-        await self._put(f"run/{self.run_id}/specs", self.spec_hash.hex(), canonical, expires_at)
+        await self._seal_and_put(
+            self._specs_key, Kind.SPEC, canonical, issued_at=dht_time(), expires_at=expires_at
+        )
+
+    @property
+    def _specs_key(self) -> str:
+        return f"run/{self.run_id}/specs"
+
+    async def _valid(self, key: str) -> list[Envelope]:
+        """The values under ``key`` that pass :func:`validate`, leaves left out; what fails is
+        counted in ``rejected``, by reason."""
+        now = dht_time()
+        found = []
+        for subkey, (data, expires) in (await self._get(key)).items():
+            try:
+                envelope = validate(key, subkey, data, expires, now)
+            except RecordError as error:
+                self.rejected[str(error)[:48]] += 1
+                log.debug("dropped a value under %r: %s", subkey[:64], error)
+                continue
+            if envelope.kind != Kind.LEAVE:
+                found.append(envelope)
+        return found
 
     async def find_specs(self) -> dict[str, bytes]:
-        specs = {}
-        for subkey, data in (await self._get(f"run/{self.run_id}/specs")).items():
-            if (
-                data is not None
-                and len(data) <= MAX_SPEC_BYTES
-                and hashlib.sha256(data).hexdigest() == subkey
-            ):
-                specs[subkey] = data
-            else:
-                self.rejected["bad spec"] += 1
-        return specs
+        return {
+            hashlib.sha256(envelope.body).hexdigest(): envelope.body
+            for envelope in await self._valid(self._specs_key)
+        }
 
     async def leave(self, topic: str = "peers") -> None:
-        """Overwrite this node's record under ``topic`` with an empty value (readers skip it).
+        """Overwrite this node's record under ``topic`` with a sealed, empty value.
 
-        The DHT keeps the value with the latest expiry, so the tombstone must outlive the last
+        The DHT keeps the value with the latest expiry, so the withdrawal must outlive the last
         record announced.
         """
-        expires = max(self._announced_until, dht_time()) + 1.0
-        await self._put(self._topic_key(topic), self._identity.peer_id, b"", expires)
+        now = dht_time()
+        expires = max(self._announced_until, now) + 1.0
+        await self._seal_and_put(
+            self._topic_key(topic), Kind.LEAVE, b"", issued_at=now, expires_at=expires
+        )
 
     async def find(self, topic: str = "peers") -> list[PeerRecord]:
-        found = await self._get(self._topic_key(topic))
-        now = dht_time()
-        records = []
-        for subkey, data in found.items():
-            if data == b"":  # a graceful leave, not an attack
-                continue
-            try:
-                record = PeerRecord.verify(
-                    data if data is not None else b"",
-                    run_id=self.run_id,
-                    spec_hash=self.spec_hash,
-                    now=now,
-                )
-            except RecordError as error:
-                self.rejected[type(error).__name__] += 1
-                log.debug("dropped record under %r: %s", subkey, error)
-                continue
-            if record.peer_id != subkey:
-                self.rejected["subkey mismatch"] += 1
-                continue
-            records.append(record)
-        return sorted(records, key=lambda r: r.peer_id)
+        envelopes = await self._valid(self._topic_key(topic))
+        return sorted((PeerRecord.parse(e.body) for e in envelopes), key=lambda r: r.peer_id)
 
 
 async def start_discovery(

@@ -2,7 +2,8 @@
 
 hivemind's dictionary values (a subkey per peer, the latest expiry winning) are what
 :class:`~.base.SignedDirectory` needs. The DHT runs in hivemind's own process; every call here is
-awaited with a deadline.
+awaited with a deadline. Its nodes run :class:`SealedValues`: they store, and believe from other
+nodes, only swarmgrad's sealed values filed where their seal says.
 """
 
 from __future__ import annotations
@@ -19,12 +20,48 @@ from pathlib import Path
 from typing import Any
 
 import hivemind
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarmgrad.node.discovery.base import DiscoveryError, SignedDirectory
+from swarmgrad.node.discovery.envelope import RecordError, open_envelope
+from swarmgrad.node.discovery.records import check
 from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.server import grpc_started
 
 log = logging.getLogger(__name__)
+
+
+class SealedValues(RecordValidatorBase):  # type: ignore[misc]
+    """What hivemind's DHT nodes keep: only sealed swarmgrad values (``records.validate``),
+    under the key their seal names (hivemind gives a validator the key's hash; the seal's key
+    must hash to it). Runs in the DHT's process, on every store another node asks for and every
+    value another node returns to a get; a node that refuses a value answers ``store_ok=False``.
+    """
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            value = MSGPackSerializer.loads(record.value)
+            subkey = MSGPackSerializer.loads(record.subkey)
+        except Exception:  # not msgpack at all: anything a peer sent
+            return False
+        if not isinstance(subkey, str):  # a plain value (no subkey), or another kind of subkey
+            return False
+        try:
+            envelope = open_envelope(value)
+            if DHTID.generate(source=envelope.key).to_bytes() != record.key:
+                return False
+            check(
+                envelope,
+                key=envelope.key,
+                subkey=subkey,
+                expires=record.expiration_time,
+                now=get_dht_time(),
+            )
+        except RecordError:
+            return False
+        return True
 
 
 class _DHT(hivemind.DHT):  # type: ignore[misc]
@@ -92,6 +129,7 @@ async def start_dht(
         initial_peers=list(initial_peers),
         host_maddrs=[f"/ip4/{host}/tcp/{port}"],
         start=False,
+        record_validators=[SealedValues()],
         from_clean_process=grpc_started(),
     )
 
@@ -200,16 +238,17 @@ class HivemindDiscovery(SignedDirectory):
             )
         )
 
-    async def _get(self, key: str) -> dict[str, bytes | None]:
+    async def _get(self, key: str) -> dict[str, tuple[bytes | None, float]]:
         found = await self._call(self._dht.get(key, latest=True, return_future=True))
         entries = found.value if found is not None else {}
         if not isinstance(entries, dict):  # a plain value where a dictionary belongs
             self.rejected["malformed key"] += 1
             return {}
-        values: dict[str, bytes | None] = {}
+        values: dict[str, tuple[bytes | None, float]] = {}
         for subkey, item in entries.items():
             data = getattr(item, "value", None)
-            values[str(subkey)] = data if isinstance(data, bytes) else None
+            expires = float(getattr(item, "expiration_time", 0.0))
+            values[str(subkey)] = (data if isinstance(data, bytes) else None, expires)
         return values
 
     async def close(self) -> None:

@@ -208,13 +208,17 @@ class Sidecar:
         )
         return int(reply["stored"])
 
-    async def get(self, key: str, *, timeout_seconds: float) -> dict[str, bytes]:
-        """Unexpired values under ``key``, by subkey (malformed entries are skipped)."""
+    async def get(
+        self, key: str, *, timeout_seconds: float
+    ) -> dict[str, tuple[bytes | None, float]]:
+        """Unexpired values under ``key`` and their expiry, by subkey (malformed entries are
+        skipped)."""
         reply = await self.request("get", timeout_seconds, key=key)
-        values = {}
+        values: dict[str, tuple[bytes | None, float]] = {}
         for entry in reply.get("entries", []):
             try:
-                values[str(entry["subkey"])] = base64.b64decode(entry["value"], validate=True)
+                value = base64.b64decode(entry["value"], validate=True)
+                values[str(entry["subkey"])] = (value, float(entry["expires"]))
             except (KeyError, TypeError, ValueError):
                 continue
         return values
@@ -305,8 +309,8 @@ class Libp2pDiscovery(SignedDirectory):
             self._sidecar.announced[(key, subkey)] = (value, expires)
         return stored > 0
 
-    async def _get(self, key: str) -> dict[str, bytes | None]:
-        return dict(await self._sidecar.get(key, timeout_seconds=self._timeout))
+    async def _get(self, key: str) -> dict[str, tuple[bytes | None, float]]:
+        return await self._sidecar.get(key, timeout_seconds=self._timeout)
 
     async def close(self) -> None:
         await self._sidecar.close()

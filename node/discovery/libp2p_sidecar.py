@@ -18,8 +18,10 @@ that socket closes (the node died or left).
 Where records live: Kademlia's routing finds the ``REPLICAS`` peers closest to SHA-256(key);
 each keeps, per key, one entry per subkey (the latest expiry wins), like hivemind's dictionary
 values, served by this module's own protocol (``DIRECTORY_PROTOCOL``). py-libp2p's own values
-hold one value per key, which cannot list a swarm's peers. Storers check sizes and expiry only;
-readers (the node) verify every record's signature.
+hold one value per key, which cannot list a swarm's peers. Storers keep only swarmgrad's sealed
+values filed where their seal says (``records.validate``: signature, key, the signer's own slot,
+expiry), and a get drops any entry another peer returns that fails the same check before it can
+shadow a genuine one; the node checks again.
 
 What this contains of py-libp2p 0.8.1's defects (measured, ../DESIGN.md section 5):
 - plaintext and SECIO are offered by default: the host offers Noise only, under a pre-shared
@@ -69,6 +71,9 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
 
+from swarmgrad.node.discovery.envelope import RecordError
+from swarmgrad.node.discovery.records import validate
+
 log = logging.getLogger("swarmgrad.libp2p_sidecar")
 
 
@@ -83,10 +88,8 @@ CONNECT_SECONDS = 5.0
 PENALTY_SECONDS = (10.0, 300.0)  # after a first failure; the cap after many in a row
 REFRESH_SECONDS = (2.0, 5.0, 15.0, 30.0)  # after joining, then every 30 s
 MAX_MESSAGE_BYTES = 1 << 20
-MAX_VALUE_BYTES = 16 * 1024
 MAX_KEY_CHARS, MAX_SUBKEY_CHARS = 512, 128
 MAX_ENTRIES_PER_KEY, MAX_ENTRIES = 4096, 65536
-MAX_TTL_SECONDS = 3600.0
 
 # py-libp2p 0.8.1 dials a peer's addresses "happy eyeballs" style, but waits out the whole 250 ms
 # head start even when the first dial has already succeeded: every new connection costs 250 ms
@@ -161,18 +164,26 @@ class Directory:
 
 
 def check_entry(key: str, subkey: str, value: bytes, expires: float, now: float) -> None:
+    """ValueError (RecordError) unless ``value`` is a sealed value that may live under (key,
+    subkey) until ``expires``."""
     if not 0 < len(key) <= MAX_KEY_CHARS or not 0 < len(subkey) <= MAX_SUBKEY_CHARS:
         raise ValueError("key or subkey empty or too long")
-    if len(value) > MAX_VALUE_BYTES:
-        raise ValueError(f"value of {len(value)} bytes (at most {MAX_VALUE_BYTES})")
-    if not math.isfinite(expires) or expires <= now or expires > now + MAX_TTL_SECONDS:
-        raise ValueError("expiry in the past or too far ahead")
+    validate(key, subkey, value, expires, now)
 
 
-def merge(into: dict[str, Entry], entries: dict[str, Entry]) -> None:
+def merge(key: str, into: dict[str, Entry], entries: dict[str, Entry], now: float) -> int:
+    """Merge another peer's ``entries`` for ``key`` (the latest expiry wins); how many it
+    returned that were not valid (dropped: they must not shadow a genuine entry)."""
+    dropped = 0
     for subkey, entry in entries.items():
+        try:
+            check_entry(key, subkey, entry.value, entry.expires, now)
+        except RecordError:
+            dropped += 1
+            continue
         if subkey not in into or into[subkey].expires < entry.expires:
             into[subkey] = entry
+    return dropped
 
 
 def encode_entries(entries: dict[str, Entry]) -> list[dict[str, Any]]:
@@ -391,8 +402,8 @@ class Sidecar:
         return [a for a in answers if a is not None]
 
     async def store(self, key: str, subkey: str, value: bytes, expires: float) -> int:
-        """Store on the key's replicas; how many took it."""
-        check_entry(key, subkey, value, expires, time.time())
+        """Store on the key's replicas; how many took it. Each replica checks the value itself
+        (this one too, when it is a replica): a value none may hold is stored nowhere."""
         request = {
             "op": "store",
             "key": key,
@@ -402,7 +413,10 @@ class Sidecar:
         }
 
         def local() -> dict[str, Any]:
-            self.directory.store(key, subkey, value, expires, time.time())
+            try:
+                self.directory.store(key, subkey, value, expires, time.time())
+            except ValueError as error:  # refused here, as the other replicas refuse it
+                return {"error": str(error)[:200]}
             return {"ok": True}
 
         answers = await self.on_replicas(key, local, request)
@@ -414,9 +428,12 @@ class Sidecar:
         local = lambda: {"entries": encode_entries(self.directory.get(key, time.time()))}  # noqa: E731
         for answer in await self.on_replicas(key, local, {"op": "get", "key": key}):
             try:
-                merge(found, decode_entries(answer.get("entries")))
+                dropped = merge(key, found, decode_entries(answer.get("entries")), time.time())
             except ValueError:
                 self.count("malformed answers")
+                continue
+            if dropped:
+                self.count("invalid entries dropped")
         return found
 
     async def serve_directory(self, stream: INetStream) -> None:

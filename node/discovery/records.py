@@ -1,10 +1,12 @@
-"""Signed peer records: what a node tells the swarm about itself, and how readers check it.
+"""Peer records: what a node tells the swarm about itself, and what a DHT value must be.
 
-A record is canonical JSON (sorted keys) followed by the 64-byte Ed25519 signature of that JSON.
-A reader accepts it only if it parses into exactly the known fields with the right types, its
-public key hashes to its peer id, the signature verifies, it belongs to the reader's run and spec,
-and it has not expired (nor claims to live longer than ``MAX_TTL_SECONDS``). Anything else is
-dropped and counted by the caller: a DHT is writable by anyone.
+A record is canonical JSON (sorted keys), sealed in an :mod:`.envelope` under its topic's key and
+its peer id's slot. :func:`validate` is the one check of a DHT value, run by the DHT nodes before
+they store or believe one (both backends) and by readers after a get: the envelope's seal and
+filing, then the body: a peer or readiness record must parse into exactly the known fields with
+the right types, be its signer's own, belong to the key's run and spec (and a readiness record to
+the key's round), and carry the envelope's times; a spec must fit :data:`MAX_SPEC_BYTES`.
+Anything else is refused, and a reader counts it: a DHT is writable by anyone.
 """
 
 from __future__ import annotations
@@ -13,25 +15,28 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields
 
-from swarmgrad.node.identity import Identity, peer_id_of, verify
+from swarmgrad.node.discovery.envelope import (
+    MAX_TTL_SECONDS,
+    Envelope,
+    Kind,
+    RecordError,
+    check_filing,
+    open_envelope,
+)
+
+__all__ = ["MAX_TTL_SECONDS", "PeerRecord", "RecordError", "check", "validate"]
 
 MAX_RECORD_BYTES = 4096
-MAX_TTL_SECONDS = 600.0
-_SIGNATURE_BYTES = 64
+MAX_SPEC_BYTES = 16 * 1024
 ROLES = ("trainer", "bootstrap", "observer")
 #: How peers reach a node's endpoint: not known yet (no peer has dialed it back), directly, through
 #: a port its router mapped (UPnP / NAT-PMP), through a relay peer, or not at all.
 REACHABILITY = ("unknown", "direct", "upnp", "relayed", "unreachable")
 
 
-class RecordError(ValueError):
-    """A record that must not be believed; the message says why."""
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PeerRecord:
     peer_id: str
-    public_key: str  # hex of the raw Ed25519 public key
     run_id: str
     spec_hash: str  # hex
     endpoint: str  # host:port of the node's gRPC server ("" if it accepts no connections)
@@ -48,16 +53,14 @@ class PeerRecord:
     issued_at: float  # DHT time, seconds
     expires_at: float
 
-    def sign(self, identity: Identity) -> bytes:
-        if identity.peer_id != self.peer_id:
-            raise ValueError("a record must be signed by the key of its own peer id")
-        body = _canonical(self)
-        return body + identity.sign(body)
+    def body(self) -> bytes:
+        """The canonical JSON an envelope seals."""
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
     def create(
         cls,
-        identity: Identity,
+        peer_id: str,
         *,
         run_id: str,
         spec_hash: bytes,
@@ -76,8 +79,7 @@ class PeerRecord:
         punched: int = 0,
     ) -> PeerRecord:
         return cls(
-            peer_id=identity.peer_id,
-            public_key=identity.public_key.hex(),
+            peer_id=peer_id,
             run_id=run_id,
             spec_hash=spec_hash.hex(),
             endpoint=endpoint,
@@ -96,39 +98,43 @@ class PeerRecord:
         )
 
     @classmethod
-    def verify(cls, data: bytes, *, run_id: str, spec_hash: bytes, now: float) -> PeerRecord:
-        """Parse and check a record from the DHT; raises RecordError if it must be ignored."""
-        if not isinstance(data, bytes) or not _SIGNATURE_BYTES < len(data) <= MAX_RECORD_BYTES:
-            raise RecordError("record missing, too small or too large")
-        body, signature = data[:-_SIGNATURE_BYTES], data[-_SIGNATURE_BYTES:]
+    def parse(cls, body: bytes) -> PeerRecord:
+        """A record from an envelope's body; RecordError unless it has exactly the known fields,
+        each of the right type."""
+        if len(body) > MAX_RECORD_BYTES:
+            raise RecordError("record too large")
         try:
             raw = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError):
             raise RecordError("record is not JSON") from None
-        record = _from_dict(raw)
-        try:
-            public_key = bytes.fromhex(record.public_key)
-            claimed = peer_id_of(public_key)
-        except ValueError:
-            raise RecordError("record has a malformed public key") from None
-        if claimed != record.peer_id:
-            raise RecordError(f"record of {record.peer_id} carries the key of {claimed}")
-        if not verify(public_key, signature, body):
-            raise RecordError(f"bad signature on the record of {record.peer_id}")
-        if record.run_id != run_id or record.spec_hash != spec_hash.hex():
-            raise RecordError(
-                f"record of {record.peer_id} is for run {record.run_id} spec "
-                f"{record.spec_hash[:12]}, not {run_id} spec {spec_hash.hex()[:12]}"
-            )
-        if record.expires_at <= now:
-            raise RecordError(f"record of {record.peer_id} has expired")
-        if record.expires_at - record.issued_at > MAX_TTL_SECONDS:
-            raise RecordError(f"record of {record.peer_id} claims a lifetime over the maximum")
-        return record
+        return _from_dict(raw)
 
 
-def _canonical(record: PeerRecord) -> bytes:
-    return json.dumps(asdict(record), sort_keys=True, separators=(",", ":")).encode()
+def validate(key: str, subkey: str, value: object, expires: float, now: float) -> Envelope:
+    """The sealed value ``value``, if it may live under (``key``, ``subkey``) until ``expires``
+    at DHT time ``now`` (see the module docstring); RecordError otherwise."""
+    envelope = open_envelope(value)
+    check(envelope, key=key, subkey=subkey, expires=expires, now=now)
+    return envelope
+
+
+def check(envelope: Envelope, *, key: str, subkey: str, expires: float, now: float) -> None:
+    """:func:`validate` for a value already opened (its seal checked)."""
+    check_filing(envelope, key=key, subkey=subkey, expires=expires, now=now)
+    if envelope.kind in (Kind.PEER, Kind.READY):
+        record = PeerRecord.parse(envelope.body)
+        parts = key.split("/")  # run/<run id>/<spec hash>/peers, or .../round/<r>
+        run_id, spec_hash = parts[1], parts[2]
+        if record.peer_id != envelope.signer:
+            raise RecordError(f"record of {record.peer_id} sealed by {envelope.signer}")
+        if (record.run_id, record.spec_hash) != (run_id, spec_hash):
+            raise RecordError(f"record of {record.peer_id} is for another run or spec")
+        if (record.issued_at, record.expires_at) != (envelope.issued_at, envelope.expires_at):
+            raise RecordError(f"record of {record.peer_id} disagrees with its seal's times")
+        if envelope.kind == Kind.READY and str(record.epoch) != parts[-1]:
+            raise RecordError(f"readiness of {record.peer_id} for another round")
+    elif envelope.kind == Kind.SPEC and len(envelope.body) > MAX_SPEC_BYTES:
+        raise RecordError("a run spec over the size limit")
 
 
 def _from_dict(raw: object) -> PeerRecord:
