@@ -75,6 +75,7 @@ from swarmgrad.node.discovery.envelope import RecordError
 from swarmgrad.node.discovery.records import validate
 
 log = logging.getLogger("swarmgrad.libp2p_sidecar")
+LOG_EVERY_SECONDS = 10.0
 
 
 DIRECTORY_PROTOCOL = TProtocol("/swarmgrad/directory/1.0.0")
@@ -256,6 +257,8 @@ class Sidecar:
     #: Where queries run: a lookup that meets its deadline leaves its stragglers here to finish
     #: (py-libp2p shields a new connection's handshakes from cancellation).
     background: trio.Nursery | None = None
+    #: Refused directory requests are logged once per ``LOG_EVERY_SECONDS`` (and counted).
+    quiet_until: float = 0.0
 
     def count(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
@@ -458,8 +461,17 @@ class Sidecar:
                     raise ValueError(f"unknown op {request.get('op')!r}")
             await stream.close()
         except Exception as error:  # a bad or slow peer: its stream ends, the host stays up
-            self.count("bad requests")
-            log.info("directory request refused: %s: %s", type(error).__name__, error)
+            self.count("refused values" if isinstance(error, RecordError) else "bad requests")
+            if time.monotonic() >= self.quiet_until:  # one line per LOG_EVERY_SECONDS at most
+                self.quiet_until = time.monotonic() + LOG_EVERY_SECONDS
+                log.info(
+                    "directory request refused: %s: %s (so far: %d refused values, %d bad "
+                    "requests)",
+                    type(error).__name__,
+                    str(error)[:200],
+                    self.counts.get("refused values", 0),
+                    self.counts.get("bad requests", 0),
+                )
             with contextlib.suppress(Exception):  # the stream may be gone: nothing to tell
                 await write_message(stream, {"error": str(error)[:200]})
             await stream.reset()
