@@ -19,8 +19,15 @@ on stdin:
     Draw the vector of a coming round now (and its result buffer), so that the round itself
     starts at once; prints ``{"event": "prepared"}``. A round with the same seed and size uses
     it, and reuses the result buffer from round to round, as a trainer would.
+``{"cmd": "stats"}``
+    Prints ``{"event": "stats", "rss_bytes": N, "rejections": {service: {code: n}}}``.
 ``{"cmd": "exit"}``
     Stop the averagers gracefully and exit.
+
+With ``--all-services`` the first codec's server also serves what a node's does besides
+Averaging: State (a fixed 100,000-value state at epoch 1, its root in the ready event as
+``state_root``) and Peer (GetInfo, DialBack, and Punch with 127.0.0.1 as its public address),
+all sharing one request verifier and one rejection count, as in a node.
 
 :class:`PeerProcess` is the parent's handle on such a process.
 """
@@ -46,7 +53,11 @@ from swarmgrad.node.allreduce import AllReduceConfig
 from swarmgrad.node.averager import Averager
 from swarmgrad.node.group import Group, Member
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.punch import PunchResponder
+from swarmgrad.protocol import peer, state
+from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.errors import RoundAborted
+from swarmgrad.protocol.server import Rejections
 
 
 def member_vector(seed: int, size: int) -> torch.Tensor:
@@ -74,6 +85,12 @@ class FaultHooks:
         return payload
 
 
+def _rss_bytes() -> int:
+    """This process's resident memory now (Linux)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def _emit(event: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(event) + "\n")
     sys.stdout.flush()
@@ -83,8 +100,38 @@ async def _serve(args: argparse.Namespace) -> None:
     out_dir = Path(args.out_dir)
     identity = Identity.from_seed(f"allreduce-peer/{args.name}")
     averagers: dict[str, Averager] = {}
+    verifier, rejections = Verifier(identity.peer_id), Rejections()
+    spec_hash = bytes.fromhex(args.spec_hash)
+    served = state.Snapshot.of(1, member_vector(1, 100_000))
+    punch = PunchResponder(host="127.0.0.1", target=None, public_host=lambda: "127.0.0.1")
+    me = peer.PeerIdentity(
+        peer_id=identity.peer_id,
+        run_id=args.run_id,
+        spec_hash=spec_hash,
+        software_version="test",
+        codecs=tuple(args.codecs.split(",")),
+    )
+    services = [
+        lambda server: state.add_to_server(
+            state.StateServicer(
+                run_id=args.run_id,
+                spec_hash=spec_hash,
+                lookup={served.checksum: served}.get,
+                verifier=verifier,
+                rejections=rejections,
+            ),
+            server,
+        ),
+        lambda server: peer.add_to_server(
+            peer.PeerServicer(
+                me, signer=identity, verifier=verifier, rejections=rejections, punch=punch
+            ),
+            server,
+        ),
+    ]
     async with contextlib.AsyncExitStack() as stack:
         for codec in args.codecs.split(","):
+            everything = args.all_services and not averagers
             config = AllReduceConfig(
                 run_id=args.run_id,
                 spec_hash=bytes.fromhex(args.spec_hash),
@@ -95,13 +142,24 @@ async def _serve(args: argparse.Namespace) -> None:
                 reducer_timeout_seconds=args.reducer_timeout,
                 join_timeout_seconds=args.join_timeout,
             )
-            averagers[codec] = await stack.enter_async_context(Averager(identity, config))
+            averager = Averager(
+                identity,
+                config,
+                services=services if everything else (),
+                min_message_bytes=state.MAX_MESSAGE_BYTES if everything else 0,
+                verifier=verifier,
+                rejections=rejections,
+            )
+            averagers[codec] = await stack.enter_async_context(averager)
+            if everything:
+                punch.target = ("127.0.0.1", averager.port)
         # Torch and grpc leave ~10^6 long-lived objects; without this, the collector's full
         # passes over them stall the first rounds by ~0.1 s each.
         gc.collect()
         gc.freeze()
         endpoints = {c: a.endpoint for c, a in averagers.items()}
-        _emit({"event": "ready", "peer_id": identity.peer_id, "endpoints": endpoints})
+        ready = {"event": "ready", "peer_id": identity.peer_id, "endpoints": endpoints}
+        _emit({**ready, "state_root": served.checksum} if args.all_services else ready)
         prepared: dict[tuple[int, int], torch.Tensor] = {}
         buffer: torch.Tensor | None = None
         loop = asyncio.get_running_loop()
@@ -111,6 +169,15 @@ async def _serve(args: argparse.Namespace) -> None:
             command = json.loads(line)
             if command["cmd"] == "exit":
                 break
+            if command["cmd"] == "stats":
+                services_seen = {service for service, _ in rejections.counts}
+                _emit(
+                    {
+                        "event": "stats",
+                        "rss_bytes": _rss_bytes(),
+                        "rejections": {s: dict(rejections.by_code(s)) for s in services_seen},
+                    }
+                )
             if command["cmd"] == "prepare":
                 prepared[(command["seed"], command["size"])] = member_vector(
                     command["seed"], command["size"]
@@ -188,6 +255,9 @@ def main() -> None:
     parser.add_argument("--reducer-timeout", type=float, default=20.0)
     parser.add_argument("--join-timeout", type=float, default=5.0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument(
+        "--all-services", action="store_true", help="also serve State and Peer, as a node does"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -201,6 +271,7 @@ class PeerProcess:
         self.process, self.name = process, name
         self.peer_id = ""  # known once it is ready
         self.endpoints: dict[str, str] = {}
+        self.state_root = ""  # the state it serves, with --all-services
 
     @classmethod
     async def start(
@@ -225,6 +296,7 @@ class PeerProcess:
             peer.kill()
             raise
         peer.peer_id, peer.endpoints = ready["peer_id"], ready["endpoints"]
+        peer.state_root = ready.get("state_root", "")
         return peer
 
     def member(self, codec: str, *, weight: float = 1.0, bandwidth: float = 1.0) -> dict[str, Any]:
