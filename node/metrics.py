@@ -38,6 +38,8 @@ _ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300)
 TrafficSource = Callable[[], Mapping[tuple[str, str], int]]
 #: kind -> failures so far (kinds from FAILURE_KINDS).
 FailureSource = Callable[[], Mapping[str, int]]
+#: (service, result code name) -> requests this node's services refused so far.
+RejectionSource = Callable[[], Mapping[tuple[str, str], int]]
 #: How peers reach this node and how it reaches them: see :meth:`NodeMetrics.read_links`.
 LinkSource = Callable[[], "Links"]
 #: How a node's endpoint is reached (records.REACHABILITY).
@@ -108,6 +110,22 @@ class _Tallies(Collector):
         )
         for kind in FAILURE_KINDS:
             family.add_metric([kind], float(failures.get(kind, 0)))
+        yield family
+
+
+class _Rejections(Collector):
+    def __init__(self, rejections: RejectionSource) -> None:
+        self._rejections = rejections
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "swarmgrad_rejected_requests",
+            "Requests from peers this node refused, by service and result code (UNAUTHENTICATED:"
+            " unsigned, forged or replayed; BAD_PAYLOAD: malformed; ...).",
+            labels=["service", "code"],
+        )
+        for (service, code), count in sorted(self._rejections().items()):
+            family.add_metric([service, code], float(count))
         yield family
 
 
@@ -191,6 +209,10 @@ class NodeMetrics:
     def read_tallies(self, *, traffic: TrafficSource, failures: FailureSource) -> None:
         """Read byte and failure counters from these callables at every scrape."""
         self.registry.register(_Tallies(traffic, failures))
+
+    def read_rejections(self, rejections: RejectionSource) -> None:
+        """Read the counts of refused requests from ``rejections`` at every scrape."""
+        self.registry.register(_Rejections(rejections))
 
     def read_links(self, links: LinkSource) -> None:
         """Read reachability and relay figures from ``links`` at every scrape."""

@@ -234,6 +234,7 @@ class Swarm:
         )
         self.metrics.read_tallies(traffic=self._traffic_totals, failures=self._failure_totals)
         self.metrics.read_links(self._links)
+        self.metrics.read_rejections(self.rejections.snapshot)
         sample = torch.randn(  # its own generator: the process's random stream is the user's
             min(spec.averaging.chunk_values, 1 << 16), generator=torch.Generator().manual_seed(0)
         )

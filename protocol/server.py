@@ -11,6 +11,7 @@ and :func:`unary` / :func:`unary_stream` refuse that with INVALID_ARGUMENT like 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -140,10 +141,12 @@ class Rejections:
         self._interval = log_interval_seconds
         self._logged_at: dict[tuple[str, str], float] = {}
         self._since: Counter[tuple[str, str]] = Counter()
+        self._lock = threading.Lock()  # the metrics thread reads the counts (snapshot)
 
     def record(self, service: str, code: str, detail: str) -> None:
         kind = (service, code)
-        self.counts[kind] += 1
+        with self._lock:
+            self.counts[kind] += 1
         self._since[kind] += 1
         now = time.monotonic()
         if now - self._logged_at.get(kind, -self._interval) >= self._interval:
@@ -167,6 +170,11 @@ class Rejections:
 
     def total(self) -> int:
         return sum(self.counts.values())
+
+    def snapshot(self) -> dict[tuple[str, str], int]:
+        """The counts, safe to call from another thread (a metrics scrape)."""
+        with self._lock:
+            return dict(self.counts)
 
 
 async def refuse(

@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from swarmgrad.simulations.swarm import DEMO_SPEC, simulate
@@ -132,6 +133,21 @@ def test_prometheus_and_status_see_the_swarm_train(tmp_path: Path) -> None:
                             rose.add((name, instance))
             time.sleep(0.5)
         assert set(first["rounds"]) == set(targets)
+
+        # Requests a node refuses are counted by service and code, and exported.
+        endpoint = _wait_for(r"gRPC (\S+);", out / "node-0.log", deadline)[1]
+        sent = {"Peer": "/swarmgrad.v1.Peer/GetInfo", "State": "/swarmgrad.v1.State/Manifest"}
+        with grpc.insecure_channel(endpoint) as channel:
+            for method in [sent["Peer"]] * 3 + [sent["State"]] * 2:
+                with pytest.raises(grpc.RpcError) as refused:
+                    channel.unary_unary(method)(b"\x0a\xff\xff", timeout=10)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        instance = urllib.parse.urlparse(urls[0]).netloc
+        for service, count in (("Peer", 3), ("State", 2)):
+            promql = f'swarmgrad_rejected_requests_total{{service="{service}",code="BAD_PAYLOAD"}}'
+            while _query(api, promql).get(instance, 0) < count:
+                assert time.monotonic() < deadline, (promql, _query(api, promql))
+                time.sleep(0.5)
 
         # swarmgrad status: both trainers, from the DHT, by spec or by run id.
         endpoints = {
