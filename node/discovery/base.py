@@ -18,8 +18,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Protocol, Self
 
-from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS, Envelope, Kind, seal
-from swarmgrad.node.discovery.records import MAX_SPEC_BYTES, PeerRecord, RecordError, validate
+from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS, Envelope, Kind, open_envelope, seal
+from swarmgrad.node.discovery.records import MAX_SPEC_BYTES, PeerRecord, RecordError, check
 from swarmgrad.node.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -181,26 +181,28 @@ class SignedDirectory(abc.ABC):
     def _specs_key(self) -> str:
         return f"run/{self.run_id}/specs"
 
-    async def _valid(self, key: str) -> list[Envelope]:
-        """The values under ``key`` that pass :func:`validate`, leaves left out; what fails is
-        counted in ``rejected``, by reason."""
+    async def _valid(self, key: str) -> list[tuple[Envelope, PeerRecord | None]]:
+        """The values under ``key`` that pass the check of :func:`validate`, leaves left out,
+        each with the record it carries (peers, readiness); what fails is counted in
+        ``rejected``, by reason."""
         now = dht_time()
         found = []
         for subkey, (data, expires) in (await self._get(key)).items():
             try:
-                envelope = validate(key, subkey, data, expires, now)
+                envelope = open_envelope(data)
+                record = check(envelope, key=key, subkey=subkey, expires=expires, now=now)
             except RecordError as error:
                 self.rejected[str(error)[:48]] += 1
                 log.debug("dropped a value under %r: %s", subkey[:64], error)
                 continue
             if envelope.kind != Kind.LEAVE:
-                found.append(envelope)
+                found.append((envelope, record))
         return found
 
     async def find_specs(self) -> dict[str, bytes]:
         return {
             hashlib.sha256(envelope.body).hexdigest(): envelope.body
-            for envelope in await self._valid(self._specs_key)
+            for envelope, _ in await self._valid(self._specs_key)
         }
 
     async def leave(self, topic: str = "peers") -> None:
@@ -216,8 +218,8 @@ class SignedDirectory(abc.ABC):
         )
 
     async def find(self, topic: str = "peers") -> list[PeerRecord]:
-        envelopes = await self._valid(self._topic_key(topic))
-        return sorted((PeerRecord.parse(e.body) for e in envelopes), key=lambda r: r.peer_id)
+        found = await self._valid(self._topic_key(topic))
+        return sorted((r for _, r in found if r is not None), key=lambda r: r.peer_id)
 
 
 async def start_discovery(

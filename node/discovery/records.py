@@ -118,9 +118,13 @@ def validate(key: str, subkey: str, value: object, expires: float, now: float) -
     return envelope
 
 
-def check(envelope: Envelope, *, key: str, subkey: str, expires: float, now: float) -> None:
-    """:func:`validate` for a value already opened (its seal checked)."""
+def check(
+    envelope: Envelope, *, key: str, subkey: str, expires: float, now: float
+) -> PeerRecord | None:
+    """:func:`validate` for a value already opened (its seal checked); the record it carries,
+    for a peer or readiness record (None for other kinds)."""
     check_filing(envelope, key=key, subkey=subkey, expires=expires, now=now)
+    record = None
     if envelope.kind in (Kind.PEER, Kind.READY):
         record = PeerRecord.parse(envelope.body)
         parts = key.split("/")  # run/<run id>/<spec hash>/peers, or .../round/<r>
@@ -135,6 +139,7 @@ def check(envelope: Envelope, *, key: str, subkey: str, expires: float, now: flo
             raise RecordError(f"readiness of {record.peer_id} for another round")
     elif envelope.kind == Kind.SPEC and len(envelope.body) > MAX_SPEC_BYTES:
         raise RecordError("a run spec over the size limit")
+    return record
 
 
 def _from_dict(raw: object) -> PeerRecord:
