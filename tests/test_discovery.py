@@ -294,6 +294,24 @@ async def test_records_expire_and_a_graceful_leave_is_immediate(start: Starter) 
     assert await node_a.find() == []
 
 
+@pytest.mark.slow
+async def test_a_round_withdrawn_can_be_announced_again(start: Starter) -> None:
+    """A second attempt at the same round (sync DP retries its step) announces readiness under
+    the key it withdrew from: the withdrawal must not outlive that new record. (It once did,
+    sized by the longer-lived peer record: the retry was refused by every DHT node.)"""
+    a, b = Identity.generate(), Identity.generate()
+    node_a = await start(a)
+    node_b = await start(b, initial_peers=node_a.visible_maddrs())
+    await node_a.announce(live(a, ttl=60.0))
+    await node_a.announce(live(a, ttl=20.0, epoch=11), "round/11")
+    await node_a.leave("round/11")
+    assert await node_b.find("round/11") == []
+    await asyncio.sleep(1.1)  # past the withdrawal's margin over the first record
+    await node_a.announce(live(a, ttl=20.0, epoch=11), "round/11")
+    assert [r.peer_id for r in await node_b.find("round/11")] == [a.peer_id]
+    assert [r.peer_id for r in await node_b.find()] == [a.peer_id]
+
+
 async def test_unreachable_bootstrap_is_reported_clearly(start: Starter) -> None:
     dead = "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
     with pytest.raises(DiscoveryError, match=r"could not join the DHT .*tcp/9"):

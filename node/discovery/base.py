@@ -102,7 +102,8 @@ class SignedDirectory(abc.ABC):
         self.run_id, self.spec_hash = run_id, spec_hash
         self._prefix = f"run/{run_id}/{spec_hash.hex()}"
         self._timeout = call_timeout_seconds
-        self._announced_until = 0.0
+        #: The latest expiry this node stored under each key (its withdrawal must outlive it).
+        self._announced_until: dict[str, float] = {}
         #: Records dropped on read, by reason.
         self.rejected: Counter[str] = Counter()
 
@@ -119,7 +120,7 @@ class SignedDirectory(abc.ABC):
         """A view of the same DHT for another spec of this run (closing either closes both)."""
         view = copy.copy(self)
         view.spec_hash, view._prefix = spec_hash, f"run/{self.run_id}/{spec_hash.hex()}"
-        view._announced_until, view.rejected = 0.0, Counter()
+        view._announced_until, view.rejected = {}, Counter()
         return view
 
     @abc.abstractmethod
@@ -139,9 +140,22 @@ class SignedDirectory(abc.ABC):
             if delay:
                 log.info("DHT store under %s not accepted; trying again", key)
                 await asyncio.sleep(delay)
-            if await self._store(key, subkey, value, expires):
+            if await self._store(key, subkey, value, expires) or await self._holds(
+                key, subkey, value
+            ):
                 return
         raise DiscoveryError("no DHT node accepted the record")
+
+    async def _holds(self, key: str, subkey: str, value: bytes) -> bool:
+        """Whether the DHT already holds ``value`` under (key, subkey). hivemind reports a store
+        by the last replica's answer: one replica refusing (it holds this value already, from a
+        try whose answer was lost) hides the others' yes, and a retry of the same value is then
+        refused by all of them."""
+        try:
+            found = await self._get(key)
+        except DiscoveryError:
+            return False
+        return found.get(subkey, (None, 0.0))[0] == value
 
     async def _seal_and_put(
         self, key: str, kind: Kind, body: bytes, *, issued_at: float, expires_at: float
@@ -157,7 +171,7 @@ class SignedDirectory(abc.ABC):
             expires_at=expires_at,
         )
         await self._put(key, self._identity.peer_id, value, expires_at)
-        self._announced_until = max(self._announced_until, expires_at)
+        self._announced_until[key] = max(self._announced_until.get(key, 0.0), expires_at)
 
     async def announce(self, record: PeerRecord, topic: str = "peers") -> None:
         if record.peer_id != self._identity.peer_id:
@@ -209,13 +223,13 @@ class SignedDirectory(abc.ABC):
         """Overwrite this node's record under ``topic`` with a sealed, empty value.
 
         The DHT keeps the value with the latest expiry, so the withdrawal must outlive the last
-        record announced.
+        record announced under ``topic``, and only that one: a later record there (another
+        attempt at the same round) must in turn outlive the withdrawal.
         """
         now = dht_time()
-        expires = max(self._announced_until, now) + 1.0
-        await self._seal_and_put(
-            self._topic_key(topic), Kind.LEAVE, b"", issued_at=now, expires_at=expires
-        )
+        key = self._topic_key(topic)
+        expires = max(self._announced_until.get(key, 0.0), now) + 1.0
+        await self._seal_and_put(key, Kind.LEAVE, b"", issued_at=now, expires_at=expires)
 
     async def find(self, topic: str = "peers") -> list[PeerRecord]:
         found = await self._valid(self._topic_key(topic))
