@@ -2,9 +2,9 @@
 
 An algorithm study, not a swarm: N replicas of the demo model in one process, each on its own
 data stream (as N peers would be), averaged exactly in fp32. It reuses the node's model, data
-and outer optimizer (:class:`swarmgrad.node.diloco.OuterOptimizer`); what it leaves out is what
-``benchmarks/communication.py`` measures (codecs, the wire, real processes). Three settings share
-the initial weights and the sample budget per replica:
+and outer optimizer (:class:`swarmgrad.node.training.diloco.OuterOptimizer`); what it leaves
+out is what ``benchmarks/communication.py`` measures (codecs, the wire, real processes). Three
+settings share the initial weights and the sample budget per replica:
 
 * ``sync``: one AdamW step per global batch of one micro-batch from each replica;
 * ``alone``: one replica's stream only (1/N of the samples), the yardstick the tests use;
@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 
 from swarmgrad.node import config as node_config
-from swarmgrad.node.data import Batches, Corpus, load_corpus
-from swarmgrad.node.diloco import OuterOptimizer
-from swarmgrad.node.model import GPT, build_model, flatten, unflatten
 from swarmgrad.node.runspec import AlgorithmSection, RunSpec
-from swarmgrad.node.trainer import set_lr
+from swarmgrad.node.training.data import Batches, Corpus, load_corpus
+from swarmgrad.node.training.diloco import OuterOptimizer
+from swarmgrad.node.training.model import GPT, build_model, flatten, unflatten
+from swarmgrad.node.training.trainer import set_lr
 from swarmgrad.simulations.baseline import warm_start
 from swarmgrad.simulations.swarm import DEMO_SPEC
 

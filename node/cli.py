@@ -10,11 +10,11 @@ from typing import Annotated
 import typer
 
 from swarmgrad.node import config as node_config
-from swarmgrad.node.checkpoint import CheckpointError
-from swarmgrad.node.data import DataError, load_demo
 from swarmgrad.node.discovery.base import DiscoveryError
 from swarmgrad.node.runspec import RunSpecError
+from swarmgrad.node.state.checkpoint import CheckpointError
 from swarmgrad.node.swarm import SpecMismatch
+from swarmgrad.node.training.data import DataError, load_demo
 
 app = typer.Typer(
     help="Train one model on many volunteer machines: run a node, a bootstrap, or a local swarm.",
@@ -370,8 +370,8 @@ def export(
 ) -> None:
     """Write a checkpoint's model as a Hugging Face directory (config.json, model.safetensors,
     tokenizer) that transformers loads with from_pretrained."""
-    from swarmgrad.node.export import ExportError
-    from swarmgrad.node.export import export as write
+    from swarmgrad.node.training.export import ExportError
+    from swarmgrad.node.training.export import export as write
 
     _logging(False)
     try:

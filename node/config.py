@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from swarmgrad.node.model import InitWeightsError, init_weights
 from swarmgrad.node.runspec import NodeSection, RunSpec, RunSpecError
 from swarmgrad.node.swarm import SwarmConfig
+from swarmgrad.node.training.model import InitWeightsError, init_weights
 
 #: Each [node] setting and its type's name ("int" or "str").
 SETTINGS = {f.name: str(f.type) for f in dataclasses.fields(NodeSection)}

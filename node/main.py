@@ -21,15 +21,15 @@ from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
-from swarmgrad.node.checkpoint import Checkpointer
 from swarmgrad.node.config import ConfigError, NodeConfig
 from swarmgrad.node.discovery.base import start_discovery
 from swarmgrad.node.display import Display
 from swarmgrad.node.files import atomic_write
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.metrics import MetricsServer, NodeMetrics
+from swarmgrad.node.state.checkpoint import Checkpointer
 from swarmgrad.node.swarm import Swarm
-from swarmgrad.node.trainer import Progress, Trainer
+from swarmgrad.node.training.trainer import Progress, Trainer
 
 log = logging.getLogger(__name__)
 

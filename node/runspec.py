@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from swarmgrad.compression import codec_names
+from swarmgrad.node.averaging.matchmaking import MAX_MATCHMAKING_TIMEOUT_SECONDS
 from swarmgrad.node.discovery.base import BACKENDS
-from swarmgrad.node.matchmaking import MAX_MATCHMAKING_TIMEOUT_SECONDS
 from swarmgrad.protocol import PROTOCOL_VERSION
 
 DEVICES = ("auto", "cpu", "cuda")

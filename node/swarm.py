@@ -1,6 +1,6 @@
 """A node's place in the swarm: discovery, matchmaking, averaging and state, behind one object.
 
-``Swarm`` is what trainers (the CLI's and a researcher's own loop, through ``node/training.py``)
+``Swarm`` is what trainers (the CLI's and a researcher's own loop, through ``node/training/api.py``)
 talk to. It owns, in start order: the DHT (first, before any gRPC object: hivemind forks), the
 check that this node's run spec is the swarm's, the gRPC server with the Averaging and State
 services, and a task that keeps this node's signed peer record fresh (endpoint, epoch, checksum
@@ -30,8 +30,10 @@ from typing import Any, TypeVar
 import torch
 
 from swarmgrad.compression import codec_names, get_codec
-from swarmgrad.node.allreduce import AllReduceConfig, RoundResult
-from swarmgrad.node.averager import Averager
+from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
+from swarmgrad.node.averaging.averager import Averager
+from swarmgrad.node.averaging.group import Group
+from swarmgrad.node.averaging.matchmaking import Matchmaker
 from swarmgrad.node.discovery.base import (
     BACKENDS,
     Discovery,
@@ -41,14 +43,12 @@ from swarmgrad.node.discovery.base import (
 )
 from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS
 from swarmgrad.node.discovery.records import PeerRecord
-from swarmgrad.node.group import Group
 from swarmgrad.node.identity import Identity
-from swarmgrad.node.matchmaking import Matchmaker
 from swarmgrad.node.metrics import Links, NodeMetrics
-from swarmgrad.node.punch import PunchResponder, PunchRoute
-from swarmgrad.node.reachability import Reachability, ReachabilityConfig
+from swarmgrad.node.reachability.dialback import Reachability, ReachabilityConfig
+from swarmgrad.node.reachability.punch import PunchResponder, PunchRoute
 from swarmgrad.node.runspec import RunSpec
-from swarmgrad.node.throttle import TokenBucket
+from swarmgrad.node.transport.throttle import TokenBucket
 from swarmgrad.protocol import peer, state
 from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.errors import RoundAborted, SwarmgradError

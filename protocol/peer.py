@@ -72,7 +72,7 @@ class PeerIdentity:
 
 
 class PunchHandler(Protocol):
-    """The node's side of hole punching (``node/punch.py``)."""
+    """The node's side of hole punching (``node/reachability/punch.py``)."""
 
     def can_punch(self) -> bool:
         """Whether this node knows a public address of its own to punch from."""

@@ -49,11 +49,11 @@ from typing import Any
 
 import torch
 
-from swarmgrad.node.allreduce import AllReduceConfig
-from swarmgrad.node.averager import Averager
-from swarmgrad.node.group import Group, Member
+from swarmgrad.node.averaging.allreduce import AllReduceConfig
+from swarmgrad.node.averaging.averager import Averager
+from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.identity import Identity
-from swarmgrad.node.punch import PunchResponder
+from swarmgrad.node.reachability.punch import PunchResponder
 from swarmgrad.protocol import peer, state
 from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.errors import RoundAborted

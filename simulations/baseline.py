@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from swarmgrad.node.data import Corpus, load_corpus
-from swarmgrad.node.model import GPT, build_model, save_weights
 from swarmgrad.node.runspec import RunSpec
-from swarmgrad.node.trainer import evaluate, set_lr
+from swarmgrad.node.training.data import Corpus, load_corpus
+from swarmgrad.node.training.model import GPT, build_model, save_weights
+from swarmgrad.node.training.trainer import evaluate, set_lr
 
 
 def train_alone(

@@ -403,8 +403,8 @@ def prepare_corpus(spec_path: Path) -> Path:
     there yet: it runs outside the lab, where the corpus can be fetched; a node inside the
     lab's namespaces reaches nothing beyond them."""
     from swarmgrad.node.config import home
-    from swarmgrad.node.data import load_demo
     from swarmgrad.node.runspec import RunSpec
+    from swarmgrad.node.training.data import load_demo
 
     spec = RunSpec.load(spec_path)
     cache_dir = home() / "cache"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from swarmgrad.compression import decode, get_codec
-from swarmgrad.node.group import Group, Member, chunk_sizes
+from swarmgrad.node.averaging.group import Group, Member, chunk_sizes
 from swarmgrad.simulations.allreduce_peer import PeerProcess, member_vector
 from tests.conftest import Peers
 

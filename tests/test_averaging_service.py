@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from swarmgrad.compression import decode, get_codec
-from swarmgrad.node.allreduce import AllReduceConfig, RoundResult
-from swarmgrad.node.averager import Averager
-from swarmgrad.node.group import Group, Member
+from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
+from swarmgrad.node.averaging.averager import Averager
+from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.auth import signed_bytes
 from swarmgrad.protocol.averaging import AGGREGATE, StreamHeader, header_to_proto

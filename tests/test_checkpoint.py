@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from swarmgrad.compression import get_codec
-from swarmgrad.node.checkpoint import (
+from swarmgrad.node.runspec import ModelSection, RunSpec
+from swarmgrad.node.state.checkpoint import (
     MANIFEST_FILE,
     STATE_FILE,
     Checkpointer,
@@ -20,9 +21,8 @@ from swarmgrad.node.checkpoint import (
     load_optimizer_state,
     optimizer_state,
 )
-from swarmgrad.node.model import build_model
-from swarmgrad.node.runspec import ModelSection, RunSpec
-from swarmgrad.node.training import DiLoCo, SyncDataParallel
+from swarmgrad.node.training.api import DiLoCo, SyncDataParallel
+from swarmgrad.node.training.model import build_model
 from swarmgrad.protocol.state import Snapshot
 
 SPEC = RunSpec.from_toml('[run]\nid = "r"\n')

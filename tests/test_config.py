@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from swarmgrad.node.config import ConfigError, home, node_config
-from swarmgrad.node.model import build_model, save_weights
 from swarmgrad.node.runspec import ModelSection, RunSpec, RunSpecError
+from swarmgrad.node.training.model import build_model, save_weights
 
 SPEC = """\
 [run]

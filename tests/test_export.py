@@ -11,13 +11,13 @@ import pytest
 import torch
 import transformers
 
-from swarmgrad.node.checkpoint import Checkpointer
 from swarmgrad.node.config import home
-from swarmgrad.node.data import load_corpus, load_demo
-from swarmgrad.node.export import ExportError, export
-from swarmgrad.node.model import GPT, build_model
 from swarmgrad.node.runspec import RunSpec
-from swarmgrad.node.trainer import evaluate
+from swarmgrad.node.state.checkpoint import Checkpointer
+from swarmgrad.node.training.data import load_corpus, load_demo
+from swarmgrad.node.training.export import ExportError, export
+from swarmgrad.node.training.model import GPT, build_model
+from swarmgrad.node.training.trainer import evaluate
 from swarmgrad.simulations.swarm import DEMO_SPEC, simulate
 
 SPEC = RunSpec.from_toml(

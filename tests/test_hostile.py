@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from swarmgrad.node.group import Group, Member
+from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.protocol import peer, state

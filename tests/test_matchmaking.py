@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from swarmgrad.node.averaging.matchmaking import Matchmaker, assign_groups
 from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery
 from swarmgrad.node.identity import Identity
-from swarmgrad.node.matchmaking import Matchmaker, assign_groups
 
 RUN, SPEC = "mm", b"\x05" * 32
 

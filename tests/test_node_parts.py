@@ -15,15 +15,15 @@ import pytest
 import torch
 
 from swarmgrad.compression import get_codec
+from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.config import ConfigError, home, node_config
-from swarmgrad.node.data import DataError, load_demo
 from swarmgrad.node.discovery.records import PeerRecord
-from swarmgrad.node.group import Group, Member
 from swarmgrad.node.identity import Identity
-from swarmgrad.node.model import build_model, flatten, unflatten
 from swarmgrad.node.runspec import ModelSection, RunSpec, RunSpecError
 from swarmgrad.node.swarm import pick_donors
-from swarmgrad.node.training import DiLoCo
+from swarmgrad.node.training.api import DiLoCo
+from swarmgrad.node.training.data import DataError, load_demo
+from swarmgrad.node.training.model import build_model, flatten, unflatten
 
 TEXT = "\n".join(topics.values())
 

@@ -73,6 +73,15 @@ def test_built_wheel_imports_from_outside_the_repo(tmp_path: Path) -> None:
     assert "swarmgrad/protocol/v1/peer_pb2_grpc.py" in names
     assert "swarmgrad/compression/py.typed" in names
     assert not any(n.startswith(("compression/", "node/", "protocol/")) for n in names)
+    # Every module of every subpackage: a subpackage left out of pyproject.toml's list would
+    # import from a checkout and fail from the wheel.
+    modules = {
+        f"swarmgrad/{path.relative_to(ROOT).as_posix()}"
+        for folder in PACKAGES
+        for path in (ROOT / folder).rglob("*.py")
+        if "__pycache__" not in path.parts
+    }
+    assert modules - set(names) == set()
     subprocess.run(
         [*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
         check=True,

@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from swarmgrad.node.identity import Identity
-from swarmgrad.node.punch import PunchResponder
-from swarmgrad.node.relay import RelayClient, RelayError, RelayLimits, RelayServer
+from swarmgrad.node.reachability.punch import PunchResponder
+from swarmgrad.node.reachability.relay import RelayClient, RelayError, RelayLimits, RelayServer
 from swarmgrad.protocol import peer
 from swarmgrad.protocol.auth import Verifier, sign_request
 from swarmgrad.protocol.errors import STATUS_OF, PeerUnavailable, ProtocolViolation

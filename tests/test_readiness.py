@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from swarmgrad.node.group import Group
+from swarmgrad.node.averaging.group import Group
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.swarm import WITHDRAW_MARGIN_SECONDS, Outcome, Swarm, SwarmConfig

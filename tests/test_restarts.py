@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from swarmgrad.node.checkpoint import Checkpointer, CheckpointError, read
 from swarmgrad.node.config import home
-from swarmgrad.node.data import load_demo
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.state.checkpoint import Checkpointer, CheckpointError, read
+from swarmgrad.node.training.data import load_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

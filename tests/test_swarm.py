@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from swarmgrad.node.config import home
-from swarmgrad.node.data import load_demo
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.training.data import load_demo
 from swarmgrad.simulations.baseline import train_alone
 from swarmgrad.simulations.swarm import DEMO_SPEC, simulate, simulation_identity
 

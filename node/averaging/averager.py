@@ -21,10 +21,10 @@ from types import TracebackType
 import grpc
 import torch
 
-from swarmgrad.node.allreduce import AllReduceConfig, RoundHooks, RoundResult, run_round
-from swarmgrad.node.group import Group, chunk_sizes
+from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundHooks, RoundResult, run_round
+from swarmgrad.node.averaging.group import Group, chunk_sizes
+from swarmgrad.node.averaging.reducer import PartReducer, SenderSession
 from swarmgrad.node.identity import Identity
-from swarmgrad.node.reducer import PartReducer, SenderSession
 from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.averaging import AveragingServicer, StreamHeader, add_to_server
 from swarmgrad.protocol.errors import ProtocolViolation, RoundAborted, quote
@@ -148,7 +148,7 @@ class Averager:
         hooks: RoundHooks | None = None,
         out: torch.Tensor | None = None,
     ) -> RoundResult:
-        """Average ``vector`` (1-D fp32 on the CPU) with ``group``; see ``node/allreduce.py``.
+        """Average ``vector`` (1-D fp32 on the CPU) with ``group`` (``allreduce.py`` says how).
 
         The result is a new tensor, or ``out`` when given (a buffer the caller reuses from
         round to round; its contents are undefined if the round is aborted). ``vector`` itself

@@ -19,10 +19,10 @@ import asyncio
 import hashlib
 import logging
 
+from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.discovery.base import Discovery, dht_time
 from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS
 from swarmgrad.node.discovery.records import PeerRecord
-from swarmgrad.node.group import Group, Member
 from swarmgrad.node.identity import Identity
 
 log = logging.getLogger(__name__)

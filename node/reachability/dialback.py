@@ -5,10 +5,10 @@ never trusts its own view of its address. It asks a few peers to dial its port b
 (``protocol/peer.py``): any success makes it *direct*. If helpers answered and none got through,
 it is behind a NAT or a firewall; it then, in order:
 
-1. asks its router for a port mapping (UPnP IGD / NAT-PMP, ``node/portmap.py``), and has peers dial
+1. asks its router for a port mapping (UPnP IGD / NAT-PMP, ``portmap.py``), and has peers dial
    the mapped port back: *upnp*;
 2. otherwise takes a relay: a peer not known to be NAT'd that offers one (its record's ``relay``)
-   carries connections to this node (``node/relay.py``): *relayed*, announced with the relay's
+   carries connections to this node (``relay.py``): *relayed*, announced with the relay's
    peer id. When the relay goes silent, another is found within seconds;
 3. with no relay to take, it is *unreachable*: it still averages, as a member that owns no part
    (members only dial owners; the results come back on the same streams), and it is not
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.metrics import parse_address
-from swarmgrad.node.portmap import PortMapError, PortMapping, map_port
-from swarmgrad.node.relay import RelayClient, RelayError, RelayLimits, RelayServer
+from swarmgrad.node.reachability.portmap import PortMapError, PortMapping, map_port
+from swarmgrad.node.reachability.relay import RelayClient, RelayError, RelayLimits, RelayServer
 from swarmgrad.protocol.errors import SwarmgradError
 from swarmgrad.protocol.peer import DialBack, ask_dial_back, endpoint_of
 

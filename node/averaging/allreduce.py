@@ -42,8 +42,8 @@ import grpc
 import torch
 
 from swarmgrad.compression import Codec, get_codec
-from swarmgrad.node.group import Group, chunk_sizes
-from swarmgrad.node.reducer import PartReducer
+from swarmgrad.node.averaging.group import Group, chunk_sizes
+from swarmgrad.node.averaging.reducer import PartReducer
 from swarmgrad.protocol.auth import Signer
 from swarmgrad.protocol.averaging import (
     StreamHeader,

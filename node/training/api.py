@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from swarmgrad.node.diloco import OuterOptimizer
-from swarmgrad.node.group import Group, chunk_sizes
-from swarmgrad.node.model import flatten, unflatten
+from swarmgrad.node.averaging.group import Group, chunk_sizes
 from swarmgrad.node.swarm import Averaged, Outcome, Swarm
+from swarmgrad.node.training.diloco import OuterOptimizer
+from swarmgrad.node.training.model import flatten, unflatten
 from swarmgrad.protocol import state
 
 log = logging.getLogger(__name__)

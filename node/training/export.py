@@ -1,6 +1,6 @@
 """``swarmgrad export``: a checkpoint's model as a Hugging Face directory for ``transformers``.
 
-The run's GPT (``node/model.py``) is GPT-2's architecture with exact GELU: learned positions,
+The run's GPT (``model.py``) is GPT-2's architecture with exact GELU: learned positions,
 pre-norm blocks, fused q/k/v, tied embeddings. So the export is a GPT-2 directory: ``config.json``
 (``GPT2LMHeadModel``), ``model.safetensors`` with GPT-2's parameter names (its ``Conv1D`` weights
 are stored ``[in, out]``, the transpose of ``nn.Linear``'s), and the run's tokenizer
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from swarmgrad.node.checkpoint import Checkpoint, CheckpointError, candidates, read
-from swarmgrad.node.data import load_corpus
-from swarmgrad.node.model import GPT
+from swarmgrad.node.state.checkpoint import Checkpoint, CheckpointError, candidates, read
+from swarmgrad.node.training.data import load_corpus
+from swarmgrad.node.training.model import GPT
 
 LAYER_NORM_EPSILON = 1e-5  # torch's nn.LayerNorm default, which the GPT uses
 

@@ -20,18 +20,18 @@ from typing import Any
 
 import torch
 
-from swarmgrad.node.checkpoint import (
+from swarmgrad.node.config import NodeConfig
+from swarmgrad.node.state.checkpoint import (
     Checkpoint,
     Checkpointer,
     CheckpointError,
     load_optimizer_state,
     optimizer_state,
 )
-from swarmgrad.node.config import NodeConfig
-from swarmgrad.node.data import Batches, load_corpus
-from swarmgrad.node.model import GPT, build_model
 from swarmgrad.node.swarm import Swarm
-from swarmgrad.node.training import DiLoCo, RoundReport, SyncDataParallel
+from swarmgrad.node.training.api import DiLoCo, RoundReport, SyncDataParallel
+from swarmgrad.node.training.data import Batches, load_corpus
+from swarmgrad.node.training.model import GPT, build_model
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 import torch
 
 from swarmgrad.compression import Codec, Meta, decode
-from swarmgrad.node.group import Group
+from swarmgrad.node.averaging.group import Group
 from swarmgrad.protocol.averaging import ChunkResult
 from swarmgrad.protocol.errors import ProtocolViolation, SwarmgradError
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode

@@ -1,0 +1,1 @@
+"""Averaging: groups, matchmaking through the DHT, the butterfly all-reduce and its owners."""

@@ -1,0 +1,1 @@
+"""Reachability of the node's gRPC endpoint: dial-back, UPnP/NAT-PMP, relays, punching."""

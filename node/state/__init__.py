@@ -1,0 +1,1 @@
+"""State: what a node publishes and serves, downloads when behind, and checkpoints."""
