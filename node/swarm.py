@@ -48,11 +48,11 @@ from swarmgrad.node.metrics import Links, NodeMetrics
 from swarmgrad.node.reachability.dialback import Reachability, ReachabilityConfig
 from swarmgrad.node.reachability.punch import PunchResponder, PunchRoute
 from swarmgrad.node.runspec import RunSpec
-from swarmgrad.node.transport.throttle import TokenBucket
+from swarmgrad.node.transport.transport import Transport, TransportConfig
 from swarmgrad.protocol import peer, state
 from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.errors import RoundAborted, SwarmgradError
-from swarmgrad.protocol.server import Rejections
+from swarmgrad.protocol.server import Rejections, ServerLimits
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -172,7 +172,6 @@ class Swarm:
         self.spec, self.identity, self.config = spec, identity, config
         self.peer_id = identity.peer_id
         self._discovery: Discovery | None = None
-        self._averager: Averager | None = None
         self.reachability: Reachability | None = None
         self._routes: dict[str, PunchRoute] = {}  # relayed endpoint -> its punching route
         self._waited = False  # for a reachability verdict, before the first round
@@ -186,10 +185,18 @@ class Swarm:
         self._tasks: set[asyncio.Task[None]] = set()
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._closing = False
-        self._throttle = (
-            TokenBucket(config.upload_bytes_per_second)
-            if config.upload_bytes_per_second is not None
-            else None
+        rounds = allreduce_config(spec)
+        self.transport = Transport(
+            TransportConfig(
+                host=config.host,
+                port=config.port,
+                public_host=config.public_host,
+                limits=ServerLimits(
+                    max_message_bytes=max(2 * rounds.max_chunk_bytes, state.MAX_MESSAGE_BYTES)
+                ),
+                upload_bytes_per_second=config.upload_bytes_per_second,
+            ),
+            route=self._route,
         )
         #: Checks every signed request this node receives (one replay memory for all services).
         self.verifier = Verifier(self.peer_id)
@@ -201,8 +208,9 @@ class Swarm:
             lookup=self._served.get,
             verifier=self.verifier,
             rejections=self.rejections,
-            pace=self._throttle.take if self._throttle is not None else None,
+            pace=self.transport.pace if self.transport.paced else None,
         )
+        self.transport.register(lambda server: state.add_to_server(self.state_servicer, server))
         self._punch_responder: PunchResponder | None = None
         self.peer_servicer = peer.PeerServicer(
             peer.PeerIdentity(
@@ -217,6 +225,10 @@ class Swarm:
             rejections=self.rejections,
             punch=self._punch_handler(),
             origin=self._origin,
+        )
+        self.transport.register(lambda server: peer.add_to_server(self.peer_servicer, server))
+        self._averager = Averager(
+            identity, rounds, self.transport, verifier=self.verifier, rejections=self.rejections
         )
         self.codec = get_codec(spec.averaging.codec)
         self.codec_is_lossless = spec.averaging.codec == "none"
@@ -259,27 +271,13 @@ class Swarm:
         )
         try:
             await self._check_spec()
-            self._averager = Averager(
-                self.identity,
-                allreduce_config(self.spec),
-                host=self.config.host,
-                port=self.config.port,
-                public_host=self.config.public_host,
-                services=[
-                    lambda server: state.add_to_server(self.state_servicer, server),
-                    lambda server: peer.add_to_server(self.peer_servicer, server),
-                ],
-                min_message_bytes=state.MAX_MESSAGE_BYTES,
-                verifier=self.verifier,
-                rejections=self.rejections,
-            )
-            await self._averager.__aenter__()
+            await self.transport.__aenter__()
             self.reachability = Reachability(
                 self.identity,
                 run_id=self.spec.run.id,
                 spec_hash=self.spec.hash,
                 host=self.config.host,
-                port=self._averager.port,
+                port=self.transport.port,
                 public_host=self.config.public_host,
                 peers=self._discovery.find,
                 changed=self._refresh.set,
@@ -300,8 +298,7 @@ class Swarm:
             self._spawn(self._keep_announcing(), "announce")
             self._spawn(self.reachability.run(), "reachability")
             if self._punch_responder is not None:
-                self._punch_responder.target = (self.config.host, self._averager.port)
-                self._averager.route = self._route
+                self._punch_responder.target = (self.config.host, self.transport.port)
         except BaseException:
             await self._close()
             raise
@@ -328,9 +325,8 @@ class Swarm:
             await self._punch_responder.close()
         if self.reachability is not None:
             await self.reachability.close()  # its task is cancelled above; unmap, leave relays
-        if self._averager is not None:
-            await self._averager.stop()
-            self._averager = None
+        await self.transport.close()  # stop serving (with its grace), then the rounds
+        await self._averager.stop()
         if self._discovery is not None:
             await self._discovery.close()
             self._discovery = None
@@ -345,7 +341,7 @@ class Swarm:
         """Where peers dial this node: its own address, a mapped port, or its relay's."""
         if self.reachability is not None:
             return self.reachability.endpoint
-        return self._averager.endpoint if self._averager is not None else ""
+        return self.transport.endpoint
 
     def _links(self) -> Links:
         summary = self.reachability_summary()
@@ -383,7 +379,7 @@ class Swarm:
     @property
     def traffic(self) -> Counter[str]:
         """Averaging payload bytes ``sent`` and ``received`` by this node."""
-        return self._averager.traffic if self._averager is not None else Counter()
+        return self._averager.traffic
 
     def _traffic_totals(self) -> dict[tuple[str, str], int]:
         averaging = self.traffic
@@ -509,7 +505,6 @@ class Swarm:
         self, donors: list[PeerRecord], num_values: int
     ) -> state.Snapshot | None:
         """The state ``donors`` announce (all the same checksum), from all of them at once."""
-        assert self._averager is not None
         started = asyncio.get_running_loop().time()
         log.info(
             "downloading state %s (epoch %d) from %d donor(s)",
@@ -520,7 +515,7 @@ class Swarm:
         await self._prepare_routes([d.endpoint for d in donors])
         try:
             result = await state.download(
-                [(d.peer_id, self._averager.channel(d.endpoint)) for d in donors],
+                [(d.peer_id, self.transport.channel(d.endpoint)) for d in donors],
                 signer=self.identity,
                 run_id=self.spec.run.id,
                 spec_hash=self.spec.hash,
@@ -556,7 +551,6 @@ class Swarm:
         ``prepare`` (run in a worker thread) turns ``vector`` into what is sent, given the group.
         """
         assert self._matchmaker is not None
-        assert self._averager is not None
         await self._await_reachability()
         try:
             group = await self._matchmaker.form_group(
@@ -590,7 +584,7 @@ class Swarm:
             await self._prepare_routes([m.endpoint for m in group.members])
             sent = vector if prepare is None else await asyncio.to_thread(prepare, vector, group)
             started = asyncio.get_running_loop().time()
-            result = await self._averager.all_reduce(sent, group, hooks=self._throttle)
+            result = await self._averager.all_reduce(sent, group)
         except RoundAborted as error:
             self.counts["aborted"] += 1
             self.failures["aborted_round"] += 1

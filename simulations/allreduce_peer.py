@@ -50,10 +50,11 @@ from typing import Any
 import torch
 
 from swarmgrad.node.averaging.allreduce import AllReduceConfig
-from swarmgrad.node.averaging.averager import Averager
+from swarmgrad.node.averaging.averager import Averager, transport_limits
 from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.reachability.punch import PunchResponder
+from swarmgrad.node.transport.transport import Transport, TransportConfig
 from swarmgrad.protocol import peer, state
 from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.errors import RoundAborted
@@ -142,15 +143,21 @@ async def _serve(args: argparse.Namespace) -> None:
                 reducer_timeout_seconds=args.reducer_timeout,
                 join_timeout_seconds=args.join_timeout,
             )
-            averager = Averager(
-                identity,
-                config,
-                services=services if everything else (),
-                min_message_bytes=state.MAX_MESSAGE_BYTES if everything else 0,
-                verifier=verifier,
-                rejections=rejections,
+            transport = Transport(
+                TransportConfig(
+                    limits=transport_limits(
+                        config, min_message_bytes=state.MAX_MESSAGE_BYTES if everything else 0
+                    )
+                )
             )
+            for register in services if everything else ():
+                transport.register(register)
+            averager = Averager(
+                identity, config, transport, verifier=verifier, rejections=rejections
+            )
+            # Exits run in reverse: the server stops (with its grace) before the rounds close.
             averagers[codec] = await stack.enter_async_context(averager)
+            await stack.enter_async_context(transport)
             if everything:
                 punch.target = ("127.0.0.1", averager.port)
         # Torch and grpc leave ~10^6 long-lived objects; without this, the collector's full

@@ -19,7 +19,7 @@ import torch
 
 from swarmgrad.compression import decode, get_codec
 from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
-from swarmgrad.node.averaging.averager import Averager
+from swarmgrad.node.averaging.averager import Averager, standalone
 from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.auth import signed_bytes
@@ -126,8 +126,8 @@ def expected_two_member_average(owner_seed: int, honest_seed: int) -> torch.Tens
 @pytest.fixture
 async def pair() -> AsyncIterator[tuple[Averager, Averager]]:
     async with (
-        Averager(ident("owner"), CONFIG) as owner,
-        Averager(ident("honest"), CONFIG) as honest,
+        standalone(ident("owner"), CONFIG) as owner,
+        standalone(ident("honest"), CONFIG) as honest,
     ):
         yield owner, honest
 
@@ -440,7 +440,7 @@ async def test_too_many_concurrent_streams_from_one_peer_are_refused(
 ) -> None:
     owner, honest = pair
     group = group_of(9, owner, honest, [])
-    limit = owner.limits.max_streams_per_peer
+    limit = owner.transport.limits.max_streams_per_peer
     # Streams for a round that has not started wait (join_timeout) while they count as open.
     waiting = [header(group, "honest", round=500 + i) for i in range(limit)]
     parked = [asyncio.create_task(rpc(owner.endpoint, [m])) for m in waiting]
@@ -459,7 +459,7 @@ async def test_nobody_parks_streams_in_a_members_name_or_replays_a_header(
 ) -> None:
     owner, honest = pair
     group = group_of(5, owner, honest, ["mallory"])
-    limit = owner.limits.max_streams_per_peer
+    limit = owner.transport.limits.max_streams_per_peer
     # Mallory, a member, parks a stream budget's worth of streams in honest's name: every one is
     # refused before it counts against honest.
     forged = [header(group, "honest", signer="mallory", round=600 + i) for i in range(limit)]
@@ -484,8 +484,8 @@ async def test_nobody_parks_streams_in_a_members_name_or_replays_a_header(
 
 async def test_stop_is_graceful_and_bounded_with_streams_open() -> None:
     async with (
-        Averager(ident("owner"), CONFIG) as owner,
-        Averager(ident("honest"), CONFIG) as honest,
+        standalone(ident("owner"), CONFIG) as owner,
+        standalone(ident("honest"), CONFIG) as honest,
     ):
         group = group_of(0, owner, honest, [])
         # A stream parked on a round that never starts here: stop must not wait for it forever.
@@ -496,5 +496,5 @@ async def test_stop_is_graceful_and_bounded_with_streams_open() -> None:
         started = asyncio.get_running_loop().time()
         await owner.stop()
         elapsed = asyncio.get_running_loop().time() - started
-        assert elapsed < owner.limits.grace_seconds + 2
+        assert elapsed < owner.transport.limits.grace_seconds + 2
         assert await parked != grpc.StatusCode.OK

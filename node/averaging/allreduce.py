@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import math
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -162,6 +162,7 @@ class _Round:
     channel: Callable[[str], grpc.aio.Channel]
     traffic: Counter[str]
     hooks: RoundHooks | None
+    pace: Callable[[int], Awaitable[None]] | None
     reducer: PartReducer | None
     #: Per (part, chunk): the contributors of what this member received (absent: missing).
     contributors: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
@@ -184,6 +185,7 @@ async def run_round(
     channel: Callable[[str], grpc.aio.Channel],
     traffic: Counter[str],
     hooks: RoundHooks | None = None,
+    pace: Callable[[int], Awaitable[None]] | None = None,
     out: torch.Tensor | None = None,
 ) -> RoundResult:
     """Run this member's side of one round; ``reducer`` reduces its own part (None: owns none).
@@ -202,6 +204,7 @@ async def run_round(
         channel=channel,
         traffic=traffic,
         hooks=hooks,
+        pace=pace,
         reducer=reducer,
     )
     bounds = group.partition(vector.numel())
@@ -271,6 +274,8 @@ async def _exchange_with_owner(
                 payload, meta = await asyncio.to_thread(codec.encode_view, values[start:end])
                 if hooks is not None:
                     payload = await hooks.before_send(part, index, bytes(payload))
+                if state.pace is not None:  # the node's upload cap
+                    await state.pace(len(payload))
                 traffic["sent"] += len(payload)
                 await queue.put(framed_chunk(averaging_pb2.AggregateRequest, index, payload, meta))
         except BaseException:

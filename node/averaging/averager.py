@@ -1,11 +1,12 @@
 """The averager component: serves the Averaging RPC and runs this node's all-reduce rounds.
 
-One ``Averager`` per node. It owns the gRPC server (shared with the node's other services later),
-the channels to peers, and the registry of rounds in progress, which is how a stream from a peer
-finds the :class:`PartReducer` of the round it belongs to. A stream may arrive a little before
-this node has started the same round (members start at slightly different times); it waits up to
-``join_timeout_seconds`` for the round to appear before it is refused with UNKNOWN_ROUND (at
-most :data:`MAX_EARLY_STREAMS` wait at once: streams are signed, but keys cost nothing).
+One ``Averager`` per node. It serves the Averaging RPC on the node's transport, dials owners
+through the transport's channels, and keeps the registry of rounds in progress, which is how a
+stream from a peer finds the :class:`PartReducer` of the round it belongs to. A stream may
+arrive a little before this node has started the same round (members start at slightly
+different times); it waits up to ``join_timeout_seconds`` for the round to appear before it is
+refused with UNKNOWN_ROUND (at most :data:`MAX_EARLY_STREAMS` wait at once: streams are
+signed, but keys cost nothing).
 """
 
 from __future__ import annotations
@@ -14,21 +15,21 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import TracebackType
 
-import grpc
 import torch
 
 from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundHooks, RoundResult, run_round
 from swarmgrad.node.averaging.group import Group, chunk_sizes
 from swarmgrad.node.averaging.reducer import PartReducer, SenderSession
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.transport.transport import Transport, TransportConfig
 from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.averaging import AveragingServicer, StreamHeader, add_to_server
 from swarmgrad.protocol.errors import ProtocolViolation, RoundAborted, quote
-from swarmgrad.protocol.server import Rejections, ServerLimits, open_channel, start_server
+from swarmgrad.protocol.server import Rejections, ServerLimits
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
 log = logging.getLogger(__name__)
@@ -48,71 +49,59 @@ class _ActiveRound:
 
 
 class Averager:
-    """Run all-reduce rounds with peers; use as ``async with Averager(...) as averager``."""
+    """Run all-reduce rounds with peers over ``transport``; ``async with`` it while it runs.
+
+    It registers the Averaging service on ``transport`` (which must not have started yet) and
+    dials owners through its channels; ``verifier`` and ``rejections`` are the node's, shared by
+    its services.
+    """
 
     def __init__(
         self,
         identity: Identity,
         config: AllReduceConfig,
+        transport: Transport,
         *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        public_host: str = "",
-        limits: ServerLimits | None = None,
-        services: Sequence[Callable[[grpc.aio.Server], None]] = (),
-        min_message_bytes: int = 0,
         verifier: Verifier | None = None,
         rejections: Rejections | None = None,
     ) -> None:
-        """``services`` register the node's other servicers on the same gRPC server, whose
-        messages may be up to ``min_message_bytes``; ``public_host`` is the address peers dial,
-        when it is not ``host`` (a container's name). ``verifier`` and ``rejections`` are the
-        node's, shared by its services."""
+        if transport.limits.max_message_bytes < 2 * config.max_chunk_bytes:
+            raise ValueError(
+                f"the transport's max_message_bytes ({transport.limits.max_message_bytes}) is "
+                f"below two chunks of the round ({2 * config.max_chunk_bytes})"
+            )
         self.identity = identity
         self.peer_id = identity.peer_id
-        self._services = tuple(services)
         self.config = config
-        self._host, self._port, self._public_host = host, port, public_host or host
-        self.limits = limits or ServerLimits(
-            max_message_bytes=max(2 * config.max_chunk_bytes, min_message_bytes)
-        )
+        self.transport = transport
         self._rounds: dict[tuple[int, bytes], _ActiveRound] = {}
         self._finished: dict[tuple[int, bytes], None] = {}
         self._rounds_changed = asyncio.Condition()
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._server: grpc.aio.Server | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._early_streams = 0
         self.servicer = AveragingServicer(
             self,
             verifier=verifier or Verifier(self.peer_id),
-            limits=self.limits,
+            limits=transport.limits,
             rejections=rejections,
         )
+        transport.register(lambda server: add_to_server(self.servicer, server))
         #: Rounds by outcome: "complete", "partial" (some values missing or partial), "aborted".
         self.rounds: Counter[str] = Counter()
         #: Payload bytes "sent" and "received" by this node, as client and as owner.
         self.traffic: Counter[str] = self.servicer.traffic
-        self.endpoint = ""
-        self.port = 0
-        #: Maps a peer's endpoint to the one to dial (a hole-punching route), if set.
-        self.route: Callable[[str], str] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """Where peers reach this averager: its transport's endpoint."""
+        return self.transport.endpoint
+
+    @property
+    def port(self) -> int:
+        return self.transport.port
 
     async def __aenter__(self) -> Averager:
-        self._server, port = await start_server(
-            self._register,
-            host=self._host,
-            port=self._port,
-            limits=self.limits,
-        )
-        self.port = port
-        self.endpoint = f"{self._public_host}:{port}"
         return self
-
-    def _register(self, server: grpc.aio.Server) -> None:
-        add_to_server(self.servicer, server)
-        for register in self._services:
-            register(server)
 
     async def __aexit__(
         self,
@@ -123,20 +112,14 @@ class Averager:
         await self.stop()
 
     async def stop(self) -> None:
-        """Stop serving (letting streams finish for the grace period) and close channels."""
+        """Close the rounds still lingering (the transport stops serving on its own)."""
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        if self._server is not None:
-            await self._server.stop(self.limits.grace_seconds)
-            self._server = None
         for active in self._rounds.values():
             if active.reducer is not None:
                 await active.reducer.close()
         self._rounds.clear()
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
 
     # -- rounds ---------------------------------------------------------------------------------
 
@@ -189,9 +172,10 @@ class Averager:
                 signer=self.identity,
                 config=self.config,
                 reducer=reducer,
-                channel=self.channel,
+                channel=self.transport.channel,
                 traffic=self.traffic,
                 hooks=hooks,
+                pace=self.transport.pace if self.transport.paced else None,
                 out=out,
             )
         except RoundAborted:
@@ -283,11 +267,21 @@ class Averager:
             )
         return active
 
-    def channel(self, endpoint: str) -> grpc.aio.Channel:
-        """The node's (cached) channel to ``endpoint``, with the node's transport limits."""
-        if self.route is not None:
-            endpoint = self.route(endpoint)
-        channel = self._channels.get(endpoint)
-        if channel is None:
-            channel = self._channels[endpoint] = open_channel(endpoint, self.limits)
-        return channel
+
+def transport_limits(config: AllReduceConfig, *, min_message_bytes: int = 0) -> ServerLimits:
+    """Transport limits that carry ``config``'s chunks (and messages of ``min_message_bytes``)."""
+    default = ServerLimits().max_message_bytes
+    return ServerLimits(
+        max_message_bytes=max(default, 2 * config.max_chunk_bytes, min_message_bytes)
+    )
+
+
+@contextlib.asynccontextmanager
+async def standalone(
+    identity: Identity, config: AllReduceConfig, *, host: str = "127.0.0.1"
+) -> AsyncIterator[Averager]:
+    """An averager on a transport of its own (serving only Averaging, on a free port)."""
+    transport = Transport(TransportConfig(host=host, limits=transport_limits(config)))
+    averager = Averager(identity, config, transport)
+    async with averager, transport:  # the server stops (with its grace) before the rounds
+        yield averager
