@@ -11,9 +11,9 @@ import typer
 
 from swarmgrad.node import config as node_config
 from swarmgrad.node.discovery.base import DiscoveryError
+from swarmgrad.node.discovery.directory import SpecMismatch
 from swarmgrad.node.runspec import RunSpecError
 from swarmgrad.node.state.checkpoint import CheckpointError
-from swarmgrad.node.swarm import SpecMismatch
 from swarmgrad.node.training.data import DataError, load_demo
 
 app = typer.Typer(

@@ -9,6 +9,7 @@ the global default one: two nodes in one process (tests) would otherwise clash.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -44,6 +45,23 @@ RejectionSource = Callable[[], Mapping[tuple[str, str], int]]
 LinkSource = Callable[[], "Links"]
 #: How a node's endpoint is reached (records.REACHABILITY).
 LINK_KINDS = ("unknown", "direct", "upnp", "punched", "relayed", "unreachable")
+
+
+class Tallies:
+    """What happened to this node, by event ("aborted", "state downloads", ...), and its
+    failures by kind (:data:`FAILURE_KINDS`): one call per event keeps the two in step."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.failures: collections.Counter[str] = collections.Counter()
+
+    def count(self, event: str) -> None:
+        self.counts[event] += 1
+
+    def failed(self, event: str, kind: str) -> None:
+        """Count ``event`` and a failure of ``kind`` (one of :data:`FAILURE_KINDS`)."""
+        self.counts[event] += 1
+        self.failures[kind] += 1
 
 
 @dataclass(frozen=True, slots=True)

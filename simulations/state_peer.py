@@ -50,7 +50,7 @@ async def serve(args: argparse.Namespace) -> None:
             values = snapshot.values.clone()
             values[args.corrupt_chunk * snapshot.chunk_values] += 1.0
             lie = dataclasses.replace(snapshot, values=values)
-            swarm.state_servicer.lookup = {snapshot.checksum: lie}.get
+            swarm.state.servicer.lookup = {snapshot.checksum: lie}.get
         async with asyncio.timeout(30):  # until its record, with the checksum, can be read back
             while True:
                 peers = await swarm.refresh_peers()

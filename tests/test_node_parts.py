@@ -20,7 +20,7 @@ from swarmgrad.node.config import ConfigError, home, node_config
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import ModelSection, RunSpec, RunSpecError
-from swarmgrad.node.swarm import pick_donors
+from swarmgrad.node.state.sync import pick_donors
 from swarmgrad.node.training.api import DiLoCo
 from swarmgrad.node.training.data import DataError, load_demo
 from swarmgrad.node.training.model import build_model, flatten, unflatten

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from swarmgrad.node.averaging.group import Group
+from swarmgrad.node.averaging.rounds import WITHDRAW_MARGIN_SECONDS, Outcome
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
-from swarmgrad.node.swarm import WITHDRAW_MARGIN_SECONDS, Outcome, Swarm, SwarmConfig
+from swarmgrad.node.swarm import Swarm, SwarmConfig
 from swarmgrad.simulations.swarm import DEMO_SPEC
 
 pytestmark = pytest.mark.slow
@@ -41,7 +42,7 @@ async def test_a_stalled_attempt_withdraws_its_readiness_record() -> None:
         return vector
 
     async with Swarm(SPEC, Identity.generate(), SwarmConfig()) as first:
-        bootstrap = tuple(first._discovery.visible_maddrs())  # type: ignore[union-attr]
+        bootstrap = tuple(first.visible_maddrs())  # type: ignore[union-attr]
         async with Swarm(SPEC, Identity.generate(), SwarmConfig(bootstrap=bootstrap)) as second:
             vector = torch.ones(1000)
             rounds = [
@@ -54,7 +55,7 @@ async def test_a_stalled_attempt_withdraws_its_readiness_record() -> None:
             # staller's goes although its attempt has not ended.
             deadline = formed + WITHDRAW_MARGIN_SECONDS + 3.0
             while True:
-                ready = await second._discovery.find("round/0")  # type: ignore[union-attr]
+                ready = await second.directory.discovery.find("round/0")  # type: ignore[union-attr]
                 if first.peer_id not in {r.peer_id for r in ready}:
                     break
                 now = asyncio.get_running_loop().time()
@@ -78,12 +79,12 @@ async def test_a_peer_that_found_nobody_takes_its_readiness_record_down() -> Non
         )
     )
     async with Swarm(spec, Identity.generate(), SwarmConfig()) as lone:
-        bootstrap = tuple(lone._discovery.visible_maddrs())  # type: ignore[union-attr]
+        bootstrap = tuple(lone.visible_maddrs())  # type: ignore[union-attr]
         async with Swarm(spec, Identity.generate(), SwarmConfig(bootstrap=bootstrap)) as witness:
             attempt = asyncio.create_task(lone.average(torch.ones(100), epoch=0, weight=1.0))
             deadline = asyncio.get_running_loop().time() + 10.0
             while True:  # the witness sees the record while the lone peer waits
-                ready = await witness._discovery.find("round/0")  # type: ignore[union-attr]
+                ready = await witness.directory.discovery.find("round/0")  # type: ignore[union-attr]
                 if lone.peer_id in {r.peer_id for r in ready}:
                     break
                 assert asyncio.get_running_loop().time() < deadline, "no readiness record seen"
@@ -91,5 +92,5 @@ async def test_a_peer_that_found_nobody_takes_its_readiness_record_down() -> Non
             async with asyncio.timeout(30):
                 result = await attempt
             assert result.outcome is Outcome.NO_GROUP
-            ready = await witness._discovery.find("round/0")  # type: ignore[union-attr]
+            ready = await witness.directory.discovery.find("round/0")  # type: ignore[union-attr]
             assert lone.peer_id not in {r.peer_id for r in ready}

@@ -45,6 +45,11 @@ class Discovery(Protocol):
     #: Records dropped on read, by reason.
     rejected: Counter[str]
 
+    @property
+    def call_timeout_seconds(self) -> float:
+        """The deadline of each call into the DHT."""
+        ...
+
     def for_spec(self, spec_hash: bytes) -> Discovery:
         """A view of the same DHT for another spec of this run (closing either closes both)."""
         ...
@@ -115,6 +120,11 @@ class SignedDirectory(abc.ABC):
     async def _get(self, key: str) -> dict[str, tuple[bytes | None, float]]:
         """The unexpired values under ``key`` by subkey, with their expiry (None: a value that
         is not bytes)."""
+
+    @property
+    def call_timeout_seconds(self) -> float:
+        """The deadline of each call into the DHT."""
+        return self._timeout
 
     def for_spec(self, spec_hash: bytes) -> Self:
         """A view of the same DHT for another spec of this run (closing either closes both)."""

@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from swarmgrad.node.averaging.group import Group, chunk_sizes
-from swarmgrad.node.swarm import Averaged, Outcome, Swarm
+from swarmgrad.node.averaging.rounds import Averaged, Outcome
+from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.training.diloco import OuterOptimizer
 from swarmgrad.node.training.model import flatten, unflatten
 from swarmgrad.protocol import state

@@ -1,0 +1,157 @@
+"""The run's directory as this node sees it: its own record, the run's peers, the spec check.
+
+One ``PeerDirectory`` per node owns everything the node reads and writes under the ``peers``
+topic and the run's spec slots. It refuses to join a run whose peers train another spec
+(:class:`SpecMismatch`, with the differences spelled out), keeps this node's signed record fresh
+(every ``announce_interval_seconds``, and soon after :meth:`changed`), and holds the one cached
+table of the run's peers that matchmaking, reachability, state sync and the metrics read.
+Readiness records for rounds are matchmaking's (``averaging/matchmaking.py``), not this table's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from swarmgrad.node.discovery.base import Discovery, DiscoveryError, dht_time
+from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS
+from swarmgrad.node.discovery.records import PeerRecord
+from swarmgrad.node.metrics import Tallies
+from swarmgrad.node.runspec import RunSpec
+
+log = logging.getLogger(__name__)
+
+#: Room under the DHT's lifetime cap for a leave, which outlives the record it withdraws.
+MAX_RECORD_TTL_SECONDS = MAX_TTL_SECONDS - 30.0
+
+
+class SpecMismatch(RuntimeError):
+    """This node's run spec differs from the one the run's peers use; the message says how."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DirectoryConfig:
+    record_ttl_seconds: float = 60.0
+    announce_interval_seconds: float = 15.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.announce_interval_seconds < self.record_ttl_seconds:
+            raise ValueError("announce_interval_seconds must be positive and below the TTL")
+        if self.record_ttl_seconds > MAX_RECORD_TTL_SECONDS:
+            raise ValueError(
+                f"record_ttl_seconds must be at most {MAX_RECORD_TTL_SECONDS:g} (the DHT refuses "
+                "longer-lived values)"
+            )
+
+
+class PeerDirectory:
+    """This node's record in the run, and the run's peers as last read."""
+
+    def __init__(
+        self,
+        discovery: Discovery,
+        spec: RunSpec,
+        config: DirectoryConfig,
+        *,
+        own_record: Callable[[float, float], PeerRecord],
+        tallies: Tallies,
+        seen: Callable[[int], None] = lambda num_peers: None,
+    ) -> None:
+        """``own_record(now, ttl_seconds)`` describes this node as it is now; ``seen`` hears
+        how many peers each read found (a metric)."""
+        self.discovery = discovery
+        self.spec, self.config = spec, config
+        self._own_record, self._tallies, self._seen = own_record, tallies, seen
+        self._changed = asyncio.Event()
+        self._closed = False
+        #: The run's trainers as last read from the DHT (this node included).
+        self.peers: list[PeerRecord] = []
+
+    async def check_spec(self) -> None:
+        """Refuse to join a run whose peers use another spec (and announce ours)."""
+        mine = self.spec.hash.hex()
+        specs = await self.discovery.find_specs()
+        others = {h: body for h, body in specs.items() if h != mine}
+        if others and mine not in specs:
+            first_hash, first = sorted(others.items())[0]
+            diffs = "; ".join(self.spec.differences(first)) or "unknown fields"
+            raise SpecMismatch(
+                f"run {self.spec.run.id!r} is being trained with a different run spec "
+                f"({first_hash[:12]}, yours is {mine[:12]}): {diffs}. Use the run's spec file "
+                f"(or pick another run id) to join."
+            )
+        try:
+            await self._announce_spec()
+        except DiscoveryError as error:  # the announce loop publishes it again: not fatal
+            self._tallies.failed("announce failed", "discovery")
+            log.warning("could not announce the run spec yet: %s", error)
+
+    async def _announce_spec(self) -> None:
+        await self.discovery.announce_spec(
+            self.spec.canonical(), expires_at=dht_time() + self.config.record_ttl_seconds
+        )
+
+    async def announce(self) -> None:
+        """Announce this node's record and the run spec now, then read the run's peers."""
+        await self.discovery.announce(self._own_record(dht_time(), self.config.record_ttl_seconds))
+        await self._announce_spec()
+        self._update(await self.discovery.find())
+
+    def changed(self) -> None:
+        """Re-announce soon: something in this node's record changed (call on the loop)."""
+        self._changed.set()
+
+    async def join(self) -> None:
+        """Announce this node now; a DHT error is counted and left to :meth:`keep_fresh`."""
+        try:
+            await self.announce()
+        except DiscoveryError as error:
+            self._tallies.failed("announce failed", "discovery")
+            log.warning("could not announce this node yet: %s", error)
+
+    async def keep_fresh(self) -> None:
+        """Re-announce this node's record every interval, or soon after :meth:`changed`."""
+        while True:
+            try:
+                async with asyncio.timeout(self.config.announce_interval_seconds):
+                    await self._changed.wait()
+            except TimeoutError:
+                pass
+            self._changed.clear()
+            try:
+                await self.announce()
+            except DiscoveryError as error:
+                self._tallies.failed("announce failed", "discovery")
+                log.warning("could not refresh this node's record: %s", error)
+
+    async def refresh(self) -> list[PeerRecord]:
+        """Read the run's peers again; on a DHT error, the last table (counted, logged)."""
+        try:
+            self._update(await self.discovery.find())
+        except DiscoveryError as error:
+            self._tallies.failed("discovery failed", "discovery")
+            log.warning("could not read the run's peers: %s", error)
+        return self.peers
+
+    def _update(self, peers: list[PeerRecord]) -> None:
+        self.peers = peers
+        self._seen(len(peers))
+
+    async def withdraw(self, topic: str) -> None:
+        """Withdraw this node's value under ``topic`` (best effort: it expires anyway)."""
+        if self._closed:  # the graceful leave withdrew everything
+            return
+        try:
+            await self.discovery.leave(topic)
+        except DiscoveryError as error:
+            log.debug("could not withdraw %s: %s", topic, error)
+
+    async def leave(self) -> None:
+        """Withdraw this node's record (a graceful leave); nothing is announced after it."""
+        self._closed = True
+        try:
+            await self.discovery.leave()
+        except DiscoveryError as error:
+            log.warning("could not announce leave: %s", error)

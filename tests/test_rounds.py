@@ -1,0 +1,151 @@
+"""One round under one deadline (node/averaging/rounds.py), with stand-ins for the DHT and the
+all-reduce: no sockets, no processes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, cast
+
+import pytest
+import torch
+
+from swarmgrad.node.averaging.allreduce import RoundResult
+from swarmgrad.node.averaging.group import Group, Member
+from swarmgrad.node.averaging.rounds import Outcome, RoundParts, Rounds, RoundsConfig
+from swarmgrad.node.metrics import Tallies
+from swarmgrad.protocol.errors import RoundAborted
+
+GROUP = Group(
+    round=3,
+    members=(
+        Member(peer_id="a", endpoint="127.0.0.1:1", weight=1.0),
+        Member(peer_id="b", endpoint="127.0.0.1:2", weight=1.0),
+    ),
+)
+
+
+class Stalls:
+    """A part whose call never returns (a DHT node that stopped answering, a hung peer)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        await asyncio.Event().wait()
+
+
+class Matchmaker:
+    settle_seconds = 0.0
+
+    def __init__(self, form_group: Any) -> None:
+        self.form_group = form_group
+
+
+class Averager:
+    def __init__(self, all_reduce: Any) -> None:
+        self.all_reduce = all_reduce
+
+
+class Directory:
+    def __init__(self) -> None:
+        self.peers: list[Any] = []
+        self.withdrawn: list[str] = []
+
+    async def withdraw(self, topic: str) -> None:
+        self.withdrawn.append(topic)
+
+
+class Reachability:
+    owner_share = 1.0
+
+    def __init__(self) -> None:
+        self.settled = asyncio.Event()
+        self.settled.set()
+
+
+class Routes:
+    async def prepare(self, endpoints: Any, peers: Any) -> None:
+        pass
+
+
+def rounds(
+    *, form_group: Any, all_reduce: Any = None, budget_seconds: float = 0.5
+) -> tuple[Rounds, Tallies, Directory, list[asyncio.Task[None]]]:
+    tallies, directory, spawned = Tallies(), Directory(), []
+
+    def spawn(coro: Coroutine[Any, Any, None], name: str) -> None:
+        spawned.append(asyncio.create_task(coro, name=name))
+
+    parts = RoundParts(
+        matchmaker=cast(Any, Matchmaker(form_group)),
+        averager=cast(Any, Averager(all_reduce)),
+        directory=cast(Any, directory),
+        reachability=cast(Any, Reachability()),
+        routes=cast(Any, Routes()),
+        tallies=tallies,
+        spawn=spawn,
+    )
+    return Rounds(parts, RoundsConfig(budget_seconds=budget_seconds)), tallies, directory, spawned
+
+
+async def test_a_stalled_matchmaking_ends_as_no_group_within_the_budget() -> None:
+    stalled = Stalls()
+    node, tallies, directory, spawned = rounds(form_group=stalled, budget_seconds=0.5)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    async with asyncio.timeout(5):  # the test's own bound: the round's must come first
+        report = await node.run(torch.ones(8), epoch=3, weight=1.0, endpoint="127.0.0.1:1")
+    assert report.outcome is Outcome.NO_GROUP
+    assert "budget of 0.5 s" in report.error
+    assert 0.5 <= loop.time() - started < 2.0
+    assert stalled.calls == 1
+    assert tallies.counts["no group"] == 1
+    await asyncio.gather(*spawned)
+    assert directory.withdrawn == ["round/3"]  # its readiness record does not linger
+
+
+async def test_a_stalled_all_reduce_ends_as_aborted_within_the_budget() -> None:
+    async def form_group(*args: Any, **kwargs: Any) -> Group:
+        return GROUP
+
+    node, tallies, _, spawned = rounds(
+        form_group=form_group, all_reduce=Stalls(), budget_seconds=0.5
+    )
+    async with asyncio.timeout(5):
+        report = await node.run(torch.ones(8), epoch=3, weight=1.0, endpoint="127.0.0.1:1")
+    assert report.outcome is Outcome.ABORTED
+    assert report.group == GROUP
+    assert tallies.failures["aborted_round"] == 1
+    for task in spawned:
+        task.cancel()
+    await asyncio.gather(*spawned, return_exceptions=True)
+
+
+@pytest.mark.parametrize("aborts", [False, True])
+async def test_a_round_in_time_reports_what_the_all_reduce_did(aborts: bool) -> None:
+    async def form_group(*args: Any, **kwargs: Any) -> Group:
+        return GROUP
+
+    async def all_reduce(vector: torch.Tensor, group: Group) -> RoundResult:
+        if aborts:
+            raise RoundAborted("nothing was averaged with another peer")
+        return RoundResult(
+            averaged=vector * 2, contributors=("a", "b"), partial=(), missing=(), failures={}
+        )
+
+    node, tallies, directory, spawned = rounds(
+        form_group=form_group, all_reduce=all_reduce, budget_seconds=5.0
+    )
+    report = await node.run(torch.ones(8), epoch=3, weight=1.0, endpoint="127.0.0.1:1")
+    await asyncio.gather(*spawned)
+    if aborts:
+        assert report.outcome is Outcome.ABORTED
+        assert tallies.counts["aborted"] == 1
+    else:
+        assert report.outcome is Outcome.AVERAGED
+        assert report.result is not None
+        assert torch.equal(report.result.averaged, torch.full((8,), 2.0))
+        assert tallies.counts["averaged"] == 1
+    assert "round/3" in directory.withdrawn
