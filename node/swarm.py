@@ -24,7 +24,7 @@ import concurrent.futures
 import importlib.metadata
 import logging
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -33,7 +33,6 @@ import torch
 from swarmgrad.compression import codec_names, get_codec
 from swarmgrad.node.averaging.allreduce import AllReduceConfig
 from swarmgrad.node.averaging.averager import Averager
-from swarmgrad.node.averaging.group import Group
 from swarmgrad.node.averaging.matchmaking import Matchmaker
 from swarmgrad.node.averaging.rounds import Averaged, RoundParts, Rounds, RoundsConfig
 from swarmgrad.node.discovery.base import BACKENDS, Discovery, start_discovery
@@ -466,12 +465,12 @@ class Swarm:
         *,
         epoch: int,
         weight: float,
-        prepare: Callable[[torch.Tensor, Group], torch.Tensor] | None = None,
+        keep_sent: bool = False,
     ) -> Averaged:
         """One round (``averaging/rounds.py``): a group for ``epoch``, then the all-reduce."""
         assert self._rounds is not None
         return await self._rounds.run(
-            vector, epoch=epoch, weight=weight, endpoint=self.endpoint, prepare=prepare
+            vector, epoch=epoch, weight=weight, endpoint=self.endpoint, keep_sent=keep_sent
         )
 
     # -- hole punching ----------------------------------------------------------------------------

@@ -498,3 +498,39 @@ async def test_stop_is_graceful_and_bounded_with_streams_open() -> None:
         elapsed = asyncio.get_running_loop().time() - started
         assert elapsed < owner.transport.limits.grace_seconds + 2
         assert await parked != grpc.StatusCode.OK
+
+
+async def test_error_feedback_carries_exactly_what_the_owner_did_not_receive(
+    pair: tuple[Averager, Averager],
+) -> None:
+    """A member encodes each chunk once; what it reports as sent is what its owner decodes
+    (the same bytes through the same decoder), its own part exact. Fed back round after round,
+    nothing is lost: what went out plus one residual is what came in."""
+    owner, honest = pair
+    codec = get_codec(CONFIG.codec)
+    size = 3 * CHUNK + 100
+    residual, inputs, sent_total = torch.zeros(size), torch.zeros(size), torch.zeros(size)
+    generator = torch.Generator().manual_seed(5)
+    for round_ in range(5):
+        group = group_of(round_, owner, honest, [])
+        mine, theirs = (
+            torch.randn(size, generator=generator),
+            torch.randn(size, generator=generator),
+        )
+        compensated = theirs + residual
+        own, member = await asyncio.gather(
+            owner.all_reduce(mine, group, keep_sent=True),
+            honest.all_reduce(compensated, group, keep_sent=True),
+        )
+        assert own.sent is not None
+        assert member.sent is not None
+        assert torch.equal(own.sent, mine)  # the owner's part is reduced from its exact values
+        for start in range(0, size, CHUNK):  # the honest member owns nothing: every chunk goes
+            piece = compensated[start : start + CHUNK]
+            assert torch.equal(member.sent[start : start + CHUNK], decode(*codec.encode(piece)))
+        assert not torch.equal(member.sent, compensated)  # int8 loses something
+        residual = compensated - member.sent
+        inputs += theirs
+        sent_total += member.sent
+    assert torch.allclose(sent_total + residual, inputs, atol=1e-4)
+    assert (sent_total - inputs).norm() < 2 * residual.norm() + 1e-6

@@ -128,7 +128,7 @@ async def test_a_round_in_time_reports_what_the_all_reduce_did(aborts: bool) -> 
     async def form_group(*args: Any, **kwargs: Any) -> Group:
         return GROUP
 
-    async def all_reduce(vector: torch.Tensor, group: Group) -> RoundResult:
+    async def all_reduce(vector: torch.Tensor, group: Group, keep_sent: bool) -> RoundResult:
         if aborts:
             raise RoundAborted("nothing was averaged with another peer")
         return RoundResult(

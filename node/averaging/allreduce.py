@@ -41,7 +41,7 @@ from typing import Protocol
 import grpc
 import torch
 
-from swarmgrad.compression import Codec, get_codec
+from swarmgrad.compression import Codec, Meta, decode, get_codec
 from swarmgrad.node.averaging.group import Group, chunk_sizes
 from swarmgrad.node.averaging.reducer import PartReducer
 from swarmgrad.protocol.auth import Signer
@@ -136,6 +136,10 @@ class RoundResult:
     failures: Mapping[str, str]
     #: Each failed peer's kind of failure: "timeout", "protocol_violation" or "dropped_member".
     failure_kinds: Mapping[str, str] = field(default_factory=dict)
+    #: With ``keep_sent``: this member's contribution as its owners decode it (its own part
+    #: exact, every other chunk as encoded once and sent, chunks never sent exact).
+    #: ``vector - sent`` is what the codec lost: the error feedback a caller carries on.
+    sent: torch.Tensor | None = None
 
     @property
     def complete(self) -> bool:
@@ -164,6 +168,8 @@ class _Round:
     hooks: RoundHooks | None
     pace: Callable[[int], Awaitable[None]] | None
     reducer: PartReducer | None
+    #: What owners decode of this member's values (None: not kept).
+    sent: torch.Tensor | None = None
     #: Per (part, chunk): the contributors of what this member received (absent: missing).
     contributors: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
@@ -187,6 +193,7 @@ async def run_round(
     hooks: RoundHooks | None = None,
     pace: Callable[[int], Awaitable[None]] | None = None,
     out: torch.Tensor | None = None,
+    keep_sent: bool = False,
 ) -> RoundResult:
     """Run this member's side of one round; ``reducer`` reduces its own part (None: owns none).
 
@@ -206,6 +213,8 @@ async def run_round(
         hooks=hooks,
         pace=pace,
         reducer=reducer,
+        # Chunks never encoded (their owner failed first) count as sent exactly.
+        sent=vector.clone() if keep_sent else None,
     )
     bounds = group.partition(vector.numel())
     # Every averaged chunk is decoded straight into `out`; missing ones get the caller's values
@@ -265,13 +274,19 @@ async def _exchange_with_owner(
     offsets = _offsets(numels)
     codec = config.make_codec()
     queue: asyncio.Queue[Framed | None] = asyncio.Queue(maxsize=2)
+    sent = None
+    if state.sent is not None:
+        first = group.partition(state.sent.numel())[part][0]
+        sent = state.sent[first : first + values.numel()]
 
     async def produce() -> None:
         try:
             for index, (start, end) in enumerate(offsets):
                 # A view of `values` for the identity codec: the caller's vector is not
                 # modified during the round.
-                payload, meta = await asyncio.to_thread(codec.encode_view, values[start:end])
+                payload, meta = await asyncio.to_thread(
+                    _encode, codec, values[start:end], None if sent is None else sent[start:end]
+                )
                 if hooks is not None:
                     payload = await hooks.before_send(part, index, bytes(payload))
                 if state.pace is not None:  # the node's upload cap
@@ -376,6 +391,17 @@ def _offsets(numels: list[int]) -> list[tuple[int, int]]:
     return offsets
 
 
+def _encode(
+    codec: Codec, values: torch.Tensor, sent: torch.Tensor | None
+) -> tuple[bytes | memoryview, Meta]:
+    """Encode one chunk, once; with ``sent``, also what its owner will decode of it (the same
+    bytes through the same decoder: exact, whatever the codec)."""
+    payload, meta = codec.encode_view(values)
+    if sent is not None:
+        decode(payload, meta, max_numel=sent.numel(), out=sent)
+    return payload, meta
+
+
 def _summarize(state: _Round, bounds: list[tuple[int, int]], out: torch.Tensor) -> RoundResult:
     me, group, config = state.me, state.group, state.config
     ids = [m.peer_id for m in group.members]
@@ -402,6 +428,7 @@ def _summarize(state: _Round, bounds: list[tuple[int, int]], out: torch.Tensor) 
             f"round {group.round}: nothing was averaged with another peer ({reasons})"
         )
     return RoundResult(
+        sent=state.sent,
         averaged=out,
         contributors=tuple(ids[c] for c, n in seen_in.items() if n == averaged_chunks),
         partial=tuple(ids[c] for c, n in seen_in.items() if 0 < n < averaged_chunks),

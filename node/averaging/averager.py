@@ -130,6 +130,7 @@ class Averager:
         *,
         hooks: RoundHooks | None = None,
         out: torch.Tensor | None = None,
+        keep_sent: bool = False,
     ) -> RoundResult:
         """Average ``vector`` (1-D fp32 on the CPU) with ``group`` (``allreduce.py`` says how).
 
@@ -177,6 +178,7 @@ class Averager:
                 hooks=hooks,
                 pace=self.transport.pace if self.transport.paced else None,
                 out=out,
+                keep_sent=keep_sent,
             )
         except RoundAborted:
             self.rounds["aborted"] += 1

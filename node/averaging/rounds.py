@@ -2,8 +2,9 @@
 
 :meth:`Rounds.run` waits (once, before the node's first round with peers) for this node's
 reachability verdict, forms a group for the epoch through the DHT (``matchmaking.py``), makes
-punching routes to the group's relayed members, lets the trainer prepare its vector for that
-group, and all-reduces it (``averager.py``). All of it runs under ``budget_seconds``: a DHT that
+punching routes to the group's relayed members, and all-reduces the trainer's vector
+(``averager.py``), which encodes each chunk once and, for error feedback, reports what its
+owners decode of it (``RoundResult.sent``). All of it runs under ``budget_seconds``: a DHT that
 stalls matchmaking, or anything else that overruns, ends the round as NO_GROUP (before a group
 formed) or ABORTED (after), never as a trainer waiting for good. Each way a round can fail is an
 :class:`Outcome` the trainer handles, counts and survives; none raises.
@@ -53,7 +54,8 @@ class Averaged:
     outcome: Outcome
     result: RoundResult | None = None
     group: Group | None = None
-    sent: torch.Tensor | None = None  # what this node contributed (after any preparation)
+    #: What this node contributed, as its owners decoded it (``vector`` itself if not kept).
+    sent: torch.Tensor | None = None
     error: str = ""
     seconds: float = 0.0  # the all-reduce's own duration
 
@@ -75,7 +77,6 @@ class RoundsConfig:
 
 
 Spawn = Callable[[Coroutine[Any, Any, None], str], None]
-Prepare = Callable[[torch.Tensor, Group], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,12 +105,10 @@ class Rounds:
         epoch: int,
         weight: float,
         endpoint: str,
-        prepare: Prepare | None = None,
+        keep_sent: bool = False,
     ) -> Averaged:
-        """One round for ``epoch``: the all-reduce of ``vector`` with a group from the DHT.
-
-        ``prepare`` (run in a worker thread) turns ``vector`` into what is sent, given the group.
-        """
+        """One round for ``epoch``: the all-reduce of ``vector`` with a group from the DHT
+        (``keep_sent``: report what the owners decoded of it, for error feedback)."""
         group: Group | None = None
         try:
             async with asyncio.timeout(self.config.budget_seconds):
@@ -117,7 +116,7 @@ class Rounds:
                 group = await self._form_group(epoch, weight=weight, endpoint=endpoint)
                 if group is None:
                     return Averaged(Outcome.NO_GROUP, error="nobody else was ready in time")
-                return await self._average(vector, group, prepare)
+                return await self._average(vector, group, keep_sent=keep_sent)
         except DiscoveryError as error:
             self._parts.tallies.failed("discovery failed", "discovery")
             return Averaged(Outcome.NO_GROUP, error=str(error))
@@ -143,9 +142,7 @@ class Rounds:
             await self._withdraw(epoch)
         return group
 
-    async def _average(
-        self, vector: torch.Tensor, group: Group, prepare: Prepare | None
-    ) -> Averaged:
+    async def _average(self, vector: torch.Tensor, group: Group, *, keep_sent: bool) -> Averaged:
         parts, epoch = self._parts, group.round
         log.info("epoch %d: averaging in a group of %d", epoch, len(group.members))
         # The readiness record goes soon after the group is formed (its mates have read it by
@@ -160,9 +157,8 @@ class Rounds:
         )
         try:
             await parts.routes.prepare([m.endpoint for m in group.members], parts.directory.peers)
-            sent = vector if prepare is None else await asyncio.to_thread(prepare, vector, group)
             started = asyncio.get_running_loop().time()
-            result = await parts.averager.all_reduce(sent, group)
+            result = await parts.averager.all_reduce(vector, group, keep_sent=keep_sent)
         except RoundAborted as error:
             parts.tallies.failed("aborted", "aborted_round")
             return Averaged(Outcome.ABORTED, group=group, error=str(error))
@@ -175,6 +171,7 @@ class Rounds:
         parts.tallies.count("averaged" if result.complete else "partial")
         parts.tallies.failures.update(result.failure_kinds.values())
         seconds = asyncio.get_running_loop().time() - started
+        sent = result.sent if result.sent is not None else vector
         return Averaged(Outcome.AVERAGED, result=result, group=group, sent=sent, seconds=seconds)
 
     async def _await_reachability(self) -> None:

@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from swarmgrad.node.averaging.group import Group, chunk_sizes
 from swarmgrad.node.averaging.rounds import Averaged, Outcome
 from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.training.diloco import OuterOptimizer
@@ -163,47 +162,21 @@ class _Replica:
             detail=f"from {', '.join(d.peer_id for d in donors)}",
         )
 
-    def _with_feedback(
-        self, vector: torch.Tensor, group: Group
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``vector + residual`` as the group's owners will decode it, and the new residual:
-        what the codec loses (and, whatever the codec, values a round could not average).
-
-        Parts this member owns are reduced from its exact values, so only the others are
-        round-tripped through the codec, chunk by chunk exactly as the all-reduce cuts them.
-        """
-        compensated = vector + self._residual
-        if self.swarm.codec_is_lossless:
-            return compensated, torch.zeros_like(compensated)
-        sent = compensated.clone()
-        codec = self.swarm.codec
-        me = group.index(self.swarm.peer_id)
-        chunk_values = self.swarm.spec.averaging.chunk_values
-        for part, (start, end) in enumerate(group.partition(vector.numel())):
-            if part == me:
-                continue
-            offset = start
-            for size in chunk_sizes(end - start, chunk_values):
-                piece = compensated[offset : offset + size]
-                sent[offset : offset + size] = codec.decode(*codec.encode(piece))
-                offset += size
-        return sent, compensated - sent
-
     def _average(self, vector: torch.Tensor) -> Averaged:
-        """One round; the residual moves on only if the round applied what was sent (a round
-        that fails, or a stop mid-round, leaves the state as it was before)."""
-        residual: list[torch.Tensor] = []
-
-        def prepare(vector: torch.Tensor, group: Group) -> torch.Tensor:
-            sent, left = self._with_feedback(vector, group)
-            residual.append(left)
-            return sent
-
+        """One round of ``vector`` plus the error-feedback residual. The residual moves on only
+        if the round applied what was sent (a round that fails, or a stop mid-round, leaves the
+        state as it was before): it becomes what the codec lost of what was sent (and, whatever
+        the codec, values a round could not average are carried by the caller)."""
+        compensated = vector + self._residual
+        lossless = self.swarm.codec_is_lossless
         averaged = self.swarm.call(
-            self.swarm.average(vector, epoch=self.epoch, weight=self.samples, prepare=prepare)
+            self.swarm.average(
+                compensated, epoch=self.epoch, weight=self.samples, keep_sent=not lossless
+            )
         )
         if averaged.outcome is Outcome.AVERAGED:
-            self._residual = residual[-1]
+            assert averaged.sent is not None
+            self._residual = compensated - averaged.sent
         return averaged
 
     def _report(self, averaged: Averaged, started: float) -> RoundReport:
