@@ -4,8 +4,9 @@ Q (cols x r) with M ~ P @ Q.T.
 A tensor of two or more dimensions is viewed as ``shape[0] x rest``; a vector (the all-reduce's
 flat slices) as a near-square matrix, zero-padded. P and Q come from ``iterations`` rounds of
 subspace iteration started from a fixed-seed Gaussian Q, so encode is deterministic and needs no
-state; use it under :class:`~swarmgrad.compression.feedback.ErrorFeedback`, which supplies what
-the PowerSGD paper gets from its warm start and residual (Vogels et al., 2019).
+state; use it with error feedback (:class:`~swarmgrad.compression.feedback.ErrorFeedback`, or a
+node's own, as for ``topk``), which supplies what the PowerSGD paper gets from its warm start
+and residual (Vogels et al., 2019).
 
 Aggregation: owners decode to dense fp32, average, and re-encode the average at the same rank, so
 each member downloads rank * (rows + cols) values per slice whatever the group size.

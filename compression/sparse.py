@@ -1,8 +1,9 @@
 """Top-k sparsification (``topk``): the k largest-magnitude values, 8-bit quantized, and their
 positions as bit-packed gaps.
 
-Use it under :class:`~swarmgrad.compression.feedback.ErrorFeedback`: what one round leaves out is
-carried into the next, so small coordinates are delayed, not lost.
+Use it with error feedback: what one round leaves out is carried into the next, so small
+coordinates are delayed, not lost (:class:`~swarmgrad.compression.feedback.ErrorFeedback` for a
+stream of tensors; in a node, the all-reduce reports what was sent and the trainer carries it).
 
 Aggregation: an owner in the all-reduce decodes each member's sparse slice into a dense fp32
 accumulator, then re-encodes the *average* with the same k before sending it back. Every member
