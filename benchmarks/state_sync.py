@@ -37,9 +37,9 @@ EPOCH = 5
 def swarmgrad_donor(args: argparse.Namespace) -> None:
     import torch
 
+    from swarmgrad.node import Swarm, SwarmConfig
     from swarmgrad.node.identity import Identity
     from swarmgrad.node.runspec import RunSpec
-    from swarmgrad.node.swarm import Swarm, SwarmConfig
     from swarmgrad.protocol import state
 
     async def serve() -> None:
@@ -60,9 +60,9 @@ def swarmgrad_donor(args: argparse.Namespace) -> None:
 
 
 def swarmgrad_joiner(args: argparse.Namespace) -> None:
+    from swarmgrad.node import Swarm, SwarmConfig
     from swarmgrad.node.identity import Identity
     from swarmgrad.node.runspec import RunSpec
-    from swarmgrad.node.swarm import Swarm, SwarmConfig
 
     async def join() -> dict[str, Any]:
         spec = RunSpec.from_toml(RUN_SPEC)

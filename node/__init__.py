@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from swarmgrad.node.identity import Identity
     from swarmgrad.node.runspec import RunSpec
-    from swarmgrad.node.swarm import Swarm, SwarmConfig
+    from swarmgrad.node.swarm import Swarm
+    from swarmgrad.node.swarm_config import SwarmConfig
     from swarmgrad.node.training.api import DiLoCo, SyncDataParallel
 
 _EXPORTS = {
     "Identity": "swarmgrad.node.identity",
     "RunSpec": "swarmgrad.node.runspec",
     "Swarm": "swarmgrad.node.swarm",
-    "SwarmConfig": "swarmgrad.node.swarm",
+    "SwarmConfig": "swarmgrad.node.swarm_config",
     "DiLoCo": "swarmgrad.node.training.api",
     "SyncDataParallel": "swarmgrad.node.training.api",
 }

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmgrad.node.runspec import NodeSection, RunSpec, RunSpecError
-from swarmgrad.node.swarm import SwarmConfig
+from swarmgrad.node.swarm_config import SwarmConfig
 from swarmgrad.node.training.model import InitWeightsError, init_weights
 
 #: Each [node] setting and its type's name ("int" or "str").

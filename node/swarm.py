@@ -21,136 +21,40 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib.metadata
 import logging
 from collections import Counter
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
-from swarmgrad.compression import codec_names, get_codec
-from swarmgrad.node.averaging.allreduce import AllReduceConfig
+from swarmgrad.compression import get_codec
 from swarmgrad.node.averaging.averager import Averager
 from swarmgrad.node.averaging.matchmaking import Matchmaker
-from swarmgrad.node.averaging.rounds import Averaged, RoundParts, Rounds, RoundsConfig
-from swarmgrad.node.discovery.base import BACKENDS, Discovery, start_discovery
-from swarmgrad.node.discovery.directory import DirectoryConfig, PeerDirectory
+from swarmgrad.node.averaging.rounds import Averaged, RoundParts, Rounds
+from swarmgrad.node.discovery.base import Discovery, start_discovery
+from swarmgrad.node.discovery.directory import PeerDirectory
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.metrics import Links, NodeMetrics, Tallies
-from swarmgrad.node.reachability.dialback import Reachability, ReachabilityConfig
-from swarmgrad.node.reachability.punch import PunchResponder
+from swarmgrad.node.reachability.dialback import Reachability
 from swarmgrad.node.reachability.routes import PunchRoutes
+from swarmgrad.node.reachability.service import PeerService
 from swarmgrad.node.runspec import RunSpec
-from swarmgrad.node.state.sync import StateParts, StateSync, StateSyncConfig
-from swarmgrad.node.transport.transport import Transport, TransportConfig
-from swarmgrad.protocol import peer, state
+from swarmgrad.node.state.sync import StateParts, StateSync
+from swarmgrad.node.swarm_config import (
+    MATCHMAKING_SETTLE_SECONDS,
+    SwarmConfig,
+    allreduce_config,
+    round_budget_seconds,
+)
+from swarmgrad.node.transport.transport import Transport
+from swarmgrad.protocol import state
 from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.server import Rejections, ServerLimits
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-#: Matchmaking's wait for stragglers' readiness records after it stops polling.
-MATCHMAKING_SETTLE_SECONDS = 0.5
-#: A round's budget beyond its phases' own bounds (preparing the vector, withdrawals).
-ROUND_SLACK_SECONDS = 10.0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SwarmConfig:
-    """How this node joins (operational: nothing here is part of the run spec's hash)."""
-
-    host: str = "127.0.0.1"
-    port: int = 0
-    public_host: str = ""  # the address peers dial, if not host
-    bootstrap: tuple[str, ...] = ()
-    #: The DHT backend (:data:`swarmgrad.node.discovery.base.BACKENDS`); a run's nodes share one.
-    discovery: str = "hivemind"
-    #: libp2p only: a private run's DHT key; its DHT then never merges with any other.
-    dht_secret: str = ""
-    #: Relative upload capacity: the share of each round's vector this node owns.
-    bandwidth: float = 1.0
-    #: Cap on this node's averaging uploads (a token bucket), for simulated slow links.
-    upload_bytes_per_second: float | None = None
-    record_ttl_seconds: float = 60.0
-    announce_interval_seconds: float = 15.0
-    dht_start_timeout_seconds: float = 60.0
-    state_download_timeout_seconds: float = 60.0
-    #: Donors a state download draws on at once.
-    max_state_donors: int = 4
-    #: How this node learns and fixes its reachability (dial-back, UPnP, relays).
-    reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
-    #: How long a first round waits for that verdict when there are peers to ask.
-    reachability_wait_seconds: float = 15.0
-
-    def __post_init__(self) -> None:
-        if self.discovery not in BACKENDS:
-            raise ValueError(f"discovery must be one of {', '.join(BACKENDS)}: {self.discovery!r}")
-        if self.dht_secret and self.discovery != "libp2p":
-            raise ValueError("a DHT secret needs the libp2p discovery backend")
-        # Each part's own config checks the rest, here as when the part is built.
-        self.transport(ServerLimits())
-        self.directory()
-        self.state_sync()
-        self.rounds(budget_seconds=1.0)
-
-    def transport(self, limits: ServerLimits) -> TransportConfig:
-        return TransportConfig(
-            host=self.host,
-            port=self.port,
-            public_host=self.public_host,
-            limits=limits,
-            upload_bytes_per_second=self.upload_bytes_per_second,
-        )
-
-    def directory(self) -> DirectoryConfig:
-        return DirectoryConfig(
-            record_ttl_seconds=self.record_ttl_seconds,
-            announce_interval_seconds=self.announce_interval_seconds,
-        )
-
-    def state_sync(self) -> StateSyncConfig:
-        return StateSyncConfig(
-            download_timeout_seconds=self.state_download_timeout_seconds,
-            max_donors=self.max_state_donors,
-        )
-
-    def rounds(self, *, budget_seconds: float) -> RoundsConfig:
-        return RoundsConfig(
-            bandwidth=self.bandwidth,
-            reachability_wait_seconds=self.reachability_wait_seconds,
-            budget_seconds=budget_seconds,
-        )
-
-
-def allreduce_config(spec: RunSpec) -> AllReduceConfig:
-    averaging = spec.averaging
-    return AllReduceConfig(
-        run_id=spec.run.id,
-        spec_hash=spec.hash,
-        codec=averaging.codec,
-        chunk_values=averaging.chunk_values,
-        round_timeout_seconds=averaging.round_timeout_seconds,
-        sender_timeout_seconds=averaging.sender_timeout_seconds,
-        reducer_timeout_seconds=averaging.reducer_timeout_seconds,
-    )
-
-
-def round_budget_seconds(spec: RunSpec, config: SwarmConfig, *, dht_call_seconds: float) -> float:
-    """The longest a round may take, as a trainer waits for it: the reachability wait (first
-    round only), matchmaking (its timeout, the settle time, and the DHT calls at its edges: an
-    announce, a read, a last read), the all-reduce, and a little slack for the rest."""
-    averaging = spec.averaging
-    return (
-        config.reachability_wait_seconds
-        + averaging.matchmaking_timeout_seconds
-        + MATCHMAKING_SETTLE_SECONDS
-        + 3 * dht_call_seconds
-        + averaging.round_timeout_seconds
-        + ROUND_SLACK_SECONDS
-    )
 
 
 class Swarm:
@@ -180,7 +84,7 @@ class Swarm:
             identity,
             spec,
             host=config.host,
-            public_host=self._punch_host,
+            public_host=lambda: self.peer_service.public_host(),
             enabled=config.reachability.punch,
         )
         limits = ServerLimits(
@@ -199,26 +103,14 @@ class Swarm:
             ),
             config.state_sync(),
         )
-        self._punch_responder = (
-            PunchResponder(host=config.host, target=None, public_host=self._punch_host)
-            if config.reachability.punch
-            else None
-        )
-        self.peer_servicer = peer.PeerServicer(
-            peer.PeerIdentity(
-                peer_id=self.peer_id,
-                run_id=spec.run.id,
-                spec_hash=spec.hash,
-                software_version=_software_version(),
-                codecs=tuple(codec_names()),
-            ),
-            signer=identity,
+        self.peer_service = PeerService(
+            identity,
+            spec,
+            self.transport,
             verifier=self.verifier,
             rejections=self.rejections,
-            punch=self._punch_responder,
-            origin=self._origin,
+            punch=config.reachability.punch,
         )
-        self.transport.register(lambda server: peer.add_to_server(self.peer_servicer, server))
         self._averager = Averager(
             identity, rounds, self.transport, verifier=self.verifier, rejections=self.rejections
         )
@@ -301,8 +193,7 @@ class Swarm:
             await self.directory.join()
             self._spawn(self.directory.keep_fresh(), "announce")
             self._spawn(self.reachability.run(), "reachability")
-            if self._punch_responder is not None:
-                self._punch_responder.target = (config.host, self.transport.port)
+            self.peer_service.attach(self.reachability, self.transport.port)
         except BaseException:
             await self._close()
             raise
@@ -320,10 +211,7 @@ class Swarm:
         if self.directory is not None:
             await self.directory.leave()
         await self.routes.close()
-        if self._punch_responder is not None:
-            await self._punch_responder.close()
-        if self.reachability is not None:
-            await self.reachability.close()  # its task is cancelled above; unmap, leave relays
+        await self.peer_service.close()  # and reachability: unmap ports, leave relays
         await self.transport.close()  # stop serving (with its grace), then the rounds
         await self._averager.stop()
         if self._discovery is not None:
@@ -373,32 +261,10 @@ class Swarm:
 
     def reachability_summary(self) -> dict[str, Any]:
         """How peers reach this node, and what it relays for others."""
-        reach = self.reachability
-        relay = reach.relay_server if reach is not None else None
-        return {
-            "reachability": reach.kind if reach is not None else "unknown",
-            "via": reach.via if reach is not None else "",
-            "relay": reach.relay_endpoint if reach is not None else "",
-            "relay_clients": relay.clients if relay is not None else 0,
-            "relayed_bytes": sum(relay.traffic.values()) if relay is not None else 0,
-            # links this node dialed through punching routes, by how they went
-            "links": self.routes.counts(),
-            "punched_in": self._punch_responder.counts["punched"] if self._punch_responder else 0,
-        }
+        return self.peer_service.summary(self.routes)
 
     def _links(self) -> Links:
-        summary = self.reachability_summary()
-        others = Counter(
-            "punched" if self.routes.punched(p.endpoint) else p.reachability
-            for p in self.peers
-            if p.peer_id != self.peer_id
-        )
-        return Links(
-            reachability=summary["reachability"],
-            peers=others,
-            relay_clients=summary["relay_clients"],
-            relayed_bytes=summary["relayed_bytes"],
-        )
+        return self.peer_service.links(self.routes, self.peers, self.peer_id)
 
     def _traffic_totals(self) -> dict[tuple[str, str], int]:
         averaging = self.traffic
@@ -473,17 +339,6 @@ class Swarm:
             vector, epoch=epoch, weight=weight, endpoint=self.endpoint, keep_sent=keep_sent
         )
 
-    # -- hole punching ----------------------------------------------------------------------------
-
-    def _punch_host(self) -> str:
-        reach = self.reachability
-        return reach.observed_host if reach is not None and reach.behind_nat else ""
-
-    def _origin(self, local: str) -> str | None:
-        """Where a connection our relay client spliced to our server came from (Peer.Punch
-        punches only towards its caller)."""
-        return self.reachability.origin_of(local) if self.reachability is not None else None
-
     # -- the trainer's thread -------------------------------------------------------------------
 
     def release_waiters(self) -> None:
@@ -508,10 +363,3 @@ class Swarm:
             return future.result()  # concurrent.futures.CancelledError once the swarm closes
         finally:
             self._pending.discard(future)
-
-
-def _software_version() -> str:
-    try:
-        return importlib.metadata.version("swarmgrad")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
+from swarmgrad.node import Swarm, SwarmConfig
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
-from swarmgrad.node.swarm import Swarm, SwarmConfig
 from swarmgrad.protocol import state
 
 

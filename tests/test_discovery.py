@@ -26,6 +26,7 @@ from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery, SealedValue
 from swarmgrad.node.discovery.records import MAX_SPEC_BYTES, PeerRecord, RecordError, validate
 from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.server import start_server
+from tests.helpers import until
 
 RUN, SPEC = "run-a", b"\x07" * 32
 
@@ -207,12 +208,13 @@ async def start(request: pytest.FixtureRequest) -> AsyncIterator[Starter]:
 async def wait_for(
     node: Discovery, predicate: Callable[[list[PeerRecord]], bool], seconds: float = 15
 ) -> list[PeerRecord]:
-    async with asyncio.timeout(seconds):
-        while True:
-            records = await node.find()
-            if predicate(records):
-                return records
-            await asyncio.sleep(0.1)
+    async def found() -> list[PeerRecord] | None:
+        records = await node.find()
+        return records if predicate(records) else None
+
+    return await until(
+        found, timeout_seconds=seconds, what="the records looked for", interval_seconds=0.1
+    )
 
 
 def live(identity: Identity, ttl: float = 60.0, **changes: object) -> PeerRecord:

@@ -13,7 +13,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from swarmgrad.protocol.v1 import averaging_pb2, peer_pb2, state_pb2
 from swarmgrad.simulations.allreduce_peer import PeerProcess, member_vector
 from swarmgrad.simulations.swarm import simulate
 from tests.conftest import Peers
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -55,14 +55,21 @@ def _status(path: Path) -> dict[str, Any]:
 
 def _wait_epoch(out: Path, epoch: int, runner: threading.Thread, seconds: float) -> int:
     """Wait until every first node reports ``epoch``; the swarm's epoch then."""
-    deadline = time.monotonic() + seconds
-    while True:
+
+    def reached() -> int:
         epochs = [_status(out / f"node-{i}.json").get("epoch", -1) for i in range(3)]
-        if min(epochs) >= epoch:
-            return max(epochs)
+        return max(epochs) if min(epochs) >= epoch else 0
+
+    def running() -> None:
         assert runner.is_alive(), "the swarm stopped before the attack"
-        assert time.monotonic() < deadline, f"epochs {epochs} after {seconds} s"
-        time.sleep(0.2)
+
+    return wait_until(
+        reached,
+        timeout_seconds=seconds,
+        what=f"all at epoch {epoch}",
+        check=running,
+        interval_seconds=0.2,
+    )
 
 
 @pytest.mark.parametrize("backend", ["hivemind", "libp2p"])

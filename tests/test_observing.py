@@ -21,6 +21,7 @@ import grpc
 import pytest
 
 from swarmgrad.simulations.swarm import DEMO_SPEC, simulate
+from tests.helpers import wait_for_pattern
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -33,12 +34,7 @@ def _binary(name: str) -> str:
 
 
 def _wait_for(pattern: str, path: Path, deadline: float) -> re.Match[str]:
-    while time.monotonic() < deadline:
-        found = re.search(pattern, path.read_text(errors="replace")) if path.exists() else None
-        if found:
-            return found
-        time.sleep(0.1)
-    pytest.fail(f"no {pattern!r} in {path}")
+    return wait_for_pattern(path, pattern, timeout_seconds=deadline - time.monotonic())
 
 
 def _swarmgrad(*args: str) -> subprocess.CompletedProcess[str]:

@@ -16,11 +16,11 @@ import threading
 import pytest
 import torch
 
+from swarmgrad.node import Swarm, SwarmConfig
 from swarmgrad.node.averaging.group import Group
 from swarmgrad.node.averaging.rounds import WITHDRAW_MARGIN_SECONDS, Outcome
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
-from swarmgrad.node.swarm import Swarm, SwarmConfig
 from swarmgrad.simulations.swarm import DEMO_SPEC
 
 pytestmark = pytest.mark.slow

@@ -5,11 +5,9 @@ restart would look."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from swarmgrad.node.config import home
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.state.checkpoint import Checkpointer, CheckpointError, read
 from swarmgrad.node.training.data import load_demo
+from tests.helpers import wait_for_pattern, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -69,23 +68,11 @@ def _writing(folder: Path) -> bool:
     return folder.is_dir() and any(p.name.startswith(".tmp-") for p in folder.iterdir())
 
 
-def _wait_until(condition: Callable[[], bool], node: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 90
-    while not condition():
-        assert node.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "the node wrote no checkpoint within 90 s"
-        time.sleep(0.001)
-
-
-def _wait_for_log(log: Path, pattern: str, process: subprocess.Popen[bytes]) -> re.Match[str]:
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        found = re.search(pattern, log.read_text(errors="replace"))
-        if found:
-            return found
+def _alive(process: subprocess.Popen[bytes], log: Path) -> Callable[[], None]:
+    def check() -> None:
         assert process.poll() is None, log.read_text()[-3000:]
-        time.sleep(0.05)
-    pytest.fail(f"no {pattern!r} in the node's log within 90 s:\n{log.read_text()[-3000:]}")
+
+    return check
 
 
 def test_kill_9_mid_checkpoint_never_leaves_a_corrupt_one(tmp_path: Path) -> None:
@@ -110,9 +97,14 @@ def test_kill_9_mid_checkpoint_never_leaves_a_corrupt_one(tmp_path: Path) -> Non
             node = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         try:
             if expected is None:
-                _wait_for_log(log, r"joined run", node)
+                wait_for_pattern(log, r"joined run", timeout_seconds=90, check=_alive(node, log))
             else:
-                resumed = _wait_for_log(log, r"resumed from (\S+) \(epoch (\d+)\)", node)
+                resumed = wait_for_pattern(
+                    log,
+                    r"resumed from (\S+) \(epoch (\d+)\)",
+                    timeout_seconds=90,
+                    check=_alive(node, log),
+                )
                 assert Path(resumed[1]) == expected
                 epochs.append(int(resumed[2]))
             if attempt == KILLS:
@@ -120,7 +112,13 @@ def test_kill_9_mid_checkpoint_never_leaves_a_corrupt_one(tmp_path: Path) -> Non
             # Let one checkpoint through (progress), then kill the node as soon as the next is
             # being written (its temp folder exists).
             for writing in (True, False, True):
-                _wait_until(lambda w=writing: _writing(folder) == w, node, log)
+                wait_until(
+                    lambda w=writing: _writing(folder) == w,
+                    timeout_seconds=90,
+                    what="a checkpoint being written" if writing else "the write finished",
+                    check=_alive(node, log),
+                    interval_seconds=0.001,
+                )
             os.kill(node.pid, signal.SIGKILL)
             node.wait(timeout=30)
             mid_write += _writing(folder)

@@ -19,9 +19,9 @@ import pytest
 import pytest_asyncio
 import torch
 
+from swarmgrad.node import Swarm, SwarmConfig
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
-from swarmgrad.node.swarm import Swarm, SwarmConfig
 from swarmgrad.protocol import state
 from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.errors import PeerUnavailable, ProtocolViolation

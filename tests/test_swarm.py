@@ -19,6 +19,7 @@ from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.training.data import load_demo
 from swarmgrad.simulations.baseline import train_alone
 from swarmgrad.simulations.swarm import DEMO_SPEC, simulate, simulation_identity
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -28,13 +29,6 @@ def cache_dir() -> Path:
     folder = home() / "cache"
     load_demo(folder, vocab_size=2048, prepare=False)  # set-up prepared it: nothing downloads here
     return folder
-
-
-def _wait_for(path: Path, timeout_seconds: float) -> None:
-    deadline = time.monotonic() + timeout_seconds
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} did not appear in {timeout_seconds} s"
-        time.sleep(0.1)
 
 
 def test_four_nodes_learn_together_and_refuse_another_spec(tmp_path: Path, cache_dir: Path) -> None:
@@ -51,7 +45,8 @@ def test_four_nodes_learn_together_and_refuse_another_spec(tmp_path: Path, cache
     try:
         # Once a node has finished a round, its spec is in the DHT: a peer with another spec
         # (same run id, different outer learning rate) must be refused, saying why.
-        _wait_for(tmp_path / "sim" / "node-0.json", 120)
+        status = tmp_path / "sim" / "node-0.json"
+        wait_until(status.exists, timeout_seconds=120, what=f"{status} written")
         bootstrap = (tmp_path / "sim" / "bootstrap.json").read_text()
         maddr = json.loads(bootstrap)["maddrs"][0]
         other = tmp_path / "other.toml"

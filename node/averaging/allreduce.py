@@ -154,20 +154,35 @@ class RoundHooks(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundPlan:
+    """Who this member is in one round, and what it runs the round with."""
+
+    me: int  # this member's index in the group
+    group: Group
+    #: This member's key: signs the header of every stream.
+    signer: Signer
+    config: AllReduceConfig
+    #: Reduces this member's own part (None: it owns none).
+    reducer: PartReducer | None
+    #: The channel to an owner's endpoint (the node's transport).
+    channel: Callable[[str], grpc.aio.Channel]
+    #: Payload bytes this member sends ("sent") and receives ("received") as a client; the
+    #: servicer counts its own side.
+    traffic: Counter[str]
+    hooks: RoundHooks | None = None
+    #: Waits until so many bytes may go up the node's link (its upload cap), if any.
+    pace: Callable[[int], Awaitable[None]] | None = None
+    #: Report what the owners decode of this member's values (``RoundResult.sent``).
+    keep_sent: bool = False
+
+
 @dataclass(slots=True, kw_only=True)
 class _Round:
     """What one member's tasks of one round share, and what they learn."""
 
-    me: int
-    group: Group
-    signer: Signer
-    config: AllReduceConfig
+    plan: RoundPlan
     deadline: float
-    channel: Callable[[str], grpc.aio.Channel]
-    traffic: Counter[str]
-    hooks: RoundHooks | None
-    pace: Callable[[int], Awaitable[None]] | None
-    reducer: PartReducer | None
     #: What owners decode of this member's values (None: not kept).
     sent: torch.Tensor | None = None
     #: Per (part, chunk): the contributors of what this member received (absent: missing).
@@ -175,46 +190,34 @@ class _Round:
     failures: dict[str, str] = field(default_factory=dict)
     failure_kinds: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def me(self) -> int:
+        return self.plan.me
+
+    @property
+    def group(self) -> Group:
+        return self.plan.group
+
+    @property
+    def config(self) -> AllReduceConfig:
+        return self.plan.config
+
     def fail(self, peer: str, kind: str, reason: str) -> None:
         self.failures[peer] = reason
         self.failure_kinds[peer] = kind
 
 
 async def run_round(
-    *,
-    me: int,
-    group: Group,
-    vector: torch.Tensor,
-    signer: Signer,
-    config: AllReduceConfig,
-    reducer: PartReducer | None,
-    channel: Callable[[str], grpc.aio.Channel],
-    traffic: Counter[str],
-    hooks: RoundHooks | None = None,
-    pace: Callable[[int], Awaitable[None]] | None = None,
-    out: torch.Tensor | None = None,
-    keep_sent: bool = False,
+    plan: RoundPlan, vector: torch.Tensor, *, out: torch.Tensor | None = None
 ) -> RoundResult:
-    """Run this member's side of one round; ``reducer`` reduces its own part (None: owns none).
-
-    ``traffic`` counts payload bytes this member sends (``sent``) and receives (``received``)
-    as a client; the servicer counts its own side. ``signer`` (this member's key) signs the
-    header of every stream.
-    """
+    """Run this member's side of one round of ``vector`` (into ``out``, if given)."""
     loop = asyncio.get_running_loop()
+    me, group = plan.me, plan.group
     state = _Round(
-        me=me,
-        group=group,
-        signer=signer,
-        config=config,
-        deadline=loop.time() + config.round_timeout_seconds,
-        channel=channel,
-        traffic=traffic,
-        hooks=hooks,
-        pace=pace,
-        reducer=reducer,
+        plan=plan,
+        deadline=loop.time() + plan.config.round_timeout_seconds,
         # Chunks never encoded (their owner failed first) count as sent exactly.
-        sent=vector.clone() if keep_sent else None,
+        sent=vector.clone() if plan.keep_sent else None,
     )
     bounds = group.partition(vector.numel())
     # Every averaged chunk is decoded straight into `out`; missing ones get the caller's values
@@ -242,8 +245,8 @@ async def run_round(
     finally:
         for task in tasks.values():
             task.cancel()
-        if reducer is not None:
-            reducer.expire()
+        if plan.reducer is not None:
+            plan.reducer.expire()
     result = _summarize(state, bounds, out)
     for start, end in result.missing:
         out[start:end] = vector[start:end]
@@ -251,7 +254,7 @@ async def run_round(
 
 
 async def _reduce_own_part(state: _Round, values: torch.Tensor, out: torch.Tensor) -> None:
-    reducer = state.reducer
+    reducer = state.plan.reducer
     assert reducer is not None  # a member with a part has a reducer for it
     offsets = _offsets(reducer.chunk_numels)
     for index, (start, end) in enumerate(offsets):
@@ -268,7 +271,8 @@ async def _reduce_own_part(state: _Round, values: torch.Tensor, out: torch.Tenso
 async def _exchange_with_owner(
     state: _Round, part: int, values: torch.Tensor, out: torch.Tensor
 ) -> None:
-    group, config, hooks, traffic = state.group, state.config, state.hooks, state.traffic
+    plan = state.plan
+    group, config, hooks, traffic = plan.group, plan.config, plan.hooks, plan.traffic
     owner = group.members[part]
     numels = chunk_sizes(values.numel(), config.chunk_values)
     offsets = _offsets(numels)
@@ -289,8 +293,8 @@ async def _exchange_with_owner(
                 )
                 if hooks is not None:
                     payload = await hooks.before_send(part, index, bytes(payload))
-                if state.pace is not None:  # the node's upload cap
-                    await state.pace(len(payload))
+                if plan.pace is not None:  # the node's upload cap
+                    await plan.pace(len(payload))
                 traffic["sent"] += len(payload)
                 await queue.put(framed_chunk(averaging_pb2.AggregateRequest, index, payload, meta))
         except BaseException:
@@ -311,7 +315,7 @@ async def _exchange_with_owner(
             part=part,
             weight=group.members[state.me].weight,
         ),
-        state.signer,
+        plan.signer,
     )
 
     async def requests() -> AsyncIterator[Framed | averaging_pb2.AggregateRequest]:
@@ -321,7 +325,7 @@ async def _exchange_with_owner(
 
     loop = asyncio.get_running_loop()
     producer = asyncio.create_task(produce())
-    call = aggregate_method(state.channel(owner.endpoint))(
+    call = aggregate_method(plan.channel(owner.endpoint))(
         requests(), timeout=max(0.001, state.deadline - loop.time())
     )
     expected = 0
@@ -355,9 +359,9 @@ async def _exchange_with_owner(
         else:
             kind = "dropped_member"
         state.fail(owner.peer_id, kind, str(failure))
-        if isinstance(failure, PeerUnavailable) and state.reducer is not None:
+        if isinstance(failure, PeerUnavailable) and plan.reducer is not None:
             # It is gone: stop waiting for its chunks of this member's own part too.
-            state.reducer.drop_if_silent(part, str(failure))
+            plan.reducer.drop_if_silent(part, str(failure))
     except TimeoutError:
         state.fail(
             owner.peer_id,

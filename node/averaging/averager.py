@@ -21,7 +21,13 @@ from types import TracebackType
 
 import torch
 
-from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundHooks, RoundResult, run_round
+from swarmgrad.node.averaging.allreduce import (
+    AllReduceConfig,
+    RoundHooks,
+    RoundPlan,
+    RoundResult,
+    run_round,
+)
 from swarmgrad.node.averaging.group import Group, chunk_sizes
 from swarmgrad.node.averaging.reducer import PartReducer, SenderSession
 from swarmgrad.node.identity import Identity
@@ -166,10 +172,9 @@ class Averager:
             self._rounds[key] = _ActiveRound(group=group, me=me, reducer=reducer)
             self._rounds_changed.notify_all()
         try:
-            result = await run_round(
+            plan = RoundPlan(
                 me=me,
                 group=group,
-                vector=vector.contiguous(),
                 signer=self.identity,
                 config=self.config,
                 reducer=reducer,
@@ -177,9 +182,9 @@ class Averager:
                 traffic=self.traffic,
                 hooks=hooks,
                 pace=self.transport.pace if self.transport.paced else None,
-                out=out,
                 keep_sent=keep_sent,
             )
+            result = await run_round(plan, vector.contiguous(), out=out)
         except RoundAborted:
             self.rounds["aborted"] += 1
             raise

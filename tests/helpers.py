@@ -1,0 +1,73 @@
+"""Waiting in tests: on a condition, with a deadline, never a fixed sleep.
+
+``wait_until`` polls a condition from a test's thread; ``until`` is its twin for coroutines;
+``wait_for_pattern`` waits for a regular expression in a file (a node's log). Each fails with
+what it waited for, and ``check`` (called at every poll) lets a test fail at once when what it
+waits on has died instead of waiting out the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def wait_until(
+    condition: Callable[[], T],
+    *,
+    timeout_seconds: float,
+    what: str,
+    check: Callable[[], None] | None = None,
+    interval_seconds: float = 0.05,
+) -> T:
+    """The first truthy value of ``condition()``, polled until ``timeout_seconds`` pass."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        value = condition()
+        if value:
+            return value
+        if check is not None:
+            check()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_seconds:g} s")
+        time.sleep(interval_seconds)
+
+
+async def until(
+    condition: Callable[[], Awaitable[T]],
+    *,
+    timeout_seconds: float,
+    what: str,
+    interval_seconds: float = 0.1,
+) -> T:
+    """The first truthy value of ``await condition()``, within ``timeout_seconds``."""
+    try:
+        async with asyncio.timeout(timeout_seconds):
+            while not (value := await condition()):  # noqa: ASYNC110 - remote state
+                await asyncio.sleep(interval_seconds)
+            return value
+    except TimeoutError:
+        raise AssertionError(f"{what}: not within {timeout_seconds:g} s") from None
+
+
+def wait_for_pattern(
+    path: Path,
+    pattern: str,
+    *,
+    timeout_seconds: float,
+    check: Callable[[], None] | None = None,
+) -> re.Match[str]:
+    """The first match of ``pattern`` in the file at ``path`` (which may not exist yet)."""
+
+    def search() -> re.Match[str] | None:
+        return re.search(pattern, path.read_text(errors="replace")) if path.exists() else None
+
+    return wait_until(
+        search, timeout_seconds=timeout_seconds, what=f"{pattern!r} in {path}", check=check
+    )
