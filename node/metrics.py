@@ -20,18 +20,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from swarmgrad.node.kinds import Failure, Link, RoundOutcome
+
 log = logging.getLogger(__name__)
 
 #: Why a member or a round failed, as counted in ``swarmgrad_failures_total{kind=...}``.
-FAILURE_KINDS = (
-    "timeout",  # a peer missed a deadline
-    "protocol_violation",  # a peer sent something invalid (we rejected it, or it rejected us)
-    "dropped_member",  # a group member went away mid-round (unreachable, hung up)
-    "aborted_round",  # a round produced nothing
-    "discovery",  # the DHT did not answer
-    "state_download",  # a state download failed (unreachable or lying donor)
-)
-ROUND_OUTCOMES = ("averaged", "partial", "no_group", "aborted", "resynced", "alone")
+FAILURE_KINDS = tuple(Failure)
+ROUND_OUTCOMES = tuple(outcome.label for outcome in RoundOutcome)
 TRAFFIC_KINDS = ("averaging", "state")
 _ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300)
 
@@ -43,8 +38,8 @@ FailureSource = Callable[[], Mapping[str, int]]
 RejectionSource = Callable[[], Mapping[tuple[str, str], int]]
 #: How peers reach this node and how it reaches them: see :meth:`NodeMetrics.read_links`.
 LinkSource = Callable[[], "Links"]
-#: How a node's endpoint is reached (records.REACHABILITY).
-LINK_KINDS = ("unknown", "direct", "upnp", "punched", "relayed", "unreachable")
+#: How this node reaches its peers, and how it is reached.
+LINK_KINDS = tuple(Link)
 
 
 class Tallies:
@@ -58,7 +53,7 @@ class Tallies:
     def count(self, event: str) -> None:
         self.counts[event] += 1
 
-    def failed(self, event: str, kind: str) -> None:
+    def failed(self, event: str, kind: Failure) -> None:
         """Count ``event`` and a failure of ``kind`` (one of :data:`FAILURE_KINDS`)."""
         self.counts[event] += 1
         self.failures[kind] += 1

@@ -36,6 +36,7 @@ from swarmgrad.node.discovery.base import Discovery, start_discovery
 from swarmgrad.node.discovery.directory import PeerDirectory
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.kinds import Failure
 from swarmgrad.node.metrics import Links, NodeMetrics, Tallies
 from swarmgrad.node.reachability.dialback import Reachability
 from swarmgrad.node.reachability.routes import PunchRoutes
@@ -277,7 +278,7 @@ class Swarm:
 
     def _failure_totals(self) -> Counter[str]:
         # Streams our servicer rejected are violations by the peers that sent them.
-        return self.failures + Counter({"protocol_violation": self.rejections.total()})
+        return self.failures + Counter({Failure.PROTOCOL_VIOLATION: self.rejections.total()})
 
     # -- this node's record -------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ import torch
 from swarmgrad.compression import Codec, Meta, decode, get_codec
 from swarmgrad.node.averaging.group import Group, chunk_sizes
 from swarmgrad.node.averaging.reducer import PartReducer
+from swarmgrad.node.kinds import Failure
 from swarmgrad.protocol.auth import Signer
 from swarmgrad.protocol.averaging import (
     StreamHeader,
@@ -134,8 +135,8 @@ class RoundResult:
     missing: tuple[tuple[int, int], ...]
     #: Why each failed peer failed, as seen from this member.
     failures: Mapping[str, str]
-    #: Each failed peer's kind of failure: "timeout", "protocol_violation" or "dropped_member".
-    failure_kinds: Mapping[str, str] = field(default_factory=dict)
+    #: Each failed peer's kind of failure (timeout, protocol violation or dropped member).
+    failure_kinds: Mapping[str, Failure] = field(default_factory=dict)
     #: With ``keep_sent``: this member's contribution as its owners decode it (its own part
     #: exact, every other chunk as encoded once and sent, chunks never sent exact).
     #: ``vector - sent`` is what the codec lost: the error feedback a caller carries on.
@@ -188,7 +189,7 @@ class _Round:
     #: Per (part, chunk): the contributors of what this member received (absent: missing).
     contributors: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
-    failure_kinds: dict[str, str] = field(default_factory=dict)
+    failure_kinds: dict[str, Failure] = field(default_factory=dict)
 
     @property
     def me(self) -> int:
@@ -202,7 +203,7 @@ class _Round:
     def config(self) -> AllReduceConfig:
         return self.plan.config
 
-    def fail(self, peer: str, kind: str, reason: str) -> None:
+    def fail(self, peer: str, kind: Failure, reason: str) -> None:
         self.failures[peer] = reason
         self.failure_kinds[peer] = kind
 
@@ -240,7 +241,7 @@ async def run_round(
                     task.cancel()
                     peer = group.members[part].peer_id
                     if peer not in state.failures:
-                        state.fail(peer, "timeout", "round deadline passed")
+                        state.fail(peer, Failure.TIMEOUT, "round deadline passed")
             await asyncio.gather(*pending, return_exceptions=True)
     finally:
         for task in tasks.values():
@@ -353,11 +354,11 @@ async def _exchange_with_owner(
     except grpc.aio.AioRpcError as error:
         failure = from_rpc_error(error, owner.peer_id)
         if isinstance(failure, ProtocolViolation):
-            kind = "protocol_violation"
+            kind = Failure.PROTOCOL_VIOLATION
         elif error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            kind = "timeout"
+            kind = Failure.TIMEOUT
         else:
-            kind = "dropped_member"
+            kind = Failure.DROPPED_MEMBER
         state.fail(owner.peer_id, kind, str(failure))
         if isinstance(failure, PeerUnavailable) and plan.reducer is not None:
             # It is gone: stop waiting for its chunks of this member's own part too.
@@ -365,11 +366,15 @@ async def _exchange_with_owner(
     except TimeoutError:
         state.fail(
             owner.peer_id,
-            "timeout",
+            Failure.TIMEOUT,
             f"no averaged chunk {expected} within {config.reducer_timeout_seconds:g} s",
         )
     except SwarmgradError as error:
-        kind = "protocol_violation" if isinstance(error, ProtocolViolation) else "dropped_member"
+        kind = (
+            Failure.PROTOCOL_VIOLATION
+            if isinstance(error, ProtocolViolation)
+            else Failure.DROPPED_MEMBER
+        )
         state.fail(owner.peer_id, kind, str(error))
     finally:
         call.cancel()

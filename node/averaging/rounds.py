@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from swarmgrad.node.averaging.group import Group
 from swarmgrad.node.averaging.matchmaking import Matchmaker
 from swarmgrad.node.discovery.base import DiscoveryError
 from swarmgrad.node.discovery.directory import PeerDirectory
+from swarmgrad.node.kinds import Failure, RoundOutcome
 from swarmgrad.node.metrics import Tallies
 from swarmgrad.node.reachability.dialback import Reachability
 from swarmgrad.node.reachability.routes import PunchRoutes
@@ -43,10 +43,8 @@ log = logging.getLogger(__name__)
 WITHDRAW_MARGIN_SECONDS = 2.5
 
 
-class Outcome(enum.Enum):
-    AVERAGED = "averaged"
-    NO_GROUP = "no group"  # nobody else was ready in time: train on
-    ABORTED = "aborted"  # the group formed but the all-reduce produced nothing
+#: A round's own outcomes are AVERAGED, NO_GROUP and ABORTED; a trainer reports the others.
+Outcome = RoundOutcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +116,7 @@ class Rounds:
                     return Averaged(Outcome.NO_GROUP, error="nobody else was ready in time")
                 return await self._average(vector, group, keep_sent=keep_sent)
         except DiscoveryError as error:
-            self._parts.tallies.failed("discovery failed", "discovery")
+            self._parts.tallies.failed("discovery failed", Failure.DISCOVERY)
             return Averaged(Outcome.NO_GROUP, error=str(error))
         except TimeoutError:
             budget = f"the round's budget of {self.config.budget_seconds:g} s ran out"
@@ -126,7 +124,7 @@ class Rounds:
                 self._parts.tallies.count("no group")
                 self._parts.spawn(self._withdraw(epoch), f"withdraw-round-{epoch}")
                 return Averaged(Outcome.NO_GROUP, error=f"{budget} while forming a group")
-            self._parts.tallies.failed("aborted", "aborted_round")
+            self._parts.tallies.failed("aborted", Failure.ABORTED_ROUND)
             return Averaged(Outcome.ABORTED, group=group, error=budget)
 
     async def _form_group(self, epoch: int, *, weight: float, endpoint: str) -> Group | None:
@@ -160,7 +158,7 @@ class Rounds:
             started = asyncio.get_running_loop().time()
             result = await parts.averager.all_reduce(vector, group, keep_sent=keep_sent)
         except RoundAborted as error:
-            parts.tallies.failed("aborted", "aborted_round")
+            parts.tallies.failed("aborted", Failure.ABORTED_ROUND)
             return Averaged(Outcome.ABORTED, group=group, error=str(error))
         finally:
             # Also when the round ends (early or not): a peer arriving late for this round must

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from swarmgrad.node.discovery.base import Discovery, DiscoveryError, dht_time
 from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS
 from swarmgrad.node.discovery.records import PeerRecord
+from swarmgrad.node.kinds import Failure
 from swarmgrad.node.metrics import Tallies
 from swarmgrad.node.runspec import RunSpec
 
@@ -85,7 +86,7 @@ class PeerDirectory:
         try:
             await self._announce_spec()
         except DiscoveryError as error:  # the announce loop publishes it again: not fatal
-            self._tallies.failed("announce failed", "discovery")
+            self._tallies.failed("announce failed", Failure.DISCOVERY)
             log.warning("could not announce the run spec yet: %s", error)
 
     async def _announce_spec(self) -> None:
@@ -108,7 +109,7 @@ class PeerDirectory:
         try:
             await self.announce()
         except DiscoveryError as error:
-            self._tallies.failed("announce failed", "discovery")
+            self._tallies.failed("announce failed", Failure.DISCOVERY)
             log.warning("could not announce this node yet: %s", error)
 
     async def keep_fresh(self) -> None:
@@ -123,7 +124,7 @@ class PeerDirectory:
             try:
                 await self.announce()
             except DiscoveryError as error:
-                self._tallies.failed("announce failed", "discovery")
+                self._tallies.failed("announce failed", Failure.DISCOVERY)
                 log.warning("could not refresh this node's record: %s", error)
 
     async def refresh(self) -> list[PeerRecord]:
@@ -131,7 +132,7 @@ class PeerDirectory:
         try:
             self._update(await self.discovery.find())
         except DiscoveryError as error:
-            self._tallies.failed("discovery failed", "discovery")
+            self._tallies.failed("discovery failed", Failure.DISCOVERY)
             log.warning("could not read the run's peers: %s", error)
         return self.peers
 

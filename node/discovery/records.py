@@ -23,6 +23,7 @@ from swarmgrad.node.discovery.envelope import (
     check_filing,
     open_envelope,
 )
+from swarmgrad.node.kinds import Reach
 
 __all__ = ["MAX_TTL_SECONDS", "PeerRecord", "RecordError", "check", "validate"]
 
@@ -31,7 +32,7 @@ MAX_SPEC_BYTES = 16 * 1024
 ROLES = ("trainer", "bootstrap", "observer")
 #: How peers reach a node's endpoint: not known yet (no peer has dialed it back), directly, through
 #: a port its router mapped (UPnP / NAT-PMP), through a relay peer, or not at all.
-REACHABILITY = ("unknown", "direct", "upnp", "relayed", "unreachable")
+REACHABILITY = tuple(Reach)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.kinds import Reach
 from swarmgrad.node.metrics import parse_address
 from swarmgrad.node.reachability.portmap import PortMapError, PortMapping, map_port
 from swarmgrad.node.reachability.relay import RelayClient, RelayError, RelayLimits, RelayServer
@@ -41,7 +42,6 @@ log = logging.getLogger(__name__)
 
 #: The share of the vector a member owns, relative to its bandwidth, by how it is reached:
 #: relayed links cost the relay's upload too, and an unreachable member cannot be dialed at all.
-OWNER_SHARE = {"unknown": 1.0, "direct": 1.0, "upnp": 1.0, "relayed": 0.1, "unreachable": 0.0}
 _WILDCARDS = ("0.0.0.0", "::", "")
 
 
@@ -88,7 +88,7 @@ class Reachability:
         self._host, self._port = host, port
         self._peers, self._changed = peers, changed
         self.config = config or ReachabilityConfig()
-        self.kind = "unknown"
+        self.kind = Reach.UNKNOWN
         self.endpoint = endpoint_of(public_host or host, port)
         self.relay_endpoint = ""  # the relay this node offers
         self.via = ""  # the relay peer carrying this node's endpoint
@@ -104,18 +104,18 @@ class Reachability:
     @property
     def behind_nat(self) -> bool:
         """Known to be undialable directly, with a public address peers saw (for punching)."""
-        return self.kind in ("relayed", "unreachable") and bool(self.observed_host)
+        return self.kind in (Reach.RELAYED, Reach.UNREACHABLE) and bool(self.observed_host)
 
     @property
     def owner_share(self) -> float:
-        return OWNER_SHARE[self.kind]
+        return self.kind.owner_share
 
-    def _set(self, kind: str, endpoint: str, via: str = "") -> None:
+    def _set(self, kind: Reach, endpoint: str, via: str = "") -> None:
         if (kind, endpoint, via) != (self.kind, self.endpoint, self.via):
             log.info("reachability: %s at %s%s", kind, endpoint, f" via {via}" if via else "")
             self.kind, self.endpoint, self.via = kind, endpoint, via
             self._changed()
-        if kind != "unknown":
+        if kind != Reach.UNKNOWN:
             self.settled.set()
 
     async def run(self) -> None:
@@ -130,7 +130,7 @@ class Reachability:
                     await asyncio.sleep(self.config.retry_seconds)
                     continue
                 if verdict.reachable:
-                    await self._become_reachable("direct", self._direct_endpoint(verdict))
+                    await self._become_reachable(Reach.DIRECT, self._direct_endpoint(verdict))
                     await asyncio.sleep(self.config.recheck_seconds)
                     continue
                 self.observed_host = verdict.observed_host
@@ -148,7 +148,7 @@ class Reachability:
             host = verdict.observed_host
         return endpoint_of(host, self._port)
 
-    async def _become_reachable(self, kind: str, endpoint: str) -> None:
+    async def _become_reachable(self, kind: Reach, endpoint: str) -> None:
         await self._leave_relay()
         host = parse_address(endpoint)[0]
         if self._relay_server is not None and parse_address(self.relay_endpoint)[0] != host:
@@ -172,7 +172,7 @@ class Reachability:
         random.shuffle(peers)
         # Not relayed peers: a call through a relay reaches them from their own relay client, so
         # the address they would observe (and dial back) is their own, not this node's.
-        helpers = [p for p in peers if p.reachability in ("direct", "upnp", "unknown")]
+        helpers = [p for p in peers if p.reachability in (Reach.DIRECT, Reach.UPNP, Reach.UNKNOWN)]
         candidates = helpers[: self.config.helpers]
         if not candidates:
             return None
@@ -214,7 +214,7 @@ class Reachability:
             await self._unmap()
             return False
         await self._become_reachable(
-            "upnp", endpoint_of(self._mapping.external_host, self._mapping.external_port)
+            Reach.UPNP, endpoint_of(self._mapping.external_host, self._mapping.external_port)
         )
         return True
 
@@ -225,7 +225,7 @@ class Reachability:
         while loop.time() < recheck_at:
             relay = await self._pick_relay()
             if relay is None:
-                self._set("unreachable", endpoint_of(self._host, self._port))
+                self._set(Reach.UNREACHABLE, endpoint_of(self._host, self._port))
                 await asyncio.sleep(self.config.retry_seconds)
                 continue
             client = RelayClient(
@@ -241,7 +241,7 @@ class Reachability:
                 self._bad_relays[relay.peer_id] = loop.time() + 60.0
                 continue
             self._relay_client = client
-            self._set("relayed", endpoint, via=relay.peer_id)
+            self._set(Reach.RELAYED, endpoint, via=relay.peer_id)
             try:
                 async with asyncio.timeout(max(0.0, recheck_at - loop.time())):
                     await client.wait_closed()
@@ -258,7 +258,7 @@ class Reachability:
             p
             for p in await self._peers()
             if p.relay
-            and p.reachability in ("direct", "upnp", "unknown")
+            and p.reachability in (Reach.DIRECT, Reach.UPNP, Reach.UNKNOWN)
             and p.peer_id != self._identity.peer_id
             and self._bad_relays.get(p.peer_id, 0.0) < now
         ]

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.kinds import Link, Reach
 from swarmgrad.node.reachability.punch import PunchCall, PunchRoute
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.protocol import peer
@@ -43,23 +44,23 @@ class PunchRoutes:
 
     def punched(self, endpoint: str) -> bool:
         route = self._routes.get(endpoint)
-        return route is not None and bool(route.counts["punched"])
+        return route is not None and bool(route.counts[Link.PUNCHED])
 
     def counts(self) -> dict[str, int]:
         """Links dialed through punching routes, by how they went ("punched", "relayed")."""
         return {
             kind: sum(r.counts[kind] for r in self._routes.values())
-            for kind in ("punched", "relayed")
+            for kind in (Link.PUNCHED, Link.RELAYED)
         }
 
     def num_punched(self) -> int:
-        return sum(1 for r in self._routes.values() if r.counts["punched"])
+        return sum(1 for r in self._routes.values() if r.counts[Link.PUNCHED])
 
     async def prepare(self, endpoints: Iterable[str], peers: Iterable[PeerRecord]) -> None:
         """Routes to the relayed peers among ``endpoints`` (their records in ``peers``)."""
         if not self._enabled or not self._public_host():
             return
-        relayed = {p.endpoint: p for p in peers if p.reachability == "relayed"}
+        relayed = {p.endpoint: p for p in peers if p.reachability == Reach.RELAYED}
         for endpoint in endpoints:
             record = relayed.get(endpoint)
             if record is None or endpoint in self._routes:

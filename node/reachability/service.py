@@ -17,6 +17,7 @@ from typing import Any
 from swarmgrad.compression import codec_names
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.kinds import Link, Reach
 from swarmgrad.node.metrics import Links
 from swarmgrad.node.reachability.dialback import Reachability
 from swarmgrad.node.reachability.punch import PunchResponder
@@ -83,7 +84,7 @@ class PeerService:
         reach = self.reachability
         relay = reach.relay_server if reach is not None else None
         return {
-            "reachability": reach.kind if reach is not None else "unknown",
+            "reachability": reach.kind if reach is not None else Reach.UNKNOWN,
             "via": reach.via if reach is not None else "",
             "relay": reach.relay_endpoint if reach is not None else "",
             "relay_clients": relay.clients if relay is not None else 0,
@@ -96,8 +97,8 @@ class PeerService:
     def links(self, routes: PunchRoutes, peers: Iterable[PeerRecord], me: str) -> Links:
         """How this node is reached, and how it reaches each of ``peers``."""
         summary = self.summary(routes)
-        others = Counter(
-            "punched" if routes.punched(p.endpoint) else p.reachability
+        others: Counter[str] = Counter(
+            Link.PUNCHED if routes.punched(p.endpoint) else Link(p.reachability)
             for p in peers
             if p.peer_id != me
         )

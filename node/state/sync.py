@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from swarmgrad.node.discovery.directory import PeerDirectory
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.kinds import Failure, Reach
 from swarmgrad.node.metrics import Tallies
 from swarmgrad.node.reachability.routes import PunchRoutes
 from swarmgrad.node.runspec import RunSpec
@@ -120,7 +121,7 @@ class StateSync:
         at most ``max_donors``, in random order (joiners spread over the donors)."""
         peers = await directory.refresh()
         donors = pick_donors(peers, self._parts.identity.peer_id, epoch, checksum)
-        donors = [d for d in donors if d.reachability != "unreachable"]  # nobody can dial them
+        donors = [d for d in donors if d.reachability != Reach.UNREACHABLE]  # nobody can dial them
         random.shuffle(donors)
         return donors[: self.config.max_donors]
 
@@ -149,11 +150,11 @@ class StateSync:
                 timeout_seconds=self.config.download_timeout_seconds,
             )
         except SwarmgradError as error:
-            parts.tallies.failed("state download failed", "state_download")
+            parts.tallies.failed("state download failed", Failure.STATE_DOWNLOAD)
             log.warning("state download failed: %s", error)
             return None
         for donor, why in result.failures.items():  # survived: others served its chunks
-            parts.tallies.failures["state_download"] += 1
+            parts.tallies.failures[Failure.STATE_DOWNLOAD] += 1
             log.warning("state donor %s dropped: %s", donor, why)
         parts.tallies.count("state downloads")
         self.received_bytes += result.snapshot.values.nbytes

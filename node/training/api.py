@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from swarmgrad.node.averaging.rounds import Averaged, Outcome
+from swarmgrad.node.kinds import RoundOutcome
 from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.training.diloco import OuterOptimizer
 from swarmgrad.node.training.model import flatten, unflatten
@@ -45,7 +46,7 @@ class RoundReport:
     """What one round did, for displays, logs and tests."""
 
     epoch: int  # the epoch after the round
-    outcome: str  # "averaged", "partial", "no group", "aborted", "resynced", "alone"
+    outcome: RoundOutcome
     group_size: int
     seconds: float
     missing_values: int = 0
@@ -156,7 +157,7 @@ class _Replica:
         self.publish()
         return RoundReport(
             epoch=self.epoch,
-            outcome="resynced",
+            outcome=RoundOutcome.RESYNCED,
             group_size=0,
             seconds=time.monotonic() - started,
             detail=f"from {', '.join(d.peer_id for d in donors)}",
@@ -182,9 +183,9 @@ class _Replica:
     def _report(self, averaged: Averaged, started: float) -> RoundReport:
         result = averaged.result
         missing = sum(end - start for start, end in result.missing) if result else 0
-        outcome = averaged.outcome.value
+        outcome = averaged.outcome
         if result is not None and not result.complete:
-            outcome = "partial"
+            outcome = RoundOutcome.PARTIAL
         return RoundReport(
             epoch=self.epoch,
             outcome=outcome,
@@ -404,7 +405,11 @@ class SyncDataParallel(_Replica):
         if self.samples >= self.target_batch_size:  # the whole global batch is ours alone
             self._apply(gradient)
             return RoundReport(
-                epoch=self.epoch, outcome="alone", group_size=1, seconds=0.0, detail=averaged.error
+                epoch=self.epoch,
+                outcome=RoundOutcome.ALONE,
+                group_size=1,
+                seconds=0.0,
+                detail=averaged.error,
             )
         return self._report(averaged, started)
 

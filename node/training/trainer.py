@@ -281,7 +281,7 @@ class Trainer:
         progress.checksum = snapshot.checksum if snapshot is not None else ""
         progress.outcomes[report.outcome] = progress.outcomes.get(report.outcome, 0) + 1
         metrics = self.metrics
-        metrics.rounds.labels(report.outcome.replace(" ", "_")).inc()
+        metrics.rounds.labels(report.outcome.label).inc()
         metrics.round_duration.observe(report.seconds)
         metrics.epoch.set(report.epoch)
         metrics.validation_loss.set(val_loss)
