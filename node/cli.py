@@ -13,8 +13,8 @@ from swarmgrad.node import config as node_config
 from swarmgrad.node.discovery.base import DiscoveryError
 from swarmgrad.node.discovery.directory import SpecMismatch
 from swarmgrad.node.runspec import RunSpecError
-from swarmgrad.node.state.checkpoint import CheckpointError
-from swarmgrad.node.training.data import DataError, load_demo
+from swarmgrad.node.training.data import load_demo
+from swarmgrad.protocol.errors import PeerUnavailable, SetupError
 
 app = typer.Typer(
     help="Train one model on many volunteer machines: run a node, a bootstrap, or a local swarm.",
@@ -156,16 +156,16 @@ def node(
             display=display,
             eval_windows=eval_windows,
         )
-    except (RunSpecError, node_config.ConfigError) as error:
+    except SetupError as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
     code, message = 0, ""
     try:  # the node's errors may arrive grouped by its TaskGroup
         code = main.run(lambda stop: main.node(config, stop))
     except* SpecMismatch as group:
         code, message = EXIT_SPEC_MISMATCH, str(group.exceptions[0])
-    except* DiscoveryError as group:
+    except* PeerUnavailable as group:
         code, message = EXIT_NETWORK, str(group.exceptions[0])
-    except* (DataError, CheckpointError, node_config.ConfigError) as group:
+    except* SetupError as group:
         code, message = EXIT_CONFIG, str(group.exceptions[0])
     if message:
         raise _fail(code, message)
@@ -370,13 +370,12 @@ def export(
 ) -> None:
     """Write a checkpoint's model as a Hugging Face directory (config.json, model.safetensors,
     tokenizer) that transformers loads with from_pretrained."""
-    from swarmgrad.node.training.export import ExportError
     from swarmgrad.node.training.export import export as write
 
     _logging(False)
     try:
         exported = write(checkpoint, out_dir, cache_dir=cache_dir or node_config.home() / "cache")
-    except (ExportError, DataError, node_config.ConfigError) as error:
+    except SetupError as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
     typer.echo(f"exported {exported} to {out_dir}")
 
@@ -391,7 +390,7 @@ def prepare_data(
     try:
         folder = cache_dir or node_config.home() / "cache"
         corpus = load_demo(folder, vocab_size=vocab_size)
-    except (DataError, node_config.ConfigError) as error:
+    except SetupError as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
     typer.echo(f"demo corpus ready: {len(corpus.tokens):,} tokens in {folder}")
 

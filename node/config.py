@@ -28,6 +28,7 @@ from typing import Any
 from swarmgrad.node.runspec import NodeSection, RunSpec, RunSpecError
 from swarmgrad.node.swarm_config import SwarmConfig
 from swarmgrad.node.training.model import InitWeightsError, init_weights
+from swarmgrad.protocol.errors import SetupError
 
 #: Each [node] setting and its type's name ("int" or "str").
 SETTINGS = {f.name: str(f.type) for f in dataclasses.fields(NodeSection)}
@@ -37,7 +38,7 @@ KNOWN_ENVIRONMENT = frozenset(
 DISPLAYS = ("auto", "live", "log", "none")
 
 
-class ConfigError(ValueError):
+class ConfigError(SetupError, ValueError):
     """A bad option or environment variable; the message names it."""
 
 

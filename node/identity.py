@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives.serialization import (
     PublicFormat,
 )
 
+from swarmgrad.protocol.errors import SetupError
 from swarmgrad.protocol.keys import peer_id_of
 from swarmgrad.protocol.keys import verify_signature as verify
 
@@ -31,7 +32,7 @@ __all__ = ["Identity", "IdentityError", "peer_id_of", "verify"]
 _KEY_BYTES = 32
 
 
-class IdentityError(Exception):
+class IdentityError(SetupError):
     """The key file is unusable: wrong size, readable by others, or not a file."""
 
 

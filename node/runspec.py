@@ -48,13 +48,14 @@ from swarmgrad.compression import codec_names
 from swarmgrad.node.averaging.matchmaking import MAX_MATCHMAKING_TIMEOUT_SECONDS
 from swarmgrad.node.discovery.base import BACKENDS
 from swarmgrad.protocol import PROTOCOL_VERSION
+from swarmgrad.protocol.errors import SetupError
 
 DEVICES = ("auto", "cpu", "cuda")
 #: Sections that say how a node takes part, not what the run is: outside the hash.
 OPERATIONAL = frozenset({"network", "node"})
 
 
-class RunSpecError(ValueError):
+class RunSpecError(SetupError, ValueError):
     """The run spec is invalid; the message names the key and what is wrong with it."""
 
 

@@ -1,11 +1,23 @@
-"""The error tree of swarmgrad's network layer, and its mapping to gRPC status codes.
+"""swarmgrad's error tree, and the network layer's mapping to gRPC status codes.
 
 ::
 
     SwarmgradError
     +-- PeerUnavailable      a peer could not be reached, hung up, or missed a deadline
+    |   +-- DiscoveryError   the DHT did not answer, or took no store (node/discovery/base.py)
+    |   +-- RelayError       a relay refused or dropped this node (node/reachability/relay.py)
+    |   +-- PortMapError     no router mapped a port (node/reachability/portmap.py)
     +-- ProtocolViolation    a peer sent something invalid; carries a ResultCode
     +-- RoundAborted         a round could not produce a result; the caller's tensors are untouched
+    +-- SetupError           this node cannot start as configured; the message says what to fix
+        +-- ConfigError, RunSpecError, IdentityError, CheckpointError, DataError,
+        |   InitWeightsError, ExportError          (each in its module under node/)
+        +-- SpecMismatch     the run's peers train another spec (node/discovery/directory.py)
+
+A failed round is never raised to a trainer: it is an outcome (node/averaging/rounds.py). The
+CLI maps the three roots a node's start can raise to its exit codes (node/cli.py). Codecs raise
+their own ``CodecError`` (compression/ knows nothing of this tree); the servicer turns it into a
+ProtocolViolation.
 
 Errors are translated at the network boundary: a servicer turns a ProtocolViolation into the
 status in :data:`STATUS_OF` (with the code's name opening the details), and a client turns a
@@ -56,7 +68,12 @@ def quote(value: object, limit: int = 40) -> str:
 
 
 class SwarmgradError(Exception):
-    """Base of every error swarmgrad raises across the network boundary."""
+    """Base of every error swarmgrad raises."""
+
+
+class SetupError(SwarmgradError):
+    """This node cannot start as configured (a file, a setting, a run spec, a key, a
+    checkpoint); the message says what to fix."""
 
 
 class PeerUnavailable(SwarmgradError):

@@ -21,6 +21,7 @@ from typing import Any, Protocol, Self
 from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS, Envelope, Kind, open_envelope, seal
 from swarmgrad.node.discovery.records import MAX_SPEC_BYTES, PeerRecord, RecordError, check
 from swarmgrad.node.identity import Identity
+from swarmgrad.protocol.errors import PeerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ BACKENDS = ("hivemind", "libp2p")
 STORE_BACKOFF_SECONDS = (0.25, 0.5, 1.0, 2.0)  # between tries of a store nobody took
 
 
-class DiscoveryError(Exception):
+class DiscoveryError(PeerUnavailable):
     """Discovery itself failed: the bootstrap peers could not be reached, the DHT died."""
 
 

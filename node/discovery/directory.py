@@ -21,6 +21,7 @@ from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.kinds import Failure
 from swarmgrad.node.metrics import Tallies
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.protocol.errors import SetupError
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 MAX_RECORD_TTL_SECONDS = MAX_TTL_SECONDS - 30.0
 
 
-class SpecMismatch(RuntimeError):
+class SpecMismatch(SetupError):
     """This node's run spec differs from the one the run's peers use; the message says how."""
 
 

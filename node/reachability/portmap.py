@@ -14,13 +14,15 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from swarmgrad.protocol.errors import PeerUnavailable
+
 log = logging.getLogger(__name__)
 
 LEASE_SECONDS = 3600
 _DESCRIPTION = "swarmgrad"
 
 
-class PortMapError(RuntimeError):
+class PortMapError(PeerUnavailable):
     """No gateway answered, or it refused the mapping."""
 
 

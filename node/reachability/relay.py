@@ -39,6 +39,7 @@ from typing import Any
 
 from swarmgrad.node.identity import Identity, peer_id_of, verify
 from swarmgrad.node.metrics import parse_address
+from swarmgrad.protocol.errors import PeerUnavailable
 from swarmgrad.protocol.peer import endpoint_of
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ PROTOCOL = "swarmgrad/1"
 _COPY_BYTES = 256 * 1024
 
 
-class RelayError(RuntimeError):
+class RelayError(PeerUnavailable):
     """A relay refused this client, broke the protocol, or went silent."""
 
 

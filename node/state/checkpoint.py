@@ -33,6 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from swarmgrad.node.runspec import RunSpec, RunSpecError
+from swarmgrad.protocol.errors import SetupError
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ STATE_FILE, MANIFEST_FILE, LOCK_FILE = "state.safetensors", "manifest.json", ".l
 _NAME = re.compile(r"^epoch-(\d{6,})-step-(\d{9,})$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(SetupError):
     """A checkpoint cannot be used (the message says which and why), or the folder is locked."""
 
 

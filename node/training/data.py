@@ -30,6 +30,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from swarmgrad.node.files import atomic_write
 from swarmgrad.node.runspec import DataSection
+from swarmgrad.protocol.errors import SetupError
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ _FORMAT = 1
 VALIDATION_SHARE = 20  # one token in 20 is held out
 
 
-class DataError(RuntimeError):
+class DataError(SetupError):
     """The corpus could not be read or prepared; the message says what to do."""
 
 

@@ -20,11 +20,12 @@ from safetensors.torch import save_file
 from swarmgrad.node.state.checkpoint import Checkpoint, CheckpointError, candidates, read
 from swarmgrad.node.training.data import load_corpus
 from swarmgrad.node.training.model import GPT
+from swarmgrad.protocol.errors import SetupError
 
 LAYER_NORM_EPSILON = 1e-5  # torch's nn.LayerNorm default, which the GPT uses
 
 
-class ExportError(RuntimeError):
+class ExportError(SetupError):
     """The checkpoint cannot be exported (or the output folder is in the way); says why."""
 
 

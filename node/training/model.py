@@ -21,6 +21,7 @@ from torch import nn
 
 from swarmgrad.node.files import atomic_write
 from swarmgrad.node.runspec import ModelSection
+from swarmgrad.protocol.errors import SetupError
 
 
 class _Block(nn.Module):
@@ -70,7 +71,7 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-class InitWeightsError(ValueError):
+class InitWeightsError(SetupError, ValueError):
     """The weights ``model.init`` names cannot start this run; the message says why."""
 
 
