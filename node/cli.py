@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from swarmgrad.node import config as node_config
+from swarmgrad.node import tasks
 from swarmgrad.node.discovery.base import DiscoveryError
 from swarmgrad.node.discovery.directory import SpecMismatch
 from swarmgrad.node.runspec import RunSpecError
@@ -160,7 +161,7 @@ def node(
         raise _fail(EXIT_CONFIG, str(error)) from None
     code, message = 0, ""
     try:  # the node's errors may arrive grouped by its TaskGroup
-        code = main.run(lambda stop: main.node(config, stop))
+        code = tasks.run(lambda stop: main.node(config, stop))
     except* SpecMismatch as group:
         code, message = EXIT_SPEC_MISMATCH, str(group.exceptions[0])
     except* PeerUnavailable as group:
@@ -196,7 +197,7 @@ def bootstrap(
     if maddrs_file is not None:  # a stale file would send nodes to an old peer id
         maddrs_file.unlink(missing_ok=True)
     try:
-        code = main.run(
+        code = tasks.run(
             lambda stop: main.bootstrap(
                 host=host,
                 port=port,
@@ -238,7 +239,6 @@ def status(
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 30.0,
 ) -> None:
     """Show a run's peers from the DHT: id, role, epoch, throughput, reachability, last seen."""
-    import asyncio
     import json
 
     from rich.console import Console
@@ -263,8 +263,8 @@ def status(
         raise _fail(EXIT_CONFIG, str(error)) from None
     run_id = loaded.run.id if loaded is not None else str(run)
     try:
-        rows = asyncio.run(
-            run_peers(
+        rows = tasks.run(
+            lambda stop: run_peers(
                 bootstrap=maddrs,
                 run_id=run_id,
                 spec_hash=loaded.hash if loaded is not None else None,

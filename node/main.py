@@ -1,9 +1,9 @@
 """The node process: one event loop, its children in a TaskGroup, graceful on the first signal.
 
-``run`` is the only ``asyncio.run`` in swarmgrad. The first SIGINT/SIGTERM asks the trainer to
-stop after its current step and lets go of any round it waits on; leaving then runs in order
-(withdraw the peer record, stop the gRPC server with a grace period, stop the DHT). A second
-signal exits at once.
+The loop is started by :func:`swarmgrad.node.tasks.run` (the only ``asyncio.run`` in the node).
+The first SIGINT/SIGTERM asks the trainer to stop after its current step and lets go of any
+round it waits on; leaving then runs in order (withdraw the peer record, stop the gRPC server
+with a grace period, stop the DHT). A second signal exits at once.
 """
 
 from __future__ import annotations
@@ -13,11 +13,8 @@ import concurrent.futures
 import contextlib
 import json
 import logging
-import multiprocessing
-import os
-import signal
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,28 +29,6 @@ from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.training.trainer import Progress, Trainer
 
 log = logging.getLogger(__name__)
-
-
-def run(main: Callable[[asyncio.Event], Coroutine[Any, Any, int]]) -> int:
-    """Run ``main(stop)`` on a fresh loop; ``stop`` is set by the first SIGINT/SIGTERM."""
-
-    async def guarded() -> int:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-
-        def on_signal() -> None:
-            if stop.is_set():  # second signal: no more waiting, and no orphans left behind
-                for child in multiprocessing.active_children():  # the DHT's process
-                    child.kill()
-                os._exit(130)
-            log.warning("stopping: leaving the swarm (signal again to exit at once)")
-            stop.set()
-
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, on_signal)
-        return await main(stop)
-
-    return asyncio.run(guarded())
 
 
 def write_status(path: Path, status: dict[str, Any]) -> None:

@@ -49,6 +49,7 @@ from swarmgrad.node.swarm_config import (
     allreduce_config,
     round_budget_seconds,
 )
+from swarmgrad.node.tasks import TaskSet
 from swarmgrad.node.transport.transport import Transport
 from swarmgrad.protocol import state
 from swarmgrad.protocol.auth import Verifier
@@ -120,7 +121,7 @@ class Swarm:
         self.reachability: Reachability | None = None
         self._rounds: Rounds | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._closing = False
         self.throughput = 0.0  # samples/s, announced
@@ -206,9 +207,7 @@ class Swarm:
     async def _close(self) -> None:
         """Graceful leave: withdraw the record, stop serving (with a grace period), stop the DHT."""
         self.release_waiters()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.close()
         if self.directory is not None:
             await self.directory.leave()
         await self.routes.close()
@@ -220,9 +219,7 @@ class Swarm:
             self._discovery = None
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(coro, name)
 
     # -- what the trainer, the CLI and the metrics read ----------------------------------------
 

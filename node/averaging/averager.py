@@ -31,6 +31,7 @@ from swarmgrad.node.averaging.allreduce import (
 from swarmgrad.node.averaging.group import Group, chunk_sizes
 from swarmgrad.node.averaging.reducer import PartReducer, SenderSession
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.tasks import TaskSet
 from swarmgrad.node.transport.transport import Transport, TransportConfig
 from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.averaging import AveragingServicer, StreamHeader, add_to_server
@@ -83,7 +84,7 @@ class Averager:
         self._rounds: dict[tuple[int, bytes], _ActiveRound] = {}
         self._finished: dict[tuple[int, bytes], None] = {}
         self._rounds_changed = asyncio.Condition()
-        self._background: set[asyncio.Task[None]] = set()
+        self._background = TaskSet()
         self._early_streams = 0
         self.servicer = AveragingServicer(
             self,
@@ -119,9 +120,7 @@ class Averager:
 
     async def stop(self) -> None:
         """Close the rounds still lingering (the transport stops serving on its own)."""
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await self._background.close()
         for active in self._rounds.values():
             if active.reducer is not None:
                 await active.reducer.close()
@@ -209,9 +208,7 @@ class Averager:
                 if active is not None and active.reducer is not None:
                     await active.reducer.close()
 
-        task = asyncio.create_task(linger(), name=f"retire-round-{key[0]}")
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background.spawn(linger(), name=f"retire-round-{key[0]}")
 
     # -- AggregateHandler: streams from peers ---------------------------------------------------
 

@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 
 from swarmgrad.node.discovery.base import DiscoveryError, SignedDirectory
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.tasks import TaskSet
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class Sidecar:
         self._writer: asyncio.StreamWriter | None = None
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._next_id = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
         self._closing = False
         self.maddrs: list[str] = []
         #: This node's announcements, (key, subkey) -> (value, expiry), stored again on restart.
@@ -126,9 +127,7 @@ class Sidecar:
         self._spawn(self._supervise(process))
 
     def _spawn(self, coroutine: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(coroutine)
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         while line := await reader.readline():
@@ -227,9 +226,7 @@ class Sidecar:
         self._closing = True
         if self._process is not None:
             await self._kill(self._process, self._writer)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.close()
 
     @staticmethod
     async def _kill(

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 
 from swarmgrad.node.metrics import parse_address
 from swarmgrad.node.reachability.relay import splice
+from swarmgrad.node.tasks import TaskSet
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class PunchResponder:
         self._host, self.target, self._public_host = host, target, public_host
         self._max = max_punching
         self._punching = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
         #: "punched" and "failed" links, punches "refused" as too many, and the bytes carried.
         self.counts: Counter[str] = Counter()
         self.traffic: Counter[str] = Counter()
@@ -108,9 +109,7 @@ class PunchResponder:
             return None
         first = punching_socket(self._host)
         self._punching += 1
-        task = asyncio.create_task(self._link(first, remote))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._link(first, remote))
         return self._public_host(), first.getsockname()[1]
 
     async def _link(self, first: socket.socket, remote: tuple[str, int]) -> None:
@@ -130,9 +129,7 @@ class PunchResponder:
         await splice(punched, local, self.traffic)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.close()
 
 
 #: Asks the callee (through its relay) to punch with us: (our host, our port) -> (its host, port).
@@ -148,7 +145,7 @@ class PunchRoute:
         self._host, self._relayed = host, relayed
         self._public_host, self._call = public_host, call
         self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
         #: Links by how they went: "punched" or "relayed" (punching failed).
         self.counts: Counter[str] = Counter()
         self.traffic: Counter[str] = Counter()
@@ -161,9 +158,7 @@ class PunchRoute:
 
     def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # A task of our own: cancelling asyncio's handler task on close logs an error (3.11).
-        task = asyncio.create_task(self._serve(reader, writer))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._serve(reader, writer))
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         other = await self._punch()
@@ -197,7 +192,5 @@ class PunchRoute:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.close()
         self._server = None

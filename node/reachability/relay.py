@@ -39,6 +39,7 @@ from typing import Any
 
 from swarmgrad.node.identity import Identity, peer_id_of, verify
 from swarmgrad.node.metrics import parse_address
+from swarmgrad.node.tasks import TaskSet
 from swarmgrad.protocol.errors import PeerUnavailable
 from swarmgrad.protocol.peer import endpoint_of
 
@@ -157,7 +158,7 @@ class RelayServer:
         self._server: asyncio.Server | None = None
         self._clients: dict[str, _Client] = {}
         self._pending: dict[str, _Client] = {}  # connection id -> its client
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
         #: Bytes relayed: "in" (dialers to clients) and "out".
         self.traffic: Counter[str] = Counter()
         #: Clients and connections accepted, and refused by reason.
@@ -178,17 +179,13 @@ class RelayServer:
             self._server.close()
         for client in list(self._clients.values()):
             await self._drop(client)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.close()
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
 
     def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(coro)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonce = secrets.token_bytes(16)
@@ -330,7 +327,7 @@ class RelayClient:
         self.limits = limits or RelayLimits()
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
         self._session: asyncio.Task[None] | None = None
         self._address: tuple[str, int] | None = None
         self.traffic: Counter[str] = Counter()
@@ -389,11 +386,9 @@ class RelayClient:
                 message = await read_frame(self._reader, self.limits.silence_seconds)
                 if isinstance(message.get("open"), str):
                     origin = message.get("from")
-                    task = asyncio.create_task(
+                    self._tasks.spawn(
                         self._attach(message["open"], origin if isinstance(origin, str) else "")
                     )
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
         finally:
             pinger.cancel()
             await asyncio.gather(pinger, return_exceptions=True)
@@ -430,10 +425,9 @@ class RelayClient:
             self.origins.pop(here, None)
 
     async def close(self) -> None:
-        for task in [self._session, *self._tasks]:
-            if task is not None:
-                task.cancel()
-        tasks = [t for t in [self._session, *self._tasks] if t is not None]
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._session is not None:
+            self._session.cancel()
+            await asyncio.gather(self._session, return_exceptions=True)
+        await self._tasks.close()
         if self._writer is not None:
             _close_quietly(self._writer)

@@ -1,0 +1,70 @@
+"""The node's event loop, and the background tasks a component owns.
+
+:func:`run` is the one ``asyncio.run`` of a node process (the daemon, and each CLI command that
+talks to the network): the first SIGINT/SIGTERM sets the ``stop`` event it hands to its coroutine,
+a second exits at once. A component's short-lived children (a stream's splice, a withdrawal
+that outlives its round, a relay's sessions) go into its ``TaskSet``; its ``close`` leaves
+nothing running. A child that failed (not cancelled) is logged when the set closes, never
+silently dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class TaskSet:
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task[Any]:
+        """Run ``coro`` as a task this set owns (forgotten once it is done)."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def close(self) -> None:
+        """Cancel every task still running and wait for all of them to end."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for task, result in zip(
+            tasks, await asyncio.gather(*tasks, return_exceptions=True), strict=True
+        ):
+            if isinstance(result, Exception):
+                log.warning("task %s failed: %r", task.get_name(), result)
+
+
+def run(main: Callable[[asyncio.Event], Coroutine[Any, Any, T]]) -> T:
+    """Run ``main(stop)`` on a fresh loop; ``stop`` is set by the first SIGINT/SIGTERM."""
+
+    async def guarded() -> T:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            if stop.is_set():  # second signal: no more waiting, and no orphans left behind
+                for child in multiprocessing.active_children():  # the DHT's process
+                    child.kill()
+                os._exit(130)
+            log.warning("stopping: leaving the swarm (signal again to exit at once)")
+            stop.set()
+
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, on_signal)
+        return await main(stop)
+
+    return asyncio.run(guarded())
