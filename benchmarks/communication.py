@@ -35,7 +35,7 @@ from typing import Any
 from swarmgrad.node.config import home
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.simulations.baseline import warm_start
-from swarmgrad.simulations.swarm import DEMO_SPEC, simulate
+from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
 
 SETTINGS = [
     ("sync fp32", "sync", "none"),
@@ -198,14 +198,16 @@ def run_settings(
                 )
             )
             summary = simulate(
-                nodes=args.nodes,
-                rounds=epochs,
-                spec_path=spec,
-                profile_path=None,
-                out_dir=Path(tmp) / "sim",
-                timeout_seconds=3600,
-                seed=seed,
-                extra_node_args=("--eval-windows", str(args.eval_windows)),
+                SimulationConfig(
+                    nodes=args.nodes,
+                    rounds=epochs,
+                    spec_path=spec,
+                    profile_path=None,
+                    out_dir=Path(tmp) / "sim",
+                    timeout_seconds=3600,
+                    seed=seed,
+                    extra_node_args=("--eval-windows", str(args.eval_windows)),
+                )
             )
         results[name] = summary
         print(

@@ -342,15 +342,17 @@ def simulate(
     _logging(False)
     try:
         summary = swarm.simulate(
-            nodes=nodes,
-            rounds=rounds,
-            spec_path=spec,
-            profile_path=profile,
-            out_dir=out,
-            timeout_seconds=timeout,
-            churn_path=churn,
-            discovery=discovery,
-            seed=seed,
+            swarm.SimulationConfig(
+                nodes=nodes,
+                rounds=rounds,
+                spec_path=spec,
+                profile_path=profile,
+                out_dir=out,
+                timeout_seconds=timeout,
+                churn_path=churn,
+                discovery=discovery,
+                seed=seed,
+            )
         )
     except (RunSpecError, node_config.ConfigError, swarm.SimulationError) as error:
         raise _fail(EXIT_CONFIG, str(error)) from None

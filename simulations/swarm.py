@@ -35,7 +35,7 @@ from swarmgrad.node import config as node_config
 from swarmgrad.node.discovery.base import BACKENDS
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
-from swarmgrad.simulations.churn import MARKERS, ScheduleError, load_schedule
+from swarmgrad.simulations.churn import MARKERS, ChurnEvent, ScheduleError, load_schedule
 
 log = logging.getLogger(__name__)
 #: A (re)started node's log line once it takes part at the swarm's epoch.
@@ -191,185 +191,227 @@ class _Node:
             return {}
 
 
-def simulate(
-    *,
-    nodes: int,
-    rounds: int,
-    spec_path: Path | None,
-    profile_path: Path | None,
-    out_dir: Path,
-    timeout_seconds: float = 600.0,
-    churn_path: Path | None = None,
-    extra_node_args: tuple[str, ...] = (),
-    discovery: str = "hivemind",
-    seed: int | None = None,
-) -> dict[str, Any]:
-    """Run the swarm to ``rounds`` epochs (with the churn schedule in ``churn_path``, if any);
-    return (and write to summary.json) its summary.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimulationConfig:
+    """A local swarm: ``nodes`` node processes (and a bootstrap) training to ``rounds`` epochs."""
 
-    With ``seed``, node i's identity is derived from (seed, i) instead of drawn at random, so
-    its peer id, and with it its data stream, is the same in every run with that seed: settings
-    compared side by side see the same data."""
-    if nodes < 1 or rounds < 1:
-        raise SimulationError("--nodes and --rounds must be at least 1")
-    if discovery not in BACKENDS:
-        raise SimulationError(f"--discovery must be one of {', '.join(BACKENDS)}")
+    nodes: int
+    rounds: int
+    out_dir: Path
+    spec_path: Path | None = None  # None: the demo spec
+    profile_path: Path | None = None  # per-node slowdown, bandwidth, upload cap
+    churn_path: Path | None = None  # a churn schedule (simulations/churn.py)
+    timeout_seconds: float = 600.0
+    extra_node_args: tuple[str, ...] = ()
+    discovery: str = "hivemind"
+    #: Node i's identity derived from (seed, i) instead of drawn at random, so its peer id,
+    #: and with it its data stream, is the same in every run with that seed: settings
+    #: compared side by side see the same data.
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.rounds < 1:
+            raise SimulationError("--nodes and --rounds must be at least 1")
+        if self.discovery not in BACKENDS:
+            raise SimulationError(f"--discovery must be one of {', '.join(BACKENDS)}")
+
+
+def simulate(config: SimulationConfig) -> dict[str, Any]:
+    """Run the swarm to ``config.rounds`` epochs (with its churn schedule, if any); return (and
+    write to summary.json) its summary."""
     try:
-        events = load_schedule(churn_path, nodes=nodes) if churn_path is not None else []
+        events = load_schedule(config.churn_path, nodes=config.nodes) if config.churn_path else []
     except ScheduleError as error:
         raise SimulationError(str(error)) from None
-    slots = max([nodes - 1, *(e.node for e in events)]) + 1
-    profiles = load_profile(profile_path, slots)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    slots = max([config.nodes - 1, *(e.node for e in events)]) + 1
+    profiles = load_profile(config.profile_path, slots)
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = config.spec_path
     if spec_path is None:
-        spec_path = out_dir / "run.toml"
+        spec_path = config.out_dir / "run.toml"
         spec_path.write_text(DEMO_SPEC)
     spec = RunSpec.load(spec_path)
-    cache_dir = node_config.home() / "cache"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMGRAD_")}
-    deadline = time.monotonic() + timeout_seconds
-    processes: list[_Process] = []
-    started = time.time()
-    fired: list[dict[str, Any]] = []
+    run = _SwarmRun(config, events)
     try:
-        maddrs_file = out_dir / "bootstrap.json"
+        maddrs = run.start_bootstrap()
+        run.swarm = [
+            _node_slot(config, i, profile, spec_path, maddrs) for i, profile in enumerate(profiles)
+        ]
+        for node in run.swarm[: config.nodes]:
+            run.start(node)
+        run.until_finished()
+        finals = [n for n in run.swarm if n.finished]
+        statuses = [json.loads(n.status.read_text()) for n in finals]
+    finally:
+        for process in reversed(run.processes):
+            process.stop()
+    wall_seconds = time.time() - run.started
+    summary = summarize(statuses, spec=spec, wall_seconds=wall_seconds, rounds=config.rounds)
+    summary["profiles"] = [asdict(p) for p in profiles]
+    if events:
+        summary["churn"] = {
+            "events": run.fired,
+            "rejoin_seconds": {
+                f"node-{n.index}": n.rejoin_seconds for n in run.swarm if n.rejoin_seconds
+            },
+            "finished": [f"node-{n.index}" for n in finals],
+        }
+    (config.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _node_slot(
+    config: SimulationConfig, i: int, profile: PeerProfile, spec_path: Path, maddrs: list[str]
+) -> _Node:
+    """Node slot ``i``: its files cleared (a new simulation starts fresh), its command line."""
+    out_dir = config.out_dir
+    status, log_path = out_dir / f"node-{i}.json", out_dir / f"node-{i}.log"
+    status.unlink(missing_ok=True)
+    log_path.unlink(missing_ok=True)
+    checkpoints = out_dir / "checkpoints" / f"node-{i}"
+    shutil.rmtree(checkpoints, ignore_errors=True)
+    key = out_dir / f"node-{i}.key"
+    if config.seed is not None:
+        simulation_identity(config.seed, i).save(key)
+    args = [
+        "node",
+        str(spec_path),
+        *(a for m in maddrs for a in ("--bootstrap", m)),
+        "--identity", str(key),
+        "--cache-dir", str(node_config.home() / "cache"),
+        "--max-epochs", str(config.rounds),
+        "--linger",  # a node done early serves state until all are (latecomers catch up)
+        "--slowdown", str(profile.slowdown),
+        "--bandwidth", str(profile.bandwidth),
+        "--status-file", str(status),
+        "--display", "log",
+        "--threads", "1",
+        "--checkpoint-dir", str(checkpoints),
+        "--metrics-address", "127.0.0.1:0",
+        "--discovery", config.discovery,
+        *config.extra_node_args,
+    ]  # fmt: skip
+    if profile.upload_bytes_per_second is not None:
+        args += ["--upload-limit", str(profile.upload_bytes_per_second)]
+    return _Node(index=i, args=args, status=status, log=log_path)
+
+
+class _SwarmRun:
+    """The processes of one simulation, the churn schedule's progress, and the loop that
+    watches them until every running node has finished."""
+
+    def __init__(self, config: SimulationConfig, events: list[ChurnEvent]) -> None:
+        self.config = config
+        self.pending = list(events)
+        self.armed: ChurnEvent | None = None  # a kill waiting for its node to enter a phase
+        self.armed_offset = 0
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMGRAD_")}
+        self.deadline = time.monotonic() + config.timeout_seconds
+        self.processes: list[_Process] = []
+        self.swarm: list[_Node] = []
+        self.started = time.time()
+        self.fired: list[dict[str, Any]] = []
+
+    def start_bootstrap(self) -> list[str]:
+        maddrs_file = self.config.out_dir / "bootstrap.json"
         maddrs_file.unlink(missing_ok=True)
-        boot = _Process(
-            "bootstrap",
-            _command("bootstrap", "--maddrs-file", str(maddrs_file), "--discovery", discovery),
-            out_dir / "bootstrap.log",
-            env,
+        command = _command(
+            "bootstrap", "--maddrs-file", str(maddrs_file), "--discovery", self.config.discovery
         )
-        processes.append(boot)
-        maddrs = _wait_for_file(maddrs_file, boot, deadline)["maddrs"]
-        swarm = []
-        for i, profile in enumerate(profiles):
-            status, log_path = out_dir / f"node-{i}.json", out_dir / f"node-{i}.log"
-            status.unlink(missing_ok=True)
-            log_path.unlink(missing_ok=True)
-            checkpoints = out_dir / "checkpoints" / f"node-{i}"
-            shutil.rmtree(checkpoints, ignore_errors=True)  # a new simulation starts fresh
-            key = out_dir / f"node-{i}.key"
-            if seed is not None:
-                simulation_identity(seed, i).save(key)
-            args = [
-                "node",
-                str(spec_path),
-                *(a for m in maddrs for a in ("--bootstrap", m)),
-                "--identity", str(key),
-                "--cache-dir", str(cache_dir),
-                "--max-epochs", str(rounds),
-                "--linger",  # a node done early serves state until all are (latecomers catch up)
-                "--slowdown", str(profile.slowdown),
-                "--bandwidth", str(profile.bandwidth),
-                "--status-file", str(status),
-                "--display", "log",
-                "--threads", "1",
-                "--checkpoint-dir", str(checkpoints),
-                "--metrics-address", "127.0.0.1:0",
-                "--discovery", discovery,
-                *extra_node_args,
-            ]  # fmt: skip
-            if profile.upload_bytes_per_second is not None:
-                args += ["--upload-limit", str(profile.upload_bytes_per_second)]
-            swarm.append(_Node(index=i, args=args, status=status, log=log_path))
+        boot = _Process("bootstrap", command, self.config.out_dir / "bootstrap.log", self.env)
+        self.processes.append(boot)
+        return list(_wait_for_file(maddrs_file, boot, self.deadline)["maddrs"])
 
-        def start(node: _Node) -> None:
-            node.log_offset = node.log_size()
-            node.process = _Process(f"node-{node.index}", _command(*node.args), node.log, env)
-            processes.append(node.process)
-            node.running, node.started_at = True, time.monotonic()
-            node.waiting_rejoin = bool(fired)  # a node (re)joining a run under way
+    def start(self, node: _Node) -> None:
+        node.log_offset = node.log_size()
+        node.process = _Process(f"node-{node.index}", _command(*node.args), node.log, self.env)
+        self.processes.append(node.process)
+        node.running, node.started_at = True, time.monotonic()
+        node.waiting_rejoin = bool(self.fired)  # a node (re)joining a run under way
 
-        for node in swarm[:nodes]:
-            start(node)
-        pending, armed, armed_offset, shown = list(events), None, 0, 0
+    def until_finished(self) -> None:
+        shown = 0
         while True:
-            if time.monotonic() > deadline:
-                late = [n for n in swarm if n.running]
-                tails = "\n".join(f"node-{n.index}: {n.process.tail(5)}" for n in late if n.process)
-                raise SimulationError(f"the swarm did not finish in time:\n{tails}")
-            for node in swarm:
-                code = node.process.popen.poll() if node.running and node.process else None
-                if code is not None:
-                    assert node.process is not None
-                    raise SimulationError(
-                        f"node-{node.index} exited ({code}):\n{node.process.tail()}"
-                    )
-            for node in swarm:
-                if node.waiting_rejoin and REJOINED.search(node.log_since()):
-                    node.rejoin_seconds.append(time.monotonic() - node.started_at)
-                    node.waiting_rejoin = False
-            current = {node.index: node.status_of() for node in swarm}
-            epoch = max(status.get("epoch", 0) for status in current.values())
-            while armed is None and pending and pending[0].at_epoch <= epoch:
-                event = pending.pop(0)
-                target = swarm[event.node]
-                if event.action == "start":
-                    target.status.unlink(missing_ok=True)  # its old "finished", if any
-                    start(target)
-                elif event.during:  # wait for the node to enter that phase
-                    armed, armed_offset = event, target.log_size()
-                    continue
-                elif event.action in ("pause", "resume"):
-                    assert target.process is not None
-                    target.process.popen.send_signal(
-                        signal.SIGSTOP if event.action == "pause" else signal.SIGCONT
-                    )
-                    target.waiting_rejoin = event.action == "resume"
-                    if target.waiting_rejoin:
-                        target.started_at, target.log_offset = time.monotonic(), target.log_size()
-                elif event.action == "stop":
-                    assert target.process is not None
-                    target.process.stop()
-                    target.running = False
-                else:
-                    assert target.process is not None
-                    target.process.kill()
-                    target.running = False
-                fired.append({"event": event.describe(), "time": time.time() - started})
-                log.info("churn: %s", event.describe())
-            if armed is not None:
-                target = swarm[armed.node]
-                if MARKERS[armed.during] in target.log_since(armed_offset):
-                    assert target.process is not None
-                    target.process.kill()
-                    target.running = target.waiting_rejoin = False
-                    fired.append({"event": armed.describe(), "time": time.time() - started})
-                    log.info("churn: %s", armed.describe())
-                    armed = None
-                elif not target.running:
-                    raise SimulationError(f"node-{armed.node} exited before {armed.describe()}")
-            running = [n for n in swarm if n.running]
+            self._check()
+            current = {node.index: node.status_of() for node in self.swarm}
+            self._fire_due(max(status.get("epoch", 0) for status in current.values()))
+            self._fire_armed()
+            running = [n for n in self.swarm if n.running]
             if (
-                not pending
-                and armed is None
+                not self.pending
+                and self.armed is None
                 and all(current[n.index].get("finished") for n in running)
             ):
                 for node in running:  # every one is done: now they may leave
                     assert node.process is not None
                     node.process.stop()
                     node.running, node.finished = False, True
-                break
-            shown = _show_progress(swarm, shown, rounds)
+                return
+            shown = _show_progress(self.swarm, shown, self.config.rounds)
             time.sleep(0.05)
-        finals = [n for n in swarm if n.finished]
-        statuses = [json.loads(n.status.read_text()) for n in finals]
-    finally:
-        for process in reversed(processes):
-            process.stop()
-    summary = summarize(statuses, spec=spec, wall_seconds=time.time() - started, rounds=rounds)
-    summary["profiles"] = [asdict(p) for p in profiles]
-    if events:
-        summary["churn"] = {
-            "events": fired,
-            "rejoin_seconds": {
-                f"node-{n.index}": n.rejoin_seconds for n in swarm if n.rejoin_seconds
-            },
-            "finished": [f"node-{n.index}" for n in finals],
-        }
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    return summary
+
+    def _check(self) -> None:
+        """Fail on the deadline or a node that exited; note nodes that (re)joined."""
+        if time.monotonic() > self.deadline:
+            late = [n for n in self.swarm if n.running]
+            tails = "\n".join(f"node-{n.index}: {n.process.tail(5)}" for n in late if n.process)
+            raise SimulationError(f"the swarm did not finish in time:\n{tails}")
+        for node in self.swarm:
+            code = node.process.popen.poll() if node.running and node.process else None
+            if code is not None:
+                assert node.process is not None
+                raise SimulationError(f"node-{node.index} exited ({code}):\n{node.process.tail()}")
+        for node in self.swarm:
+            if node.waiting_rejoin and REJOINED.search(node.log_since()):
+                node.rejoin_seconds.append(time.monotonic() - node.started_at)
+                node.waiting_rejoin = False
+
+    def _fire_due(self, epoch: int) -> None:
+        """Fire the schedule's events due at ``epoch`` (a kill for a phase is armed instead)."""
+        while self.armed is None and self.pending and self.pending[0].at_epoch <= epoch:
+            event = self.pending.pop(0)
+            target = self.swarm[event.node]
+            if event.action == "start":
+                target.status.unlink(missing_ok=True)  # its old "finished", if any
+                self.start(target)
+            elif event.during:  # wait for the node to enter that phase
+                self.armed, self.armed_offset = event, target.log_size()
+                continue
+            elif event.action in ("pause", "resume"):
+                assert target.process is not None
+                target.process.popen.send_signal(
+                    signal.SIGSTOP if event.action == "pause" else signal.SIGCONT
+                )
+                target.waiting_rejoin = event.action == "resume"
+                if target.waiting_rejoin:
+                    target.started_at, target.log_offset = time.monotonic(), target.log_size()
+            elif event.action == "stop":
+                assert target.process is not None
+                target.process.stop()
+                target.running = False
+            else:
+                assert target.process is not None
+                target.process.kill()
+                target.running = False
+            self._fired(event)
+
+    def _fire_armed(self) -> None:
+        armed = self.armed
+        if armed is None:
+            return
+        target = self.swarm[armed.node]
+        if MARKERS[armed.during] in target.log_since(self.armed_offset):
+            assert target.process is not None
+            target.process.kill()
+            target.running = target.waiting_rejoin = False
+            self._fired(armed)
+            self.armed = None
+        elif not target.running:
+            raise SimulationError(f"node-{armed.node} exited before {armed.describe()}")
+
+    def _fired(self, event: ChurnEvent) -> None:
+        self.fired.append({"event": event.describe(), "time": time.time() - self.started})
+        log.info("churn: %s", event.describe())
 
 
 def _show_progress(swarm: list[_Node], shown: int, rounds: int) -> int:

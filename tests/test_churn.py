@@ -14,7 +14,7 @@ import pytest
 
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.simulations.churn import ScheduleError, load_schedule
-from swarmgrad.simulations.swarm import DEMO_SPEC, simulate
+from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
 
 SCHEDULE = """\
 [[event]]
@@ -110,16 +110,24 @@ def test_eight_nodes_survive_churn_and_end_identical(tmp_path: Path) -> None:
     profile.write_text("[[peer]]\nupload_bytes_per_second = 2e6\n")
     rounds = 8
     calm = simulate(
-        nodes=8, rounds=rounds, spec_path=spec_path, profile_path=profile, out_dir=tmp_path / "calm"
+        SimulationConfig(
+            nodes=8,
+            rounds=rounds,
+            spec_path=spec_path,
+            profile_path=profile,
+            out_dir=tmp_path / "calm",
+        )
     )
     out = tmp_path / "churn"
     churned = simulate(
-        nodes=8,
-        rounds=rounds,
-        spec_path=spec_path,
-        profile_path=profile,
-        out_dir=out,
-        churn_path=_schedule(tmp_path, SCHEDULE),
+        SimulationConfig(
+            nodes=8,
+            rounds=rounds,
+            spec_path=spec_path,
+            profile_path=profile,
+            out_dir=out,
+            churn_path=_schedule(tmp_path, SCHEDULE),
+        )
     )
     churn = churned["churn"]
     assert len(churn["events"]) == 8  # every event happened

@@ -18,7 +18,7 @@ from swarmgrad.node.training.data import load_corpus, load_demo
 from swarmgrad.node.training.export import ExportError, export
 from swarmgrad.node.training.model import GPT, build_model
 from swarmgrad.node.training.trainer import evaluate
-from swarmgrad.simulations.swarm import DEMO_SPEC, simulate
+from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
 
 SPEC = RunSpec.from_toml(
     '[run]\nid = "export"\n[model]\nvocab_size = 2048\nd_model = 64\nn_layers = 2\nn_heads = 4\n'
@@ -106,7 +106,9 @@ def test_a_trained_swarm_exports_and_transformers_reproduces_its_loss(
     spec_path = tmp_path / "run.toml"
     spec_path.write_text(DEMO_SPEC.replace("group_size = 4", "group_size = 2"))
     out = tmp_path / "sim"
-    summary = simulate(nodes=2, rounds=2, spec_path=spec_path, profile_path=None, out_dir=out)
+    summary = simulate(
+        SimulationConfig(nodes=2, rounds=2, spec_path=spec_path, profile_path=None, out_dir=out)
+    )
     assert summary["replicas_identical"]
     hf_dir = tmp_path / "hf"
     exported = export(out / "checkpoints" / "node-0", hf_dir, cache_dir=cache_dir)

@@ -30,7 +30,7 @@ from swarmgrad.protocol.auth import sign_request
 from swarmgrad.protocol.averaging import StreamHeader, header_to_proto
 from swarmgrad.protocol.v1 import averaging_pb2, peer_pb2, state_pb2
 from swarmgrad.simulations.allreduce_peer import PeerProcess, member_vector
-from swarmgrad.simulations.swarm import simulate
+from swarmgrad.simulations.swarm import SimulationConfig, simulate
 from tests.conftest import Peers
 from tests.helpers import wait_until
 
@@ -88,14 +88,16 @@ def test_dht_forgeries_leave_the_swarm_training_with_its_full_group(
     def run() -> None:
         try:
             result["summary"] = simulate(
-                nodes=3,
-                rounds=rounds,
-                spec_path=None,
-                profile_path=None,
-                out_dir=out,
-                churn_path=churn,
-                discovery=backend,
-                timeout_seconds=400,
+                SimulationConfig(
+                    nodes=3,
+                    rounds=rounds,
+                    spec_path=None,
+                    profile_path=None,
+                    out_dir=out,
+                    churn_path=churn,
+                    discovery=backend,
+                    timeout_seconds=400,
+                )
             )
         except Exception as error:  # reported by the assertion below
             result["error"] = error

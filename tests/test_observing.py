@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import pytest
 
-from swarmgrad.simulations.swarm import DEMO_SPEC, simulate
+from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
 from tests.helpers import wait_for_pattern
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -66,7 +66,7 @@ def test_prometheus_and_status_see_the_swarm_train(tmp_path: Path) -> None:
     def run() -> None:
         try:
             result["summary"] = simulate(
-                nodes=2, rounds=12, spec_path=spec, profile_path=None, out_dir=out
+                SimulationConfig(nodes=2, rounds=12, spec_path=spec, profile_path=None, out_dir=out)
             )
         except Exception as error:  # reported by the main thread
             result["error"] = error

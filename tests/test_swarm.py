@@ -18,7 +18,7 @@ from swarmgrad.node.config import home
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.training.data import load_demo
 from swarmgrad.simulations.baseline import train_alone
-from swarmgrad.simulations.swarm import DEMO_SPEC, simulate, simulation_identity
+from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate, simulation_identity
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,9 @@ def test_four_nodes_learn_together_and_refuse_another_spec(tmp_path: Path, cache
 
     def run() -> None:
         result["summary"] = simulate(
-            nodes=4, rounds=rounds, spec_path=None, profile_path=None, out_dir=tmp_path / "sim"
+            SimulationConfig(
+                nodes=4, rounds=rounds, spec_path=None, profile_path=None, out_dir=tmp_path / "sim"
+            )
         )
 
     runner = threading.Thread(target=run)
@@ -107,12 +109,14 @@ def test_four_nodes_learn_together_over_the_pure_python_dht(tmp_path: Path) -> N
     # The same swarm with --discovery libp2p: py-libp2p's DHT in each node's sidecar process.
     rounds = 10
     summary = simulate(
-        nodes=4,
-        rounds=rounds,
-        spec_path=None,
-        profile_path=None,
-        out_dir=tmp_path / "sim",
-        discovery="libp2p",
+        SimulationConfig(
+            nodes=4,
+            rounds=rounds,
+            spec_path=None,
+            profile_path=None,
+            out_dir=tmp_path / "sim",
+            discovery="libp2p",
+        )
     )
     peers = summary["peers"]
     assert [p["epoch"] for p in peers] == [rounds] * 4
@@ -145,7 +149,14 @@ def test_sync_mode_averages_every_step_and_stays_identical(tmp_path: Path, cache
     )
     steps = 12
     summary = simulate(
-        nodes=2, rounds=steps, spec_path=spec, profile_path=None, out_dir=tmp_path / "sim", seed=7
+        SimulationConfig(
+            nodes=2,
+            rounds=steps,
+            spec_path=spec,
+            profile_path=None,
+            out_dir=tmp_path / "sim",
+            seed=7,
+        )
     )
     peers = summary["peers"]
     assert [p["epoch"] for p in peers] == [steps, steps]

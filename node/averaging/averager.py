@@ -17,7 +17,6 @@ import logging
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from types import TracebackType
 
 import torch
 
@@ -110,12 +109,7 @@ class Averager:
     async def __aenter__(self) -> Averager:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
 
     async def stop(self) -> None:
