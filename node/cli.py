@@ -338,6 +338,7 @@ def simulate(
 ) -> None:
     """Run a bootstrap and N real node processes on loopback; print and save a summary."""
     from swarmgrad.simulations import swarm
+    from swarmgrad.simulations.summary import print_summary
 
     _logging(False)
     try:
@@ -356,7 +357,7 @@ def simulate(
         )
     except (RunSpecError, node_config.ConfigError, swarm.SimulationError) as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
-    swarm.print_summary(summary)
+    print_summary(summary)
     raise typer.Exit(0 if summary["ok"] else 1)
 
 

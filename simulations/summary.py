@@ -1,0 +1,137 @@
+"""What a simulated swarm did: the summary of its nodes' final status files, and its printout.
+
+The summary (``summary.json`` beside the nodes' logs) holds the loss curve averaged over nodes,
+bytes, round times, each peer's outcomes, and whether every replica ended identical.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from swarmgrad.node.runspec import RunSpec
+
+
+def summarize(
+    statuses: list[dict[str, Any]], *, spec: RunSpec, wall_seconds: float, rounds: int
+) -> dict[str, Any]:
+    """One summary from the nodes' final status files."""
+    by_epoch: dict[int, list[dict[str, Any]]] = {}
+    for status in statuses:
+        for entry in status["history"]:
+            if entry["outcome"] in ("averaged", "partial"):
+                by_epoch.setdefault(entry["epoch"], []).append(entry)
+    peers = []
+    for status in statuses:
+        busy = status["compute_seconds"] + status["communication_seconds"]
+        peers.append(
+            {
+                "peer_id": status["peer_id"],
+                "epoch": status["epoch"],
+                "samples": status["samples"],
+                "tokens_per_second": status["tokens_per_second"],
+                "bytes_sent": status["bytes_sent"],
+                "bytes_received": status["bytes_received"],
+                "compute_seconds": status["compute_seconds"],
+                "communication_seconds": status["communication_seconds"],
+                "utilization": status["compute_seconds"] / busy if busy else 0.0,
+                "outcomes": status["outcomes"],
+                "checksum": status["checksum"],
+            }
+        )
+    total_samples = sum(p["samples"] for p in peers) or 1
+    for peer in peers:
+        peer["contribution"] = peer["samples"] / total_samples
+    checksums = {p["checksum"] for p in peers}
+    initial = statistics.fmean(s["initial_val_loss"] for s in statuses)
+    final = statistics.fmean(s["val_loss"] for s in statuses)
+    return {
+        "ok": len(checksums) == 1 and all(p["epoch"] >= rounds for p in peers),
+        "run": spec.run.id,
+        "spec_hash": spec.short_hash,
+        "algorithm": spec.algorithm.name,
+        "codec": spec.averaging.codec,
+        "nodes": len(statuses),
+        "rounds": rounds,
+        "wall_seconds": wall_seconds,
+        "initial_val_loss": initial,
+        "final_val_loss": final,
+        "replicas_identical": len(checksums) == 1,
+        # Per epoch, over the peers that reached it: mean validation loss, total samples so
+        # far, mean bytes each peer had sent so far, and round times.
+        "loss_curve": [
+            {
+                "epoch": epoch,
+                "val_loss": statistics.fmean(e["val_loss"] for e in entries),
+                "samples": sum(e["samples"] for e in entries),
+                "bytes_sent_per_peer": statistics.fmean(e["bytes_sent"] for e in entries),
+            }
+            for epoch, entries in sorted(by_epoch.items())
+        ],
+        "round_seconds": [
+            {
+                "epoch": epoch,
+                "median": statistics.median(e["round_seconds"] for e in entries),
+                "max": max(e["round_seconds"] for e in entries),
+            }
+            for epoch, entries in sorted(by_epoch.items())
+        ],
+        "peers": peers,
+    }
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    curve = Table(title=f"validation loss ({summary['algorithm']}, {summary['codec']})")
+    for name in ("epoch", "val loss", "round s (median / max)"):
+        curve.add_column(name, justify="right")
+    curve.add_row("start", f"{summary['initial_val_loss']:.3f}", "")
+    times = {r["epoch"]: r for r in summary["round_seconds"]}
+    for point in summary["loss_curve"]:
+        t = times.get(point["epoch"])
+        curve.add_row(
+            str(point["epoch"]),
+            f"{point['val_loss']:.3f}",
+            f"{t['median']:.2f} / {t['max']:.2f}" if t else "",
+        )
+    console.print(curve)
+    peers = Table(title="peers")
+    columns = ("peer", "epoch", "samples", "share", "tokens/s", "sent", "received", "util.")
+    for name in columns:
+        peers.add_column(name, justify="right")
+    for p in summary["peers"]:
+        peers.add_row(
+            p["peer_id"][:12],
+            str(p["epoch"]),
+            f"{p['samples']:,}",
+            f"{p['contribution']:.0%}",
+            f"{p['tokens_per_second']:,.0f}",
+            f"{p['bytes_sent'] / 2**20:.1f} MiB",
+            f"{p['bytes_received'] / 2**20:.1f} MiB",
+            f"{p['utilization']:.0%}",
+        )
+    console.print(peers)
+    churn = summary.get("churn")
+    if churn:
+        events = Table(title="churn")
+        for name in ("time s", "event"):
+            events.add_column(name, justify="right" if name == "time s" else "left")
+        for event in churn["events"]:
+            events.add_row(f"{event['time']:.1f}", event["event"])
+        console.print(events)
+        for node, seconds in churn["rejoin_seconds"].items():
+            shown = ", ".join(f"{s:.1f} s" for s in seconds)
+            console.print(f"{node} took part again {shown} after its (re)start or resume")
+        lost = sum(
+            p["outcomes"].get(o, 0) for p in summary["peers"] for o in ("no group", "aborted")
+        )
+        partial = sum(p["outcomes"].get("partial", 0) for p in summary["peers"])
+        console.print(f"rounds without a group or aborted: {lost}; partial rounds: {partial}")
+    console.print(
+        f"{summary['nodes']} nodes, {summary['rounds']} rounds in {summary['wall_seconds']:.0f} s: "
+        f"val loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f}; "
+        f"replicas identical: {summary['replicas_identical']}"
+    )
