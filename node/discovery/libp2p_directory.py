@@ -1,0 +1,108 @@
+"""The libp2p sidecar's directory: what one peer stores for others, by key and subkey.
+
+Each key holds one entry per subkey, the latest expiry winning (like hivemind's dictionary
+values), bounded in entries, sizes and lifetimes; only swarmgrad's sealed values filed where
+their seal says are kept (``records.validate``). Entries travel between peers as JSON
+(:func:`encode_entries` / :func:`decode_entries`). Pure Python: no libp2p here.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+from swarmgrad.node.discovery.envelope import RecordError
+from swarmgrad.node.discovery.records import validate
+
+MAX_KEY_CHARS, MAX_SUBKEY_CHARS = 512, 128
+MAX_ENTRIES_PER_KEY, MAX_ENTRIES = 4096, 65536
+
+
+# -- the directory: entries by key and subkey ---------------------------------------------------
+
+
+@dataclass(slots=True)
+class Entry:
+    value: bytes
+    expires: float
+
+
+class Directory:
+    """What this peer stores for others, bounded in entries, sizes and lifetimes."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, dict[str, Entry]] = {}
+
+    def store(self, key: str, subkey: str, value: bytes, expires: float, now: float) -> bool:
+        check_entry(key, subkey, value, expires, now)
+        self._purge(now)
+        entries = self.keys.setdefault(key, {})
+        old = entries.get(subkey)
+        if old is not None and old.expires >= expires:
+            return False  # a newer value (or this one) is already held
+        if old is None and (
+            len(entries) >= MAX_ENTRIES_PER_KEY
+            or sum(len(e) for e in self.keys.values()) >= MAX_ENTRIES
+        ):
+            raise ValueError("this peer's directory is full")
+        entries[subkey] = Entry(value, expires)
+        return True
+
+    def get(self, key: str, now: float) -> dict[str, Entry]:
+        return {s: e for s, e in self.keys.get(key, {}).items() if e.expires > now}
+
+    def _purge(self, now: float) -> None:
+        for key in list(self.keys):
+            live = {s: e for s, e in self.keys[key].items() if e.expires > now}
+            if live:
+                self.keys[key] = live
+            else:
+                del self.keys[key]
+
+
+def check_entry(key: str, subkey: str, value: bytes, expires: float, now: float) -> None:
+    """ValueError (RecordError) unless ``value`` is a sealed value that may live under (key,
+    subkey) until ``expires``."""
+    if not 0 < len(key) <= MAX_KEY_CHARS or not 0 < len(subkey) <= MAX_SUBKEY_CHARS:
+        raise ValueError("key or subkey empty or too long")
+    validate(key, subkey, value, expires, now)
+
+
+def merge(key: str, into: dict[str, Entry], entries: dict[str, Entry], now: float) -> int:
+    """Merge another peer's ``entries`` for ``key`` (the latest expiry wins); how many it
+    returned that were not valid (dropped: they must not shadow a genuine entry)."""
+    dropped = 0
+    for subkey, entry in entries.items():
+        try:
+            check_entry(key, subkey, entry.value, entry.expires, now)
+        except RecordError:
+            dropped += 1
+            continue
+        if subkey not in into or into[subkey].expires < entry.expires:
+            into[subkey] = entry
+    return dropped
+
+
+def encode_entries(entries: dict[str, Entry]) -> list[dict[str, Any]]:
+    return [
+        {"subkey": s, "value": base64.b64encode(e.value).decode(), "expires": e.expires}
+        for s, e in entries.items()
+    ]
+
+
+def decode_entries(raw: object) -> dict[str, Entry]:
+    """Entries from a peer's answer; raises ValueError on anything malformed."""
+    if not isinstance(raw, list) or len(raw) > MAX_ENTRIES_PER_KEY:
+        raise ValueError("entries must be a list")
+    entries = {}
+    for item in raw:
+        if not isinstance(item, dict) or set(item) != {"subkey", "value", "expires"}:
+            raise ValueError("malformed entry")
+        subkey, value, expires = item["subkey"], item["value"], item["expires"]
+        if not isinstance(subkey, str) or not isinstance(value, str):
+            raise ValueError("malformed entry")
+        if not isinstance(expires, int | float) or isinstance(expires, bool):
+            raise ValueError("malformed entry")
+        entries[subkey] = Entry(base64.b64decode(value, validate=True), float(expires))
+    return entries
