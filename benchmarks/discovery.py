@@ -37,8 +37,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from swarmgrad.node.discovery.base import BACKENDS, Discovery, dht_time, start_discovery
+from swarmgrad.node.discovery.base import BACKENDS, Discovery, dht_time
 from swarmgrad.node.discovery.records import PeerRecord
+from swarmgrad.node.discovery.start import DiscoveryConfig, start_discovery
 from swarmgrad.node.identity import Identity
 
 RUN, SPEC = "discovery-bench", b"\x0b" * 32
@@ -79,9 +80,8 @@ async def start_swarm(backend: str, count: int) -> tuple[list[Discovery], list[I
     started = time.perf_counter()
 
     async def one(identity: Identity, peers: list[str]) -> Discovery:
-        return await start_discovery(
-            backend, identity, run_id=RUN, spec_hash=SPEC, initial_peers=peers
-        )
+        config = DiscoveryConfig(backend=backend, initial_peers=tuple(peers))
+        return await start_discovery(config, identity, run_id=RUN, spec_hash=SPEC)
 
     boot = await one(ids[0], [])
     rest = await asyncio.gather(*(one(i, boot.visible_maddrs()) for i in ids[1:]))

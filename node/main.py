@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmgrad.node.config import ConfigError, NodeConfig
-from swarmgrad.node.discovery.base import start_discovery
+from swarmgrad.node.discovery.start import DiscoveryConfig, start_discovery
 from swarmgrad.node.display import Display
 from swarmgrad.node.files import atomic_write
 from swarmgrad.node.identity import Identity
@@ -147,14 +147,16 @@ async def bootstrap(
     a throwaway one and its run and spec are placeholders.
     """
     dht = await start_discovery(
-        backend,
+        DiscoveryConfig(
+            backend=backend,
+            initial_peers=tuple(initial_peers),
+            host=host,
+            port=port,
+            network_secret=network_secret,
+        ),
         Identity.generate(),
         run_id="bootstrap",
         spec_hash=bytes(32),
-        initial_peers=initial_peers,
-        host=host,
-        port=port,
-        network_secret=network_secret,
     )
     try:
         maddrs = dht.visible_maddrs()

@@ -6,7 +6,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from swarmgrad.node.discovery.base import dht_time, start_discovery
+from swarmgrad.node.discovery.base import dht_time
+from swarmgrad.node.discovery.start import DiscoveryConfig, start_discovery
 from swarmgrad.node.identity import Identity
 
 
@@ -25,13 +26,15 @@ async def run_peers(
     """
     async with asyncio.timeout(timeout_seconds):
         discovery = await start_discovery(
-            backend,
+            DiscoveryConfig(
+                backend=backend,
+                initial_peers=tuple(bootstrap),
+                network_secret=network_secret,
+                start_timeout_seconds=timeout_seconds,
+            ),
             Identity.generate(),
             run_id=run_id,
             spec_hash=spec_hash or bytes(32),
-            initial_peers=bootstrap,
-            network_secret=network_secret,
-            start_timeout_seconds=timeout_seconds,
         )
         try:
             if spec_hash is not None:

@@ -32,9 +32,10 @@ from swarmgrad.compression import get_codec
 from swarmgrad.node.averaging.averager import Averager
 from swarmgrad.node.averaging.matchmaking import Matchmaker
 from swarmgrad.node.averaging.rounds import Averaged, RoundParts, Rounds
-from swarmgrad.node.discovery.base import Discovery, start_discovery
+from swarmgrad.node.discovery.base import Discovery
 from swarmgrad.node.discovery.directory import PeerDirectory
 from swarmgrad.node.discovery.records import PeerRecord
+from swarmgrad.node.discovery.start import start_discovery
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.kinds import Failure
 from swarmgrad.node.metrics import Links, NodeMetrics, Tallies
@@ -139,14 +140,7 @@ class Swarm:
         self._loop = asyncio.get_running_loop()
         spec, config = self.spec, self.config
         self._discovery = await start_discovery(
-            config.discovery,
-            self.identity,
-            run_id=spec.run.id,
-            spec_hash=spec.hash,
-            initial_peers=config.bootstrap,
-            host=config.host,
-            network_secret=config.dht_secret,
-            start_timeout_seconds=config.dht_start_timeout_seconds,
+            config.discovery_config(), self.identity, run_id=spec.run.id, spec_hash=spec.hash
         )
         try:
             self.directory = PeerDirectory(

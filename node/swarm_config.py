@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from swarmgrad.node.averaging.allreduce import AllReduceConfig
 from swarmgrad.node.averaging.rounds import RoundsConfig
-from swarmgrad.node.discovery.base import BACKENDS
 from swarmgrad.node.discovery.directory import DirectoryConfig
+from swarmgrad.node.discovery.start import DiscoveryConfig
 from swarmgrad.node.reachability.dialback import ReachabilityConfig
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.state.sync import StateSyncConfig
@@ -49,11 +49,8 @@ class SwarmConfig:
     reachability_wait_seconds: float = 15.0
 
     def __post_init__(self) -> None:
-        if self.discovery not in BACKENDS:
-            raise ValueError(f"discovery must be one of {', '.join(BACKENDS)}: {self.discovery!r}")
-        if self.dht_secret and self.discovery != "libp2p":
-            raise ValueError("a DHT secret needs the libp2p discovery backend")
-        # Each part's own config checks the rest, here as when the part is built.
+        # Each part's own config checks its settings, here as when the part is built.
+        self.discovery_config()
         self.transport(ServerLimits())
         self.directory()
         self.state_sync()
@@ -66,6 +63,15 @@ class SwarmConfig:
             public_host=self.public_host,
             limits=limits,
             upload_bytes_per_second=self.upload_bytes_per_second,
+        )
+
+    def discovery_config(self) -> DiscoveryConfig:
+        return DiscoveryConfig(
+            backend=self.discovery,
+            initial_peers=self.bootstrap,
+            host=self.host,
+            network_secret=self.dht_secret,
+            start_timeout_seconds=self.dht_start_timeout_seconds,
         )
 
     def directory(self) -> DirectoryConfig:

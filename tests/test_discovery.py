@@ -19,11 +19,11 @@ from swarmgrad.node.discovery.base import (
     Discovery,
     DiscoveryError,
     dht_time,
-    start_discovery,
 )
 from swarmgrad.node.discovery.envelope import Kind, open_envelope, seal
 from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery, SealedValues, start_dht
 from swarmgrad.node.discovery.records import MAX_SPEC_BYTES, PeerRecord, RecordError, validate
+from swarmgrad.node.discovery.start import DiscoveryConfig, start_discovery
 from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.server import start_server
 from tests.helpers import until
@@ -192,9 +192,11 @@ async def start(request: pytest.FixtureRequest) -> AsyncIterator[Starter]:
     started: list[Discovery] = []
 
     async def starter(identity: Identity, **kwargs: Any) -> Any:
-        kwargs.setdefault("run_id", RUN)
-        kwargs.setdefault("spec_hash", SPEC)
-        node = await start_discovery(request.param, identity, **kwargs)
+        run_id, spec_hash = kwargs.pop("run_id", RUN), kwargs.pop("spec_hash", SPEC)
+        if "initial_peers" in kwargs:
+            kwargs["initial_peers"] = tuple(kwargs["initial_peers"])
+        config = DiscoveryConfig(backend=request.param, **kwargs)
+        node = await start_discovery(config, identity, run_id=run_id, spec_hash=spec_hash)
         started.append(node)
         return node
 
@@ -371,11 +373,12 @@ async def test_a_dht_started_after_grpc_comes_from_a_clean_process() -> None:
     server, _ = await start_server(lambda server: None)
     started: list[HivemindDiscovery] = []
     try:
-        a = await HivemindDiscovery.start(Identity.generate(), run_id=RUN, spec_hash=SPEC)
-        started.append(a)
-        b = await HivemindDiscovery.start(
-            Identity.generate(), run_id=RUN, spec_hash=SPEC, initial_peers=a.visible_maddrs()
+        a = await HivemindDiscovery.start(
+            Identity.generate(), DiscoveryConfig(), run_id=RUN, spec_hash=SPEC
         )
+        started.append(a)
+        config = DiscoveryConfig(initial_peers=tuple(a.visible_maddrs()))
+        b = await HivemindDiscovery.start(Identity.generate(), config, run_id=RUN, spec_hash=SPEC)
         started.append(b)
         for node in (a, b):
             assert node._dht.from_clean_process

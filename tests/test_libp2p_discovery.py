@@ -23,6 +23,7 @@ import pytest
 from swarmgrad.node.discovery.base import DiscoveryError, dht_time
 from swarmgrad.node.discovery.libp2p_dht import Libp2pDiscovery, network_key
 from swarmgrad.node.discovery.records import PeerRecord
+from swarmgrad.node.discovery.start import DiscoveryConfig
 from swarmgrad.node.identity import Identity
 
 RUN, SPEC = "run-p", b"\x05" * 32
@@ -35,7 +36,10 @@ async def start() -> AsyncIterator[Starter]:
     started: list[Libp2pDiscovery] = []
 
     async def starter(identity: Identity, **kwargs: Any) -> Libp2pDiscovery:
-        node = await Libp2pDiscovery.start(identity, run_id=RUN, spec_hash=SPEC, **kwargs)
+        if "initial_peers" in kwargs:
+            kwargs["initial_peers"] = tuple(kwargs["initial_peers"])
+        config = DiscoveryConfig(backend="libp2p", **kwargs)
+        node = await Libp2pDiscovery.start(identity, config, run_id=RUN, spec_hash=SPEC)
         started.append(node)
         return node
 
@@ -158,10 +162,11 @@ async def test_the_node_never_imports_libp2p_and_its_sidecar_dies_with_it(tmp_pa
     script.write_text(
         "import asyncio, sys\n"
         "from swarmgrad.node.discovery.libp2p_dht import Libp2pDiscovery\n"
+        "from swarmgrad.node.discovery.start import DiscoveryConfig\n"
         "from swarmgrad.node.identity import Identity\n"
         "async def main():\n"
-        "    d = await Libp2pDiscovery.start(\n"
-        "        Identity.generate(), run_id='r', spec_hash=bytes(32))\n"
+        "    d = await Libp2pDiscovery.start(Identity.generate(),\n"
+        "        DiscoveryConfig(backend='libp2p'), run_id='r', spec_hash=bytes(32))\n"
         "    print(d.sidecar.pid, sorted(m for m in sys.modules if m.startswith('libp2p')),\n"
         "          flush=True)\n"
         "    await asyncio.sleep(60)\n"

@@ -10,6 +10,7 @@ import pytest
 
 from swarmgrad.node.averaging.matchmaking import Matchmaker, assign_groups
 from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery
+from swarmgrad.node.discovery.start import DiscoveryConfig
 from swarmgrad.node.identity import Identity
 
 RUN, SPEC = "mm", b"\x05" * 32
@@ -32,12 +33,11 @@ async def swarm() -> AsyncIterator[list[tuple[Identity, HivemindDiscovery]]]:
     ids = [Identity.generate() for _ in range(5)]
     nodes: list[tuple[Identity, HivemindDiscovery]] = []
     try:
-        boot = await HivemindDiscovery.start(ids[0], run_id=RUN, spec_hash=SPEC)
+        boot = await HivemindDiscovery.start(ids[0], DiscoveryConfig(), run_id=RUN, spec_hash=SPEC)
         nodes.append((ids[0], boot))
         for identity in ids[1:]:
-            node = await HivemindDiscovery.start(
-                identity, run_id=RUN, spec_hash=SPEC, initial_peers=boot.visible_maddrs()
-            )
+            config = DiscoveryConfig(initial_peers=tuple(boot.visible_maddrs()))
+            node = await HivemindDiscovery.start(identity, config, run_id=RUN, spec_hash=SPEC)
             nodes.append((identity, node))
         yield nodes
     finally:

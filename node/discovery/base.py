@@ -15,8 +15,7 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
-from typing import Any, Protocol, Self
+from typing import Protocol, Self
 
 from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS, Envelope, Kind, open_envelope, seal
 from swarmgrad.node.discovery.records import MAX_SPEC_BYTES, PeerRecord, RecordError, check
@@ -245,45 +244,3 @@ class SignedDirectory(abc.ABC):
     async def find(self, topic: str = "peers") -> list[PeerRecord]:
         found = await self._valid(self._topic_key(topic))
         return sorted((r for _, r in found if r is not None), key=lambda r: r.peer_id)
-
-
-async def start_discovery(
-    backend: str,
-    identity: Identity,
-    *,
-    run_id: str,
-    spec_hash: bytes,
-    initial_peers: Sequence[str] = (),
-    host: str = "127.0.0.1",
-    port: int = 0,
-    network_secret: str = "",
-    start_timeout_seconds: float = 60.0,
-) -> Discovery:
-    """A started node of ``backend``'s DHT, joined through ``initial_peers`` if any.
-
-    ``network_secret`` (libp2p only) keeps a private run's DHT apart from every other.
-    """
-    common: dict[str, Any] = {
-        "run_id": run_id,
-        "spec_hash": spec_hash,
-        "initial_peers": initial_peers,
-        "host": host,
-        "port": port,
-        "start_timeout_seconds": start_timeout_seconds,
-    }
-    if backend == "hivemind":
-        if network_secret:
-            raise ValueError("a DHT secret needs --discovery libp2p (hivemind's DHT has none)")
-        try:
-            from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery
-        except ImportError as error:  # not installed: its wheel is Linux x86_64 only
-            raise DiscoveryError(
-                f"the hivemind discovery backend is unavailable here ({error}); "
-                "use --discovery libp2p"
-            ) from None
-        return await HivemindDiscovery.start(identity, **common)
-    if backend == "libp2p":
-        from swarmgrad.node.discovery.libp2p_dht import Libp2pDiscovery
-
-        return await Libp2pDiscovery.start(identity, network_secret=network_secret, **common)
-    raise ValueError(f"unknown discovery backend {backend!r} (one of {', '.join(BACKENDS)})")

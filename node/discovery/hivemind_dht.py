@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hivemind
 from hivemind.dht.routing import DHTID
@@ -28,6 +28,9 @@ from swarmgrad.node.discovery.base import DiscoveryError, SignedDirectory
 from swarmgrad.node.discovery.envelope import RecordError, open_envelope
 from swarmgrad.node.discovery.records import check
 from swarmgrad.node.identity import Identity
+
+if TYPE_CHECKING:
+    from swarmgrad.node.discovery.start import DiscoveryConfig
 from swarmgrad.protocol.server import grpc_started
 
 log = logging.getLogger(__name__)
@@ -202,27 +205,21 @@ class HivemindDiscovery(SignedDirectory):
 
     @classmethod
     async def start(
-        cls,
-        identity: Identity,
-        *,
-        run_id: str,
-        spec_hash: bytes,
-        initial_peers: Sequence[str] = (),
-        host: str = "127.0.0.1",
-        port: int = 0,
-        start_timeout_seconds: float = 60.0,
-        call_timeout_seconds: float = 10.0,
+        cls, identity: Identity, config: DiscoveryConfig, *, run_id: str, spec_hash: bytes
     ) -> HivemindDiscovery:
-        """Start a DHT node (its own process) and join through ``initial_peers`` if any."""
+        """Start a DHT node (its own process) and join through the config's initial peers."""
         dht = await start_dht(
-            initial_peers, host=host, port=port, start_timeout_seconds=start_timeout_seconds
+            config.initial_peers,
+            host=config.host,
+            port=config.port,
+            start_timeout_seconds=config.start_timeout_seconds,
         )
         return cls(
             dht,
             identity,
             run_id=run_id,
             spec_hash=spec_hash,
-            call_timeout_seconds=call_timeout_seconds,
+            call_timeout_seconds=config.call_timeout_seconds,
         )
 
     def visible_maddrs(self) -> list[str]:

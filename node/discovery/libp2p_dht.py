@@ -22,12 +22,15 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
 from swarmgrad.node.discovery.base import DiscoveryError, SignedDirectory
 from swarmgrad.node.identity import Identity
+
+if TYPE_CHECKING:
+    from swarmgrad.node.discovery.start import DiscoveryConfig
 from swarmgrad.node.tasks import TaskSet
 
 log = logging.getLogger(__name__)
@@ -261,26 +264,16 @@ class Libp2pDiscovery(SignedDirectory):
 
     @classmethod
     async def start(
-        cls,
-        identity: Identity,
-        *,
-        run_id: str,
-        spec_hash: bytes,
-        initial_peers: Sequence[str] = (),
-        host: str = "127.0.0.1",
-        port: int = 0,
-        network_secret: str = "",
-        start_timeout_seconds: float = 30.0,
-        call_timeout_seconds: float = 10.0,
+        cls, identity: Identity, config: DiscoveryConfig, *, run_id: str, spec_hash: bytes
     ) -> Libp2pDiscovery:
-        """Start the sidecar and join through ``initial_peers`` if any."""
+        """Start the sidecar and join through the config's initial peers."""
         sidecar = Sidecar(
             identity,
-            initial_peers=initial_peers,
-            host=host,
-            port=port,
-            network_secret=network_secret,
-            start_timeout_seconds=start_timeout_seconds,
+            initial_peers=config.initial_peers,
+            host=config.host,
+            port=config.port,
+            network_secret=config.network_secret,
+            start_timeout_seconds=config.start_timeout_seconds,
         )
         await sidecar.start()
         return cls(
@@ -288,7 +281,7 @@ class Libp2pDiscovery(SignedDirectory):
             identity,
             run_id=run_id,
             spec_hash=spec_hash,
-            call_timeout_seconds=call_timeout_seconds,
+            call_timeout_seconds=config.call_timeout_seconds,
         )
 
     @property
