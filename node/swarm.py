@@ -170,6 +170,7 @@ class Swarm:
                 group_size=spec.averaging.group_size,
                 matchmaking_timeout_seconds=spec.averaging.matchmaking_timeout_seconds,
                 settle_seconds=MATCHMAKING_SETTLE_SECONDS,
+                peers=self.directory.refresh,
             )
             budget = round_budget_seconds(
                 spec, config, dht_call_seconds=self._discovery.call_timeout_seconds

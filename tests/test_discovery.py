@@ -22,7 +22,13 @@ from swarmgrad.node.discovery.base import (
 )
 from swarmgrad.node.discovery.envelope import Kind, open_envelope, seal
 from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery, SealedValues, start_dht
-from swarmgrad.node.discovery.records import MAX_SPEC_BYTES, PeerRecord, RecordError, validate
+from swarmgrad.node.discovery.records import (
+    MAX_SPEC_BYTES,
+    PeerRecord,
+    ReadyRecord,
+    RecordError,
+    validate,
+)
 from swarmgrad.node.discovery.start import DiscoveryConfig, start_discovery
 from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.server import start_server
@@ -50,7 +56,9 @@ def record(
 KEY = f"run/{RUN}/{SPEC.hex()}/peers"
 
 
-def sealed(identity: Identity, rec: PeerRecord | None = None, **options: Any) -> bytes:
+def sealed(
+    identity: Identity, rec: PeerRecord | ReadyRecord | None = None, **options: Any
+) -> bytes:
     rec = rec if rec is not None else record(identity)
     fields: dict[str, Any] = {
         "key": KEY,
@@ -142,13 +150,35 @@ def test_records_with_unknown_fields_or_values_are_refused(
         PeerRecord.parse(json.dumps(body).encode())
 
 
+def ready_record(
+    identity: Identity, round_: int, *, ttl: float = 60.0, now: float = 1000.0
+) -> ReadyRecord:
+    return ReadyRecord(
+        peer_id=identity.peer_id,
+        run_id=RUN,
+        spec_hash=SPEC.hex(),
+        endpoint="127.0.0.1:5000",
+        round=round_,
+        bandwidth=1.0,
+        weight=16.0,
+        issued_at=now,
+        expires_at=now + ttl,
+    )
+
+
 def test_readiness_is_only_for_its_own_round_and_specs_fit_the_limit() -> None:
-    ready = record(ME, epoch=3)
+    ready = ready_record(ME, 3)
     key = KEY.replace("peers", "round/3")
     assert validate(key, ME.peer_id, sealed(ME, ready, key=key, kind=Kind.READY), 1060.0, 1001.0)
     wrong = KEY.replace("peers", "round/4")
     with pytest.raises(RecordError, match="another round"):
         validate(wrong, ME.peer_id, sealed(ME, ready, key=wrong, kind=Kind.READY), 1060.0, 1001.0)
+    # Each topic takes its own record type: a peer record is no readiness, and the reverse.
+    peer = record(ME)
+    with pytest.raises(RecordError, match="fields"):
+        validate(key, ME.peer_id, sealed(ME, peer, key=key, kind=Kind.READY), 1060.0, 1001.0)
+    with pytest.raises(RecordError, match="fields"):
+        validate(KEY, ME.peer_id, sealed(ME, ready), 1060.0, 1001.0)
     specs = f"run/{RUN}/specs"
     huge = sealed(ME, key=specs, kind=Kind.SPEC, body=b"x" * (MAX_SPEC_BYTES + 1))
     with pytest.raises(RecordError, match="size limit"):
@@ -307,12 +337,12 @@ async def test_a_round_withdrawn_can_be_announced_again(start: Starter) -> None:
     node_a = await start(a)
     node_b = await start(b, initial_peers=node_a.visible_maddrs())
     await node_a.announce(live(a, ttl=60.0))
-    await node_a.announce(live(a, ttl=20.0, epoch=11), "round/11")
+    await node_a.announce_ready(ready_record(a, 11, ttl=20.0, now=dht_time()))
     await node_a.leave("round/11")
-    assert await node_b.find("round/11") == []
+    assert await node_b.find_ready(11) == []
     await asyncio.sleep(1.1)  # past the withdrawal's margin over the first record
-    await node_a.announce(live(a, ttl=20.0, epoch=11), "round/11")
-    assert [r.peer_id for r in await node_b.find("round/11")] == [a.peer_id]
+    await node_a.announce_ready(ready_record(a, 11, ttl=20.0, now=dht_time()))
+    assert [r.peer_id for r in await node_b.find_ready(11)] == [a.peer_id]
     assert [r.peer_id for r in await node_b.find()] == [a.peer_id]
 
 

@@ -2,7 +2,7 @@
 nor an attempt that found nobody.
 
 Two real swarms (hivemind DHT, gRPC) in one process. One member stalls after its group is formed
-(its ``prepare`` step sleeps, as a slow or stuck attempt would); while it stalls, a peer starting
+(its all-reduce starts late, as a slow or stuck attempt would); while it stalls, a peer starting
 matchmaking for the same round must not see its record. If it did, it would build a group from
 that attempt's record while the staller's next attempt announces another (its weight grows in
 between), and the two would compute different group ids on every attempt: the livelock CI saw.
@@ -11,12 +11,13 @@ between), and the two would compute different group ids on every attempt: the li
 from __future__ import annotations
 
 import asyncio
-import threading
+from typing import Any
 
 import pytest
 import torch
 
 from swarmgrad.node import Swarm, SwarmConfig
+from swarmgrad.node.averaging.allreduce import RoundResult
 from swarmgrad.node.averaging.group import Group
 from swarmgrad.node.averaging.rounds import WITHDRAW_MARGIN_SECONDS, Outcome
 from swarmgrad.node.identity import Identity
@@ -32,30 +33,36 @@ SPEC = RunSpec.from_toml(
 )
 
 
-async def test_a_stalled_attempt_withdraws_its_readiness_record() -> None:
+async def test_a_stalled_attempt_withdraws_its_readiness_record(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     stall_seconds = WITHDRAW_MARGIN_SECONDS + 6.0
-    stalled = threading.Event()
-
-    def stall(vector: torch.Tensor, group: Group) -> torch.Tensor:
-        stalled.set()
-        threading.Event().wait(stall_seconds)  # in the worker thread, as the codec step runs
-        return vector
+    stalled = asyncio.Event()
 
     async with Swarm(SPEC, Identity.generate(), SwarmConfig()) as first:
         bootstrap = tuple(first.visible_maddrs())  # type: ignore[union-attr]
         async with Swarm(SPEC, Identity.generate(), SwarmConfig(bootstrap=bootstrap)) as second:
+            all_reduce = first._averager.all_reduce
+
+            async def stall(vector: torch.Tensor, group: Group, **options: Any) -> RoundResult:
+                stalled.set()  # the group formed; this member is slow to start its all-reduce
+                await asyncio.sleep(stall_seconds)
+                return await all_reduce(vector, group, **options)
+
+            monkeypatch.setattr(first._averager, "all_reduce", stall)
             vector = torch.ones(1000)
             rounds = [
-                asyncio.create_task(first.average(vector, epoch=0, weight=1.0, prepare=stall)),
+                asyncio.create_task(first.average(vector, epoch=0, weight=1.0)),
                 asyncio.create_task(second.average(vector * 3, epoch=0, weight=1.0)),
             ]
-            assert await asyncio.to_thread(stalled.wait, 30), "no group formed"
+            async with asyncio.timeout(30):  # no group formed, if it runs out
+                await stalled.wait()
             formed = asyncio.get_running_loop().time()
             # Both records are there while the group forms (the mates read them), then the
             # staller's goes although its attempt has not ended.
             deadline = formed + WITHDRAW_MARGIN_SECONDS + 3.0
             while True:
-                ready = await second.directory.discovery.find("round/0")  # type: ignore[union-attr]
+                ready = await second.directory.discovery.find_ready(0)  # type: ignore[union-attr]
                 if first.peer_id not in {r.peer_id for r in ready}:
                     break
                 now = asyncio.get_running_loop().time()
@@ -84,7 +91,7 @@ async def test_a_peer_that_found_nobody_takes_its_readiness_record_down() -> Non
             attempt = asyncio.create_task(lone.average(torch.ones(100), epoch=0, weight=1.0))
             deadline = asyncio.get_running_loop().time() + 10.0
             while True:  # the witness sees the record while the lone peer waits
-                ready = await witness.directory.discovery.find("round/0")  # type: ignore[union-attr]
+                ready = await witness.directory.discovery.find_ready(0)  # type: ignore[union-attr]
                 if lone.peer_id in {r.peer_id for r in ready}:
                     break
                 assert asyncio.get_running_loop().time() < deadline, "no readiness record seen"
@@ -92,5 +99,5 @@ async def test_a_peer_that_found_nobody_takes_its_readiness_record_down() -> Non
             async with asyncio.timeout(30):
                 result = await attempt
             assert result.outcome is Outcome.NO_GROUP
-            ready = await witness.directory.discovery.find("round/0")  # type: ignore[union-attr]
+            ready = await witness.directory.discovery.find_ready(0)  # type: ignore[union-attr]
             assert lone.peer_id not in {r.peer_id for r in ready}

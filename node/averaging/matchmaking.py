@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from collections.abc import Awaitable, Callable
 
 from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.discovery.base import Discovery, dht_time
 from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS
-from swarmgrad.node.discovery.records import PeerRecord
+from swarmgrad.node.discovery.records import PeerRecord, ReadyRecord
 from swarmgrad.node.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,9 @@ class Matchmaker:
         settle_seconds: float = 0.5,
         poll_seconds: float = 0.1,
         expected_refresh_seconds: float = 1.0,
+        peers: Callable[[], Awaitable[list[PeerRecord]]] | None = None,
     ) -> None:
+        """``peers`` reads the run's peer records (the node's directory); default: the DHT."""
         if group_size < 2:
             raise ValueError("group_size must be at least 2")
         if not 0 < matchmaking_timeout_seconds <= MAX_MATCHMAKING_TIMEOUT_SECONDS:
@@ -67,6 +70,7 @@ class Matchmaker:
                 f"matchmaking_timeout_seconds must be in (0, {MAX_MATCHMAKING_TIMEOUT_SECONDS:g}]"
             )
         self._discovery, self._identity = discovery, identity
+        self._peers = peers or discovery.find
         self.group_size = group_size
         self.timeout_seconds = matchmaking_timeout_seconds
         self.settle_seconds, self.poll_seconds = settle_seconds, poll_seconds
@@ -76,22 +80,22 @@ class Matchmaker:
         self, round_: int, *, endpoint: str, bandwidth: float = 1.0, weight: float = 1.0
     ) -> Group | None:
         """This peer's group for ``round_``, or None if it found nobody in time."""
-        topic = f"round/{round_}"
-        ready = PeerRecord.create(
-            self._identity.peer_id,
+        now = dht_time()
+        ready = ReadyRecord(
+            peer_id=self._identity.peer_id,
             run_id=self._discovery.run_id,
-            spec_hash=self._discovery.spec_hash,
+            spec_hash=self._discovery.spec_hash.hex(),
             endpoint=endpoint,
-            now=dht_time(),
-            ttl_seconds=self.timeout_seconds + READY_MARGIN_SECONDS,
-            epoch=round_,
+            round=round_,
             bandwidth=bandwidth,
             weight=weight,
+            issued_at=now,
+            expires_at=now + self.timeout_seconds + READY_MARGIN_SECONDS,
         )
-        await self._discovery.announce(ready, topic)
+        await self._discovery.announce_ready(ready)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_seconds
-        candidates = await self._candidates(topic, round_)
+        candidates = await self._candidates(round_)
         expected = await self._expected(round_)
         checked = loop.time()
         while len(candidates) < self.group_size and loop.time() < deadline:
@@ -99,11 +103,11 @@ class Matchmaker:
             if len(seen) >= 2 and expected <= seen:
                 break
             await asyncio.sleep(self.poll_seconds)
-            candidates = await self._candidates(topic, round_)
+            candidates = await self._candidates(round_)
             if loop.time() - checked > self.expected_refresh_seconds:
                 expected, checked = await self._expected(round_), loop.time()
         await asyncio.sleep(self.settle_seconds)
-        candidates = await self._candidates(topic, round_)
+        candidates = await self._candidates(round_)
         by_id = {r.peer_id: r for r in candidates}
         for members in assign_groups(round_, list(by_id), self.group_size):
             if self._identity.peer_id in members:
@@ -129,13 +133,11 @@ class Matchmaker:
         """Peers who should be ready for ``round_``: those whose records say they are at it, or
         one behind (a peer that just finished the last round may not have announced it yet; a
         peer that died in it is waited for once, then its record falls two behind)."""
-        peers = await self._discovery.find()
+        peers = await self._peers()
         expected = {p.peer_id for p in peers if p.epoch in (round_ - 1, round_)}
         return expected | {self._identity.peer_id}
 
-    async def _candidates(self, topic: str, round_: int) -> list[PeerRecord]:
+    async def _candidates(self, round_: int) -> list[ReadyRecord]:
         return [
-            r
-            for r in await self._discovery.find(topic)
-            if r.epoch == round_ and r.weight > 0 and r.bandwidth >= 0
+            r for r in await self._discovery.find_ready(round_) if r.weight > 0 and r.bandwidth >= 0
         ]

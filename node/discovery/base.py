@@ -18,7 +18,13 @@ from collections import Counter
 from typing import Protocol, Self
 
 from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS, Envelope, Kind, open_envelope, seal
-from swarmgrad.node.discovery.records import MAX_SPEC_BYTES, PeerRecord, RecordError, check
+from swarmgrad.node.discovery.records import (
+    MAX_SPEC_BYTES,
+    PeerRecord,
+    ReadyRecord,
+    RecordError,
+    check,
+)
 from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.errors import PeerUnavailable
 
@@ -58,15 +64,21 @@ class Discovery(Protocol):
         """Multiaddrs other nodes can bootstrap from."""
         ...
 
-    async def announce(self, record: PeerRecord, topic: str = "peers") -> None:
-        """Publish (or refresh) this node's record under ``topic`` until its ``expires_at``.
-
-        ``peers`` is the swarm's directory; ``round/<r>`` is readiness for round r.
-        """
+    async def announce(self, record: PeerRecord) -> None:
+        """Publish (or refresh) this node's record in the run's directory (``peers``) until its
+        ``expires_at``."""
         ...
 
-    async def find(self, topic: str = "peers") -> list[PeerRecord]:
-        """Valid, unexpired records under ``topic`` (this node's own included), by peer id."""
+    async def find(self) -> list[PeerRecord]:
+        """The run's valid, unexpired peer records (this node's own included), by peer id."""
+        ...
+
+    async def announce_ready(self, record: ReadyRecord) -> None:
+        """Publish this node's readiness for ``record.round`` (under ``round/<r>``)."""
+        ...
+
+    async def find_ready(self, round_: int) -> list[ReadyRecord]:
+        """The valid, unexpired readiness records for ``round_``, by peer id."""
         ...
 
     async def announce_spec(self, canonical: bytes, *, expires_at: float) -> None:
@@ -183,12 +195,18 @@ class SignedDirectory(abc.ABC):
         await self._put(key, self._identity.peer_id, value, expires_at)
         self._announced_until[key] = max(self._announced_until.get(key, 0.0), expires_at)
 
-    async def announce(self, record: PeerRecord, topic: str = "peers") -> None:
+    async def announce(self, record: PeerRecord) -> None:
+        await self._announce(record, "peers", Kind.PEER)
+
+    async def announce_ready(self, record: ReadyRecord) -> None:
+        await self._announce(record, f"round/{record.round}", Kind.READY)
+
+    async def _announce(self, record: PeerRecord | ReadyRecord, topic: str, kind: Kind) -> None:
         if record.peer_id != self._identity.peer_id:
             raise ValueError("a node announces its own record only")
         await self._seal_and_put(
             self._topic_key(topic),
-            Kind.PEER if topic == "peers" else Kind.READY,
+            kind,
             record.body(),
             issued_at=record.issued_at,
             expires_at=record.expires_at,
@@ -205,7 +223,7 @@ class SignedDirectory(abc.ABC):
     def _specs_key(self) -> str:
         return f"run/{self.run_id}/specs"
 
-    async def _valid(self, key: str) -> list[tuple[Envelope, PeerRecord | None]]:
+    async def _valid(self, key: str) -> list[tuple[Envelope, PeerRecord | ReadyRecord | None]]:
         """The values under ``key`` that pass the check of :func:`validate`, leaves left out,
         each with the record it carries (peers, readiness); what fails is counted in
         ``rejected``, by reason."""
@@ -241,6 +259,10 @@ class SignedDirectory(abc.ABC):
         expires = max(self._announced_until.get(key, 0.0), now) + 1.0
         await self._seal_and_put(key, Kind.LEAVE, b"", issued_at=now, expires_at=expires)
 
-    async def find(self, topic: str = "peers") -> list[PeerRecord]:
-        found = await self._valid(self._topic_key(topic))
-        return sorted((r for _, r in found if r is not None), key=lambda r: r.peer_id)
+    async def find(self) -> list[PeerRecord]:
+        found = await self._valid(self._topic_key("peers"))
+        return sorted((r for _, r in found if isinstance(r, PeerRecord)), key=lambda r: r.peer_id)
+
+    async def find_ready(self, round_: int) -> list[ReadyRecord]:
+        found = await self._valid(self._topic_key(f"round/{round_}"))
+        return sorted((r for _, r in found if isinstance(r, ReadyRecord)), key=lambda r: r.peer_id)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 from swarmgrad.node.discovery.envelope import (
     MAX_TTL_SECONDS,
@@ -25,7 +26,7 @@ from swarmgrad.node.discovery.envelope import (
 )
 from swarmgrad.node.kinds import Reach
 
-__all__ = ["MAX_TTL_SECONDS", "PeerRecord", "RecordError", "check", "validate"]
+__all__ = ["MAX_TTL_SECONDS", "PeerRecord", "ReadyRecord", "RecordError", "check", "validate"]
 
 MAX_RECORD_BYTES = 4096
 MAX_SPEC_BYTES = 16 * 1024
@@ -68,47 +69,71 @@ class PeerRecord:
         endpoint: str,
         now: float,
         ttl_seconds: float,
-        role: str = "trainer",
-        epoch: int = 0,
-        throughput: float = 0.0,
-        bandwidth: float = 1.0,
-        weight: float = 1.0,
-        checksum: str = "",
-        reachability: str = "unknown",
-        relay: str = "",
-        via: str = "",
-        punched: int = 0,
+        **details: Any,
     ) -> PeerRecord:
+        """A record issued ``now`` for ``ttl_seconds``; ``details`` set the other fields
+        (:data:`PEER_DEFAULTS` for those left out)."""
+        unknown = set(details) - set(PEER_DEFAULTS)
+        if unknown:
+            raise TypeError(f"unknown record fields {sorted(unknown)}")
         return cls(
             peer_id=peer_id,
             run_id=run_id,
             spec_hash=spec_hash.hex(),
             endpoint=endpoint,
-            role=role,
-            epoch=epoch,
-            throughput=throughput,
-            bandwidth=bandwidth,
-            weight=weight,
-            checksum=checksum,
-            reachability=reachability,
-            relay=relay,
-            via=via,
-            punched=punched,
             issued_at=now,
             expires_at=now + ttl_seconds,
+            **(PEER_DEFAULTS | details),
         )
 
     @classmethod
     def parse(cls, body: bytes) -> PeerRecord:
         """A record from an envelope's body; RecordError unless it has exactly the known fields,
         each of the right type."""
-        if len(body) > MAX_RECORD_BYTES:
-            raise RecordError("record too large")
-        try:
-            raw = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise RecordError("record is not JSON") from None
-        return _from_dict(raw)
+        raw = _fields_of(body, cls)
+        if raw["role"] not in ROLES:
+            raise RecordError(f"unknown role {raw['role']!r}")
+        if raw["reachability"] not in REACHABILITY:
+            raise RecordError(f"unknown reachability {raw['reachability']!r}")
+        return cls(**raw)
+
+
+#: What :meth:`PeerRecord.create` fills in for the fields it is not given.
+PEER_DEFAULTS: dict[str, Any] = {
+    "role": "trainer",
+    "epoch": 0,
+    "throughput": 0.0,
+    "bandwidth": 1.0,
+    "weight": 1.0,
+    "checksum": "",
+    "reachability": Reach.UNKNOWN.value,
+    "relay": "",
+    "via": "",
+    "punched": 0,
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadyRecord:
+    """A peer ready for one round of matchmaking, under ``round/<r>``: where to dial it, the
+    share of the vector it offers to own, and what its values count for."""
+
+    peer_id: str
+    run_id: str
+    spec_hash: str  # hex
+    endpoint: str
+    round: int
+    bandwidth: float  # relative upload capacity it offers as an owner (0: it owns nothing)
+    weight: float  # samples since its last round
+    issued_at: float
+    expires_at: float
+
+    def body(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def parse(cls, body: bytes) -> ReadyRecord:
+        return cls(**_fields_of(body, cls))
 
 
 def validate(key: str, subkey: str, value: object, expires: float, now: float) -> Envelope:
@@ -121,13 +146,14 @@ def validate(key: str, subkey: str, value: object, expires: float, now: float) -
 
 def check(
     envelope: Envelope, *, key: str, subkey: str, expires: float, now: float
-) -> PeerRecord | None:
+) -> PeerRecord | ReadyRecord | None:
     """:func:`validate` for a value already opened (its seal checked); the record it carries,
     for a peer or readiness record (None for other kinds)."""
     check_filing(envelope, key=key, subkey=subkey, expires=expires, now=now)
-    record = None
+    record: PeerRecord | ReadyRecord | None = None
     if envelope.kind in (Kind.PEER, Kind.READY):
-        record = PeerRecord.parse(envelope.body)
+        kind = PeerRecord if envelope.kind == Kind.PEER else ReadyRecord
+        record = kind.parse(envelope.body)
         parts = key.split("/")  # run/<run id>/<spec hash>/peers, or .../round/<r>
         run_id, spec_hash = parts[1], parts[2]
         if record.peer_id != envelope.signer:
@@ -136,17 +162,24 @@ def check(
             raise RecordError(f"record of {record.peer_id} is for another run or spec")
         if (record.issued_at, record.expires_at) != (envelope.issued_at, envelope.expires_at):
             raise RecordError(f"record of {record.peer_id} disagrees with its seal's times")
-        if envelope.kind == Kind.READY and str(record.epoch) != parts[-1]:
+        if isinstance(record, ReadyRecord) and str(record.round) != parts[-1]:
             raise RecordError(f"readiness of {record.peer_id} for another round")
     elif envelope.kind == Kind.SPEC and len(envelope.body) > MAX_SPEC_BYTES:
         raise RecordError("a run spec over the size limit")
     return record
 
 
-def _from_dict(raw: object) -> PeerRecord:
+def _fields_of(body: bytes, kind: type[PeerRecord] | type[ReadyRecord]) -> dict[str, Any]:
+    """The JSON object in ``body``, if it has exactly ``kind``'s fields, each of its type."""
+    if len(body) > MAX_RECORD_BYTES:
+        raise RecordError("record too large")
+    try:
+        raw = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise RecordError("record is not JSON") from None
     if not isinstance(raw, dict):
         raise RecordError("record is not a JSON object")
-    names = {f.name: f.type for f in fields(PeerRecord)}
+    names = {f.name: f.type for f in fields(kind)}
     if set(raw) != set(names):
         raise RecordError(f"record fields {sorted(raw)} differ from {sorted(names)}")
     expected: dict[str, type | tuple[type, ...]] = {
@@ -155,18 +188,14 @@ def _from_dict(raw: object) -> PeerRecord:
         "float": (int, float),
         "bool": bool,
     }
-    for name, kind in names.items():
+    for name, type_name in names.items():
         value = raw[name]
-        if isinstance(value, bool) and kind != "bool":
+        if isinstance(value, bool) and type_name != "bool":
             raise RecordError(f"record field {name} has the wrong type")
-        if not isinstance(value, expected[str(kind)]):
+        if not isinstance(value, expected[str(type_name)]):
             raise RecordError(f"record field {name} has the wrong type")
         if isinstance(value, float) and not math.isfinite(value):
             raise RecordError(f"record field {name} is not finite")
         if isinstance(value, str) and len(value) > 256:
             raise RecordError(f"record field {name} is too long")
-    if raw["role"] not in ROLES:
-        raise RecordError(f"unknown role {raw['role']!r}")
-    if raw["reachability"] not in REACHABILITY:
-        raise RecordError(f"unknown reachability {raw['reachability']!r}")
-    return PeerRecord(**raw)
+    return raw
