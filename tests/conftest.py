@@ -1,10 +1,17 @@
-"""Shared fixtures: child processes are reaped whatever happens to the test."""
+"""Shared fixtures: child processes are reaped whatever happens to the test.
+
+``tests/unit/`` needs no sockets; ``tests/integration/`` starts real servers, DHT nodes and
+processes. Waiting helpers are in ``tests/helpers.py``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import pytest
 import pytest_asyncio
 
 from swarmgrad.simulations.allreduce_peer import PeerProcess
@@ -33,3 +40,28 @@ async def peers(tmp_path: Path) -> AsyncIterator[Peers]:
             peer.kill()
         for peer in registry.started:
             await peer.process.wait()
+
+
+def _children() -> set[int]:
+    """This process's live child processes (every thread's), from /proc."""
+    pids: set[int] = set()
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        try:
+            pids.update(int(p) for p in (task / "children").read_text().split())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return pids
+
+
+@pytest.fixture(autouse=True, scope="session")
+def reap_children() -> Iterator[None]:
+    """At the end of the session, kill any child a test left running (a node, a DHT, a
+    sidecar), so a failed test never leaves processes behind on the machine."""
+    before = _children()
+    yield
+    for pid in _children() - before:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            continue

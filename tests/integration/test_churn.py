@@ -165,7 +165,7 @@ def test_eight_nodes_survive_churn_and_end_identical(tmp_path: Path) -> None:
 
 
 def test_the_readme_churn_example_is_valid(tmp_path: Path) -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     blocks = [block.split("```", 1)[0] for block in readme.split("```toml\n")[1:]]
     (example,) = [block for block in blocks if "[[event]]" in block]
     events = load_schedule(_schedule(tmp_path, example), nodes=4)

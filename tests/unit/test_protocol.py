@@ -13,7 +13,7 @@ from swarmgrad.compression import CodecError, get_codec
 from swarmgrad.protocol.tensors import meta_from_proto, tensor_from_proto, tensor_to_proto
 from swarmgrad.protocol.v1 import peer_pb2, peer_pb2_grpc, tensor_pb2
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_committed_stubs_match_the_proto_files() -> None:

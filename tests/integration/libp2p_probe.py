@@ -1,7 +1,7 @@
 """A stranger's libp2p host, for the sidecar's tests: run as a script (the test process imports
 hivemind, which cannot share a process with libp2p).
 
-    python tests/libp2p_probe.py MADDR [--security noise|plaintext] [--network-key HEX]
+    python tests/integration/libp2p_probe.py MADDR [--security noise|plaintext] [--network-key HEX]
         [--garbage] [--protocol ID]
 
 Connects to MADDR offering only the given security protocol under the given pre-shared key

@@ -19,7 +19,7 @@ from swarmgrad.node.config import node_config
 from swarmgrad.node.metrics import NodeMetrics
 from swarmgrad.node.runspec import RunSpec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, Any] = COMPOSE["services"]
 TRAINERS = sorted(name for name in SERVICES if name.startswith("trainer-"))

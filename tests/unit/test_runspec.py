@@ -112,7 +112,7 @@ def test_load_names_the_file(tmp_path: Path) -> None:
 
 
 def test_the_readme_example_spec_is_valid() -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     blocks = [block.split("```", 1)[0] for block in readme.split("```toml\n")[1:]]
     (example,) = [block for block in blocks if "[run]" in block]
     spec = RunSpec.from_toml(example)
@@ -121,7 +121,7 @@ def test_the_readme_example_spec_is_valid() -> None:
 
 
 def test_the_readme_example_profile_is_valid(tmp_path: Path) -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     blocks = [block.split("```", 1)[0] for block in readme.split("```toml\n")[1:]]
     (example,) = [block for block in blocks if "[[peer]]" in block]
     path = tmp_path / "peers.toml"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 EXAMPLES = re.findall(r"```python\n(.*?)```", README, re.S)
 
 

@@ -1,7 +1,7 @@
 """A writer without any swarm member's key, attacking a live swarm's DHT: run as a script (one
 backend per process: hivemind and libp2p never share one).
 
-    python tests/dht_forger.py {hivemind,libp2p} --run ID --spec HEX --epoch N MADDR...
+    python tests/integration/dht_forger.py {hivemind,libp2p} --run ID --spec HEX --epoch N MADDR...
 
 hivemind: a plain ``hivemind.DHT`` client (no validator of its own) joins through MADDR and
 stores through the DHT's own routing. libp2p: a plain libp2p host on swarmgrad's public network

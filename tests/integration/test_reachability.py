@@ -1,6 +1,6 @@
 """Dial-back and relays on loopback: real gRPC servers and TCP relays on 127.0.0.1:0.
 
-The NAT lab tests (tests/test_nat.py) put the same parts behind real masquerading routers.
+The NAT lab tests (``test_nat.py``) put the same parts behind real masquerading routers.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Unit tests: no sockets, no processes beyond a tool run once (protoc, a schema check)."""
