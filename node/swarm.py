@@ -310,7 +310,7 @@ class Swarm:
     async def find_donors(self, epoch: int, checksum: str) -> list[PeerRecord]:
         """Peers to download state from if this node is behind or diverged."""
         assert self.directory is not None
-        return await self.state.find_donors(self.directory, epoch, checksum)
+        return self.state.find_donors(await self.directory.refresh(), epoch, checksum)
 
     async def download_state(
         self, donors: list[PeerRecord], num_values: int

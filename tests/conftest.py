@@ -42,15 +42,31 @@ async def peers(tmp_path: Path) -> AsyncIterator[Peers]:
             await peer.process.wait()
 
 
+#: Helpers of this process that end with it on their own (torch's shared-memory manager,
+#: multiprocessing's resource tracker and fork server): not a test's leftovers.
+_INFRASTRUCTURE = (
+    b"torch_shm_manager",
+    b"multiprocessing.resource_tracker",
+    b"multiprocessing.forkserver",
+)
+
+
 def _children() -> set[int]:
-    """This process's live child processes (every thread's), from /proc."""
+    """This process's live child processes (every thread's), from /proc, its helpers left out."""
     pids: set[int] = set()
     for task in Path(f"/proc/{os.getpid()}/task").iterdir():
         try:
             pids.update(int(p) for p in (task / "children").read_text().split())
         except OSError:  # the thread ended meanwhile
             continue
-    return pids
+    return {pid for pid in pids if not any(name in _cmdline(pid) for name in _INFRASTRUCTURE)}
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 @pytest.fixture(autouse=True, scope="session")

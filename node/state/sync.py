@@ -14,16 +14,16 @@ import asyncio
 import logging
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
-from swarmgrad.node.discovery.directory import PeerDirectory
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.kinds import Failure, Reach
 from swarmgrad.node.metrics import Tallies
-from swarmgrad.node.reachability.routes import PunchRoutes
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.state.download import download
 from swarmgrad.node.transport.transport import Transport
 from swarmgrad.protocol import state
 from swarmgrad.protocol.auth import Verifier
@@ -34,6 +34,12 @@ log = logging.getLogger(__name__)
 
 #: Published states served at once (by root).
 SERVED_STATES = 3
+
+
+class RoutePreparer(Protocol):
+    """Makes the links to ``peers`` (punched routes to relayed ones) before they are dialed."""
+
+    async def prepare(self, endpoints: Iterable[str], peers: Iterable[PeerRecord]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,19 +120,16 @@ class StateSync:
         while len(self._served) > SERVED_STATES:
             del self._served[next(iter(self._served))]
 
-    async def find_donors(
-        self, directory: PeerDirectory, epoch: int, checksum: str
-    ) -> list[PeerRecord]:
+    def find_donors(self, peers: list[PeerRecord], epoch: int, checksum: str) -> list[PeerRecord]:
         """Peers to download state from if this node is behind or diverged (:func:`pick_donors`),
         at most ``max_donors``, in random order (joiners spread over the donors)."""
-        peers = await directory.refresh()
         donors = pick_donors(peers, self._parts.identity.peer_id, epoch, checksum)
         donors = [d for d in donors if d.reachability != Reach.UNREACHABLE]  # nobody can dial them
         random.shuffle(donors)
         return donors[: self.config.max_donors]
 
     async def download(
-        self, donors: list[PeerRecord], num_values: int, *, routes: PunchRoutes
+        self, donors: list[PeerRecord], num_values: int, *, routes: RoutePreparer
     ) -> state.Snapshot | None:
         """The state ``donors`` announce (all the same checksum), from all of them at once;
         None if it failed (counted and logged)."""
@@ -140,7 +143,7 @@ class StateSync:
         )
         await routes.prepare([d.endpoint for d in donors], donors)
         try:
-            result = await state.download(
+            result = await download(
                 [(d.peer_id, parts.transport.channel(d.endpoint)) for d in donors],
                 signer=parts.identity,
                 run_id=parts.spec.run.id,

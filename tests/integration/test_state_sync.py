@@ -22,6 +22,7 @@ import torch
 from swarmgrad.node import Swarm, SwarmConfig
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.state.download import Download, download
 from swarmgrad.protocol import state
 from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.errors import PeerUnavailable, ProtocolViolation
@@ -86,8 +87,8 @@ async def donors() -> AsyncIterator[Donors]:
             await server.stop(None)
 
 
-async def _download(donors: list[tuple[str, grpc.aio.Channel]]) -> state.Download:
-    return await state.download(
+async def _download(donors: list[tuple[str, grpc.aio.Channel]]) -> Download:
+    return await download(
         donors,
         signer=JOINER,
         run_id=RUN,
@@ -159,7 +160,7 @@ async def test_no_honest_donor_means_an_error_not_a_state(donors: Donors) -> Non
 async def test_a_state_of_another_size_or_run_is_refused(donors: Donors) -> None:
     name, channel = await donors.add("a")
     with pytest.raises(PeerUnavailable, match="offers 20000 values, the model has 100"):
-        await state.download(
+        await download(
             [(name, channel)],
             signer=JOINER,
             run_id=RUN,
@@ -169,7 +170,7 @@ async def test_a_state_of_another_size_or_run_is_refused(donors: Donors) -> None
             timeout_seconds=10,
         )
     with pytest.raises(PeerUnavailable, match="WRONG_RUN"):
-        await state.download(
+        await download(
             [(name, channel)],
             signer=JOINER,
             run_id="other",
@@ -192,7 +193,7 @@ async def test_nan_in_an_agreed_state_is_refused(donors: Donors) -> None:
     channel = open_channel(f"127.0.0.1:{port}")
     donors.channels.append(channel)
     with pytest.raises(ProtocolViolation) as raised:
-        await state.download(
+        await download(
             [("nan", channel)],
             signer=JOINER,
             run_id=RUN,
@@ -214,7 +215,7 @@ async def test_a_finite_state_whose_sum_overflows_is_accepted(donors: Donors) ->
     donors.servers.append(server)
     channel = open_channel(f"127.0.0.1:{port}")
     donors.channels.append(channel)
-    result = await state.download(
+    result = await download(
         [("huge", channel)],
         signer=JOINER,
         run_id=RUN,
@@ -266,8 +267,12 @@ async def test_only_signed_fresh_requests_meant_for_this_donor_are_served(
     name, channel = await donors.add("donor")
     servicer = donors.servicers[name]
     template = state_pb2.StateRequest(run_id=RUN, spec_hash=SPEC_HASH, root=TRUE.checksum)
-    good = state._signed(JOINER, state._DOWNLOAD, name, template, first_chunk=0, num_chunks=1)
-    for_another = state._signed(JOINER, state._DOWNLOAD, "other", template, num_chunks=1)
+    good = state.signed_request(
+        JOINER, state.DOWNLOAD_METHOD, name, template, first_chunk=0, num_chunks=1
+    )
+    for_another = state.signed_request(
+        JOINER, state.DOWNLOAD_METHOD, "other", template, num_chunks=1
+    )
     for_another.receiver = name  # the signature was for "other"
     unsigned = state_pb2.StateRequest()
     unsigned.CopyFrom(good)
@@ -304,7 +309,7 @@ async def test_one_peer_cannot_hold_more_than_its_share_of_a_donors_downloads(
     template = state_pb2.StateRequest(run_id=RUN, spec_hash=SPEC_HASH, root=TRUE.checksum)
 
     def request() -> bytes:
-        signed = state._signed(JOINER, state._DOWNLOAD, name, template, num_chunks=1)
+        signed = state.signed_request(JOINER, state.DOWNLOAD_METHOD, name, template, num_chunks=1)
         return signed.SerializeToString()
 
     limit = 2 * state.STREAMS_PER_DONOR
