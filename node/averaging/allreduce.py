@@ -30,22 +30,25 @@ Failure semantics
 
 from __future__ import annotations
 
+__all__ = ["AllReduceConfig", "RoundHooks", "RoundPlan", "RoundResult", "run_round"]
+
 import asyncio
 import contextlib
-import math
-from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import grpc
 import torch
 
-from swarmgrad.compression import Codec, Meta, decode, get_codec
+from swarmgrad.compression import Codec, Meta, decode
 from swarmgrad.node.averaging.group import Group, chunk_sizes
-from swarmgrad.node.averaging.reducer import PartReducer
+from swarmgrad.node.averaging.plan import (
+    AllReduceConfig,
+    RoundHooks,
+    RoundPlan,
+    RoundResult,
+)
 from swarmgrad.node.kinds import Failure
-from swarmgrad.protocol.auth import Signer
 from swarmgrad.protocol.averaging import (
     StreamHeader,
     aggregate_method,
@@ -64,118 +67,6 @@ from swarmgrad.protocol.errors import (
 from swarmgrad.protocol.framing import Framed
 from swarmgrad.protocol.v1 import averaging_pb2
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
-
-_MIN_CHUNK_VALUES = 1024
-_MAX_CHUNK_VALUES = 1 << 24
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class AllReduceConfig:
-    """What every member of a run must agree on for its all-reduce rounds."""
-
-    run_id: str
-    spec_hash: bytes
-    codec: str = "int8"
-    codec_options: Mapping[str, float] = field(default_factory=dict)
-    #: Values per streamed chunk (1 Mi fp32 = 4 MiB before compression).
-    chunk_values: int = 1 << 20
-    round_timeout_seconds: float = 60.0
-    sender_timeout_seconds: float = 10.0
-    reducer_timeout_seconds: float = 20.0
-    #: How long a stream that arrives before the local round has started may wait for it.
-    join_timeout_seconds: float = 5.0
-    max_chunks_ahead: int = 4
-
-    def __post_init__(self) -> None:
-        if not self.run_id:
-            raise ValueError("run_id must not be empty")
-        get_codec(self.codec, **self.codec_options)  # raises ValueError for a bad codec
-        if not _MIN_CHUNK_VALUES <= self.chunk_values <= _MAX_CHUNK_VALUES:
-            raise ValueError(
-                f"chunk_values must be in [{_MIN_CHUNK_VALUES}, {_MAX_CHUNK_VALUES}], "
-                f"got {self.chunk_values}"
-            )
-        timeouts = (
-            self.sender_timeout_seconds,
-            self.reducer_timeout_seconds,
-            self.round_timeout_seconds,
-            self.join_timeout_seconds,
-        )
-        if not all(math.isfinite(t) and t > 0 for t in timeouts):
-            raise ValueError("timeouts must be positive and finite")
-        if not self.sender_timeout_seconds < self.reducer_timeout_seconds:
-            raise ValueError(
-                "reducer_timeout_seconds must exceed sender_timeout_seconds: an owner may wait "
-                "a whole sender timeout for the slowest member before it can answer"
-            )
-        if not self.reducer_timeout_seconds <= self.round_timeout_seconds:
-            raise ValueError("round_timeout_seconds must be at least reducer_timeout_seconds")
-        if self.max_chunks_ahead < 1:
-            raise ValueError("max_chunks_ahead must be at least 1")
-
-    def make_codec(self) -> Codec:
-        return get_codec(self.codec, **self.codec_options)
-
-    @property
-    def max_chunk_bytes(self) -> int:
-        """Largest payload a chunk may have: uncompressed fp32 plus slack for codec metadata."""
-        return 4 * self.chunk_values + 64 * 1024
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RoundResult:
-    """What a round produced. See the module docstring for the exact guarantees."""
-
-    averaged: torch.Tensor
-    #: Members whose values are in every averaged chunk.
-    contributors: tuple[str, ...]
-    #: Members whose values are in some averaged chunks but not all (they failed mid-round).
-    partial: tuple[str, ...]
-    #: [start, end) ranges that were not averaged: they hold the caller's own values.
-    missing: tuple[tuple[int, int], ...]
-    #: Why each failed peer failed, as seen from this member.
-    failures: Mapping[str, str]
-    #: Each failed peer's kind of failure (timeout, protocol violation or dropped member).
-    failure_kinds: Mapping[str, Failure] = field(default_factory=dict)
-    #: With ``keep_sent``: this member's contribution as its owners decode it (its own part
-    #: exact, every other chunk as encoded once and sent, chunks never sent exact).
-    #: ``vector - sent`` is what the codec lost: the error feedback a caller carries on.
-    sent: torch.Tensor | None = None
-
-    @property
-    def complete(self) -> bool:
-        return not self.missing and not self.partial
-
-
-class RoundHooks(Protocol):
-    """Extension point for fault injection (tests, simulations): sees every outgoing chunk."""
-
-    async def before_send(self, owner: int, index: int, payload: bytes) -> bytes:
-        """Called with each encoded chunk before it goes to ``owner``; returns what to send."""
-        ...
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RoundPlan:
-    """Who this member is in one round, and what it runs the round with."""
-
-    me: int  # this member's index in the group
-    group: Group
-    #: This member's key: signs the header of every stream.
-    signer: Signer
-    config: AllReduceConfig
-    #: Reduces this member's own part (None: it owns none).
-    reducer: PartReducer | None
-    #: The channel to an owner's endpoint (the node's transport).
-    channel: Callable[[str], grpc.aio.Channel]
-    #: Payload bytes this member sends ("sent") and receives ("received") as a client; the
-    #: servicer counts its own side.
-    traffic: Counter[str]
-    hooks: RoundHooks | None = None
-    #: Waits until so many bytes may go up the node's link (its upload cap), if any.
-    pace: Callable[[int], Awaitable[None]] | None = None
-    #: Report what the owners decode of this member's values (``RoundResult.sent``).
-    keep_sent: bool = False
 
 
 @dataclass(slots=True, kw_only=True)
@@ -273,51 +164,13 @@ async def _exchange_with_owner(
     state: _Round, part: int, values: torch.Tensor, out: torch.Tensor
 ) -> None:
     plan = state.plan
-    group, config, hooks, traffic = plan.group, plan.config, plan.hooks, plan.traffic
+    group, config, traffic = plan.group, plan.config, plan.traffic
     owner = group.members[part]
     numels = chunk_sizes(values.numel(), config.chunk_values)
     offsets = _offsets(numels)
     codec = config.make_codec()
     queue: asyncio.Queue[Framed | None] = asyncio.Queue(maxsize=2)
-    sent = None
-    if state.sent is not None:
-        first = group.partition(state.sent.numel())[part][0]
-        sent = state.sent[first : first + values.numel()]
-
-    async def produce() -> None:
-        try:
-            for index, (start, end) in enumerate(offsets):
-                # A view of `values` for the identity codec: the caller's vector is not
-                # modified during the round.
-                payload, meta = await asyncio.to_thread(
-                    _encode, codec, values[start:end], None if sent is None else sent[start:end]
-                )
-                if hooks is not None:
-                    payload = await hooks.before_send(part, index, bytes(payload))
-                if plan.pace is not None:  # the node's upload cap
-                    await plan.pace(len(payload))
-                traffic["sent"] += len(payload)
-                await queue.put(framed_chunk(averaging_pb2.AggregateRequest, index, payload, meta))
-        except BaseException:
-            # End the request stream if there is room; never block here (nobody may be reading).
-            with contextlib.suppress(asyncio.QueueFull):
-                queue.put_nowait(None)
-            raise
-        await queue.put(None)
-
-    header = header_to_proto(
-        StreamHeader(
-            run_id=config.run_id,
-            spec_hash=config.spec_hash,
-            round=group.round,
-            group_id=group.group_id,
-            sender=group.members[state.me].peer_id,
-            receiver=owner.peer_id,
-            part=part,
-            weight=group.members[state.me].weight,
-        ),
-        plan.signer,
-    )
+    header = _header(state, part)
 
     async def requests() -> AsyncIterator[Framed | averaging_pb2.AggregateRequest]:
         yield header
@@ -325,7 +178,7 @@ async def _exchange_with_owner(
             yield request
 
     loop = asyncio.get_running_loop()
-    producer = asyncio.create_task(produce())
+    producer = asyncio.create_task(_produce(state, part, values, codec, queue))
     call = aggregate_method(plan.channel(owner.endpoint))(
         requests(), timeout=max(0.001, state.deadline - loop.time())
     )
@@ -352,34 +205,89 @@ async def _exchange_with_owner(
             state.contributors[(part, expected)] = tuple(response.contributors)
             expected += 1
     except grpc.aio.AioRpcError as error:
-        failure = from_rpc_error(error, owner.peer_id)
-        if isinstance(failure, ProtocolViolation):
-            kind = Failure.PROTOCOL_VIOLATION
-        elif error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            kind = Failure.TIMEOUT
-        else:
-            kind = Failure.DROPPED_MEMBER
-        state.fail(owner.peer_id, kind, str(failure))
-        if isinstance(failure, PeerUnavailable) and plan.reducer is not None:
-            # It is gone: stop waiting for its chunks of this member's own part too.
-            plan.reducer.drop_if_silent(part, str(failure))
+        _owner_failed(state, part, from_rpc_error(error, owner.peer_id), error.code())
     except TimeoutError:
-        state.fail(
-            owner.peer_id,
-            Failure.TIMEOUT,
-            f"no averaged chunk {expected} within {config.reducer_timeout_seconds:g} s",
-        )
+        why = f"no averaged chunk {expected} within {config.reducer_timeout_seconds:g} s"
+        state.fail(owner.peer_id, Failure.TIMEOUT, why)
     except SwarmgradError as error:
-        kind = (
-            Failure.PROTOCOL_VIOLATION
-            if isinstance(error, ProtocolViolation)
-            else Failure.DROPPED_MEMBER
-        )
-        state.fail(owner.peer_id, kind, str(error))
+        _owner_failed(state, part, error, None)
     finally:
         call.cancel()
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)
+
+
+async def _produce(
+    state: _Round,
+    part: int,
+    values: torch.Tensor,
+    codec: Codec,
+    queue: asyncio.Queue[Framed | None],
+) -> None:
+    """Encode this member's values of ``part`` chunk by chunk (once each, in a worker thread),
+    pace them, and queue the framed requests; None ends the stream."""
+    plan = state.plan
+    sent = None
+    if state.sent is not None:
+        first = plan.group.partition(state.sent.numel())[part][0]
+        sent = state.sent[first : first + values.numel()]
+    numels = chunk_sizes(values.numel(), plan.config.chunk_values)
+    try:
+        for index, (start, end) in enumerate(_offsets(numels)):
+            # A view of `values` for the identity codec: the caller's vector is not modified
+            # during the round.
+            payload, meta = await asyncio.to_thread(
+                _encode, codec, values[start:end], None if sent is None else sent[start:end]
+            )
+            if plan.hooks is not None:
+                payload = await plan.hooks.before_send(part, index, bytes(payload))
+            if plan.pace is not None:  # the node's upload cap
+                await plan.pace(len(payload))
+            plan.traffic["sent"] += len(payload)
+            await queue.put(framed_chunk(averaging_pb2.AggregateRequest, index, payload, meta))
+    except BaseException:
+        # End the request stream if there is room; never block here (nobody may be reading).
+        with contextlib.suppress(asyncio.QueueFull):
+            queue.put_nowait(None)
+        raise
+    await queue.put(None)
+
+
+def _header(state: _Round, part: int) -> averaging_pb2.AggregateRequest:
+    """This member's signed header for its stream to the owner of ``part``."""
+    group, config = state.group, state.config
+    me = group.members[state.me]
+    return header_to_proto(
+        StreamHeader(
+            run_id=config.run_id,
+            spec_hash=config.spec_hash,
+            round=group.round,
+            group_id=group.group_id,
+            sender=me.peer_id,
+            receiver=group.members[part].peer_id,
+            part=part,
+            weight=me.weight,
+        ),
+        state.plan.signer,
+    )
+
+
+def _owner_failed(
+    state: _Round, part: int, failure: SwarmgradError, status: grpc.StatusCode | None
+) -> None:
+    """Record why the owner of ``part`` failed this member, by kind."""
+    owner = state.group.members[part].peer_id
+    if isinstance(failure, ProtocolViolation):
+        kind = Failure.PROTOCOL_VIOLATION
+    elif status == grpc.StatusCode.DEADLINE_EXCEEDED:
+        kind = Failure.TIMEOUT
+    else:
+        kind = Failure.DROPPED_MEMBER
+    state.fail(owner, kind, str(failure))
+    reducer = state.plan.reducer
+    if status is not None and isinstance(failure, PeerUnavailable) and reducer is not None:
+        # It is gone: stop waiting for its chunks of this member's own part too.
+        reducer.drop_if_silent(part, str(failure))
 
 
 def _check_contributors(response: averaging_pb2.AggregateResponse, group: Group) -> None:

@@ -1,0 +1,132 @@
+"""What an all-reduce round is run with and what it returns: the run's agreed settings
+(:class:`AllReduceConfig`), one member's :class:`RoundPlan`, the fault-injection hook, and the
+:class:`RoundResult` (``allreduce.py`` says what a round guarantees)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+import torch
+
+from swarmgrad.compression import Codec, get_codec
+from swarmgrad.node.averaging.group import Group
+from swarmgrad.node.averaging.reducer import PartReducer
+from swarmgrad.node.kinds import Failure
+from swarmgrad.protocol.auth import Signer
+
+_MIN_CHUNK_VALUES = 1024
+_MAX_CHUNK_VALUES = 1 << 24
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AllReduceConfig:
+    """What every member of a run must agree on for its all-reduce rounds."""
+
+    run_id: str
+    spec_hash: bytes
+    codec: str = "int8"
+    codec_options: Mapping[str, float] = field(default_factory=dict)
+    #: Values per streamed chunk (1 Mi fp32 = 4 MiB before compression).
+    chunk_values: int = 1 << 20
+    round_timeout_seconds: float = 60.0
+    sender_timeout_seconds: float = 10.0
+    reducer_timeout_seconds: float = 20.0
+    #: How long a stream that arrives before the local round has started may wait for it.
+    join_timeout_seconds: float = 5.0
+    max_chunks_ahead: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            raise ValueError("run_id must not be empty")
+        get_codec(self.codec, **self.codec_options)  # raises ValueError for a bad codec
+        if not _MIN_CHUNK_VALUES <= self.chunk_values <= _MAX_CHUNK_VALUES:
+            raise ValueError(
+                f"chunk_values must be in [{_MIN_CHUNK_VALUES}, {_MAX_CHUNK_VALUES}], "
+                f"got {self.chunk_values}"
+            )
+        timeouts = (
+            self.sender_timeout_seconds,
+            self.reducer_timeout_seconds,
+            self.round_timeout_seconds,
+            self.join_timeout_seconds,
+        )
+        if not all(math.isfinite(t) and t > 0 for t in timeouts):
+            raise ValueError("timeouts must be positive and finite")
+        if not self.sender_timeout_seconds < self.reducer_timeout_seconds:
+            raise ValueError(
+                "reducer_timeout_seconds must exceed sender_timeout_seconds: an owner may wait "
+                "a whole sender timeout for the slowest member before it can answer"
+            )
+        if not self.reducer_timeout_seconds <= self.round_timeout_seconds:
+            raise ValueError("round_timeout_seconds must be at least reducer_timeout_seconds")
+        if self.max_chunks_ahead < 1:
+            raise ValueError("max_chunks_ahead must be at least 1")
+
+    def make_codec(self) -> Codec:
+        return get_codec(self.codec, **self.codec_options)
+
+    @property
+    def max_chunk_bytes(self) -> int:
+        """Largest payload a chunk may have: uncompressed fp32 plus slack for codec metadata."""
+        return 4 * self.chunk_values + 64 * 1024
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundResult:
+    """What a round produced. See the module docstring for the exact guarantees."""
+
+    averaged: torch.Tensor
+    #: Members whose values are in every averaged chunk.
+    contributors: tuple[str, ...]
+    #: Members whose values are in some averaged chunks but not all (they failed mid-round).
+    partial: tuple[str, ...]
+    #: [start, end) ranges that were not averaged: they hold the caller's own values.
+    missing: tuple[tuple[int, int], ...]
+    #: Why each failed peer failed, as seen from this member.
+    failures: Mapping[str, str]
+    #: Each failed peer's kind of failure (timeout, protocol violation or dropped member).
+    failure_kinds: Mapping[str, Failure] = field(default_factory=dict)
+    #: With ``keep_sent``: this member's contribution as its owners decode it (its own part
+    #: exact, every other chunk as encoded once and sent, chunks never sent exact).
+    #: ``vector - sent`` is what the codec lost: the error feedback a caller carries on.
+    sent: torch.Tensor | None = None
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing and not self.partial
+
+
+class RoundHooks(Protocol):
+    """Extension point for fault injection (tests, simulations): sees every outgoing chunk."""
+
+    async def before_send(self, owner: int, index: int, payload: bytes) -> bytes:
+        """Called with each encoded chunk before it goes to ``owner``; returns what to send."""
+        ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundPlan:
+    """Who this member is in one round, and what it runs the round with."""
+
+    me: int  # this member's index in the group
+    group: Group
+    #: This member's key: signs the header of every stream.
+    signer: Signer
+    config: AllReduceConfig
+    #: Reduces this member's own part (None: it owns none).
+    reducer: PartReducer | None
+    #: The channel to an owner's endpoint (the node's transport).
+    channel: Callable[[str], grpc.aio.Channel]
+    #: Payload bytes this member sends ("sent") and receives ("received") as a client; the
+    #: servicer counts its own side.
+    traffic: Counter[str]
+    hooks: RoundHooks | None = None
+    #: Waits until so many bytes may go up the node's link (its upload cap), if any.
+    pace: Callable[[int], Awaitable[None]] | None = None
+    #: Report what the owners decode of this member's values (``RoundResult.sent``).
+    keep_sent: bool = False
