@@ -20,7 +20,6 @@ runs on the loop.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 from collections import Counter
 from collections.abc import Coroutine
@@ -50,7 +49,7 @@ from swarmgrad.node.swarm_config import (
     allreduce_config,
     round_budget_seconds,
 )
-from swarmgrad.node.tasks import TaskSet
+from swarmgrad.node.tasks import LoopBridge, TaskSet
 from swarmgrad.node.transport.transport import Transport
 from swarmgrad.protocol import state
 from swarmgrad.protocol.auth import Verifier
@@ -121,10 +120,8 @@ class Swarm:
         self.directory: PeerDirectory | None = None
         self.reachability: Reachability | None = None
         self._rounds: Rounds | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._bridge = LoopBridge()
         self._tasks = TaskSet()
-        self._pending: set[concurrent.futures.Future[Any]] = set()
-        self._closing = False
         self.throughput = 0.0  # samples/s, announced
         self.metrics.read_tallies(traffic=self._traffic_totals, failures=self._failure_totals)
         self.metrics.read_links(self._links)
@@ -137,7 +134,7 @@ class Swarm:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Swarm:
-        self._loop = asyncio.get_running_loop()
+        self._bridge.attach(asyncio.get_running_loop())
         spec, config = self.spec, self.config
         self._discovery = await start_discovery(
             config.discovery_config(), self.identity, run_id=spec.run.id, spec_hash=spec.hash
@@ -298,8 +295,8 @@ class Swarm:
         """Serve ``snapshot`` to peers and announce its epoch and checksum; thread-safe."""
         self.state.publish(snapshot)
         self.throughput = throughput
-        if self._loop is not None and self.directory is not None:
-            self._loop.call_soon_threadsafe(self.directory.changed)
+        if self.directory is not None:
+            self._bridge.soon(self.directory.changed)
 
     async def refresh_peers(self) -> list[PeerRecord]:
         assert self.directory is not None
@@ -336,23 +333,11 @@ class Swarm:
 
     def release_waiters(self) -> None:
         """Let go of trainer threads waiting in :meth:`call` (they get ``CancelledError``)."""
-        self._closing = True
-        for future in list(self._pending):
-            future.cancel()
+        self._bridge.release()
 
     def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run ``coroutine`` on the node's loop from a trainer thread and wait for its result.
 
         Raises ``concurrent.futures.CancelledError`` once the node is stopping.
         """
-        if self._loop is None or self._closing:
-            coroutine.close()
-            if self._loop is None:
-                raise RuntimeError("the swarm is not running")
-            raise concurrent.futures.CancelledError()
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        self._pending.add(future)
-        try:
-            return future.result()  # concurrent.futures.CancelledError once the swarm closes
-        finally:
-            self._pending.discard(future)
+        return self._bridge.call(coroutine)

@@ -11,6 +11,7 @@ silently dropped.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import multiprocessing
 import os
@@ -68,3 +69,44 @@ def run(main: Callable[[asyncio.Event], Coroutine[Any, Any, T]]) -> T:
         return await main(stop)
 
     return asyncio.run(guarded())
+
+
+class LoopBridge:
+    """How threads (a trainer running off the loop) reach a node's event loop: run a coroutine
+    there and wait for it, or schedule a callback; all waiters are let go when the node stops."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: set[concurrent.futures.Future[Any]] = set()
+        self._closing = False
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def soon(self, callback: Callable[[], object]) -> None:
+        """Run ``callback`` on the loop soon (nothing if it is not running yet)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(callback)
+
+    def release(self) -> None:
+        """Cancel every wait in :meth:`call`, and refuse new ones."""
+        self._closing = True
+        for future in list(self._pending):
+            future.cancel()
+
+    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run ``coroutine`` on the loop and wait for its result (from another thread).
+
+        Raises ``concurrent.futures.CancelledError`` once released.
+        """
+        if self._loop is None or self._closing:
+            coroutine.close()
+            if self._loop is None:
+                raise RuntimeError("the swarm is not running")
+            raise concurrent.futures.CancelledError()
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        self._pending.add(future)
+        try:
+            return future.result()  # concurrent.futures.CancelledError once released
+        finally:
+            self._pending.discard(future)
