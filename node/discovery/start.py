@@ -27,6 +27,7 @@ class DiscoveryConfig:
     call_timeout_seconds: float = 10.0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "initial_peers", tuple(self.initial_peers))  # a list is fine
         if self.backend not in BACKENDS:
             raise ValueError(
                 f"unknown discovery backend {self.backend!r} (one of {', '.join(BACKENDS)})"

@@ -223,8 +223,6 @@ async def start(request: pytest.FixtureRequest) -> AsyncIterator[Starter]:
 
     async def starter(identity: Identity, **kwargs: Any) -> Any:
         run_id, spec_hash = kwargs.pop("run_id", RUN), kwargs.pop("spec_hash", SPEC)
-        if "initial_peers" in kwargs:
-            kwargs["initial_peers"] = tuple(kwargs["initial_peers"])
         config = DiscoveryConfig(backend=request.param, **kwargs)
         node = await start_discovery(config, identity, run_id=run_id, spec_hash=spec_hash)
         started.append(node)

@@ -36,8 +36,6 @@ async def start() -> AsyncIterator[Starter]:
     started: list[Libp2pDiscovery] = []
 
     async def starter(identity: Identity, **kwargs: Any) -> Libp2pDiscovery:
-        if "initial_peers" in kwargs:
-            kwargs["initial_peers"] = tuple(kwargs["initial_peers"])
         config = DiscoveryConfig(backend="libp2p", **kwargs)
         node = await Libp2pDiscovery.start(identity, config, run_id=RUN, spec_hash=SPEC)
         started.append(node)
