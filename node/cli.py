@@ -129,8 +129,7 @@ def node(
 
     _logging(verbose)
     try:
-        config = node_config.node_config(
-            spec_path=spec,
+        command_line = node_config.CommandLine(
             bootstrap=bootstrap or (),
             bootstrap_file=bootstrap_file,
             identity_path=identity,
@@ -157,6 +156,7 @@ def node(
             display=display,
             eval_windows=eval_windows,
         )
+        config = node_config.node_config(spec_path=spec, cli=command_line)
     except SetupError as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
     code, message = 0, ""

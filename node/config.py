@@ -156,21 +156,35 @@ def bootstrap_addresses(
     return tuple(dict.fromkeys(m for m in every if m))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommandLine:
+    """What a node's command line gives, above the spec and the environment."""
+
+    bootstrap: Sequence[str] = ()
+    bootstrap_file: Path | None = None
+    identity_path: Path | None = None
+    cache_dir: Path | None = None
+    checkpoint_dir: Path | None = None
+    bandwidth: float = 1.0
+    upload_bytes_per_second: float | None = None
+    #: [node] settings given as options (None: not given); see :func:`resolve_settings`.
+    settings: Mapping[str, object | None] = dataclasses.field(default_factory=dict)
+    max_epochs: int | None = None
+    linger: bool = False
+    slowdown: float = 1.0
+    status_file: Path | None = None
+    display: str = "auto"
+    eval_windows: int = 32
+
+
 def node_config(
     *,
     spec_path: Path,
-    bootstrap: Sequence[str] = (),
-    bootstrap_file: Path | None = None,
-    identity_path: Path | None = None,
-    cache_dir: Path | None = None,
-    checkpoint_dir: Path | None = None,
-    bandwidth: float = 1.0,
-    upload_bytes_per_second: float | None = None,
-    settings: Mapping[str, object | None] | None = None,
+    cli: CommandLine | None = None,
     environ: Mapping[str, str] | None = None,
-    **options: Any,
 ) -> NodeConfig:
-    """Build and check a node's configuration: run spec < environment < ``settings`` (options)."""
+    """Build and check a node's configuration: run spec < environment < ``cli`` (options)."""
+    cli = cli or CommandLine()
     environ = _environment(environ)
     base = home(environ)
     spec = RunSpec.load(spec_path)
@@ -179,9 +193,9 @@ def node_config(
             init_weights(spec.model)
         except InitWeightsError as error:
             raise ConfigError(str(error)) from None
-    node = resolve_settings(spec.node, environ, settings or {})
+    node = resolve_settings(spec.node, environ, cli.settings)
     maddrs = bootstrap_addresses(
-        spec.network.bootstrap, bootstrap, bootstrap_file=bootstrap_file, environ=environ
+        spec.network.bootstrap, cli.bootstrap, bootstrap_file=cli.bootstrap_file, environ=environ
     )
     network = dataclasses.replace(spec.network, bootstrap=maddrs)
     spec = dataclasses.replace(spec, node=node, network=network)
@@ -193,16 +207,21 @@ def node_config(
             bootstrap=maddrs,
             discovery=node.discovery,
             dht_secret=node.dht_secret,
-            bandwidth=bandwidth,
-            upload_bytes_per_second=upload_bytes_per_second,
+            bandwidth=cli.bandwidth,
+            upload_bytes_per_second=cli.upload_bytes_per_second,
         )
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return NodeConfig(
         spec=spec,
         swarm=swarm,
-        identity_path=identity_path or base / "identity.key",
-        cache_dir=cache_dir or base / "cache",
-        checkpoint_dir=checkpoint_dir or base / "checkpoints" / spec.run.id,
-        **options,
+        identity_path=cli.identity_path or base / "identity.key",
+        cache_dir=cli.cache_dir or base / "cache",
+        checkpoint_dir=cli.checkpoint_dir or base / "checkpoints" / spec.run.id,
+        max_epochs=cli.max_epochs,
+        linger=cli.linger,
+        slowdown=cli.slowdown,
+        status_file=cli.status_file,
+        display=cli.display,
+        eval_windows=cli.eval_windows,
     )

@@ -152,11 +152,8 @@ class Swarm:
             await self.transport.__aenter__()
             self.reachability = Reachability(
                 self.identity,
-                run_id=spec.run.id,
-                spec_hash=spec.hash,
-                host=config.host,
-                port=self.transport.port,
-                public_host=config.public_host,
+                spec,
+                self.transport,
                 peers=self.directory.refresh,
                 changed=self.directory.changed,
                 config=config.reachability,

@@ -35,6 +35,8 @@ from swarmgrad.node.kinds import Reach
 from swarmgrad.node.metrics import parse_address
 from swarmgrad.node.reachability.portmap import PortMapError, PortMapping, map_port
 from swarmgrad.node.reachability.relay import RelayClient, RelayError, RelayLimits, RelayServer
+from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.transport.transport import Transport
 from swarmgrad.protocol.errors import SwarmgradError
 from swarmgrad.protocol.peer import DialBack, ask_dial_back, endpoint_of
 
@@ -73,18 +75,19 @@ class Reachability:
     def __init__(
         self,
         identity: Identity,
+        spec: RunSpec,
+        transport: Transport,
         *,
-        run_id: str,
-        spec_hash: bytes,
-        host: str,
-        port: int,
-        public_host: str,
         peers: Callable[[], Awaitable[Sequence[PeerRecord]]],
         changed: Callable[[], None],
         config: ReachabilityConfig | None = None,
     ) -> None:
+        """``transport`` is the node's, already serving: its port is what peers must reach.
+        ``peers`` reads the run's peer records; ``changed`` hears a new verdict."""
         self._identity = identity
-        self._run_id, self._spec_hash = run_id, spec_hash
+        self._run_id, self._spec_hash = spec.run.id, spec.hash
+        host, port = transport.config.host, transport.port
+        public_host = transport.config.public_host
         self._host, self._port = host, port
         self._peers, self._changed = peers, changed
         self.config = config or ReachabilityConfig()

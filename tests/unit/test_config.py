@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarmgrad.node.config import ConfigError, home, node_config
+from swarmgrad.node.config import CommandLine, ConfigError, home, node_config
 from swarmgrad.node.runspec import ModelSection, RunSpec, RunSpecError
 from swarmgrad.node.training.model import build_model, save_weights
 
@@ -55,7 +55,8 @@ def test_each_layer_overrides_the_one_before(spec: Path, tmp_path: Path) -> None
     from_cli = node_config(
         spec_path=spec,
         environ=env,
-        settings={"checkpoint_every_rounds": 9, "metrics_address": None},  # None: not given
+        # None: not given
+        cli=CommandLine(settings={"checkpoint_every_rounds": 9, "metrics_address": None}),
     )
     assert from_cli.settings.checkpoint_every_rounds == 9
     assert from_cli.settings.metrics_address == "0.0.0.0:9200"
@@ -73,11 +74,21 @@ def test_bad_values_name_their_layer(spec: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="SWARMGRAD_DEVICE must be one of auto, cpu, cuda"):
         node_config(spec_path=spec, environ=_env(tmp_path, SWARMGRAD_DEVICE="tpu"))
     with pytest.raises(ConfigError, match="--device must be one of"):
-        node_config(spec_path=spec, environ=_env(tmp_path), settings={"device": "tpu"})
+        node_config(
+            spec_path=spec, environ=_env(tmp_path), cli=CommandLine(settings={"device": "tpu"})
+        )
     with pytest.raises(ConfigError, match="--metrics-address must be host:port or 'off'"):
-        node_config(spec_path=spec, environ=_env(tmp_path), settings={"metrics_address": "9464"})
+        node_config(
+            spec_path=spec,
+            environ=_env(tmp_path),
+            cli=CommandLine(settings={"metrics_address": "9464"}),
+        )
     with pytest.raises(ConfigError, match="--keep-checkpoints must be positive"):
-        node_config(spec_path=spec, environ=_env(tmp_path), settings={"keep_checkpoints": 0})
+        node_config(
+            spec_path=spec,
+            environ=_env(tmp_path),
+            cli=CommandLine(settings={"keep_checkpoints": 0}),
+        )
     bad_spec = tmp_path / "bad.toml"
     bad_spec.write_text('[run]\nid = "r"\n[node]\ndevice = "tpu"\n')
     with pytest.raises(RunSpecError, match=r"node\.device must be one of"):
@@ -104,24 +115,25 @@ def test_bootstrap_addresses_from_every_layer_are_used_together(spec: Path, tmp_
     config = node_config(
         spec_path=spec,
         environ=env,
-        bootstrap=["/ip4/127.0.0.1/tcp/3/p2p/C"],
-        bootstrap_file=maddrs_file,
+        cli=CommandLine(bootstrap=["/ip4/127.0.0.1/tcp/3/p2p/C"], bootstrap_file=maddrs_file),
     )
     assert config.swarm.bootstrap == tuple(f"/ip4/127.0.0.1/tcp/{i}/p2p/{c}" for i, c in
                                            zip(range(1, 5), "ABCD", strict=True))  # fmt: skip
     maddrs_file.write_text("{}")
     with pytest.raises(ConfigError, match="--bootstrap-file"):
-        node_config(spec_path=spec, environ=env, bootstrap_file=maddrs_file)
+        node_config(spec_path=spec, environ=env, cli=CommandLine(bootstrap_file=maddrs_file))
 
 
 def test_listening_everywhere_needs_an_address_to_announce(spec: Path, tmp_path: Path) -> None:
     everywhere = r"--host 0\.0\.0\.0 listens everywhere: set node\.public_host"
     with pytest.raises(ConfigError, match=everywhere):
-        node_config(spec_path=spec, environ=_env(tmp_path), settings={"host": "0.0.0.0"})
+        node_config(
+            spec_path=spec, environ=_env(tmp_path), cli=CommandLine(settings={"host": "0.0.0.0"})
+        )
     config = node_config(
         spec_path=spec,
         environ=_env(tmp_path, SWARMGRAD_PUBLIC_HOST="trainer-1"),
-        settings={"host": "0.0.0.0"},
+        cli=CommandLine(settings={"host": "0.0.0.0"}),
     )
     assert (config.swarm.host, config.swarm.public_host) == ("0.0.0.0", "trainer-1")
 
@@ -139,7 +151,9 @@ def test_the_discovery_backend_and_a_dht_secret_reach_the_swarm(spec: Path, tmp_
     assert (config.swarm.discovery, config.swarm.dht_secret) == ("libp2p", "our run")
     assert config.spec.hash == RunSpec.from_toml('[run]\nid = "r"\n').hash  # never announced
     with pytest.raises(ConfigError, match="--discovery must be one of hivemind, libp2p"):
-        node_config(spec_path=spec, environ=_env(tmp_path), settings={"discovery": "mdns"})
+        node_config(
+            spec_path=spec, environ=_env(tmp_path), cli=CommandLine(settings={"discovery": "mdns"})
+        )
     with pytest.raises(ConfigError, match=r"SWARMGRAD_DHT_SECRET.*needs node\.discovery"):
         node_config(spec_path=spec, environ=_env(tmp_path, SWARMGRAD_DHT_SECRET="s"))
 

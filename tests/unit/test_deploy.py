@@ -15,7 +15,7 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
-from swarmgrad.node.config import node_config
+from swarmgrad.node.config import CommandLine, node_config
 from swarmgrad.node.metrics import NodeMetrics
 from swarmgrad.node.runspec import RunSpec
 
@@ -80,9 +80,10 @@ def test_trainers_join_through_the_bootstrap_and_announce_their_names(tmp_path: 
         run_toml = ROOT / _mounts(trainer)[command[1]]
         config = node_config(
             spec_path=run_toml,
-            bootstrap_file=spec_file,
-            cache_dir=Path(_option(command, "--cache-dir")),
             environ={k: str(v) for k, v in env.items()},
+            cli=CommandLine(
+                bootstrap_file=spec_file, cache_dir=Path(_option(command, "--cache-dir"))
+            ),
         )
         assert config.swarm.public_host == name
         assert config.swarm.bootstrap == ("/ip4/172.18.0.2/tcp/31337/p2p/QmBootstrap",)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from swarmgrad.compression import get_codec
-from swarmgrad.node.config import ConfigError, home, node_config
+from swarmgrad.node.config import CommandLine, ConfigError, home, node_config
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import ModelSection, RunSpec, RunSpecError
@@ -180,14 +180,16 @@ def test_node_config_checks_options_and_reads_the_spec(tmp_path: Path) -> None:
     spec = tmp_path / "run.toml"
     spec.write_text('[run]\nid = "r"\n[network]\nbootstrap = ["/ip4/127.0.0.1/tcp/1/p2p/x"]\n')
     env = {"SWARMGRAD_HOME": str(tmp_path / "home")}
-    config = node_config(spec_path=spec, bootstrap=["/ip4/127.0.0.1/tcp/2/p2p/y"], environ=env)
+    config = node_config(
+        spec_path=spec, environ=env, cli=CommandLine(bootstrap=["/ip4/127.0.0.1/tcp/2/p2p/y"])
+    )
     assert config.swarm.bootstrap == ("/ip4/127.0.0.1/tcp/1/p2p/x", "/ip4/127.0.0.1/tcp/2/p2p/y")
     assert config.identity_path == tmp_path / "home" / "identity.key"
     assert config.spec.hash == RunSpec.load(spec).hash  # bootstrap peers are not in the hash
     with pytest.raises(ConfigError, match="slowdown"):
-        node_config(spec_path=spec, environ=env, slowdown=0.5)
+        node_config(spec_path=spec, environ=env, cli=CommandLine(slowdown=0.5))
     with pytest.raises(ConfigError, match="--port must be in"):
-        node_config(spec_path=spec, environ=env, settings={"port": 70000})
+        node_config(spec_path=spec, environ=env, cli=CommandLine(settings={"port": 70000}))
     with pytest.raises(RunSpecError, match="cannot read"):
         node_config(spec_path=tmp_path / "missing.toml", environ=env)
 
