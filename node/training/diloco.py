@@ -1,4 +1,5 @@
-"""DiLoCo's outer loop on a flat parameter vector: pseudo-gradients and the Nesterov outer step.
+"""DiLoCo: the replica a trainer drives (:class:`DiLoCo`), and its outer loop on a flat
+parameter vector (:class:`OuterOptimizer`: pseudo-gradients and the Nesterov outer step).
 
 After H inner steps a trainer's pseudo-gradient is ``theta_global - theta_local`` (plus what the
 last rounds could not send). The group averages it; every member then applies the *same* outer
@@ -13,9 +14,17 @@ is lost and no replica moves alone. (Douillard et al., "DiLoCo", 2023; Nesterov 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+from torch import nn
+
+from swarmgrad.node.averaging.rounds import Outcome
+from swarmgrad.node.swarm import Swarm
+from swarmgrad.node.training.model import flatten, unflatten
+from swarmgrad.node.training.replica import Replica, RoundReport
 
 
 class OuterOptimizer:
@@ -84,3 +93,96 @@ class OuterOptimizer:
         self.theta = state["theta"].clone()
         self.momentum_buffer = state["momentum_buffer"].clone()
         self.carry = state["carry"].clone()
+
+
+class DiLoCo(Replica):
+    """DiLoCo's outer loop around a model trained by any inner optimizer (Douillard et al. 2023).
+
+    Every ``inner_steps`` calls of :meth:`step`, the pseudo-gradient (global minus local
+    parameters) is averaged with a group, weighted by samples; every member applies the same
+    Nesterov outer step and continues from the new global parameters. A replica that finds no
+    group keeps training and tries again after the next ``inner_steps``.
+    """
+
+    def __init__(
+        self,
+        swarm: Swarm,
+        model: nn.Module,
+        *,
+        inner_steps: int,
+        outer_lr: float,
+        outer_momentum: float,
+    ) -> None:
+        super().__init__(swarm, model)
+        if inner_steps < 1:
+            raise ValueError("inner_steps must be at least 1")
+        self.inner_steps = inner_steps
+        self.outer = OuterOptimizer(flatten(self.params), lr=outer_lr, momentum=outer_momentum)
+        self._steps = 0
+        self.publish()
+
+    def state_vector(self) -> torch.Tensor:
+        return torch.cat([self.outer.theta, self.outer.momentum_buffer])
+
+    def load_state_vector(self, values: torch.Tensor) -> None:
+        theta, momentum = values[: self.numel], values[self.numel :]
+        self.outer.load_state_dict(
+            {"theta": theta, "momentum_buffer": momentum, "carry": torch.zeros(self.numel)}
+        )
+        unflatten(self.outer.theta, self.params)
+
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        return (
+            self._named("model", self.outer.theta)  # the swarm's parameters
+            | self._named("local", flatten(self.params))  # this replica's, mid-round
+            | {"outer.momentum_buffer": self.outer.momentum_buffer, "outer.carry": self.outer.carry}
+        )
+
+    def _load_state_tensors(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        self.outer.load_state_dict(
+            {
+                "theta": self._unnamed("model", tensors),
+                "momentum_buffer": tensors["outer.momentum_buffer"],
+                "carry": tensors["outer.carry"],
+            }
+        )
+        unflatten(self._unnamed("local", tensors), self.params)
+        self._steps = int(meta["steps"])
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors, meta = super().state_dict()
+        return tensors, meta | {"steps": self._steps}
+
+    @property
+    def schedule_step(self) -> int:
+        """The next inner step's place in the run, for the learning-rate schedule: the same on
+        every member (epoch x inner_steps + steps into this round), resumed or resynced."""
+        return self.epoch * self.inner_steps + self._steps % self.inner_steps
+
+    def step(self, samples: int) -> RoundReport | None:
+        """Count one inner step of ``samples``; run an outer round when one is due."""
+        self._steps += 1
+        self.samples += samples
+        self._samples_total += samples
+        if self._steps % self.inner_steps:
+            return None
+        return self.outer_round()
+
+    def outer_round(self) -> RoundReport:
+        started = time.monotonic()
+        resynced = self._resync_if_needed()
+        if resynced is not None:
+            return resynced
+        delta = self.outer.pseudo_gradient(flatten(self.params))
+        averaged = self._average(delta)
+        if averaged.outcome is Outcome.AVERAGED:
+            assert averaged.result is not None
+            assert averaged.sent is not None
+            theta = self.outer.step(
+                averaged.result.averaged, own=averaged.sent, missing=averaged.result.missing
+            )
+            unflatten(theta, self.params)
+            self.epoch += 1
+            self.samples = 0
+            self.publish()
+        return self._report(averaged, started)

@@ -1,0 +1,179 @@
+"""What both training algorithms share: a replica of the run's state that publishes itself,
+catches up from peers when it falls behind, averages through the swarm, and reports each round.
+
+:class:`Replica` is the base of :class:`~swarmgrad.node.training.diloco.DiLoCo` and
+:class:`~swarmgrad.node.training.sync.SyncDataParallel` (``api.py`` says how to use them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from swarmgrad.node.averaging.rounds import Averaged, Outcome
+from swarmgrad.node.kinds import RoundOutcome
+from swarmgrad.node.swarm import Swarm
+from swarmgrad.protocol import state
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundReport:
+    """What one round did, for displays, logs and tests."""
+
+    epoch: int  # the epoch after the round
+    outcome: RoundOutcome
+    group_size: int
+    seconds: float
+    missing_values: int = 0
+    detail: str = ""
+    allreduce_seconds: float = 0.0  # the all-reduce alone (no matchmaking), when there was one
+
+
+class Replica:
+    """The part both algorithms share: feedback, resync, publishing, reports."""
+
+    def __init__(self, swarm: Swarm, model: nn.Module) -> None:
+        self.swarm = swarm
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
+        self.numel = sum(p.numel() for p in self.params)
+        self.epoch = 0
+        self.samples = 0  # since the last round: this replica's weight in it
+        self._residual = torch.zeros(self.numel)
+        self._started = time.monotonic()
+        self._samples_total = 0
+
+    # -- what a subclass provides ---------------------------------------------------------------
+
+    def state_vector(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def load_state_vector(self, values: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _load_state_tensors(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Everything needed to continue exactly from here: tensors (the replicated state as
+        ``model.<parameter name>`` and the rest) and JSON-able counters."""
+        tensors = self._state_tensors() | {"residual": self._residual}
+        meta = {"epoch": self.epoch, "samples": self.samples, "samples_total": self._samples_total}
+        return tensors, meta
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`; ValueError if it is not this model's state."""
+        residual = tensors.get("residual")
+        if residual is None or residual.shape != (self.numel,):
+            raise ValueError("the state's residual does not match the model")
+        self._load_state_tensors(tensors, meta)
+        self._residual = residual.float().clone()
+        self.epoch, self.samples = int(meta["epoch"]), int(meta["samples"])
+        self._samples_total = int(meta["samples_total"])
+        self.publish()
+
+    def _named(self, prefix: str, vector: torch.Tensor) -> dict[str, torch.Tensor]:
+        tensors, offset = {}, 0
+        for name, p in zip(self.names, self.params, strict=True):
+            tensors[f"{prefix}.{name}"] = vector[offset : offset + p.numel()].view(p.shape).clone()
+            offset += p.numel()
+        return tensors
+
+    def _unnamed(self, prefix: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        parts = []
+        for name, p in zip(self.names, self.params, strict=True):
+            t = tensors.get(f"{prefix}.{name}")
+            if t is None or t.shape != p.shape:
+                raise ValueError(f"{prefix}.{name} is missing from the state or has another shape")
+            parts.append(t.reshape(-1).float())
+        return torch.cat(parts)
+
+    def catch_up(self) -> RoundReport | None:
+        """Download the swarm's state now if this replica is behind it or diverged (a node that
+        joins, or resumes an old checkpoint, need not train a round it would throw away)."""
+        return self._resync_if_needed()
+
+    # -- shared ---------------------------------------------------------------------------------
+
+    def publish(self) -> None:
+        values = self.state_vector()
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        self.swarm.publish(
+            state.Snapshot.of(self.epoch, values), throughput=self._samples_total / elapsed
+        )
+
+    def _resync_if_needed(self) -> RoundReport | None:
+        started = time.monotonic()
+        snapshot = self.swarm.snapshot
+        assert snapshot is not None  # published since construction
+        donors = self.swarm.call(self.swarm.find_donors(self.epoch, snapshot.checksum))
+        if not donors:
+            return None
+        downloaded = self.swarm.call(self.swarm.download_state(donors, snapshot.values.numel()))
+        if downloaded is None:
+            return None  # counted by the swarm; try again next round
+        log.info(
+            "resynced from %d donor(s): epoch %d -> %d, dropped %d local samples",
+            len(donors),
+            self.epoch,
+            downloaded.epoch,
+            self.samples,
+        )
+        self.load_state_vector(downloaded.values)
+        self.epoch = downloaded.epoch
+        self.samples = 0
+        self._residual.zero_()
+        self.publish()
+        return RoundReport(
+            epoch=self.epoch,
+            outcome=RoundOutcome.RESYNCED,
+            group_size=0,
+            seconds=time.monotonic() - started,
+            detail=f"from {', '.join(d.peer_id for d in donors)}",
+        )
+
+    def _average(self, vector: torch.Tensor) -> Averaged:
+        """One round of ``vector`` plus the error-feedback residual. The residual moves on only
+        if the round applied what was sent (a round that fails, or a stop mid-round, leaves the
+        state as it was before): it becomes what the codec lost of what was sent (and, whatever
+        the codec, values a round could not average are carried by the caller)."""
+        compensated = vector + self._residual
+        lossless = self.swarm.codec_is_lossless
+        averaged = self.swarm.call(
+            self.swarm.average(
+                compensated, epoch=self.epoch, weight=self.samples, keep_sent=not lossless
+            )
+        )
+        if averaged.outcome is Outcome.AVERAGED:
+            assert averaged.sent is not None
+            self._residual = compensated - averaged.sent
+        return averaged
+
+    def _report(self, averaged: Averaged, started: float) -> RoundReport:
+        result = averaged.result
+        missing = sum(end - start for start, end in result.missing) if result else 0
+        outcome = averaged.outcome
+        if result is not None and not result.complete:
+            outcome = RoundOutcome.PARTIAL
+        return RoundReport(
+            epoch=self.epoch,
+            outcome=outcome,
+            group_size=len(averaged.group.members) if averaged.group else 1,
+            seconds=time.monotonic() - started,
+            missing_values=missing,
+            detail=averaged.error,
+            allreduce_seconds=averaged.seconds,
+        )
