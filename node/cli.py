@@ -338,6 +338,7 @@ def simulate(
 ) -> None:
     """Run a bootstrap and N real node processes on loopback; print and save a summary."""
     from swarmgrad.simulations import swarm
+    from swarmgrad.simulations.profiles import SimulationError
     from swarmgrad.simulations.summary import print_summary
 
     _logging(False)
@@ -355,7 +356,7 @@ def simulate(
                 seed=seed,
             )
         )
-    except (RunSpecError, node_config.ConfigError, swarm.SimulationError) as error:
+    except (SetupError, SimulationError) as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
     print_summary(summary)
     raise typer.Exit(0 if summary["ok"] else 1)

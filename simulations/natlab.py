@@ -26,13 +26,14 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from swarmgrad.simulations.processes import node_command, stop_gracefully
 
 PUBLIC_PREFIX = "11.7.0"
 
@@ -282,10 +283,6 @@ table inet filter {{
 """
 
 
-def node_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "swarmgrad.node.cli", *args]
-
-
 @dataclass(slots=True)
 class LabNode:
     """A node process on a lab host, with its status file and log."""
@@ -317,15 +314,8 @@ class LabNode:
         return "\n".join(line for line in text if "fork_posix" not in line)[-3000:]
 
     def stop(self, timeout_seconds: float = 15.0) -> None:
-        process = self.process
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout_seconds)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        if self.process is not None:
+            stop_gracefully(self.process, timeout_seconds)
 
 
 def start_bootstrap(host: Host, out_dir: Path, timeout_seconds: float = 60.0) -> list[str]:

@@ -24,9 +24,7 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import time
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,8 @@ from swarmgrad.node.discovery.base import BACKENDS
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.simulations.churn import MARKERS, ChurnEvent, ScheduleError, load_schedule
+from swarmgrad.simulations.processes import node_command, stop_gracefully
+from swarmgrad.simulations.profiles import PeerProfile, SimulationError, load_profile
 from swarmgrad.simulations.summary import summarize
 
 log = logging.getLogger(__name__)
@@ -79,40 +79,6 @@ def simulation_identity(seed: int, index: int) -> Identity:
     return Identity.from_seed(f"swarmgrad-simulation:{seed}:{index}")
 
 
-class SimulationError(RuntimeError):
-    """The simulation could not run (bad profile, a node that failed to start); says why."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PeerProfile:
-    slowdown: float = 1.0
-    upload_bytes_per_second: float | None = None
-    bandwidth: float = 1.0
-
-
-def load_profile(path: Path | None, nodes: int) -> list[PeerProfile]:
-    if path is None:
-        return [PeerProfile() for _ in range(nodes)]
-    try:
-        raw = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as error:
-        raise SimulationError(f"cannot read profile {path}: {error}") from None
-    peers = raw.get("peer")
-    if set(raw) != {"peer"} or not isinstance(peers, list) or not peers:
-        raise SimulationError(f"{path}: expected one or more [[peer]] tables and nothing else")
-    known = {"slowdown", "upload_bytes_per_second", "bandwidth"}
-    profiles = []
-    for i, table in enumerate(peers):
-        unknown = set(table) - known
-        if unknown:
-            raise SimulationError(f"{path}: peer {i}: unknown key(s) {', '.join(sorted(unknown))}")
-        try:
-            profiles.append(PeerProfile(**{k: float(v) for k, v in table.items()}))
-        except (TypeError, ValueError):
-            raise SimulationError(f"{path}: peer {i}: values must be numbers") from None
-    return [profiles[i % len(profiles)] for i in range(nodes)]
-
-
 class _Process:
     def __init__(self, name: str, command: list[str], log_path: Path, env: dict[str, str]) -> None:
         self.name = name
@@ -123,13 +89,7 @@ class _Process:
         )
 
     def stop(self, timeout_seconds: float = 15.0) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout_seconds)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait()
+        stop_gracefully(self.popen, timeout_seconds)
         self._log.close()
 
     def kill(self) -> None:
@@ -142,10 +102,6 @@ class _Process:
     def tail(self, lines: int = 15) -> str:
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
-
-
-def _command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "swarmgrad.node.cli", *args]
 
 
 def _wait_for_file(path: Path, process: _Process, deadline: float) -> dict[str, Any]:
@@ -316,7 +272,7 @@ class _SwarmRun:
     def start_bootstrap(self) -> list[str]:
         maddrs_file = self.config.out_dir / "bootstrap.json"
         maddrs_file.unlink(missing_ok=True)
-        command = _command(
+        command = node_command(
             "bootstrap", "--maddrs-file", str(maddrs_file), "--discovery", self.config.discovery
         )
         boot = _Process("bootstrap", command, self.config.out_dir / "bootstrap.log", self.env)
@@ -325,7 +281,7 @@ class _SwarmRun:
 
     def start(self, node: _Node) -> None:
         node.log_offset = node.log_size()
-        node.process = _Process(f"node-{node.index}", _command(*node.args), node.log, self.env)
+        node.process = _Process(f"node-{node.index}", node_command(*node.args), node.log, self.env)
         self.processes.append(node.process)
         node.running, node.started_at = True, time.monotonic()
         node.waiting_rejoin = bool(self.fired)  # a node (re)joining a run under way

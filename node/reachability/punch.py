@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from swarmgrad.node.metrics import parse_address
-from swarmgrad.node.reachability.relay import splice
+from swarmgrad.node.reachability.streams import splice
 from swarmgrad.node.tasks import TaskSet
 
 log = logging.getLogger(__name__)

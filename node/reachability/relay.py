@@ -39,6 +39,7 @@ from typing import Any
 
 from swarmgrad.node.identity import Identity, peer_id_of, verify
 from swarmgrad.node.metrics import parse_address
+from swarmgrad.node.reachability.streams import close_quietly, splice
 from swarmgrad.node.tasks import TaskSet
 from swarmgrad.protocol.errors import PeerUnavailable
 from swarmgrad.protocol.peer import endpoint_of
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 4096
 PROTOCOL = "swarmgrad/1"
-_COPY_BYTES = 256 * 1024
 
 
 class RelayError(PeerUnavailable):
@@ -96,42 +96,6 @@ async def read_frame(reader: asyncio.StreamReader, timeout_seconds: float) -> di
     if not isinstance(message, dict) or len(message) > 4:
         raise RelayError("a frame that is not a small JSON object")
     return message
-
-
-async def _pipe(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, counter: Counter[str], key: str
-) -> None:
-    try:
-        while data := await reader.read(_COPY_BYTES):
-            counter[key] += len(data)
-            writer.write(data)
-            await writer.drain()
-    except OSError:  # reset, or not connected any more: this direction is over
-        pass
-    finally:
-        with contextlib.suppress(OSError, RuntimeError):
-            writer.write_eof()
-
-
-async def splice(
-    a: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-    b: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-    counter: Counter[str],
-) -> None:
-    """Copy bytes both ways until both directions end (or one side breaks); then close both."""
-    try:
-        await asyncio.gather(_pipe(a[0], b[1], counter, "in"), _pipe(b[0], a[1], counter, "out"))
-    finally:
-        for writer in (a[1], b[1]):
-            writer.close()
-        for writer in (a[1], b[1]):
-            with contextlib.suppress(ConnectionError, OSError):
-                await writer.wait_closed()
-
-
-def _close_quietly(writer: asyncio.StreamWriter) -> None:
-    with contextlib.suppress(RuntimeError):
-        writer.close()
 
 
 # -- the relay ----------------------------------------------------------------------------------
@@ -200,7 +164,7 @@ class RelayServer:
             if len(self._clients) >= self.limits.max_clients:
                 self.counts["refused: full"] += 1
                 await write_frame(writer, {"error": "this relay is full"})
-                _close_quietly(writer)
+                close_quietly(writer)
                 return
             client = _Client(peer_id, writer)
             client.server = await asyncio.start_server(
@@ -214,7 +178,7 @@ class RelayServer:
         except (RelayError, ConnectionError) as error:
             self.counts["refused: protocol"] += 1
             log.debug("relay handshake failed: %s", error)
-            _close_quietly(writer)
+            close_quietly(writer)
             return
         await self._serve_client(client, reader)
 
@@ -259,7 +223,7 @@ class RelayServer:
         for connection_id, future in client.pending.items():
             self._pending.pop(connection_id, None)
             future.cancel()
-        _close_quietly(client.writer)
+        close_quietly(client.writer)
 
     async def _dialed(
         self, client: _Client, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -267,7 +231,7 @@ class RelayServer:
         """Someone connected to ``client``'s relayed port: ask the client to attach, splice."""
         if client.connections >= self.limits.max_connections_per_client:
             self.counts["refused: busy"] += 1
-            _close_quietly(writer)
+            close_quietly(writer)
             return
         client.connections += 1
         connection_id = secrets.token_hex(16)
@@ -286,7 +250,7 @@ class RelayServer:
         except (TimeoutError, ConnectionError, asyncio.CancelledError) as error:
             if not isinstance(error, asyncio.CancelledError):
                 self.counts["refused: no attach"] += 1
-            _close_quietly(writer)
+            close_quietly(writer)
             if isinstance(error, asyncio.CancelledError) and client.peer_id in self._clients:
                 raise
         finally:
@@ -301,7 +265,7 @@ class RelayServer:
         future = client.pending.get(connection_id) if client is not None else None
         if future is None or future.done():
             self.counts["refused: unknown connection"] += 1
-            _close_quietly(writer)
+            close_quietly(writer)
             return
         future.set_result((reader, writer))
 
@@ -413,7 +377,7 @@ class RelayClient:
         except (TimeoutError, OSError, RelayError) as error:
             log.debug("could not attach relayed connection: %s", error)
             if relay is not None:
-                _close_quietly(relay[1])
+                close_quietly(relay[1])
             return
         sockname = local[1].get_extra_info("sockname")
         here = endpoint_of(sockname[0], sockname[1]) if isinstance(sockname, tuple) else ""
@@ -430,4 +394,4 @@ class RelayClient:
             await asyncio.gather(self._session, return_exceptions=True)
         await self._tasks.close()
         if self._writer is not None:
-            _close_quietly(self._writer)
+            close_quietly(self._writer)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from swarmgrad.node.runspec import RunSpec, RunSpecError
-from swarmgrad.simulations.swarm import SimulationError, load_profile
+from swarmgrad.simulations.profiles import SimulationError, load_profile
 
 MINIMAL = '[run]\nid = "demo"\n'
 

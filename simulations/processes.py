@@ -1,0 +1,26 @@
+"""Node processes for simulations: the command that starts one, and a graceful stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+
+def node_command(*args: str) -> list[str]:
+    """``swarmgrad <args>`` with this interpreter."""
+    return [sys.executable, "-m", "swarmgrad.node.cli", *args]
+
+
+def stop_gracefully(process: subprocess.Popen[bytes], timeout_seconds: float = 15.0) -> None:
+    """SIGTERM (a node leaves gracefully), then SIGKILL its whole session if it is not gone
+    within ``timeout_seconds``."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout_seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
