@@ -136,13 +136,16 @@ def test_dht_forgeries_leave_the_swarm_training_with_its_full_group(
     report = json.loads(forged.stdout.strip().splitlines()[-1])
     assert len(report["members"]) == 3, report
     assert set(report["accepted"].values()) == {0}, report["accepted"]
-    assert report["seen_after"] == report["members"], report
+    # Every member's genuine record is still there; the only one beside them is the joiner's,
+    # if it started before the attack's last read (a loaded machine) and not the forger's own.
+    assert set(report["members"]) <= set(report["seen_after"]), report
 
     assert "error" not in result, result.get("error")
     summary = result["summary"]
     peers = summary["peers"]
     # The joiner (started after the attack, spec entry "overwritten") joined and caught up.
     assert [p["epoch"] for p in peers] == [rounds] * 4
+    assert set(report["seen_after"]) <= {p["peer_id"] for p in peers}, report
     assert summary["replicas_identical"], [p["checksum"] for p in peers]
     for i in range(3):
         history = _status(out / f"node-{i}.json")["history"]
