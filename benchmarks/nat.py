@@ -28,7 +28,8 @@ from itertools import permutations
 from pathlib import Path
 from typing import Any
 
-from swarmgrad.simulations.natlab import Host, NatLab, start_swarm, wait_until
+from swarmgrad.simulations.lab_nodes import start_swarm, wait_until
+from swarmgrad.simulations.natlab import Host, NatLab
 from swarmgrad.simulations.swarm import DEMO_SPEC
 
 

@@ -16,14 +16,9 @@ from typing import Any
 
 import pytest
 
-from swarmgrad.simulations.natlab import (
-    Host,
-    LabNode,
-    NatLab,
-    node_command,
-    start_swarm,
-    wait_until,
-)
+from swarmgrad.simulations.lab_nodes import LabNode, start_swarm, wait_until
+from swarmgrad.simulations.natlab import Host, NatLab
+from swarmgrad.simulations.processes import node_command
 from swarmgrad.simulations.swarm import DEMO_SPEC
 
 pytestmark = [

