@@ -322,9 +322,7 @@ class Swarm:
     ) -> Averaged:
         """One round (``averaging/rounds.py``): a group for ``epoch``, then the all-reduce."""
         assert self._rounds is not None
-        return await self._rounds.run(
-            vector, epoch=epoch, weight=weight, endpoint=self.endpoint, keep_sent=keep_sent
-        )
+        return await self._rounds.run(vector, epoch=epoch, weight=weight, keep_sent=keep_sent)
 
     # -- the trainer's thread -------------------------------------------------------------------
 

@@ -102,7 +102,6 @@ class Rounds:
         *,
         epoch: int,
         weight: float,
-        endpoint: str,
         keep_sent: bool = False,
     ) -> Averaged:
         """One round for ``epoch``: the all-reduce of ``vector`` with a group from the DHT
@@ -111,6 +110,10 @@ class Rounds:
         try:
             async with asyncio.timeout(self.config.budget_seconds):
                 await self._await_reachability()
+                # Read only now: the verdict may have moved this node's endpoint (a mapped
+                # port, a relay); a NAT'd node announcing its LAN address owns a part nobody
+                # can reach.
+                endpoint = self._parts.reachability.endpoint
                 group = await self._form_group(epoch, weight=weight, endpoint=endpoint)
                 if group is None:
                     return Averaged(Outcome.NO_GROUP, error="nobody else was ready in time")

@@ -63,6 +63,7 @@ class Reachability:
     def __init__(self) -> None:
         self.settled = asyncio.Event()
         self.settled.set()
+        self.endpoint = "127.0.0.1:1"
 
 
 class Routes:
@@ -96,7 +97,7 @@ async def test_a_stalled_matchmaking_ends_as_no_group_within_the_budget() -> Non
     loop = asyncio.get_running_loop()
     started = loop.time()
     async with asyncio.timeout(5):  # the test's own bound: the round's must come first
-        report = await node.run(torch.ones(8), epoch=3, weight=1.0, endpoint="127.0.0.1:1")
+        report = await node.run(torch.ones(8), epoch=3, weight=1.0)
     assert report.outcome is Outcome.NO_GROUP
     assert "budget of 0.5 s" in report.error
     assert 0.5 <= loop.time() - started < 2.0
@@ -114,7 +115,7 @@ async def test_a_stalled_all_reduce_ends_as_aborted_within_the_budget() -> None:
         form_group=form_group, all_reduce=Stalls(), budget_seconds=0.5
     )
     async with asyncio.timeout(5):
-        report = await node.run(torch.ones(8), epoch=3, weight=1.0, endpoint="127.0.0.1:1")
+        report = await node.run(torch.ones(8), epoch=3, weight=1.0)
     assert report.outcome is Outcome.ABORTED
     assert report.group == GROUP
     assert tallies.failures["aborted_round"] == 1
@@ -138,7 +139,7 @@ async def test_a_round_in_time_reports_what_the_all_reduce_did(aborts: bool) -> 
     node, tallies, directory, spawned = rounds(
         form_group=form_group, all_reduce=all_reduce, budget_seconds=5.0
     )
-    report = await node.run(torch.ones(8), epoch=3, weight=1.0, endpoint="127.0.0.1:1")
+    report = await node.run(torch.ones(8), epoch=3, weight=1.0)
     await asyncio.gather(*spawned)
     if aborts:
         assert report.outcome is Outcome.ABORTED
@@ -149,3 +150,30 @@ async def test_a_round_in_time_reports_what_the_all_reduce_did(aborts: bool) -> 
         assert torch.equal(report.result.averaged, torch.full((8,), 2.0))
         assert tallies.counts["averaged"] == 1
     assert "round/3" in directory.withdrawn
+
+
+async def test_a_first_round_announces_the_endpoint_its_reachability_verdict_gave() -> None:
+    # A NAT'd node that learns it is relayed while it waits must announce the relay's address,
+    # not the LAN one it had when the round was asked for (the NAT lab saw peers dial
+    # 192.168.x.y and fail).
+    announced: list[str] = []
+
+    async def form_group(epoch: int, *, endpoint: str, **options: Any) -> None:
+        announced.append(endpoint)
+
+    node, _, directory, spawned = rounds(form_group=form_group, budget_seconds=5.0)
+    directory.peers = [object(), object()]  # peers to ask: the first round waits for a verdict
+    reach = node._parts.reachability
+    reach.settled.clear()
+    reach.endpoint = "192.168.1.2:5000"
+
+    async def verdict() -> None:
+        await asyncio.sleep(0.1)
+        reach.endpoint = "11.7.0.10:6000"  # its relay's
+        reach.settled.set()
+
+    asyncio.get_running_loop().call_soon(lambda: spawned.append(asyncio.create_task(verdict())))
+    report = await node.run(torch.ones(8), epoch=0, weight=1.0)
+    assert report.outcome is Outcome.NO_GROUP
+    assert announced == ["11.7.0.10:6000"]
+    await asyncio.gather(*spawned)
