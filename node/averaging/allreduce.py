@@ -168,7 +168,7 @@ async def _exchange_with_owner(
     owner = group.members[part]
     numels = chunk_sizes(values.numel(), config.chunk_values)
     offsets = _offsets(numels)
-    codec = config.make_codec()
+    codec, result_codec = config.make_codec(), config.make_result_codec()
     queue: asyncio.Queue[Framed | None] = asyncio.Queue(maxsize=2)
     header = _header(state, part)
 
@@ -197,7 +197,7 @@ async def _exchange_with_owner(
                 response.chunk,
                 index=expected,
                 numels=numels,
-                codec=(codec.name, codec.version),
+                codec=(result_codec.name, result_codec.version),
                 max_bytes=config.max_chunk_bytes,
             )
             _check_contributors(response, group)

@@ -7,6 +7,10 @@ arrive a little before this node has started the same round (members start at sl
 different times); it waits up to ``join_timeout_seconds`` for the round to appear before it is
 refused with UNKNOWN_ROUND (at most :data:`MAX_EARLY_STREAMS` wait at once: streams are
 signed, but keys cost nothing).
+
+In an open run (``config.observe``) the averager keeps a :class:`TrustLedger`: after each round
+its reducer's observations of the members are scored there, and a peer the ledger bans is
+refused (BANNED) from then on; the node's matchmaking skips it too.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from swarmgrad.node.averaging.reducer import PartReducer, SenderSession
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.tasks import TaskSet
 from swarmgrad.node.transport.transport import Transport, TransportConfig
+from swarmgrad.node.trust.ledger import Ban, TrustLedger
 from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.averaging import AveragingServicer, StreamHeader, add_to_server
 from swarmgrad.protocol.errors import ProtocolViolation, RoundAborted, quote
@@ -70,6 +75,7 @@ class Averager:
         *,
         verifier: Verifier | None = None,
         rejections: Rejections | None = None,
+        ledger: TrustLedger | None = None,
     ) -> None:
         if transport.limits.max_message_bytes < 2 * config.max_chunk_bytes:
             raise ValueError(
@@ -80,6 +86,10 @@ class Averager:
         self.peer_id = identity.peer_id
         self.config = config
         self.transport = transport
+        #: Scores and bans of peers, from what this node saw of them as an owner (open runs).
+        self.ledger = ledger if ledger is not None else TrustLedger()
+        #: Bans as they happen (the node's metrics and log read them).
+        self.new_bans: list[Ban] = []
         self._rounds: dict[tuple[int, bytes], _ActiveRound] = {}
         self._finished: dict[tuple[int, bytes], None] = {}
         self._rounds_changed = asyncio.Condition()
@@ -160,6 +170,8 @@ class Averager:
                 codec=self.config.make_codec(),
                 open_timeout_seconds=self.config.sender_timeout_seconds,
                 max_chunks_ahead=self.config.max_chunks_ahead,
+                rules=self.config.owner_rules(),
+                offset=start,
             )
         async with self._rounds_changed:
             self._rounds[key] = _ActiveRound(group=group, me=me, reducer=reducer)
@@ -182,11 +194,23 @@ class Averager:
             self.rounds["aborted"] += 1
             raise
         finally:
+            if reducer is not None and self.config.observe:
+                await self._score(group, reducer)
             self._retire(key)
         self.rounds["complete" if result.complete else "partial"] += 1
         if result.failures:
             log.warning("round %d: %s", group.round, result.failures)
         return result
+
+    async def _score(self, group: Group, reducer: PartReducer) -> None:
+        """Hand the ledger what the reducer saw of each member (itself aside)."""
+        await reducer.finished(timeout_seconds=self.config.sender_timeout_seconds)
+        seen = {
+            group.members[member].peer_id: observation
+            for member, observation in reducer.observations.items()
+            if member != reducer.part
+        }
+        self.new_bans += self.ledger.observe(group.round, seen)
 
     def _retire(self, key: tuple[int, bytes]) -> None:
         """Forget a round after it lingers long enough for slow readers of its results."""
@@ -213,6 +237,12 @@ class Averager:
                 f"this node is in run {self.config.run_id!r} spec "
                 f"{self.config.spec_hash.hex()[:12]}, the stream is for run "
                 f"{quote(header.run_id)} spec {header.spec_hash.hex()[:12]}",
+            )
+        if self.ledger.banned(header.sender):
+            ban = self.ledger.bans[header.sender]
+            raise ProtocolViolation(
+                ResultCode.BANNED,
+                f"{header.sender} was banned here in round {ban.round} ({ban.reason})",
             )
         key = (header.round, header.group_id)
         active = await self._wait_for_round(key)

@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 READY_MARGIN_SECONDS = 30.0
 #: The longest matchmaking whose readiness record (and its withdrawal) a DHT still takes.
 MAX_MATCHMAKING_TIMEOUT_SECONDS = MAX_TTL_SECONDS - READY_MARGIN_SECONDS - 30.0
+#: How often matchmaking reads the candidates, and the run's peer records, while it waits.
+POLL_SECONDS = 0.1
+EXPECTED_REFRESH_SECONDS = 1.0
 
 
 def assign_groups(round_: int, peer_ids: list[str], group_size: int) -> list[list[str]]:
@@ -58,11 +61,12 @@ class Matchmaker:
         group_size: int,
         matchmaking_timeout_seconds: float,
         settle_seconds: float = 0.5,
-        poll_seconds: float = 0.1,
-        expected_refresh_seconds: float = 1.0,
         peers: Callable[[], Awaitable[list[PeerRecord]]] | None = None,
+        excluded: Callable[[str], bool] | None = None,
     ) -> None:
-        """``peers`` reads the run's peer records (the node's directory); default: the DHT."""
+        """``peers`` reads the run's peer records (the node's directory; default: the DHT);
+        ``excluded`` says which peers this node no longer groups with (its trust ledger's bans):
+        their readiness records are not candidates and they are not waited for."""
         if group_size < 2:
             raise ValueError("group_size must be at least 2")
         if not 0 < matchmaking_timeout_seconds <= MAX_MATCHMAKING_TIMEOUT_SECONDS:
@@ -73,8 +77,8 @@ class Matchmaker:
         self._peers = peers or discovery.find
         self.group_size = group_size
         self.timeout_seconds = matchmaking_timeout_seconds
-        self.settle_seconds, self.poll_seconds = settle_seconds, poll_seconds
-        self.expected_refresh_seconds = expected_refresh_seconds
+        self.settle_seconds = settle_seconds
+        self._excluded = excluded or (lambda _peer: False)
 
     async def form_group(
         self, round_: int, *, endpoint: str, bandwidth: float = 1.0, weight: float = 1.0
@@ -102,9 +106,9 @@ class Matchmaker:
             seen = {r.peer_id for r in candidates}
             if len(seen) >= 2 and expected <= seen:
                 break
-            await asyncio.sleep(self.poll_seconds)
+            await asyncio.sleep(POLL_SECONDS)
             candidates = await self._candidates(round_)
-            if loop.time() - checked > self.expected_refresh_seconds:
+            if loop.time() - checked > EXPECTED_REFRESH_SECONDS:
                 expected, checked = await self._expected(round_), loop.time()
         await asyncio.sleep(self.settle_seconds)
         candidates = await self._candidates(round_)
@@ -134,10 +138,16 @@ class Matchmaker:
         one behind (a peer that just finished the last round may not have announced it yet; a
         peer that died in it is waited for once, then its record falls two behind)."""
         peers = await self._peers()
-        expected = {p.peer_id for p in peers if p.epoch in (round_ - 1, round_)}
+        expected = {
+            p.peer_id
+            for p in peers
+            if p.epoch in (round_ - 1, round_) and not self._excluded(p.peer_id)
+        }
         return expected | {self._identity.peer_id}
 
     async def _candidates(self, round_: int) -> list[ReadyRecord]:
         return [
-            r for r in await self._discovery.find_ready(round_) if r.weight > 0 and r.bandwidth >= 0
+            r
+            for r in await self._discovery.find_ready(round_)
+            if r.weight > 0 and r.bandwidth >= 0 and not self._excluded(r.peer_id)
         ]

@@ -15,8 +15,9 @@ import torch
 
 from swarmgrad.compression import Codec, get_codec
 from swarmgrad.node.averaging.group import Group
-from swarmgrad.node.averaging.reducer import PartReducer
+from swarmgrad.node.averaging.reducer import OwnerRules, PartReducer
 from swarmgrad.node.kinds import Failure
+from swarmgrad.node.trust.aggregate import Aggregator
 from swarmgrad.protocol.auth import Signer
 
 _MIN_CHUNK_VALUES = 1024
@@ -39,11 +40,22 @@ class AllReduceConfig:
     #: How long a stream that arrives before the local round has started may wait for it.
     join_timeout_seconds: float = 5.0
     max_chunks_ahead: int = 4
+    #: How owners combine members' values ("mean", "centered_clip" or "median").
+    aggregator: str = "mean"
+    #: Ignore members' declared weights (open runs: a weight is a claim nobody can check).
+    uniform_weights: bool = False
+    #: The codec owners send results in ("": the round's codec).
+    result_codec: str = ""
+    #: Owners keep an Observation of every member for the trust ledger (open runs).
+    observe: bool = False
 
     def __post_init__(self) -> None:
         if not self.run_id:
             raise ValueError("run_id must not be empty")
         get_codec(self.codec, **self.codec_options)  # raises ValueError for a bad codec
+        if self.result_codec:
+            get_codec(self.result_codec)
+        Aggregator(self.aggregator)  # raises ValueError for an unknown one
         if not _MIN_CHUNK_VALUES <= self.chunk_values <= _MAX_CHUNK_VALUES:
             raise ValueError(
                 f"chunk_values must be in [{_MIN_CHUNK_VALUES}, {_MAX_CHUNK_VALUES}], "
@@ -69,6 +81,18 @@ class AllReduceConfig:
 
     def make_codec(self) -> Codec:
         return get_codec(self.codec, **self.codec_options)
+
+    def make_result_codec(self) -> Codec:
+        """The codec owners' results travel in."""
+        return get_codec(self.result_codec) if self.result_codec else self.make_codec()
+
+    def owner_rules(self) -> OwnerRules:
+        return OwnerRules(
+            aggregator=Aggregator(self.aggregator),
+            uniform_weights=self.uniform_weights,
+            result_codec=get_codec(self.result_codec) if self.result_codec else None,
+            observe=self.observe,
+        )
 
     @property
     def max_chunk_bytes(self) -> int:

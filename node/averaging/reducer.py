@@ -10,20 +10,49 @@ delivered keep its values, later ones are averaged without it, and each chunk's 
 contributors, so nobody mistakes a partial average for a full one. A member may run at most
 ``max_chunks_ahead`` chunks ahead of the oldest unfinished chunk, which bounds the owner's memory
 to that many accumulators.
+
+With :class:`OwnerRules` for an open run, the owner keeps every member's values of a chunk
+instead of a running sum (``max_chunks_ahead`` x members x chunk), aggregates them robustly
+(``node/trust/aggregate.py``: screening, CenteredClip or the coordinate median, uniform weights),
+publishes the result with its own codec (fp16: a lossy return path would hide an owner's small
+lies from later checks), and keeps an :class:`Observation` of each member for the node's
+:class:`TrustLedger`.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from swarmgrad.compression import Codec, Meta, decode
 from swarmgrad.node.averaging.group import Group
+from swarmgrad.node.trust.aggregate import Aggregate, Aggregator, Screen, aggregate
+from swarmgrad.node.trust.ledger import Flag, Observation, sketch
 from swarmgrad.protocol.averaging import ChunkResult
 from swarmgrad.protocol.errors import ProtocolViolation, SwarmgradError
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
+
+_SCREEN_FLAGS = {Screen.ZERO: Flag.ZERO, Screen.SCALE: Flag.SCALE}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OwnerRules:
+    """How an owner combines its members' values (the defaults: a trusted run's weighted mean)."""
+
+    aggregator: Aggregator = Aggregator.MEAN
+    #: Every member counts the same, whatever weight (samples) it declares.
+    uniform_weights: bool = False
+    #: The codec results travel in (None: the round's own).
+    result_codec: Codec | None = None
+    #: Keep every member's values of a chunk and an Observation of each (open runs).
+    observe: bool = False
+
+    @property
+    def buffered(self) -> bool:
+        return self.observe or self.aggregator is not Aggregator.MEAN
 
 
 class PartReducer:
@@ -38,17 +67,31 @@ class PartReducer:
         codec: Codec,
         open_timeout_seconds: float,
         max_chunks_ahead: int = 4,
+        rules: OwnerRules | None = None,
+        offset: int = 0,
     ) -> None:
+        """``offset``: where the part starts in the round's vector (names chunks for replay
+        checks)."""
         self.group = group
         self.part = part
         self.chunk_numels = list(chunk_numels)
         self.codec = codec
+        self.rules = rules or OwnerRules()
+        self.result_codec = self.rules.result_codec or codec
+        self._offset = offset
         self._max_ahead = max_chunks_ahead
         total = sum(m.weight for m in group.members)
         # Weights relative to the group's total keep fp32 sums in a sane range.
-        self._alpha = [m.weight / total for m in group.members]
+        self._alpha = (
+            [1.0 / len(group.members)] * len(group.members)
+            if self.rules.uniform_weights
+            else [m.weight / total for m in group.members]
+        )
         n = len(self.chunk_numels)
         self._sums: list[torch.Tensor | None] = [None] * n
+        self._inputs: list[dict[int, torch.Tensor]] = [{} for _ in range(n)]
+        #: What the owner saw of each member (with ``rules.observe``), by member index.
+        self.observations: dict[int, Observation] = {}
         self._weights = [0.0] * n
         self._contributors: list[list[int]] = [[] for _ in range(n)]
         self._delivered = dict.fromkeys(range(len(group.members)), 0)
@@ -89,8 +132,9 @@ class PartReducer:
             )
         if index != self._delivered[member]:  # pragma: no cover - the servicer orders chunks
             raise ProtocolViolation(ResultCode.BAD_SHAPE, f"chunk {index} out of order")
-        total = self._sums[index]
-        if total is None:
+        if self.rules.buffered:
+            self._inputs[index][member] = values.clone()
+        elif (total := self._sums[index]) is None:
             self._sums[index] = values.mul(self._alpha[member])
         else:
             total.add_(values, alpha=self._alpha[member])
@@ -99,8 +143,11 @@ class PartReducer:
         self._delivered[member] = index + 1
         self._notify()
 
-    def drop(self, member: int, reason: str) -> None:
-        """Stop waiting for ``member``: later chunks are averaged without it."""
+    def drop(self, member: int, reason: str, *, flag: Flag | None = None) -> None:
+        """Stop waiting for ``member``: later chunks are averaged without it (``flag``: what
+        its values showed, for the trust ledger)."""
+        if flag is not None and self.rules.observe:
+            self.observations.setdefault(member, Observation()).flags.add(flag)
         if member in self.dropped or self._delivered[member] == len(self.chunk_numels):
             return
         self.dropped[member] = reason
@@ -142,6 +189,10 @@ class PartReducer:
     def done(self) -> bool:
         return self._finalized == len(self.chunk_numels)
 
+    async def finished(self, *, timeout_seconds: float) -> None:
+        """Wait (up to ``timeout_seconds``) until every chunk is finalized or abandoned."""
+        await asyncio.wait({self._finalizer}, timeout=timeout_seconds)
+
     async def close(self) -> None:
         self._watchdog.cancel()
         self.expire("reducer closed")
@@ -171,14 +222,18 @@ class PartReducer:
                 index = self._finalized
                 total, weight = self._sums[index], self._weights[index]
                 self._sums[index] = None
+                contributors = sorted(self._contributors[index])
+                if self.rules.buffered and contributors:
+                    total, contributors = await asyncio.to_thread(self._aggregate, index)
+                    weight = 1.0
                 result: ChunkResult | None = None
-                if total is not None and weight > 0:
+                if total is not None and weight > 0 and contributors:
                     payload, meta, mine = await asyncio.to_thread(self._publish, total, weight)
                     result = ChunkResult(
                         index=index,
                         payload=payload,
                         meta=meta,
-                        contributors=tuple(sorted(self._contributors[index])),
+                        contributors=tuple(contributors),
                     )
                     self.decoded[index] = mine
                 self._results[index].set_result(result)
@@ -192,13 +247,47 @@ class PartReducer:
                     )
             raise
 
+    def _aggregate(self, index: int) -> tuple[torch.Tensor, list[int]]:
+        """Robustly combine the chunk's buffered inputs; note what each member looked like."""
+        inputs = self._inputs[index]
+        self._inputs[index] = {}
+        members = sorted(inputs)
+        stack = torch.stack([inputs[m] for m in members])
+        inputs.clear()
+        weights = [self._alpha[m] for m in members]
+        outcome = aggregate(stack, self.rules.aggregator, weights=weights)
+        if self.rules.observe:
+            self._observe(index, members, stack, outcome)
+        return outcome.value, [members[k] for k in outcome.used]
+
+    def _observe(
+        self, index: int, members: list[int], stack: torch.Tensor, outcome: Aggregate
+    ) -> None:
+        numel = self.chunk_numels[index]
+        position = (self._offset + sum(self.chunk_numels[:index]), numel)
+        fingerprints = [sketch(row) for row in stack]
+        for k, member in enumerate(members):
+            seen = self.observations.setdefault(member, Observation())
+            if k in outcome.screened:
+                seen.flags.add(_SCREEN_FLAGS[outcome.screened[k]])
+                continue
+            seen.add_chunk(numel, outcome.clip[k], outcome.cosine[k])
+            seen.sketches[position] = fingerprints[k]
+            for j in range(k):
+                if torch.equal(fingerprints[j], fingerprints[k]) and torch.equal(
+                    stack[j], stack[k]
+                ):
+                    seen.flags.add(Flag.DUPLICATE)
+                    self.observations[members[j]].flags.add(Flag.DUPLICATE)
+
     def _publish(
         self, total: torch.Tensor, weight: float
     ) -> tuple[bytes | memoryview, Meta, torch.Tensor]:
-        average = total.div_(weight)
+        average = total.div_(weight) if weight != 1.0 else total
         # The payload may be a view of `average`, which nobody modifies after this point.
-        payload, meta = self.codec.encode_view(average)
-        if self.codec.lossless:
+        codec = self.result_codec
+        payload, meta = codec.encode_view(average)
+        if codec.lossless:
             return payload, meta, average  # what members decode, bit for bit
         return payload, meta, decode(payload, meta)
 
@@ -233,4 +322,9 @@ class SenderSession:
 
     def close(self, error: SwarmgradError | None) -> None:
         if error is not None:
-            self._reducer.drop(self._member, str(error))
+            non_finite = (
+                isinstance(error, ProtocolViolation) and error.code == ResultCode.NON_FINITE
+            )
+            self._reducer.drop(
+                self._member, str(error), flag=Flag.NON_FINITE if non_finite else None
+            )

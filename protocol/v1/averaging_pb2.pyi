@@ -29,6 +29,7 @@ class ResultCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UNKNOWN_STATE: _ClassVar[ResultCode]
     WRONG_ADDRESS: _ClassVar[ResultCode]
     CANNOT_PUNCH: _ClassVar[ResultCode]
+    BANNED: _ClassVar[ResultCode]
 RESULT_CODE_UNSPECIFIED: ResultCode
 OK: ResultCode
 WRONG_RUN: ResultCode
@@ -47,6 +48,7 @@ UNAUTHENTICATED: ResultCode
 UNKNOWN_STATE: ResultCode
 WRONG_ADDRESS: ResultCode
 CANNOT_PUNCH: ResultCode
+BANNED: ResultCode
 
 class RoundKey(_message.Message):
     __slots__ = ("run_id", "spec_hash", "round", "group_id")

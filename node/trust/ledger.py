@@ -1,0 +1,223 @@
+"""What this node has seen of each peer's updates as an owner, and whom it no longer averages with.
+
+Every round, the owner of a part learns something of each member from its values of that part
+(``aggregate.py``): its clip coefficient and cosine to the result, whether it was screened out
+(all zeros, an absurd scale), whether it sent NaN or Inf, whether its values repeat an earlier
+update (a *replay*: an old update sent again, its own or another peer's) or another member's
+values this round (a *duplicate*). :class:`TrustLedger` turns these into flags, keeps a score
+per peer (EMAs of clip and cosine) and decides local bans:
+
+* zeros, NaN/Inf and an absurd scale ban at once: no honest update looks like that;
+* misaligned (cosine < ``misaligned_below``), heavily clipped (clip < ``clipped_below``),
+  replayed and duplicated updates ban after ``consecutive`` flagged rounds in a row, or
+  ``window_flags`` flagged rounds of the last ``window`` (an attacker who alternates).
+
+A ban is this node's own decision: it stops grouping with the peer (matchmaking skips its
+readiness record) and refuses its streams. It is not published: statistics are not proof, and a
+peer that bans on another's word can be made to ban an honest peer.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: Values of a chunk kept as its fingerprint for replay and duplicate checks (a strided subset).
+SKETCH_VALUES = 2048
+#: Earlier fingerprints kept per chunk position.
+SKETCH_MEMORY = 64
+
+
+class Flag(enum.StrEnum):
+    ZERO = "zero"  # all zeros
+    NON_FINITE = "non_finite"  # NaN or Inf
+    SCALE = "scale"  # largest value absurdly above the others'
+    MISALIGNED = "misaligned"  # points away from the result
+    CLIPPED = "clipped"  # far outside the others' radius
+    REPLAY = "replay"  # an earlier update sent again
+    DUPLICATE = "duplicate"  # the same values as another member's this round
+
+
+#: Flags no honest update raises: one is enough to ban.
+DECISIVE = frozenset({Flag.ZERO, Flag.NON_FINITE, Flag.SCALE})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrustPolicy:
+    misaligned_below: float = 0.05
+    clipped_below: float = 0.2
+    replay_above: float = 0.999
+    consecutive: int = 3
+    window: int = 10
+    window_flags: int = 5
+    #: Weight of the newest round in a peer's clip and cosine EMAs.
+    ema: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not (-1 <= self.misaligned_below < 1 and 0 <= self.clipped_below < 1):
+            raise ValueError("misaligned_below must be in [-1, 1) and clipped_below in [0, 1)")
+        if not 0 < self.replay_above < 1 or not 0 < self.ema <= 1:
+            raise ValueError("replay_above must be in (0, 1) and ema in (0, 1]")
+        if self.consecutive < 1 or not 1 <= self.window_flags <= self.window:
+            raise ValueError("consecutive >= 1 and 1 <= window_flags <= window")
+
+
+@dataclass(slots=True)
+class Observation:
+    """One member's values of one owner's part in one round, as the owner saw them."""
+
+    numel: int = 0
+    clip_sum: float = 0.0  # numel-weighted
+    cosine_sum: float = 0.0
+    flags: set[Flag] = field(default_factory=set)
+    #: (global position, numel) of each chunk -> its fingerprint.
+    sketches: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    def add_chunk(self, numel: int, clip: float, cosine: float) -> None:
+        self.numel += numel
+        self.clip_sum += numel * clip
+        self.cosine_sum += numel * cosine
+
+    @property
+    def clip(self) -> float:
+        return self.clip_sum / self.numel if self.numel else 1.0
+
+    @property
+    def cosine(self) -> float:
+        return self.cosine_sum / self.numel if self.numel else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Ban:
+    peer_id: str
+    round: int
+    flags: tuple[Flag, ...]
+
+    @property
+    def reason(self) -> str:
+        return "+".join(self.flags)
+
+
+@dataclass(slots=True)
+class PeerScore:
+    rounds: int = 0
+    clip_ema: float = 1.0
+    cosine_ema: float = 0.0
+    consecutive: int = 0
+    recent: deque[bool] = field(default_factory=lambda: deque(maxlen=64))
+    flags: dict[Flag, int] = field(default_factory=dict)
+
+
+def sketch(values: torch.Tensor) -> torch.Tensor:
+    """A chunk's fingerprint: up to :data:`SKETCH_VALUES` of its values, evenly strided."""
+    step = max(1, values.numel() // SKETCH_VALUES)
+    return values[::step][:SKETCH_VALUES].double()
+
+
+class TrustLedger:
+    """Scores and local bans of the peers this node has aggregated."""
+
+    def __init__(self, policy: TrustPolicy | None = None) -> None:
+        self.policy = policy or TrustPolicy()
+        self.scores: dict[str, PeerScore] = {}
+        self.bans: dict[str, Ban] = {}
+        #: Flags raised, by kind (every round, banned or not).
+        self.flag_counts: dict[Flag, int] = dict.fromkeys(Flag, 0)
+        self._sketches: dict[tuple[int, int], deque[tuple[int, str, torch.Tensor]]] = {}
+
+    def banned(self, peer_id: str) -> bool:
+        return peer_id in self.bans
+
+    def observe(self, round_: int, observations: Mapping[str, Observation]) -> list[Ban]:
+        """Take one round's observations (this node as owner), and return the new bans."""
+        self._mark_replays(round_, observations)
+        new: list[Ban] = []
+        for peer_id, seen in observations.items():
+            ban = self._judge(round_, peer_id, seen)
+            if ban is not None:
+                new.append(ban)
+        return new
+
+    def _judge(self, round_: int, peer_id: str, seen: Observation) -> Ban | None:
+        policy = self.policy
+        flags = set(seen.flags)
+        if seen.numel:
+            if seen.cosine < policy.misaligned_below:
+                flags.add(Flag.MISALIGNED)
+            if seen.clip < policy.clipped_below:
+                flags.add(Flag.CLIPPED)
+        score = self.scores.setdefault(peer_id, PeerScore())
+        score.rounds += 1
+        if seen.numel and not flags & DECISIVE:
+            score.clip_ema += policy.ema * (seen.clip - score.clip_ema)
+            score.cosine_ema += policy.ema * (seen.cosine - score.cosine_ema)
+        score.consecutive = score.consecutive + 1 if flags else 0
+        score.recent.append(bool(flags))
+        for flag in flags:
+            score.flags[flag] = score.flags.get(flag, 0) + 1
+            self.flag_counts[flag] += 1
+        if peer_id in self.bans or not flags:
+            return None
+        window = list(score.recent)[-policy.window :]
+        if (
+            flags & DECISIVE
+            or score.consecutive >= policy.consecutive
+            or sum(window) >= policy.window_flags
+        ):
+            ban = Ban(peer_id=peer_id, round=round_, flags=tuple(sorted(flags)))
+            self.bans[peer_id] = ban
+            log.warning("round %d: banned %s (%s)", round_, peer_id, ban.reason)
+            return ban
+        return None
+
+    def _mark_replays(self, round_: int, observations: Mapping[str, Observation]) -> None:
+        """Flag fingerprints that match one from an earlier round (anyone's), then remember
+        this round's."""
+        for seen in observations.values():
+            for position, fingerprint in seen.sketches.items():
+                earlier = self._sketches.get(position, ())
+                if any(
+                    r < round_ and _cosine(fingerprint, old) > self.policy.replay_above
+                    for r, _, old in earlier
+                ):
+                    seen.flags.add(Flag.REPLAY)
+                    break
+        for peer_id, seen in observations.items():
+            for position, fingerprint in seen.sketches.items():
+                memory = self._sketches.setdefault(position, deque(maxlen=SKETCH_MEMORY))
+                memory.append((round_, peer_id, fingerprint))
+
+    def table(self, peers: Iterable[str] | None = None) -> dict[str, dict[str, object]]:
+        """Per peer: rounds seen, clip and cosine EMAs, flags, ban (status files, display)."""
+        names = self.scores if peers is None else peers
+        out: dict[str, dict[str, object]] = {}
+        for peer_id in names:
+            score = self.scores.get(peer_id)
+            if score is None:
+                continue
+            ban = self.bans.get(peer_id)
+            out[peer_id] = {
+                "rounds": score.rounds,
+                "clip_ema": round(score.clip_ema, 4),
+                "cosine_ema": round(score.cosine_ema, 4),
+                "flags": {str(k): v for k, v in sorted(score.flags.items())},
+                "banned": None if ban is None else {"round": ban.round, "reason": ban.reason},
+            }
+        return out
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return 0.0
+    denominator = float(a.norm() * b.norm())
+    if denominator == 0.0 or not math.isfinite(denominator):
+        return 0.0
+    return float(a @ b) / denominator

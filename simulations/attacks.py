@@ -1,0 +1,73 @@
+"""What a malicious member sends instead of its honest update: the attacks open runs defend against.
+
+Pure functions on the flat update a member would average (tests, ``benchmarks/byzantine.py``);
+each takes the attacker's honest update and what the attack may know. "A little is enough"
+(ALIE) is omniscient: it reads the honest members' updates of the round, as colluders could.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+class Attack(enum.StrEnum):
+    SIGN_FLIP = "sign_flip"  # -x
+    SCALE = "scale"  # 100 x
+    NOISE = "noise"  # Gaussian noise, 3x the update's norm
+    ZEROS = "zeros"  # nothing
+    NAN = "nan"  # NaN in a few places (on the wire: a NaN block scale, see NaNPayloads)
+    REPLAY = "replay"  # its first round's update, every round after
+    ALIE = "alie"  # mean - z std of the honest updates, per coordinate (z = 1)
+
+
+@dataclass(slots=True)
+class Attacker:
+    """One malicious member's state across rounds."""
+
+    attack: Attack
+    seed: int = 0
+    _first: torch.Tensor | None = None
+    _generator: torch.Generator = field(default_factory=torch.Generator)
+
+    def __post_init__(self) -> None:
+        self._generator.manual_seed(self.seed)
+
+    def update(self, honest: torch.Tensor, others: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """What it sends this round instead of ``honest`` (``others``: the honest members'
+        updates, for ALIE)."""
+        attack = self.attack
+        if self._first is None:
+            self._first = honest.clone()
+            if attack is Attack.REPLAY:
+                return honest.clone()  # it has nothing to replay yet
+        if attack is Attack.SIGN_FLIP:
+            return -honest
+        if attack is Attack.SCALE:
+            return honest * 100.0
+        if attack is Attack.NOISE:
+            noise = torch.randn(honest.shape, generator=self._generator)
+            return noise * (3.0 * float(honest.norm()) / max(1e-12, float(noise.norm())))
+        if attack is Attack.ZEROS:
+            return torch.zeros_like(honest)
+        if attack is Attack.NAN:
+            poisoned = honest.clone()
+            poisoned[:: max(1, honest.numel() // 7)] = float("nan")
+            return poisoned
+        if attack is Attack.REPLAY:
+            return self._first.clone()
+        stack = torch.stack(list(others) or [honest])
+        return stack.mean(0) - stack.std(0, correction=0)
+
+
+class NaNPayloads:
+    """Round hooks that make every chunk decode to NaN: its first block scale (a blockwise
+    codec's payload opens with fp32 scales) becomes NaN. Honest encoders refuse NaN input, so
+    an attacker writes the bytes itself."""
+
+    async def before_send(self, owner: int, index: int, payload: bytes) -> bytes:
+        return struct.pack("<f", float("nan")) + payload[4:]

@@ -1,0 +1,164 @@
+"""Open-run rounds on real gRPC over 127.0.0.1: owners aggregate robustly, score members and ban
+attackers; honest members are never banned and keep averaging (fast tier: 5 members, 1 attacker,
+8 rounds)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
+from swarmgrad.node.averaging.averager import Averager, standalone
+from swarmgrad.node.averaging.group import Group, Member
+from swarmgrad.node.identity import Identity
+from swarmgrad.node.trust.ledger import Flag
+from swarmgrad.simulations.attacks import Attack, Attacker, NaNPayloads
+
+CHUNK = 4096
+SIZE = 5 * 2 * CHUNK  # two chunks per owner's part
+ROUNDS = 8
+OPEN = AllReduceConfig(
+    run_id="open-rounds",
+    spec_hash=bytes(32),
+    codec="int8",
+    chunk_values=CHUNK,
+    round_timeout_seconds=20.0,
+    sender_timeout_seconds=5.0,
+    reducer_timeout_seconds=10.0,
+    aggregator="centered_clip",
+    uniform_weights=True,
+    result_codec="fp16",
+    observe=True,
+)
+
+
+@contextlib.asynccontextmanager
+async def swarm(n: int) -> AsyncIterator[list[Averager]]:
+    async with contextlib.AsyncExitStack() as stack:
+        yield [
+            await stack.enter_async_context(
+                standalone(Identity.from_seed(f"open-rounds/{i}"), OPEN)
+            )
+            for i in range(n)
+        ]
+
+
+def honest_updates(round_: int, n: int) -> list[torch.Tensor]:
+    """A shared direction plus each member's own noise of the same size (DiLoCo-like deltas)."""
+    g = torch.Generator().manual_seed(round_)
+    common = torch.randn(SIZE, generator=g)
+    return [common + torch.randn(SIZE, generator=g) for _ in range(n)]
+
+
+async def average(
+    averagers: list[Averager],
+    vectors: list[torch.Tensor],
+    round_: int,
+    hooks: dict[int, NaNPayloads] | None = None,
+) -> list[RoundResult | BaseException]:
+    group = Group(
+        round=round_,
+        members=tuple(Member(peer_id=a.peer_id, endpoint=a.endpoint) for a in averagers),
+    )
+    calls = [
+        a.all_reduce(v, group, hooks=(hooks or {}).get(i))
+        for i, (a, v) in enumerate(zip(averagers, vectors, strict=True))
+    ]
+    return list(await asyncio.gather(*calls, return_exceptions=True))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+async def test_honest_members_are_never_flagged_and_their_replicas_agree() -> None:
+    async with swarm(5) as peers:
+        for round_ in range(ROUNDS):
+            updates = honest_updates(round_, 5)
+            results = await average(peers, updates, round_)
+            assert all(isinstance(r, RoundResult) and r.complete for r in results), results
+            averaged = [r.averaged for r in results if isinstance(r, RoundResult)]
+            assert all(torch.equal(averaged[0], a) for a in averaged[1:])
+            # With honest members CenteredClip is the mean, up to the codecs.
+            assert rel(averaged[0], torch.stack(updates).mean(0)) < 0.02
+        for peer in peers:
+            assert peer.ledger.bans == {}
+            assert all(count == 0 for count in peer.ledger.flag_counts.values())
+            table = peer.ledger.table()
+            assert len(table) == 4
+            assert all(row["rounds"] == ROUNDS for row in table.values())
+            assert all(float(row["cosine_ema"]) > 0.5 for row in table.values())  # type: ignore[arg-type]
+
+
+#: The round by which every honest member has banned the attacker.
+BANNED_BY = {
+    Attack.ZEROS: 0,
+    Attack.NAN: 0,
+    Attack.SCALE: 2,
+    Attack.SIGN_FLIP: 2,
+    Attack.NOISE: 2,
+    Attack.REPLAY: 3,  # round 0 is its honest update; it replays from round 1
+}
+
+
+@pytest.mark.parametrize("attack", list(BANNED_BY))
+async def test_an_attacker_is_banned_in_time_by_every_honest_member(attack: Attack) -> None:
+    attacker = Attacker(attack, seed=7)
+    async with swarm(5) as peers:
+        honest, bad = peers[:4], peers[4]
+        banned_at: int | None = None
+        for round_ in range(ROUNDS):
+            updates = honest_updates(round_, 5)
+            members = peers if banned_at is None else honest
+            if banned_at is None and attack is not Attack.NAN:  # NaN: its bytes are poisoned
+                updates[4] = attacker.update(updates[4], updates[:4])
+            vectors = updates[: len(members)]
+            hooks = {4: NaNPayloads()} if attack is Attack.NAN else None
+            results = await average(members, vectors, round_, hooks)
+            bans = [set(p.ledger.bans) for p in honest]
+            if banned_at is None and any(bans):
+                banned_at = round_
+                # Every honest owner saw the attacker on its own part: they agree at once.
+                assert all(b == {bad.peer_id} for b in bans), bans
+            if banned_at is not None:
+                assert all(b == {bad.peer_id} for b in bans)
+                honest_results = [r for r in results[:4] if isinstance(r, RoundResult)]
+                assert len(honest_results) == 4
+                if round_ > banned_at:
+                    # Without the attacker the honest members average as if it never existed.
+                    mean = torch.stack(updates[:4]).mean(0)
+                    assert rel(honest_results[0].averaged, mean) < 0.02
+        assert banned_at is not None, attack
+        assert banned_at <= BANNED_BY[attack], (attack, banned_at)
+        for peer in peers:  # the attacker's own (honest-code) owner bans nobody honest either
+            assert set(peer.ledger.bans) <= {bad.peer_id}
+        reasons = {p.ledger.bans[bad.peer_id].flags for p in honest}
+        assert len(reasons) == 1
+        if attack is Attack.ZEROS:
+            assert reasons == {(Flag.ZERO,)}
+        if attack is Attack.NAN:
+            assert reasons == {(Flag.NON_FINITE,)}
+        if attack is Attack.REPLAY:
+            assert all(Flag.REPLAY in flags for flags in reasons)
+
+
+async def test_a_banned_peer_is_refused_with_banned() -> None:
+    async with swarm(5) as peers:
+        attacker = Attacker(Attack.ZEROS)
+        updates = honest_updates(0, 5)
+        updates[4] = attacker.update(updates[4])
+        await average(peers, updates, 0)
+        assert all(p.ledger.banned(peers[4].peer_id) for p in peers[:4])
+        # A peer that still groups with it (it has not banned it) cannot get it averaged.
+        results = await average(peers, honest_updates(1, 5), 1)
+        mine = results[4]
+        assert isinstance(mine, RoundResult)
+        # Nothing of the honest owners' parts reached it: only its own part was averaged.
+        assert sum(end - start for start, end in mine.missing) == SIZE - SIZE // 5
+        assert set(mine.failures) == {p.peer_id for p in peers[:4]}
+        # Each refused it with BANNED (its client may read a refusal mid-send as INTERNAL).
+        assert all(p.servicer.rejections.snapshot().get(("Averaging", "BANNED")) for p in peers[:4])
