@@ -142,6 +142,45 @@ class _Rejections(Collector):
         yield family
 
 
+#: Per peer (the ledger's table), and (flags by kind, bans by reason).
+TrustSource = Callable[[], tuple[Mapping[str, Mapping[str, object]], "TrustCounts"]]
+TrustCounts = tuple[Mapping[str, int], Mapping[str, int]]
+
+
+class _Trust(Collector):
+    """Open runs: what this node's trust ledger thinks of each peer it aggregated."""
+
+    def __init__(self, trust: TrustSource) -> None:
+        self._trust = trust
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        table, (flags, bans) = self._trust()
+        family = CounterMetricFamily(
+            "swarmgrad_trust_flags",
+            "Members' updates flagged by this node as an owner, by kind (zero, non_finite, "
+            "scale, misaligned, clipped, replay, duplicate).",
+            labels=["kind"],
+        )
+        for kind, count in sorted(flags.items()):
+            family.add_metric([str(kind)], float(count))
+        yield family
+        banned = GaugeMetricFamily(
+            "swarmgrad_banned_peers", "Peers this node no longer averages with, by reason.",
+            labels=["reason"],
+        )  # fmt: skip
+        for reason, count in sorted(bans.items()):
+            banned.add_metric([reason], float(count))
+        yield banned
+        for name, key, help_text in (
+            ("swarmgrad_peer_clip_ema", "clip_ema", "EMA of a peer's CenteredClip coefficient"),
+            ("swarmgrad_peer_cosine_ema", "cosine_ema", "EMA of a peer's cosine to the others"),
+        ):
+            gauge = GaugeMetricFamily(name, help_text + " (1: like its peers).", labels=["peer"])
+            for peer, row in sorted(table.items()):
+                gauge.add_metric([peer], float(row[key]))  # type: ignore[arg-type]
+            yield gauge
+
+
 class NodeMetrics:
     """The metrics of one node; thread-safe (prometheus-client's instruments are)."""
 
@@ -226,6 +265,10 @@ class NodeMetrics:
     def read_rejections(self, rejections: RejectionSource) -> None:
         """Read the counts of refused requests from ``rejections`` at every scrape."""
         self.registry.register(_Rejections(rejections))
+
+    def read_trust(self, trust: TrustSource) -> None:
+        """Read the trust ledger's scores, flags and bans from ``trust`` at every scrape."""
+        self.registry.register(_Trust(trust))
 
     def read_links(self, links: LinkSource) -> None:
         """Read reachability and relay figures from ``links`` at every scrape."""

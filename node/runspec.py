@@ -24,6 +24,9 @@ Example (every section but ``[run]`` may be left out to take the defaults)::
     codec = "int8"
     group_size = 4
 
+    [trust]     # who may take part, and how owners combine members' values
+    mode = "open"
+
     [network]
     bootstrap = ["/ip4/203.0.113.5/tcp/31337/p2p/Qm..."]
 
@@ -227,6 +230,51 @@ class AveragingSection:
             )
 
 
+TRUST_MODES = ("trusted", "open")
+AGGREGATORS = ("mean", "centered_clip", "median")
+#: Codecs an open run refuses: low-rank factors and per-member top-k indices cannot be screened
+#: or robustly aggregated coordinate by coordinate.
+NOT_IN_OPEN_RUNS = frozenset({"powersgd", "topk"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrustSection:
+    """How far peers are trusted.
+
+    ``trusted`` (the default): every peer is honest; owners take the weighted mean. ``open``:
+    anyone may join and some may be malicious; owners weigh every member alike, aggregate
+    robustly (CenteredClip by default), return results in fp16, score members and stop
+    averaging with those whose updates are flagged (node/trust/ledger.py).
+    """
+
+    mode: str = "trusted"
+    #: "": the mode's own (mean when trusted, centered_clip when open).
+    aggregator: str = ""
+
+    def __post_init__(self) -> None:
+        if self.mode not in TRUST_MODES:
+            raise RunSpecError(
+                f"trust.mode must be one of {', '.join(TRUST_MODES)}, got {self.mode!r}"
+            )
+        if self.aggregator and self.aggregator not in AGGREGATORS:
+            raise RunSpecError(
+                f"trust.aggregator must be one of {', '.join(AGGREGATORS)}, got {self.aggregator!r}"
+            )
+        if self.mode == "open" and self.aggregator == "mean":
+            raise RunSpecError(
+                'trust.aggregator = "mean" in an open run: one malicious peer could move the '
+                'average anywhere; use "centered_clip" or "median"'
+            )
+
+    @property
+    def open(self) -> bool:
+        return self.mode == "open"
+
+    @property
+    def effective_aggregator(self) -> str:
+        return self.aggregator or ("centered_clip" if self.open else "mean")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NetworkSection:
     """Where to find the swarm. Operational: not part of the spec hash."""
@@ -290,8 +338,17 @@ class RunSpec:
     data: DataSection = field(default_factory=DataSection)
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     averaging: AveragingSection = field(default_factory=AveragingSection)
+    trust: TrustSection = field(default_factory=TrustSection)
     network: NetworkSection = field(default_factory=NetworkSection)
     node: NodeSection = field(default_factory=NodeSection)
+
+    def __post_init__(self) -> None:
+        if self.trust.open and self.averaging.codec in NOT_IN_OPEN_RUNS:
+            raise RunSpecError(
+                f"averaging.codec {self.averaging.codec!r} is refused when trust.mode = "
+                f'"open": its values cannot be checked or robustly aggregated per coordinate; '
+                f"use int8, int4, fp16, bf16 or none"
+            )
 
     def canonical(self) -> bytes:
         """Canonical JSON of everything but ``network`` and ``node``: what the hash covers."""
@@ -301,6 +358,8 @@ class RunSpec:
             if f.name not in OPERATIONAL
         }
         del sections["model"]["init"]  # where a peer keeps the file; init_sha256 pins what it is
+        if self.trust == TrustSection():  # runs from before [trust] keep their hash
+            del sections["trust"]
         return json.dumps(sections, sort_keys=True, separators=(",", ":")).encode()
 
     @property

@@ -51,6 +51,7 @@ from swarmgrad.node.swarm_config import (
 )
 from swarmgrad.node.tasks import LoopBridge, TaskSet
 from swarmgrad.node.transport.transport import Transport
+from swarmgrad.node.trust.ledger import TrustLedger
 from swarmgrad.protocol import state
 from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.server import Rejections, ServerLimits
@@ -126,6 +127,9 @@ class Swarm:
         self.metrics.read_tallies(traffic=self._traffic_totals, failures=self._failure_totals)
         self.metrics.read_links(self._links)
         self.metrics.read_rejections(self.rejections.snapshot)
+        if spec.trust.open:
+            ledger = self._averager.ledger
+            self.metrics.read_trust(lambda: (ledger.table(), ledger.counts()))
         sample = torch.randn(  # its own generator: the process's random stream is the user's
             min(spec.averaging.chunk_values, 1 << 16), generator=torch.Generator().manual_seed(0)
         )
@@ -165,6 +169,7 @@ class Swarm:
                 matchmaking_timeout_seconds=spec.averaging.matchmaking_timeout_seconds,
                 settle_seconds=MATCHMAKING_SETTLE_SECONDS,
                 peers=self.directory.refresh,
+                excluded=self._averager.ledger.banned,
             )
             budget = round_budget_seconds(
                 spec, config, dht_call_seconds=self._discovery.call_timeout_seconds
@@ -218,6 +223,11 @@ class Swarm:
         if self.reachability is not None:
             return self.reachability.endpoint
         return self.transport.endpoint
+
+    @property
+    def ledger(self) -> TrustLedger:
+        """What this node thinks of the peers it aggregated, and whom it banned (open runs)."""
+        return self._averager.ledger
 
     @property
     def peers(self) -> list[PeerRecord]:

@@ -104,6 +104,10 @@ def allreduce_config(spec: RunSpec) -> AllReduceConfig:
         round_timeout_seconds=averaging.round_timeout_seconds,
         sender_timeout_seconds=averaging.sender_timeout_seconds,
         reducer_timeout_seconds=averaging.reducer_timeout_seconds,
+        aggregator=spec.trust.effective_aggregator,
+        uniform_weights=spec.trust.open,
+        result_codec="fp16" if spec.trust.open else "",
+        observe=spec.trust.open,
     )
 
 

@@ -13,6 +13,11 @@ def node_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "swarmgrad.node.cli", *args]
 
 
+def adversary_command(attack: str, *args: str) -> list[str]:
+    """``swarmgrad <args>`` as a malicious peer making ``attack`` (``adversary.py``)."""
+    return [sys.executable, "-m", "swarmgrad.simulations.adversary", "--attack", attack, *args]
+
+
 def stop_gracefully(process: subprocess.Popen[bytes], timeout_seconds: float = 15.0) -> None:
     """SIGTERM (a node leaves gracefully), then SIGKILL its whole session if it is not gone
     within ``timeout_seconds``."""

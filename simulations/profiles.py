@@ -1,11 +1,14 @@
 """Per-peer profiles for a simulated swarm: compute slowdown, upload cap and bandwidth share,
-read from a TOML file of ``[[peer]]`` tables (cycled over the nodes)."""
+and, for open runs, an attack the peer makes (``simulations/attacks.py``), read from a TOML file
+of ``[[peer]]`` tables (cycled over the nodes)."""
 
 from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+from swarmgrad.simulations.attacks import Attack
 
 
 class SimulationError(RuntimeError):
@@ -17,6 +20,7 @@ class PeerProfile:
     slowdown: float = 1.0
     upload_bytes_per_second: float | None = None
     bandwidth: float = 1.0
+    attack: Attack | None = None  # a malicious peer: what it sends instead of its update
 
 
 def load_profile(path: Path | None, nodes: int) -> list[PeerProfile]:
@@ -29,14 +33,23 @@ def load_profile(path: Path | None, nodes: int) -> list[PeerProfile]:
     peers = raw.get("peer")
     if set(raw) != {"peer"} or not isinstance(peers, list) or not peers:
         raise SimulationError(f"{path}: expected one or more [[peer]] tables and nothing else")
-    known = {"slowdown", "upload_bytes_per_second", "bandwidth"}
+    known = {"slowdown", "upload_bytes_per_second", "bandwidth", "attack"}
     profiles = []
     for i, table in enumerate(peers):
         unknown = set(table) - known
         if unknown:
             raise SimulationError(f"{path}: peer {i}: unknown key(s) {', '.join(sorted(unknown))}")
+        table = dict(table)
+        attack = table.pop("attack", None)
         try:
-            profiles.append(PeerProfile(**{k: float(v) for k, v in table.items()}))
+            numbers = {k: float(v) for k, v in table.items()}
         except (TypeError, ValueError):
             raise SimulationError(f"{path}: peer {i}: values must be numbers") from None
+        try:
+            chosen = None if attack is None else Attack(attack)
+        except ValueError:
+            raise SimulationError(
+                f"{path}: peer {i}: attack {attack!r} is unknown; known: {', '.join(Attack)}"
+            ) from None
+        profiles.append(PeerProfile(**numbers, attack=chosen))
     return [profiles[i % len(profiles)] for i in range(nodes)]

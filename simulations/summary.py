@@ -1,21 +1,31 @@
 """What a simulated swarm did: the summary of its nodes' final status files, and its printout.
 
 The summary (``summary.json`` beside the nodes' logs) holds the loss curve averaged over nodes,
-bytes, round times, each peer's outcomes, and whether every replica ended identical.
+bytes, round times, each peer's outcomes, and whether every replica ended identical. With
+malicious peers (profiles with an ``attack``), the loss, the replicas and ``ok`` are the honest
+peers', and ``trust`` says who banned whom, when and why.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 from swarmgrad.node.runspec import RunSpec
 
 
 def summarize(
-    statuses: list[dict[str, Any]], *, spec: RunSpec, wall_seconds: float, rounds: int
+    statuses: list[dict[str, Any]],
+    *,
+    spec: RunSpec,
+    wall_seconds: float,
+    rounds: int,
+    attacks: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """One summary from the nodes' final status files."""
+    """One summary from the nodes' final status files (``attacks``: each node's, "" if honest)."""
+    attacks = list(attacks) or [""] * len(statuses)
+    everyone, statuses = statuses, [s for s, a in zip(statuses, attacks, strict=True) if not a]
     by_epoch: dict[int, list[dict[str, Any]]] = {}
     for status in statuses:
         for entry in status["history"]:
@@ -45,7 +55,7 @@ def summarize(
     checksums = {p["checksum"] for p in peers}
     initial = statistics.fmean(s["initial_val_loss"] for s in statuses)
     final = statistics.fmean(s["val_loss"] for s in statuses)
-    return {
+    summary = {
         "ok": len(checksums) == 1 and all(p["epoch"] >= rounds for p in peers),
         "run": spec.run.id,
         "spec_hash": spec.short_hash,
@@ -77,6 +87,29 @@ def summarize(
             for epoch, entries in sorted(by_epoch.items())
         ],
         "peers": peers,
+    }
+    if spec.trust.open or any(attacks):
+        summary["trust"] = _trust(everyone, attacks)
+    return summary
+
+
+def _trust(statuses: list[dict[str, Any]], attacks: list[str]) -> dict[str, Any]:
+    """Who attacked, and every ban a node made: by whom, of whom, in which round, why."""
+    bans = []
+    for status in statuses:
+        for peer_id, row in status.get("trust", {}).items():
+            if row.get("banned"):
+                bans.append(
+                    {
+                        "by": status["peer_id"],
+                        "peer": peer_id,
+                        "round": row["banned"]["round"],
+                        "reason": row["banned"]["reason"],
+                    }
+                )
+    return {
+        "attackers": {s["peer_id"]: a for s, a in zip(statuses, attacks, strict=True) if a},
+        "bans": bans,
     }
 
 

@@ -34,7 +34,7 @@ from swarmgrad.node.discovery.base import BACKENDS
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.simulations.churn import MARKERS, ChurnEvent, ScheduleError, load_schedule
-from swarmgrad.simulations.processes import node_command, stop_gracefully
+from swarmgrad.simulations.processes import adversary_command, node_command, stop_gracefully
 from swarmgrad.simulations.profiles import PeerProfile, SimulationError, load_profile
 from swarmgrad.simulations.summary import summarize
 
@@ -129,6 +129,12 @@ class _Node:
     log_offset: int = 0  # where the current process's log begins
     rejoin_seconds: list[float] = field(default_factory=list)
     waiting_rejoin: bool = False
+    attack: str = ""  # a malicious peer's attack (profiles.py)
+
+    def command(self) -> list[str]:
+        if self.attack:
+            return adversary_command(self.attack, *self.args)
+        return node_command(*self.args)
 
     def log_size(self) -> int:
         return self.log.stat().st_size if self.log.exists() else 0
@@ -199,11 +205,14 @@ def simulate(config: SimulationConfig) -> dict[str, Any]:
         run.until_finished()
         finals = [n for n in run.swarm if n.finished]
         statuses = [json.loads(n.status.read_text()) for n in finals]
+        attacks = [n.attack for n in finals]
     finally:
         for process in reversed(run.processes):
             process.stop()
     wall_seconds = time.time() - run.started
-    summary = summarize(statuses, spec=spec, wall_seconds=wall_seconds, rounds=config.rounds)
+    summary = summarize(
+        statuses, spec=spec, wall_seconds=wall_seconds, rounds=config.rounds, attacks=attacks
+    )
     summary["profiles"] = [asdict(p) for p in profiles]
     if events:
         summary["churn"] = {
@@ -250,7 +259,8 @@ def _node_slot(
     ]  # fmt: skip
     if profile.upload_bytes_per_second is not None:
         args += ["--upload-limit", str(profile.upload_bytes_per_second)]
-    return _Node(index=i, args=args, status=status, log=log_path)
+    attack = "" if profile.attack is None else str(profile.attack)
+    return _Node(index=i, args=args, status=status, log=log_path, attack=attack)
 
 
 class _SwarmRun:
@@ -281,7 +291,7 @@ class _SwarmRun:
 
     def start(self, node: _Node) -> None:
         node.log_offset = node.log_size()
-        node.process = _Process(f"node-{node.index}", node_command(*node.args), node.log, self.env)
+        node.process = _Process(f"node-{node.index}", node.command(), node.log, self.env)
         self.processes.append(node.process)
         node.running, node.started_at = True, time.monotonic()
         node.waiting_rejoin = bool(self.fired)  # a node (re)joining a run under way
@@ -297,14 +307,16 @@ class _SwarmRun:
             if (
                 not self.pending
                 and self.armed is None
-                and all(current[n.index].get("finished") for n in running)
+                # Attackers need not finish: banned, they may never reach the last epoch.
+                and all(current[n.index].get("finished") for n in running if not n.attack)
             ):
                 for node in running:  # every one is done: now they may leave
                     assert node.process is not None
                     node.process.stop()
                     node.running, node.finished = False, True
                 return
-            shown = _show_progress(self.swarm, shown, self.config.rounds)
+            honest = [n for n in self.swarm if not n.attack]
+            shown = _show_progress(honest, shown, self.config.rounds)
             time.sleep(0.05)
 
     def _check(self) -> None:

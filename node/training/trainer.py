@@ -63,6 +63,8 @@ class Progress:
     checkpoint: str = ""  # the last one written
     resumed_from: str = ""  # the checkpoint this run started from
     outcomes: dict[str, int] = field(default_factory=dict)
+    #: Open runs: per peer this node aggregated, its scores, flags and ban (the trust ledger).
+    trust: dict[str, dict[str, object]] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)  # one entry per round
     started_at: float = field(default_factory=time.time)
     finished: bool = False
@@ -280,6 +282,8 @@ class Trainer:
         snapshot = swarm.snapshot
         progress.checksum = snapshot.checksum if snapshot is not None else ""
         progress.outcomes[report.outcome] = progress.outcomes.get(report.outcome, 0) + 1
+        if swarm.spec.trust.open:
+            progress.trust = swarm.ledger.table()
         metrics = self.metrics
         metrics.rounds.labels(report.outcome.label).inc()
         metrics.round_duration.observe(report.seconds)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import threading
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -132,6 +133,7 @@ class TrustLedger:
         #: Flags raised, by kind (every round, banned or not).
         self.flag_counts: dict[Flag, int] = dict.fromkeys(Flag, 0)
         self._sketches: dict[tuple[int, int], deque[tuple[int, str, torch.Tensor]]] = {}
+        self._lock = threading.Lock()  # a metrics scrape reads from another thread
 
     def banned(self, peer_id: str) -> bool:
         return peer_id in self.bans
@@ -140,10 +142,11 @@ class TrustLedger:
         """Take one round's observations (this node as owner), and return the new bans."""
         self._mark_replays(round_, observations)
         new: list[Ban] = []
-        for peer_id, seen in observations.items():
-            ban = self._judge(round_, peer_id, seen)
-            if ban is not None:
-                new.append(ban)
+        with self._lock:
+            for peer_id, seen in observations.items():
+                ban = self._judge(round_, peer_id, seen)
+                if ban is not None:
+                    new.append(ban)
         return new
 
     def _judge(self, round_: int, peer_id: str, seen: Observation) -> Ban | None:
@@ -197,21 +200,30 @@ class TrustLedger:
 
     def table(self, peers: Iterable[str] | None = None) -> dict[str, dict[str, object]]:
         """Per peer: rounds seen, clip and cosine EMAs, flags, ban (status files, display)."""
-        names = self.scores if peers is None else peers
-        out: dict[str, dict[str, object]] = {}
-        for peer_id in names:
-            score = self.scores.get(peer_id)
-            if score is None:
-                continue
-            ban = self.bans.get(peer_id)
-            out[peer_id] = {
-                "rounds": score.rounds,
-                "clip_ema": round(score.clip_ema, 4),
-                "cosine_ema": round(score.cosine_ema, 4),
-                "flags": {str(k): v for k, v in sorted(score.flags.items())},
-                "banned": None if ban is None else {"round": ban.round, "reason": ban.reason},
-            }
-        return out
+        with self._lock:
+            names = list(self.scores if peers is None else peers)
+            out: dict[str, dict[str, object]] = {}
+            for peer_id in names:
+                score = self.scores.get(peer_id)
+                if score is None:
+                    continue
+                ban = self.bans.get(peer_id)
+                out[peer_id] = {
+                    "rounds": score.rounds,
+                    "clip_ema": round(score.clip_ema, 4),
+                    "cosine_ema": round(score.cosine_ema, 4),
+                    "flags": {str(k): v for k, v in sorted(score.flags.items())},
+                    "banned": None if ban is None else {"round": ban.round, "reason": ban.reason},
+                }
+            return out
+
+    def counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(flags raised by kind, bans by reason), safe from another thread."""
+        with self._lock:
+            reasons: dict[str, int] = {}
+            for ban in self.bans.values():
+                reasons[ban.reason] = reasons.get(ban.reason, 0) + 1
+            return {str(k): v for k, v in self.flag_counts.items()}, reasons
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,0 +1,40 @@
+"""An open run with a malicious peer, as real node processes on 127.0.0.1: every honest node bans
+it within three rounds, nobody bans an honest node, and the honest swarm learns and stays
+identical."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
+
+ROUNDS = 6
+
+
+def test_a_sign_flipping_peer_is_banned_and_the_honest_swarm_learns(tmp_path: Path) -> None:
+    spec = tmp_path / "open.toml"
+    spec.write_text(DEMO_SPEC + '\n[trust]\nmode = "open"\n')
+    profile = tmp_path / "peers.toml"
+    profile.write_text("[[peer]]\n" * 4 + '[[peer]]\nattack = "sign_flip"\n')
+    summary = simulate(
+        SimulationConfig(
+            nodes=5,
+            rounds=ROUNDS,
+            spec_path=spec,
+            profile_path=profile,
+            out_dir=tmp_path / "sim",
+            seed=3,
+        )
+    )
+    assert summary["ok"], summary["peers"]
+    honest = {p["peer_id"] for p in summary["peers"]}
+    trust = summary["trust"]
+    assert len(honest) == 4
+    (attacker,) = trust["attackers"]
+    assert trust["attackers"][attacker] == "sign_flip"
+    bans = trust["bans"]
+    assert all(ban["peer"] == attacker for ban in bans), bans  # no honest node banned
+    banned_by = {ban["by"]: ban for ban in bans}
+    assert set(banned_by) >= honest, bans  # every honest node banned it ...
+    assert all(banned_by[peer]["round"] <= 2 for peer in honest), bans  # ... in 3 rounds
+    assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0, summary["loss_curve"]
