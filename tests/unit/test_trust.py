@@ -1,0 +1,163 @@
+"""Robust aggregation and the trust ledger, without sockets: CenteredClip's fixed point, what
+screening leaves out, how flags become bans, and the [trust] section of the run spec."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarmgrad.node.runspec import RunSpec, RunSpecError
+from swarmgrad.node.trust.aggregate import (
+    Aggregator,
+    Screen,
+    aggregate,
+    centered_clip,
+    coordinate_median,
+)
+from swarmgrad.node.trust.ledger import Flag, Observation, TrustLedger, TrustPolicy, sketch
+
+
+def honest(n: int, d: int = 4096, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(d, generator=g) + torch.randn(n, d, generator=g)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8, 9])
+def test_coordinate_median_matches_sorting(n: int) -> None:
+    x = honest(n, d=1000, seed=n)
+    ordered = torch.msort(x)
+    expected = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    assert torch.allclose(coordinate_median(x), expected)
+
+
+@pytest.mark.parametrize("n", [4, 5, 8])
+def test_centered_clip_reaches_its_self_consistent_fixed_point(n: int) -> None:
+    x = honest(n)
+    x[-1] *= -30  # one far outlier, so some clipping happens
+    weights = torch.full((n,), 1.0 / n, dtype=torch.float64)
+    value, clip, tau, iterations = centered_clip(x, weights)
+    distance = (x.double() - value.double()).norm(dim=1)
+    assert tau == pytest.approx(float(distance.median()) if n % 2 else
+                                float(distance.sort().values[n // 2 - 1 : n // 2 + 1].mean()),
+                                rel=1e-4)  # fmt: skip
+    c = torch.clamp(tau / distance, max=1.0)
+    assert clip == pytest.approx(c.tolist(), rel=1e-4)
+    # sum_i c_i (x_i - v) = 0: the estimate no longer moves.
+    residual = (c[:, None] * (x.double() - value.double())).sum(0).norm()
+    assert float(residual) < 1e-4 * float(value.norm()) * n
+    assert 0 < iterations < 1000
+    assert clip[-1] < 0.1  # the outlier is pulled in hard
+
+
+def test_centered_clip_is_the_mean_for_alike_members_and_bounded_under_attack() -> None:
+    x = honest(6)
+    mean = x.mean(0)
+    calm = aggregate(x, Aggregator.CENTERED_CLIP)
+    assert float((calm.value - mean).norm() / mean.norm()) < 0.05
+    attacked = torch.cat([x, -100 * x[:1]])
+    plain = aggregate(attacked, Aggregator.MEAN).value
+    robust = aggregate(attacked, Aggregator.CENTERED_CLIP).value
+    assert float((plain - mean).norm() / mean.norm()) > 5  # the mean goes anywhere
+    assert float((robust - mean).norm() / mean.norm()) < 0.6  # CC moves by about tau / n
+
+
+def test_screening_leaves_out_zeros_and_absurd_scales() -> None:
+    x = honest(5)
+    x[1] = 0
+    x[3] *= 1e4
+    out = aggregate(x, Aggregator.CENTERED_CLIP)
+    assert out.screened == {1: Screen.ZERO, 3: Screen.SCALE}
+    assert out.used == (0, 2, 4)
+    assert out.clip[1] == out.clip[3] == 0.0
+    # Two members: neither is the odd one out on scale.
+    assert aggregate(torch.stack([x[0], x[0] * 1e4]), Aggregator.MEAN).screened == {}
+
+
+def test_cosine_leaves_the_members_own_pull_out() -> None:
+    # A member of pure noise: its cosine to the others is ~0 even though the mean contains it.
+    x = honest(4)
+    noise = torch.randn(x.shape[1], generator=torch.Generator().manual_seed(9)) * 3
+    out = aggregate(torch.cat([x, noise[None]]), Aggregator.MEAN)
+    assert abs(out.cosine[4]) < 0.06
+    assert min(out.cosine[:4]) > 0.3  # the others still agree (the noise dilutes them)
+
+
+def test_weights_and_bad_input() -> None:
+    x = torch.stack([torch.ones(10), 3 * torch.ones(10)])
+    assert torch.allclose(
+        aggregate(x, Aggregator.MEAN, weights=[3, 1]).value, torch.full((10,), 1.5)
+    )
+    with pytest.raises(ValueError, match="weight"):
+        aggregate(x, Aggregator.MEAN, weights=[1, 0])
+    with pytest.raises(ValueError, match="n x d"):
+        aggregate(torch.ones(10), Aggregator.MEAN)
+
+
+def seen(cosine: float = 0.8, clip: float = 1.0, *flags: Flag) -> Observation:
+    observation = Observation(flags=set(flags))
+    observation.add_chunk(100, clip, cosine)
+    return observation
+
+
+def test_decisive_flags_ban_at_once_and_others_after_three_rounds_in_a_row() -> None:
+    ledger = TrustLedger()
+    assert ledger.observe(0, {"z": seen(0.8, 1.0, Flag.ZERO), "ok": seen()})[0].peer_id == "z"
+    for round_ in range(1, 3):
+        assert ledger.observe(round_, {"flip": seen(-0.5), "ok": seen()}) == []
+    (ban,) = ledger.observe(3, {"flip": seen(-0.5), "ok": seen()})
+    assert (ban.peer_id, ban.round, ban.flags) == ("flip", 3, (Flag.MISALIGNED,))
+    assert ledger.banned("flip")
+    assert ledger.banned("z")
+    assert not ledger.banned("ok")
+    table = ledger.table()
+    assert table["ok"]["banned"] is None
+    assert table["ok"]["flags"] == {}
+    assert table["flip"]["banned"] == {"round": 3, "reason": "misaligned"}
+
+
+def test_an_attacker_who_alternates_is_banned_by_the_window() -> None:
+    ledger = TrustLedger(TrustPolicy(consecutive=3, window=10, window_flags=5))
+    bans = []
+    for round_ in range(10):
+        bans += ledger.observe(round_, {"sly": seen(0.9, 0.05 if round_ % 2 else 1.0)})
+    assert [(b.peer_id, b.round) for b in bans] == [("sly", 9)]
+
+
+def test_replays_of_any_earlier_update_at_the_same_place_are_flagged() -> None:
+    ledger = TrustLedger()
+    old = torch.randn(5000)
+
+    def with_sketch(values: torch.Tensor) -> Observation:
+        observation = seen()
+        observation.sketches[(0, 5000)] = sketch(values)
+        return observation
+
+    ledger.observe(0, {"a": with_sketch(old), "b": with_sketch(torch.randn(5000))})
+    ledger.observe(1, {"b": with_sketch(old)})  # b sends a's update of round 0
+    assert ledger.scores["b"].flags == {Flag.REPLAY: 1}
+    # The same values at another place are not a replay (nothing to compare with there).
+    observation = seen()
+    observation.sketches[(5000, 5000)] = sketch(old)
+    ledger.observe(2, {"c": observation})
+    assert "c" not in {p for p, s in ledger.scores.items() if s.flags}
+
+
+SPEC = '[run]\nid = "t"\n'
+
+
+def test_trust_section_defaults_keep_the_hash_and_open_runs_refuse_what_they_cannot_check() -> None:
+    plain = RunSpec.from_toml(SPEC)
+    assert RunSpec.from_toml(SPEC + '[trust]\nmode = "trusted"\n').hash == plain.hash
+    opened = RunSpec.from_toml(SPEC + '[trust]\nmode = "open"\n')
+    assert opened.hash != plain.hash
+    assert opened.trust.effective_aggregator == "centered_clip"
+    assert plain.trust.effective_aggregator == "mean"
+    for bad, match in (
+        ('[trust]\nmode = "open"\naggregator = "mean"\n', "malicious"),
+        ('[trust]\nmode = "open"\n[averaging]\ncodec = "powersgd"\n', "powersgd"),
+        ('[trust]\nmode = "open"\n[averaging]\ncodec = "topk"\n', "topk"),
+        ('[trust]\nmode = "anarchy"\n', "trust.mode"),
+        ('[trust]\naggregator = "max"\n', "trust.aggregator"),
+    ):
+        with pytest.raises(RunSpecError, match=match):
+            RunSpec.from_toml(SPEC + bad)
