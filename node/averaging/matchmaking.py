@@ -99,17 +99,24 @@ class Matchmaker:
         await self._discovery.announce_ready(ready)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_seconds
+        me = self._identity.peer_id
         candidates = await self._candidates(round_)
-        expected = await self._expected(round_)
+        expected, ahead = await self._census(round_)
         checked = loop.time()
         while len(candidates) < self.group_size and loop.time() < deadline:
             seen = {r.peer_id for r in candidates}
             if len(seen) >= 2 and expected <= seen:
                 break
+            if ahead and expected == {me} and seen <= {me}:
+                # Everyone else has moved past this round (this node lost one): nobody will
+                # come, and the sooner it says so the sooner it catches up by state sync
+                # (while they wait for it, one round behind, as "expected").
+                log.info("round %d: the other peers are past this round", round_)
+                break
             await asyncio.sleep(POLL_SECONDS)
             candidates = await self._candidates(round_)
             if loop.time() - checked > EXPECTED_REFRESH_SECONDS:
-                expected, checked = await self._expected(round_), loop.time()
+                (expected, ahead), checked = await self._census(round_), loop.time()
         await asyncio.sleep(self.settle_seconds)
         candidates = await self._candidates(round_)
         by_id = {r.peer_id: r for r in candidates}
@@ -133,17 +140,17 @@ class Matchmaker:
         log.info("round %d: no group (%d candidates)", round_, len(candidates))
         return None
 
-    async def _expected(self, round_: int) -> set[str]:
-        """Peers who should be ready for ``round_``: those whose records say they are at it, or
-        one behind (a peer that just finished the last round may not have announced it yet; a
-        peer that died in it is waited for once, then its record falls two behind)."""
-        peers = await self._peers()
-        expected = {
-            p.peer_id
-            for p in peers
-            if p.epoch in (round_ - 1, round_) and not self._excluded(p.peer_id)
-        }
-        return expected | {self._identity.peer_id}
+    async def _census(self, round_: int) -> tuple[set[str], bool]:
+        """Peers who should be ready for ``round_``, and whether any other peer is past it.
+
+        Expected are those whose records say they are at it, or one behind (a peer that just
+        finished the last round may not have announced it yet; a peer that died in it is waited
+        for once, then its record falls two behind)."""
+        peers = [p for p in await self._peers() if not self._excluded(p.peer_id)]
+        me = self._identity.peer_id
+        expected = {p.peer_id for p in peers if p.epoch in (round_ - 1, round_)}
+        ahead = any(p.epoch > round_ for p in peers if p.peer_id != me)
+        return expected | {me}, ahead
 
     async def _candidates(self, round_: int) -> list[ReadyRecord]:
         return [

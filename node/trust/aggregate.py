@@ -204,9 +204,9 @@ def _cosines(values: torch.Tensor, value: torch.Tensor, pull: list[float]) -> tu
     is ``(value - p_i x_i) / (1 - p_i)``; its dot products and norm follow from ``x_i . value``,
     ``|x_i|`` and ``|value|`` alone.
     """
-    vv = float(value.double().square().sum())
+    vv = float(torch.linalg.vector_norm(value)) ** 2
     dots = (values @ value).tolist()
-    squares = values.double().square().sum(dim=1).tolist()
+    squares = [float(r) ** 2 for r in torch.linalg.vector_norm(values, dim=1)]
     out = []
     for dot, xx, p in zip(dots, squares, pull, strict=True):
         if p >= 1.0:

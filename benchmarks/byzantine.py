@@ -1,0 +1,324 @@
+"""Open runs under attack: the final loss with the open-mode defences vs the plain mean, per attack.
+
+An algorithm study in one process, like ``diloco_gap.py``: N replicas of the demo model train
+DiLoCo rounds on their own data streams; f of them are attackers (``simulations/attacks.py``).
+Each round is averaged the way the swarm does it, with the node's own code: the vector is cut
+into one part per member (``Group.partition``), members' values cross the run's codec (int8),
+and each part's owner either takes the mean (a trusted run) or screens, aggregates with
+CenteredClip and scores the members in its own :class:`TrustLedger` (an open run, results in
+fp16); a peer banned by the honest owners is left out of later groups. Owners are honest here
+(lying owners need the owner checks, not built yet). Per seed and attack it reports the final
+validation loss of
+
+* ``honest``: the N - f honest peers alone, plain mean (the reference);
+* ``open``: all N with the open-mode defences, and the round each attacker was banned in;
+* ``mean``: all N with the plain mean;
+
+and the ratios to the honest reference (target: open <= 1.05x; ALIE <= 1.03x of honest N).
+``--round-cost`` also times real all-reduce rounds over gRPC on 127.0.0.1 for the demo model at
+N members, trusted vs open (target: open <= 1.25x).
+
+    .venv/bin/python benchmarks/byzantine.py --seeds 1 --rounds 30        # ~15 min on 2 cores
+    .venv/bin/python benchmarks/byzantine.py --round-cost-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from swarmgrad.compression import decode, get_codec
+from swarmgrad.node import config as node_config
+from swarmgrad.node.averaging.allreduce import AllReduceConfig
+from swarmgrad.node.averaging.averager import standalone
+from swarmgrad.node.averaging.group import Group, Member
+from swarmgrad.node.identity import Identity
+from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.training.data import load_corpus
+from swarmgrad.node.training.diloco import OuterOptimizer
+from swarmgrad.node.training.model import GPT, build_model, flatten, unflatten
+from swarmgrad.node.training.trainer import set_lr
+from swarmgrad.node.trust.aggregate import Aggregator, Screen, aggregate
+from swarmgrad.node.trust.ledger import Flag, Observation, TrustLedger, sketch
+from swarmgrad.simulations.attacks import Attack, Attacker
+from swarmgrad.simulations.swarm import DEMO_SPEC
+
+_SCREENED = {Screen.ZERO: Flag.ZERO, Screen.SCALE: Flag.SCALE}
+
+
+@dataclass(slots=True)
+class Outcome:
+    loss: float
+    diverged: bool = False
+    bans: dict[int, int] = field(default_factory=dict)  # peer -> round banned (by honest owners)
+
+
+class Lab:
+    def __init__(self, spec: RunSpec, *, seed: int, windows: int) -> None:
+        self.spec, self.seed = spec, seed
+        self.corpus = load_corpus(
+            spec.data, vocab_size=spec.model.vocab_size, cache_dir=node_config.home() / "cache"
+        )
+        self.windows = self.corpus.validation(seq_len=spec.model.seq_len, num_windows=windows)
+        self.initial = build_model(spec.model, seed=spec.data.seed + seed)
+
+    def loss(self, model: GPT) -> float:
+        with torch.no_grad():
+            return float(model.loss(self.windows[:, :-1], self.windows[:, 1:]))
+
+    def run(self, n: int, rounds: int, *, attackers: dict[int, Attack], mode: str) -> Outcome:
+        """``n`` replicas (``attackers`` among them) for ``rounds`` rounds; mode "mean" or
+        "open"."""
+        algorithm = self.spec.algorithm
+        models = [copy.deepcopy(self.initial) for _ in range(n)]
+        optimizers = [
+            torch.optim.AdamW(m.parameters(), lr=algorithm.inner_lr, weight_decay=0.0)
+            for m in models
+        ]
+        streams = [
+            self.corpus.batches(
+                seq_len=self.spec.model.seq_len,
+                batch_size=self.spec.data.batch_size,
+                seed=self.spec.data.seed,
+                peer_id=f"byzantine-{self.seed}-{i}",
+            )
+            for i in range(n)
+        ]
+        outer = OuterOptimizer(
+            flatten(list(self.initial.parameters())),
+            lr=algorithm.outer_lr,
+            momentum=algorithm.outer_momentum,
+        )
+        evil = {i: Attacker(a, seed=self.seed * 100 + i) for i, a in attackers.items()}
+        ledgers = {i: TrustLedger() for i in range(n) if i not in attackers}
+        outcome = Outcome(loss=float("nan"))
+        codec = get_codec(self.spec.averaging.codec)
+        for round_ in range(rounds):
+            live = [i for i in range(n) if i not in outcome.bans]
+            deltas: dict[int, torch.Tensor] = {}
+            for i in live:
+                model, optimizer = models[i], optimizers[i]
+                for step in range(algorithm.inner_steps):
+                    inputs, targets = next(streams[i])
+                    model.loss(inputs, targets).backward()  # type: ignore[no-untyped-call]
+                    set_lr(optimizer, algorithm.lr_at(round_ * algorithm.inner_steps + step))
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                deltas[i] = outer.pseudo_gradient(flatten(list(model.parameters())))
+            honest = [deltas[i] for i in live if i not in evil]
+            for i, attacker in evil.items():
+                if i in deltas:
+                    deltas[i] = attacker.update(deltas[i], honest)
+            averaged = self._average(
+                round_, live, deltas, codec, ledgers if mode == "open" else None
+            )
+            for peer_ledger in ledgers.values():
+                for peer_id, ban in peer_ledger.bans.items():
+                    outcome.bans.setdefault(int(peer_id), ban.round)
+            if not torch.isfinite(averaged).all():
+                return Outcome(loss=float("inf"), diverged=True, bans=outcome.bans)
+            theta = outer.step(averaged, own=averaged)
+            for model in models:
+                unflatten(theta, list(model.parameters()))
+        outcome.loss = self.loss(models[next(i for i in range(n) if i not in evil)])
+        outcome.diverged = not outcome.loss < 20
+        return outcome
+
+    def _average(
+        self,
+        round_: int,
+        live: list[int],
+        deltas: dict[int, torch.Tensor],
+        codec: object,
+        ledgers: dict[int, TrustLedger] | None,
+    ) -> torch.Tensor:
+        """One round as the owners compute it; ``ledgers``: open mode, else the plain mean."""
+        group = Group(
+            round=round_, members=tuple(Member(peer_id=str(i), endpoint="-") for i in live)
+        )
+        size = next(iter(deltas.values())).numel()
+        out = torch.empty(size)
+        result_codec = get_codec("fp16" if ledgers is not None else self.spec.averaging.codec)
+        for part, (start, end) in enumerate(group.partition(size)):
+            owner = live[part]
+            rows, members, observations = [], [], {}
+            for i in live:
+                values = deltas[i][start:end]
+                if i != owner:  # what crosses the wire (NaN never survives a decode)
+                    if not torch.isfinite(values).all():
+                        observations[str(i)] = Observation(flags={Flag.NON_FINITE})
+                        continue
+                    values = decode(*codec.encode(values))  # type: ignore[attr-defined]
+                rows.append(values)
+                members.append(i)
+            stack = torch.stack(rows)
+            if ledgers is None:
+                value = stack.mean(0)
+            else:
+                result = aggregate(stack, Aggregator.CENTERED_CLIP)
+                value = result.value
+                for k, i in enumerate(members):
+                    seen = observations.setdefault(str(i), Observation())
+                    if k in result.screened:
+                        seen.flags.add(_SCREENED[result.screened[k]])
+                        continue
+                    seen.add_chunk(end - start, result.clip[k], result.cosine[k])
+                    seen.sketches[(start, end - start)] = sketch(stack[k])
+                if owner in ledgers:
+                    observations.pop(str(owner), None)
+                    ledgers[owner].observe(round_, observations)
+            out[start:end] = decode(*result_codec.encode(value))
+        return out
+
+
+def study(args: argparse.Namespace) -> list[dict[str, object]]:
+    torch.set_num_threads(args.threads)
+    spec = RunSpec.from_toml(DEMO_SPEC)
+    n, f = args.nodes, args.attackers
+    rows: list[dict[str, object]] = []
+    for seed in args.seeds:
+        lab = Lab(spec, seed=seed, windows=args.eval_windows)
+        began = time.monotonic()
+        honest = lab.run(n - f, args.rounds, attackers={}, mode="mean").loss
+        honest_all = lab.run(n, args.rounds, attackers={}, mode="mean").loss
+        calm = lab.run(n, args.rounds, attackers={}, mode="open")
+        print(
+            f"seed {seed}: honest {n - f} {honest:.3f}, honest {n} {honest_all:.3f}, "
+            f"open with no attacker {calm.loss:.3f} (false bans: {len(calm.bans)}) "
+            f"[{time.monotonic() - began:.0f} s]",
+            flush=True,
+        )
+        rows.append(
+            {"seed": seed, "attack": "none", "honest": honest, "honest_all": honest_all,
+             "open": calm.loss, "mean": honest_all, "bans": calm.bans, "false_bans": len(calm.bans)}
+        )  # fmt: skip
+        for attack in args.attacks:
+            bad = {i: Attack(attack) for i in range(n - f, n)}
+            opened = lab.run(n, args.rounds, attackers=bad, mode="open")
+            plain = lab.run(n, args.rounds, attackers=bad, mode="mean")
+            false_bans = sum(1 for peer in opened.bans if peer < n - f)
+            rows.append(
+                {"seed": seed, "attack": attack, "honest": honest, "honest_all": honest_all,
+                 "open": opened.loss, "mean": plain.loss, "bans": opened.bans,
+                 "false_bans": false_bans}
+            )  # fmt: skip
+            print(
+                f"  {attack:<10} open {opened.loss:.3f} ({opened.loss / honest:.3f}x) "
+                f"mean {'diverged' if plain.diverged else f'{plain.loss:.3f}'} "
+                f"({plain.loss / honest:.2f}x) bans {opened.bans} "
+                f"[{time.monotonic() - began:.0f} s]",
+                flush=True,
+            )
+    return rows
+
+
+def report(rows: list[dict[str, object]], n: int, f: int) -> None:
+    print(f"\nN = {n}, f = {f}; final validation loss, median over seeds [min, max]; ratio to the "
+          f"honest {n - f} peers' plain mean")  # fmt: skip
+    print(f"{'attack':<10} {'open':>22} {'mean':>24} {'banned in round':>16} {'false bans':>10}")
+    for attack in dict.fromkeys(str(r["attack"]) for r in rows):
+        mine = [r for r in rows if r["attack"] == attack]
+        reference = "honest_all" if attack in ("none", "alie") else "honest"
+        ratios = {
+            mode: [float(r[mode]) / float(r[reference]) for r in mine]  # type: ignore[arg-type]
+            for mode in ("open", "mean")
+        }
+        bans = sorted({b for r in mine for b in r["bans"].values()})  # type: ignore[attr-defined]
+        cells = []
+        for mode in ("open", "mean"):
+            values = ratios[mode]
+            if any(v == float("inf") for v in values):
+                cells.append(f"diverged in {sum(v == float('inf') for v in values)}")
+            else:
+                cells.append(
+                    f"{statistics.median(values):.3f}x [{min(values):.3f}, {max(values):.3f}]"
+                )
+        false_bans = sum(int(r["false_bans"]) for r in mine)  # type: ignore[call-overload]
+        shown = ",".join(map(str, bans)) if bans else "-"
+        print(f"{attack:<10} {cells[0]:>22} {cells[1]:>24} {shown:>16} {false_bans:>10}")
+    print("(none, alie: ratio to all N honest peers' plain mean)")
+
+
+async def round_cost(n: int, repeats: int) -> None:
+    """Median seconds of a real all-reduce round over gRPC for the demo model, trusted vs open."""
+    spec = RunSpec.from_toml(DEMO_SPEC)
+    size = flatten(list(build_model(spec.model, seed=0).parameters())).numel()
+    base = {"run_id": "cost", "spec_hash": bytes(32), "codec": spec.averaging.codec}
+    configs = {
+        "trusted": AllReduceConfig(**base),  # type: ignore[arg-type]
+        "open": AllReduceConfig(
+            **base,  # type: ignore[arg-type]
+            aggregator="centered_clip",
+            uniform_weights=True,
+            result_codec="fp16",
+            observe=True,
+        ),
+    }
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    round_ = 0
+    for name, config in configs.items():
+        async with contextlib.AsyncExitStack() as stack:
+            peers = [
+                await stack.enter_async_context(
+                    standalone(Identity.from_seed(f"cost/{name}/{i}"), config)
+                )
+                for i in range(n)
+            ]
+            members = tuple(Member(peer_id=p.peer_id, endpoint=p.endpoint) for p in peers)
+            for _ in range(repeats + 1):
+                group = Group(round=round_, members=members)
+                # Fresh updates each round, alike as honest ones are (else they look replayed).
+                g = torch.Generator().manual_seed(round_)
+                common = torch.randn(size, generator=g)
+                vectors = [common + torch.randn(size, generator=g) for _ in range(n)]
+                round_ += 1
+                began = time.perf_counter()
+                await asyncio.gather(
+                    *(p.all_reduce(v, group) for p, v in zip(peers, vectors, strict=True))
+                )
+                times[name].append(time.perf_counter() - began)
+    print(f"\nround time, {n} members in one process over gRPC, {size:,} values (demo model), "
+          f"{repeats} rounds after a warm-up:")  # fmt: skip
+    medians = {}
+    for name, seconds in times.items():
+        kept = seconds[1:]
+        medians[name] = statistics.median(kept)
+        print(f"  {name:<8} median {medians[name]:.3f} s [{min(kept):.3f}, {max(kept):.3f}]")
+    print(f"  open / trusted: {medians['open'] / medians['trusted']:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=8)
+    parser.add_argument("--attackers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--attacks", nargs="+", default=[a.value for a in Attack],
+                        choices=[a.value for a in Attack])  # fmt: skip
+    parser.add_argument("--eval-windows", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--round-cost-repeats", type=int, default=10)
+    parser.add_argument("--round-cost-only", action="store_true")
+    parser.add_argument("--json", help="also save the rows here")
+    args = parser.parse_args()
+    logging.getLogger("swarmgrad").setLevel(logging.ERROR)  # bans are in the table
+    if not args.round_cost_only:
+        rows = study(args)
+        report(rows, args.nodes, args.attackers)
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump(rows, out, indent=1)
+    asyncio.run(round_cost(args.nodes, args.round_cost_repeats))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Matchmaking's waiting rules against a DHT of plain dicts: who it waits for, and when it stops."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, cast
+
+from swarmgrad.node.averaging.matchmaking import Matchmaker
+from swarmgrad.node.discovery.base import dht_time
+from swarmgrad.node.discovery.records import PeerRecord, ReadyRecord
+from swarmgrad.node.identity import Identity
+
+RUN, SPEC = "mm-rules", b"\x07" * 32
+
+
+class Board:
+    """Readiness records by round, as a DHT would hold them."""
+
+    def __init__(self) -> None:
+        self.run_id, self.spec_hash = RUN, SPEC
+        self.ready: dict[int, dict[str, ReadyRecord]] = {}
+
+    async def announce_ready(self, record: ReadyRecord) -> None:
+        self.ready.setdefault(record.round, {})[record.peer_id] = record
+
+    async def find_ready(self, round_: int) -> list[ReadyRecord]:
+        return list(self.ready.get(round_, {}).values())
+
+
+def peer(name: str, epoch: int) -> PeerRecord:
+    return PeerRecord.create(
+        name, run_id=RUN, spec_hash=SPEC, endpoint="127.0.0.1:1", now=dht_time(),
+        ttl_seconds=60, epoch=epoch,
+    )  # fmt: skip
+
+
+def maker(board: Board, identity: Identity, peers: list[PeerRecord], **options: Any) -> Matchmaker:
+    async def read() -> list[PeerRecord]:
+        return peers
+
+    return Matchmaker(
+        cast(Any, board),
+        identity,
+        group_size=4,
+        matchmaking_timeout_seconds=10.0,
+        settle_seconds=0.05,
+        peers=read,
+        **options,
+    )
+
+
+async def test_a_peer_that_lost_a_round_stops_waiting_once_everyone_is_past_it() -> None:
+    me = Identity.from_seed("mm-rules/me")
+    others = [peer("a", 8), peer("b", 8)]
+    started = time.monotonic()
+    group = await maker(Board(), me, [peer(me.peer_id, 7), *others]).form_group(7, endpoint="x:1")
+    assert group is None
+    assert time.monotonic() - started < 2.0  # not the 10 s timeout: it can resync at once
+
+
+async def test_a_peer_still_waits_for_peers_one_round_behind() -> None:
+    me = Identity.from_seed("mm-rules/me")
+    board = Board()
+    mm = maker(board, me, [peer(me.peer_id, 7), peer("late", 6), peer("ahead", 8)])
+    mm.timeout_seconds = 0.5
+    started = time.monotonic()
+    assert await mm.form_group(7, endpoint="x:1") is None
+    assert time.monotonic() - started >= 0.5  # "late" may still come: it waited it out
+
+
+async def test_banned_peers_are_neither_candidates_nor_waited_for() -> None:
+    me = Identity.from_seed("mm-rules/me")
+    board = Board()
+    now = dht_time()
+    for name in ("friend", "foe"):
+        await board.announce_ready(
+            ReadyRecord(peer_id=name, run_id=RUN, spec_hash=SPEC.hex(), endpoint=f"{name}:1",
+                        round=3, bandwidth=1.0, weight=1.0, issued_at=now, expires_at=now + 60)
+        )  # fmt: skip
+    peers = [peer(me.peer_id, 3), peer("friend", 3), peer("foe", 3)]
+    group = await maker(board, me, peers, excluded=lambda p: p == "foe").form_group(
+        3, endpoint="me:1"
+    )
+    assert group is not None
+    assert sorted(m.peer_id for m in group.members) == sorted([me.peer_id, "friend"])
