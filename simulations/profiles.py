@@ -45,11 +45,12 @@ def load_profile(path: Path | None, nodes: int) -> list[PeerProfile]:
             numbers = {k: float(v) for k, v in table.items()}
         except (TypeError, ValueError):
             raise SimulationError(f"{path}: peer {i}: values must be numbers") from None
-        try:
-            chosen = None if attack is None else Attack(attack)
-        except ValueError:
+        usable = [a for a in Attack if a is not Attack.ALIE]  # ALIE reads the others' updates
+        if attack is not None and attack not in usable:
             raise SimulationError(
-                f"{path}: peer {i}: attack {attack!r} is unknown; known: {', '.join(Attack)}"
-            ) from None
+                f"{path}: peer {i}: attack {attack!r} is not one a node can make; choose one of "
+                f"{', '.join(usable)} (alie needs the honest updates: benchmarks/byzantine.py)"
+            )
+        chosen = None if attack is None else Attack(attack)
         profiles.append(PeerProfile(**numbers, attack=chosen))
     return [profiles[i % len(profiles)] for i in range(nodes)]
