@@ -10,7 +10,14 @@ from typing import Annotated
 import typer
 
 from swarmgrad.node import config as node_config
-from swarmgrad.node import tasks
+from swarmgrad.node import run_commands, tasks
+from swarmgrad.node.cli_common import (
+    EXIT_CONFIG,
+    EXIT_NETWORK,
+    EXIT_SPEC_MISMATCH,
+)
+from swarmgrad.node.cli_common import fail as _fail
+from swarmgrad.node.cli_common import setup_logging as _logging
 from swarmgrad.node.discovery.base import DiscoveryError
 from swarmgrad.node.discovery.directory import SpecMismatch
 from swarmgrad.node.runspec import RunSpecError
@@ -23,22 +30,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-
-EXIT_CONFIG, EXIT_SPEC_MISMATCH, EXIT_NETWORK = 2, 3, 4
-
-
-def _logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
-
-
-def _fail(code: int, message: str) -> typer.Exit:
-    typer.echo(f"swarmgrad: {message}", err=True)
-    return typer.Exit(code)
 
 
 @app.command()
@@ -397,6 +388,9 @@ def prepare_data(
     except SetupError as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
     typer.echo(f"demo corpus ready: {len(corpus.tokens):,} tokens in {folder}")
+
+
+run_commands.register(app)  # run-key, publish, runs, join
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from swarmgrad.node.files import atomic_write
 from swarmgrad.node.runspec import NodeSection, RunSpec, RunSpecError
 from swarmgrad.node.swarm_config import SwarmConfig
 from swarmgrad.node.training.model import InitWeightsError, init_weights
@@ -225,3 +226,48 @@ def node_config(
         display=cli.display,
         eval_windows=cli.eval_windows,
     )
+
+
+def read_spec_text(path: Path) -> str:
+    """A run spec file's text (``swarmgrad publish`` seals it as written)."""
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read run spec {path}: {error}") from None
+
+
+def joined_runs(environ: Mapping[str, str] | None = None) -> Path:
+    """Where ``swarmgrad join`` keeps the specs it fetched and the run keys it was given."""
+    return home(environ) / "runs"
+
+
+def known_run_key(run_id: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The run key fingerprint first given for ``run_id``, if any."""
+    path = joined_runs(environ) / "known.json"
+    try:
+        known = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{path} is unreadable ({error}): fix or remove it") from None
+    value = known.get(run_id) if isinstance(known, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def remember_joined_run(
+    run_id: str, run_key_id: str, spec_toml: str, environ: Mapping[str, str] | None = None
+) -> Path:
+    """Record ``run_key_id`` as ``run_id``'s key and save its spec; the spec's path."""
+    folder = joined_runs(environ)
+    path = folder / "known.json"
+    known: dict[str, str] = {}
+    if path.exists():
+        try:
+            known = dict(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError) as error:
+            raise ConfigError(f"{path} is unreadable ({error}): fix or remove it") from None
+    known[run_id] = run_key_id
+    atomic_write(path, json.dumps(known, indent=1, sort_keys=True).encode())
+    spec_path = folder / f"{run_id}.toml"
+    atomic_write(spec_path, spec_toml.encode())
+    return spec_path

@@ -78,6 +78,13 @@ class Identity:
         return identity
 
     @classmethod
+    def load(cls, path: Path) -> Identity:
+        """Load the key at ``path``; IdentityError if there is none or it is unsafe."""
+        if not path.exists():
+            raise IdentityError(f"no key at {path}")
+        return cls._load(path)
+
+    @classmethod
     def _load(cls, path: Path) -> Identity:
         info = path.stat()
         if not stat.S_ISREG(info.st_mode):

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from swarmgrad.node.config import home
+from swarmgrad.node.training.data import load_demo
 from swarmgrad.simulations.allreduce_peer import PeerProcess
 
 
@@ -81,3 +83,11 @@ def reap_children() -> Iterator[None]:
             os.waitpid(pid, 0)
         except (ProcessLookupError, ChildProcessError):
             continue
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    """The demo corpus's cache (set-up prepared it: nothing downloads here)."""
+    folder = home() / "cache"
+    load_demo(folder, vocab_size=2048, prepare=False)
+    return folder

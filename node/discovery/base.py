@@ -17,7 +17,15 @@ import time
 from collections import Counter
 from typing import Protocol, Self
 
-from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS, Envelope, Kind, open_envelope, seal
+from swarmgrad.node.discovery.envelope import (
+    MAX_TTL_SECONDS,
+    RUNS_KEY,
+    Envelope,
+    Kind,
+    Sealer,
+    open_envelope,
+    seal,
+)
 from swarmgrad.node.discovery.records import (
     MAX_SPEC_BYTES,
     PeerRecord,
@@ -27,6 +35,7 @@ from swarmgrad.node.discovery.records import (
 )
 from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.errors import PeerUnavailable
+from swarmgrad.protocol.keys import peer_id_of
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +69,10 @@ class Discovery(Protocol):
         """A view of the same DHT for another spec of this run (closing either closes both)."""
         ...
 
+    def for_run(self, run_id: str, spec_hash: bytes) -> Discovery:
+        """A view of the same DHT for another run and spec."""
+        ...
+
     def visible_maddrs(self) -> list[str]:
         """Multiaddrs other nodes can bootstrap from."""
         ...
@@ -88,6 +101,14 @@ class Discovery(Protocol):
 
     async def find_specs(self) -> dict[str, bytes]:
         """Every spec announced for the run id, by SHA-256 hex."""
+        ...
+
+    async def publish_run(self, run_key: Sealer, body: bytes, *, expires_at: float) -> None:
+        """Publish a run (``node/published.py``) in its run key's slot under ``runs``."""
+        ...
+
+    async def find_runs(self) -> list[Envelope]:
+        """Every run published under ``runs`` whose seal holds."""
         ...
 
     async def leave(self, topic: str = "peers") -> None:
@@ -140,8 +161,13 @@ class SignedDirectory(abc.ABC):
 
     def for_spec(self, spec_hash: bytes) -> Self:
         """A view of the same DHT for another spec of this run (closing either closes both)."""
+        return self.for_run(self.run_id, spec_hash)
+
+    def for_run(self, run_id: str, spec_hash: bytes) -> Self:
+        """A view of the same DHT for another run and spec (closing either closes both)."""
         view = copy.copy(self)
-        view.spec_hash, view._prefix = spec_hash, f"run/{self.run_id}/{spec_hash.hex()}"
+        view.run_id, view.spec_hash = run_id, spec_hash
+        view._prefix = f"run/{run_id}/{spec_hash.hex()}"
         view._announced_until, view.rejected = {}, Counter()
         return view
 
@@ -240,6 +266,23 @@ class SignedDirectory(abc.ABC):
             if envelope.kind != Kind.LEAVE:
                 found.append((envelope, record))
         return found
+
+    async def publish_run(self, run_key: Sealer, body: bytes, *, expires_at: float) -> None:
+        """Publish a run under ``runs``, sealed by its organizer's ``run_key`` (its slot)."""
+        if len(body) > MAX_SPEC_BYTES:
+            raise ValueError("the published run is too large")
+        now = dht_time()
+        if expires_at - now > MAX_TTL_SECONDS:
+            raise ValueError(f"a DHT value may live at most {MAX_TTL_SECONDS:g} s")
+        value = seal(
+            run_key, key=RUNS_KEY, kind=Kind.RUN, body=body, issued_at=now, expires_at=expires_at
+        )
+        await self._put(RUNS_KEY, peer_id_of(run_key.public_key), value, expires_at)
+
+    async def find_runs(self) -> list[Envelope]:
+        """The runs published under ``runs`` whose seals hold (the body is the reader's to
+        check)."""
+        return [envelope for envelope, _ in await self._valid(RUNS_KEY)]
 
     async def find_specs(self) -> dict[str, bytes]:
         return {

@@ -45,6 +45,8 @@ _RUN = r"[A-Za-z0-9._-]{1,64}"
 _PEERS = re.compile(rf"run/{_RUN}/[0-9a-f]{{64}}/peers")
 _ROUND = re.compile(rf"run/{_RUN}/[0-9a-f]{{64}}/round/(0|[1-9][0-9]{{0,18}})")
 _SPECS = re.compile(rf"run/{_RUN}/specs")
+#: Where organizers publish their runs: one slot per run key.
+RUNS_KEY = "runs"
 
 
 class RecordError(ValueError):
@@ -56,6 +58,7 @@ class Kind(enum.IntEnum):
     READY = 2  # readiness for a round, under .../round/<r>
     SPEC = 3  # a canonical run spec, under run/<id>/specs
     LEAVE = 4  # a withdrawal (tombstone) of the signer's value under any of those keys
+    RUN = 5  # a run published by its organizer's run key, under "runs"
 
 
 def allowed_kinds(key: str) -> tuple[Kind, ...]:
@@ -66,6 +69,8 @@ def allowed_kinds(key: str) -> tuple[Kind, ...]:
         return (Kind.READY, Kind.LEAVE)
     if _SPECS.fullmatch(key):
         return (Kind.SPEC, Kind.LEAVE)
+    if key == RUNS_KEY:
+        return (Kind.RUN, Kind.LEAVE)
     return ()
 
 

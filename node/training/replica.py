@@ -8,6 +8,7 @@ catches up from peers when it falls behind, averages through the swarm, and repo
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -105,6 +106,22 @@ class Replica:
         """Download the swarm's state now if this replica is behind it or diverged (a node that
         joins, or resumes an old checkpoint, need not train a round it would throw away)."""
         return self._resync_if_needed()
+
+    def settle(self, stop: threading.Event, *, seconds: float) -> RoundReport | None:
+        """At the run's last epoch: make sure this replica holds the state most peers hold.
+
+        No later round will tell peers that split the last one (a record that reached some
+        members' last read and not others': two groups, two states) that they differ, so wait
+        (up to ``seconds``) until every other peer's record is at this epoch or past it, then
+        take the majority's state if this one is not it."""
+        deadline = time.monotonic() + seconds
+        while not stop.is_set():
+            peers = self.swarm.call(self.swarm.refresh_peers())
+            others = [p for p in peers if p.peer_id != self.swarm.peer_id and p.checksum]
+            if all(p.epoch >= self.epoch for p in others) or time.monotonic() >= deadline:
+                return self._resync_if_needed()
+            stop.wait(0.5)
+        return None
 
     # -- shared ---------------------------------------------------------------------------------
 

@@ -35,6 +35,10 @@ from swarmgrad.node.training.model import GPT, build_model
 
 log = logging.getLogger(__name__)
 
+#: At the last epoch, how long a node waits for its peers' records to reach it before it
+#: checks that it holds the majority's state (Replica.settle).
+SETTLE_SECONDS = 10.0
+
 
 @dataclass(slots=True)
 class Progress:
@@ -191,6 +195,11 @@ class Trainer:
                 self._save(replica, optimizer, batches)
                 saved_epoch = replica.epoch
             done = self.config.max_epochs is not None and replica.epoch >= self.config.max_epochs
+        if done and not stop.is_set():
+            with contextlib.suppress(concurrent.futures.CancelledError):
+                settled = replica.settle(stop, seconds=SETTLE_SECONDS)
+                if settled is not None:
+                    self._record_round(settled, replica, evaluate(model, validation, device))
         self._save(replica, optimizer, batches)
         progress.finished = True
         self._on_progress(progress)

@@ -11,10 +11,9 @@ import pytest
 import torch
 import transformers
 
-from swarmgrad.node.config import home
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.state.checkpoint import Checkpointer
-from swarmgrad.node.training.data import load_corpus, load_demo
+from swarmgrad.node.training.data import load_corpus
 from swarmgrad.node.training.export import ExportError, export
 from swarmgrad.node.training.model import GPT, build_model
 from swarmgrad.node.training.trainer import evaluate
@@ -24,13 +23,6 @@ SPEC = RunSpec.from_toml(
     '[run]\nid = "export"\n[model]\nvocab_size = 2048\nd_model = 64\nn_layers = 2\nn_heads = 4\n'
     "seq_len = 32\n"
 )
-
-
-@pytest.fixture(scope="module")
-def cache_dir() -> Path:
-    folder = home() / "cache"
-    load_demo(folder, vocab_size=2048, prepare=False)  # set-up prepared it: nothing downloads
-    return folder
 
 
 def _trained_like(model: GPT) -> GPT:

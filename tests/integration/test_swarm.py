@@ -14,21 +14,12 @@ from typing import Any
 
 import pytest
 
-from swarmgrad.node.config import home
 from swarmgrad.node.runspec import RunSpec
-from swarmgrad.node.training.data import load_demo
 from swarmgrad.simulations.baseline import train_alone
 from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate, simulation_identity
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def cache_dir() -> Path:
-    folder = home() / "cache"
-    load_demo(folder, vocab_size=2048, prepare=False)  # set-up prepared it: nothing downloads here
-    return folder
 
 
 def test_four_nodes_learn_together_and_refuse_another_spec(tmp_path: Path, cache_dir: Path) -> None:

@@ -1,0 +1,26 @@
+"""What the ``swarmgrad`` commands share: logging set-up, exit codes, and failing with a message."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import typer
+
+#: A bad configuration, a spec the run's peers do not train, an unreachable network.
+EXIT_CONFIG, EXIT_SPEC_MISMATCH, EXIT_NETWORK = 2, 3, 4
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,  # `join` reads the DHT quietly first, then runs a node that logs
+    )
+
+
+def fail(code: int, message: str) -> typer.Exit:
+    typer.echo(f"swarmgrad: {message}", err=True)
+    return typer.Exit(code)

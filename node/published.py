@@ -1,0 +1,162 @@
+"""Published runs: an organizer signs a run's spec with a run key and keeps it in the DHT; anyone
+lists the runs there, and a volunteer joins one by its id, with no file.
+
+The organizer's ``swarmgrad publish`` seals the spec's TOML text (with its run id and hash) by
+the run key into the key's own slot under ``runs`` and renews it while it runs (a DHT value
+lives at most 180 s, so a run nobody publishes any more drops out of the list). The run key's
+*fingerprint* is its peer id (``sg...``): a volunteer is given it once, the way one is given an
+SSH host key, and ``swarmgrad join RUN_ID --run-key-id sg...`` accepts only the spec that key
+sealed, checks that it parses and hashes to what it claims, and remembers the fingerprint for
+the run id (a later join of that run under another key is refused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from swarmgrad.node.discovery.base import Discovery, dht_time
+from swarmgrad.node.discovery.envelope import Envelope
+from swarmgrad.node.discovery.start import DiscoveryConfig, start_discovery
+from swarmgrad.node.identity import Identity
+from swarmgrad.node.runspec import RunSpec, RunSpecError
+from swarmgrad.protocol.errors import SetupError
+
+log = logging.getLogger(__name__)
+
+#: How long a published run lives in the DHT, and how often its publisher renews it.
+PUBLISHED_TTL_SECONDS = 150.0
+RENEW_SECONDS = 50.0
+
+
+class RunNotFound(SetupError):
+    """No run of that id is published under that run key (or what is published does not hold)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PublishedRun:
+    run_id: str
+    spec_hash: str  # hex
+    spec_toml: str
+    published_at: float
+
+    def body(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def parse(cls, body: bytes) -> tuple[PublishedRun, RunSpec]:
+        """The run in ``body`` and its spec; RunSpecError unless the spec parses and is the
+        run and hash the body claims."""
+        try:
+            raw = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise RunSpecError("a published run that is not JSON") from None
+        names = {"run_id": str, "spec_hash": str, "spec_toml": str, "published_at": float}
+        if not isinstance(raw, dict) or set(raw) != set(names):
+            raise RunSpecError("a published run with other fields than a run's")
+        if not all(isinstance(raw[k], t) for k, t in names.items()):
+            raise RunSpecError("a published run with a field of the wrong type")
+        run = cls(**raw)
+        spec = RunSpec.from_toml(run.spec_toml)
+        if spec.run.id != run.run_id or spec.hash.hex() != run.spec_hash:
+            raise RunSpecError("a published run whose spec is not the run or hash it claims")
+        return run, spec
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """One published run as read from the DHT, its seal and spec checked."""
+
+    run_key_id: str  # the fingerprint of the key that sealed it
+    run: PublishedRun
+    spec: RunSpec
+
+
+async def open_dht(
+    bootstrap: Sequence[str], *, backend: str, network_secret: str, timeout_seconds: float
+) -> Discovery:
+    """A short-lived DHT client with a throwaway identity (it announces nothing of its own)."""
+    return await start_discovery(
+        DiscoveryConfig(
+            backend=backend,
+            initial_peers=tuple(bootstrap),
+            network_secret=network_secret,
+            start_timeout_seconds=timeout_seconds,
+        ),
+        Identity.generate(),
+        run_id="published",
+        spec_hash=bytes(32),
+    )
+
+
+def listings(envelopes: Sequence[Envelope]) -> list[Listing]:
+    """The published runs among ``envelopes`` that hold; the rest are logged and dropped."""
+    found = []
+    for envelope in envelopes:
+        try:
+            run, spec = PublishedRun.parse(envelope.body)
+        except RunSpecError as error:
+            log.info("a published run sealed by %s does not hold: %s", envelope.signer, error)
+            continue
+        found.append(Listing(run_key_id=envelope.signer, run=run, spec=spec))
+    return sorted(found, key=lambda listing: (listing.run.run_id, listing.run_key_id))
+
+
+async def publish(
+    dht: Discovery, run_key: Identity, spec_toml: str, *, stop: asyncio.Event
+) -> None:
+    """Keep the run in ``spec_toml`` published under ``run_key`` until ``stop`` is set."""
+    spec = RunSpec.from_toml(spec_toml)
+    run = PublishedRun(
+        run_id=spec.run.id,
+        spec_hash=spec.hash.hex(),
+        spec_toml=spec_toml,
+        published_at=dht_time(),
+    )
+    while not stop.is_set():
+        await dht.publish_run(run_key, run.body(), expires_at=dht_time() + PUBLISHED_TTL_SECONDS)
+        log.info("published run %s (spec %s) as %s", spec.run.id, spec.short_hash, run_key.peer_id)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), RENEW_SECONDS)
+
+
+async def run_rows(dht: Discovery) -> list[dict[str, Any]]:
+    """One row per published run: id, run key, spec summary, and its peers as the DHT shows."""
+    rows = []
+    for listing in listings(await dht.find_runs()):
+        spec = listing.spec
+        peers = await dht.for_run(spec.run.id, spec.hash).find()
+        rows.append(
+            {
+                "run_id": spec.run.id,
+                "run_key_id": listing.run_key_id,
+                "spec_hash": spec.short_hash,
+                "model": f"d{spec.model.d_model} x {spec.model.n_layers} layers",
+                "algorithm": spec.algorithm.name,
+                "codec": spec.averaging.codec,
+                "trust": spec.trust.mode,
+                "peers": len(peers),
+                "epoch": max((p.epoch for p in peers), default=0),
+            }
+        )
+    return rows
+
+
+async def fetch(dht: Discovery, run_id: str, run_key_id: str) -> Listing:
+    """The run ``run_id`` as sealed by the key ``run_key_id``; RunNotFound otherwise."""
+    mine = [
+        listing
+        for listing in listings(await dht.find_runs())
+        if listing.run.run_id == run_id and listing.run_key_id == run_key_id
+    ]
+    if not mine:
+        raise RunNotFound(
+            f"no run {run_id!r} published under run key {run_key_id} (is its publisher "
+            f"running, and is this the fingerprint its organizer gave?)"
+        )
+    return max(mine, key=lambda listing: listing.run.published_at)

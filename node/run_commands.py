@@ -1,0 +1,212 @@
+"""``swarmgrad run-key``, ``publish``, ``runs`` and ``join``: publishing a run, and joining one by
+its id (``node/published.py`` says what is signed and checked)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from swarmgrad.node import config as node_config
+from swarmgrad.node import published, tasks
+from swarmgrad.node.cli_common import EXIT_CONFIG, EXIT_NETWORK, fail, setup_logging
+from swarmgrad.node.discovery.base import DiscoveryError
+from swarmgrad.node.identity import Identity
+from swarmgrad.protocol.errors import SetupError
+
+Bootstrap = Annotated[
+    list[str] | None,
+    typer.Option(help="Multiaddr of a peer to reach the DHT through (repeatable)."),
+]
+BootstrapFile = Annotated[
+    Path | None, typer.Option(help="Read multiaddrs from a bootstrap's --maddrs-file.")
+]
+Backend = Annotated[str, typer.Option(help="DHT backend: hivemind or libp2p.")]
+Secret = Annotated[str, typer.Option(help="libp2p: a private DHT's key.")]
+Timeout = Annotated[float, typer.Option(help="Give up reading the DHT after this many seconds.")]
+
+
+def _addresses(bootstrap: list[str] | None, bootstrap_file: Path | None) -> tuple[str, ...]:
+    maddrs = node_config.bootstrap_addresses((), bootstrap or (), bootstrap_file=bootstrap_file)
+    if not maddrs:
+        raise node_config.ConfigError("no bootstrap multiaddr: give --bootstrap")
+    return maddrs
+
+
+def run_key(
+    path: Annotated[Path, typer.Argument(help="Where to keep the run key (created if absent).")],
+) -> None:
+    """Create (or show) a run key: the organizer's Ed25519 key that signs a published run."""
+    try:
+        existed = path.exists()
+        key = Identity.load_or_create(path)
+    except SetupError as error:
+        raise fail(EXIT_CONFIG, str(error)) from None
+    typer.echo(f"{'run key' if existed else 'new run key'} {path}")
+    typer.echo(f"fingerprint (give it to volunteers with the run id): {key.peer_id}")
+
+
+def publish(
+    spec: Annotated[Path, typer.Argument(help="The run spec to publish.")],
+    run_key: Annotated[Path, typer.Option(help="The run key (swarmgrad run-key) that signs it.")],
+    bootstrap: Bootstrap = None,
+    bootstrap_file: BootstrapFile = None,
+    discovery: Backend = "hivemind",
+    dht_secret: Secret = "",
+    timeout: Timeout = 30.0,
+) -> None:
+    """Publish a run in the DHT, signed by its run key, and keep it there until stopped."""
+    from swarmgrad.node.runspec import RunSpec
+
+    setup_logging(False)
+    try:
+        text = node_config.read_spec_text(spec)
+        loaded = RunSpec.from_toml(text)
+        key = Identity.load(run_key)
+        maddrs = _addresses(bootstrap, bootstrap_file)
+    except SetupError as error:
+        raise fail(EXIT_CONFIG, str(error)) from None
+
+    async def serve(stop: asyncio.Event) -> int:
+        dht = await published.open_dht(
+            maddrs, backend=discovery, network_secret=dht_secret, timeout_seconds=timeout
+        )
+        try:
+            typer.echo(
+                f"publishing run {loaded.run.id} (spec {loaded.short_hash}); volunteers join with:"
+            )
+            typer.echo(
+                f"  swarmgrad join {loaded.run.id} --run-key-id {key.peer_id} --bootstrap ..."
+            )
+            await published.publish(dht, key, text, stop=stop)
+        finally:
+            await dht.close()
+        return 0
+
+    try:
+        code = tasks.run(serve)
+    except (DiscoveryError, TimeoutError) as error:
+        raise fail(EXIT_NETWORK, f"could not publish: {error}") from None
+    raise typer.Exit(code)
+
+
+def runs(
+    bootstrap: Bootstrap = None,
+    bootstrap_file: BootstrapFile = None,
+    discovery: Backend = "hivemind",
+    dht_secret: Secret = "",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON, not a table.")] = False,
+    timeout: Timeout = 30.0,
+) -> None:
+    """List the runs published in the DHT: id, run key, spec, peers, epoch."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    try:
+        maddrs = _addresses(bootstrap, bootstrap_file)
+    except SetupError as error:
+        raise fail(EXIT_CONFIG, str(error)) from None
+
+    async def read(stop: asyncio.Event) -> list[dict[str, object]]:
+        async with asyncio.timeout(timeout):
+            dht = await published.open_dht(
+                maddrs, backend=discovery, network_secret=dht_secret, timeout_seconds=timeout
+            )
+            try:
+                return await published.run_rows(dht)
+            finally:
+                await dht.close()
+
+    try:
+        rows = tasks.run(read)
+    except (DiscoveryError, TimeoutError) as error:
+        raise fail(EXIT_NETWORK, f"could not read the published runs: {error}") from None
+    if as_json:
+        typer.echo(json.dumps(rows, indent=1))
+        return
+    table = Table(title=f"{len(rows)} published run(s)")
+    keys = ("run_id", "run_key_id", "spec_hash", "model", "algorithm", "codec", "trust", "peers")
+    for column in (*keys, "epoch"):
+        table.add_column(column.replace("_id", "").replace("_", " "))
+    for row in rows:
+        table.add_row(*(str(row[k]) for k in (*keys, "epoch")))
+    Console().print(table)
+
+
+def join(
+    ctx: typer.Context,
+    run_id: Annotated[str, typer.Argument(help="The run's id.")],
+    run_key_id: Annotated[
+        str | None,
+        typer.Option(help="The run key's fingerprint (sg...), from its organizer; remembered."),
+    ] = None,
+    bootstrap: Bootstrap = None,
+    bootstrap_file: BootstrapFile = None,
+    discovery: Backend = "hivemind",
+    dht_secret: Secret = "",
+    timeout: Timeout = 30.0,
+) -> None:
+    """Fetch a published run's signed spec, check it, show it, and start a node in it.
+
+    Options after the run id that ``join`` does not know go to ``swarmgrad node``.
+    """
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    try:
+        maddrs = _addresses(bootstrap, bootstrap_file)
+        known = node_config.known_run_key(run_id)
+    except SetupError as error:
+        raise fail(EXIT_CONFIG, str(error)) from None
+    if run_key_id is None and known is None:
+        raise fail(EXIT_CONFIG, f"first join of {run_id!r}: give --run-key-id (from its organizer)")
+    if run_key_id is not None and known is not None and run_key_id != known:
+        raise fail(
+            EXIT_CONFIG,
+            f"run {run_id!r} was joined under run key {known}, not {run_key_id}: if its organizer "
+            f"really changed keys, remove it from {node_config.joined_runs() / 'known.json'}",
+        )
+    expected = run_key_id or str(known)
+
+    async def fetch(stop: asyncio.Event) -> published.Listing:
+        async with asyncio.timeout(timeout):
+            dht = await published.open_dht(
+                maddrs, backend=discovery, network_secret=dht_secret, timeout_seconds=timeout
+            )
+            try:
+                return await published.fetch(dht, run_id, expected)
+            finally:
+                await dht.close()
+
+    try:
+        listing = tasks.run(fetch)
+    except published.RunNotFound as error:
+        raise fail(EXIT_CONFIG, str(error)) from None
+    except (DiscoveryError, TimeoutError) as error:
+        raise fail(EXIT_NETWORK, f"could not read the published runs: {error}") from None
+    spec = listing.spec
+    typer.echo(
+        f"run {spec.run.id}, spec {spec.short_hash}, signed by {listing.run_key_id}: "
+        f"model d{spec.model.d_model} x {spec.model.n_layers} layers, {spec.algorithm.name}, "
+        f"codec {spec.averaging.codec}, trust {spec.trust.mode}"
+    )
+    path = node_config.remember_joined_run(run_id, listing.run_key_id, listing.run.spec_toml)
+    typer.echo(f"spec saved to {path}; starting the node")
+    from swarmgrad.node.cli import app
+
+    args = ["node", str(path), *(a for m in maddrs for a in ("--bootstrap", m))]
+    args += ["--discovery", discovery, *(["--dht-secret", dht_secret] if dht_secret else [])]
+    command = typer.main.get_command(app)
+    command.main(args=[*args, *ctx.args], prog_name="swarmgrad", standalone_mode=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run-key")(run_key)
+    app.command()(publish)
+    app.command()(runs)
+    app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(join)

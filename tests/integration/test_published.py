@@ -1,0 +1,138 @@
+"""Publishing a run and joining it by its id, with real processes and a real DHT: the organizer's
+run key signs the spec, ``runs`` lists it, ``join`` accepts only the spec that key signed (not a
+look-alike another key publishes under the same run id) and starts a node that trains in it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from swarmgrad.node.runspec import RunSpec
+from tests.helpers import wait_for_pattern, wait_until
+
+SPEC = """\
+[run]
+id = "published-demo"
+[model]
+vocab_size = 2048
+d_model = 64
+n_layers = 1
+n_heads = 2
+seq_len = 32
+[algorithm]
+inner_steps = 5
+[averaging]
+group_size = 2
+matchmaking_timeout_seconds = 10.0
+[trust]
+mode = "open"
+"""
+
+
+def swarmgrad(*args: str, home: Path, log: Path | None = None) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMGRAD_")}
+    env["SWARMGRAD_HOME"] = str(home)
+    command = [sys.executable, "-m", "swarmgrad.node.cli", *args]
+    if log is None:
+        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with log.open("wb") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(command, env=env, stdout=out, stderr=out)
+
+
+def finish(process: subprocess.Popen[bytes], seconds: float) -> tuple[int, str]:
+    out, err = process.communicate(timeout=seconds)
+    return process.returncode, (out or b"").decode() + (err or b"").decode()
+
+
+def test_a_volunteer_joins_a_published_run_by_its_id(tmp_path: Path, cache_dir: Path) -> None:
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        boot_log = tmp_path / "boot.log"
+        processes.append(
+            swarmgrad("bootstrap", "--maddrs-file", str(tmp_path / "boot.json"),
+                      home=tmp_path / "boot", log=boot_log)
+        )  # fmt: skip
+        wait_until(lambda: (tmp_path / "boot.json").exists(), timeout_seconds=60, what="bootstrap")
+        boot = ["--bootstrap-file", str(tmp_path / "boot.json")]
+        organizer = tmp_path / "organizer"
+        code, out = finish(swarmgrad("run-key", str(organizer / "run.key"), home=organizer), 60)
+        assert code == 0, out
+        fingerprint = out.split("fingerprint")[1].split(":")[1].split()[0]
+        (organizer / "run.toml").write_text(SPEC)
+        spec = RunSpec.from_toml(SPEC)
+        processes.append(
+            swarmgrad("publish", str(organizer / "run.toml"), "--run-key",
+                      str(organizer / "run.key"), *boot, home=organizer,
+                      log=tmp_path / "publish.log")
+        )  # fmt: skip
+        # Someone else publishes a look-alike under the same run id, with their own key.
+        mallory = tmp_path / "mallory"
+        assert finish(swarmgrad("run-key", str(mallory / "run.key"), home=mallory), 60)[0] == 0
+        (mallory / "run.toml").write_text(SPEC.replace("d_model = 64", "d_model = 32"))
+        processes.append(
+            swarmgrad("publish", str(mallory / "run.toml"), "--run-key", str(mallory / "run.key"),
+                      *boot, home=mallory, log=tmp_path / "mallory.log")
+        )  # fmt: skip
+        for log in ("publish.log", "mallory.log"):
+            wait_for_pattern(tmp_path / log, "published run", timeout_seconds=60)
+
+        code, out = finish(swarmgrad("runs", *boot, "--json", home=tmp_path / "reader"), 60)
+        assert code == 0, out
+        listed = {(r["run_id"], r["run_key_id"]): r for r in json.loads(out)}
+        assert listed[("published-demo", fingerprint)]["spec_hash"] == spec.short_hash
+        assert listed[("published-demo", fingerprint)]["trust"] == "open"
+        assert len(listed) == 2  # both are listed; the fingerprint says which is the organizer's
+
+        volunteer = tmp_path / "volunteer-0"
+        code, out = finish(swarmgrad("join", "published-demo", *boot, home=volunteer), 60)
+        assert code == 2, out
+        assert "give --run-key-id" in out
+        code, out = finish(
+            swarmgrad("join", "published-demo", "--run-key-id", "sg" + "a" * 34, *boot,
+                      home=volunteer), 60,
+        )  # fmt: skip
+        assert code == 2, out
+        assert "no run 'published-demo' published under run key" in out
+
+        joiners = []
+        for i in range(2):
+            home = tmp_path / f"volunteer-{i}"
+            joiners.append(
+                swarmgrad("join", "published-demo", "--run-key-id", fingerprint, *boot,
+                          "--cache-dir", str(cache_dir), "--max-epochs", "2",
+                          "--metrics-address", "off", "--display", "log",
+                          "--status-file", str(home / "status.json"),
+                          home=home, log=tmp_path / f"join-{i}.log")
+            )  # fmt: skip
+        processes += joiners
+        for i, joiner in enumerate(joiners):
+            code, _ = finish(joiner, 240)
+            log = (tmp_path / f"join-{i}.log").read_text()
+            assert code == 0, log[-3000:]
+            home = tmp_path / f"volunteer-{i}"
+            assert RunSpec.load(home / "runs" / "published-demo.toml").hash == spec.hash
+            assert json.loads((home / "runs" / "known.json").read_text()) == {
+                "published-demo": fingerprint
+            }
+            status = json.loads((home / "status.json").read_text())
+            assert status["epoch"] == 2
+            assert status["outcomes"].get("averaged", 0) >= 1, status["outcomes"]
+        # A later join of that run under another key is refused: the fingerprint is remembered.
+        code, out = finish(
+            swarmgrad("join", "published-demo", "--run-key-id", "sg" + "b" * 34, *boot,
+                      home=tmp_path / "volunteer-0"), 60,
+        )  # fmt: skip
+        assert code == 2, out
+        assert f"was joined under run key {fingerprint}" in out
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
