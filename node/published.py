@@ -22,7 +22,6 @@ from typing import Any
 
 from swarmgrad.node.discovery.base import Discovery, dht_time
 from swarmgrad.node.discovery.envelope import Envelope
-from swarmgrad.node.discovery.start import DiscoveryConfig, start_discovery
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec, RunSpecError
 from swarmgrad.protocol.errors import SetupError
@@ -75,23 +74,6 @@ class Listing:
     run_key_id: str  # the fingerprint of the key that sealed it
     run: PublishedRun
     spec: RunSpec
-
-
-async def open_dht(
-    bootstrap: Sequence[str], *, backend: str, network_secret: str, timeout_seconds: float
-) -> Discovery:
-    """A short-lived DHT client with a throwaway identity (it announces nothing of its own)."""
-    return await start_discovery(
-        DiscoveryConfig(
-            backend=backend,
-            initial_peers=tuple(bootstrap),
-            network_secret=network_secret,
-            start_timeout_seconds=timeout_seconds,
-        ),
-        Identity.generate(),
-        run_id="published",
-        spec_hash=bytes(32),
-    )
 
 
 def listings(envelopes: Sequence[Envelope]) -> list[Listing]:

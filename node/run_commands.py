@@ -15,6 +15,7 @@ from swarmgrad.node import config as node_config
 from swarmgrad.node import published, tasks
 from swarmgrad.node.cli_common import EXIT_CONFIG, EXIT_NETWORK, fail, setup_logging
 from swarmgrad.node.discovery.base import DiscoveryError
+from swarmgrad.node.discovery.start import start_reader
 from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.errors import SetupError
 
@@ -72,7 +73,7 @@ def publish(
         raise fail(EXIT_CONFIG, str(error)) from None
 
     async def serve(stop: asyncio.Event) -> int:
-        dht = await published.open_dht(
+        dht = await start_reader(
             maddrs, backend=discovery, network_secret=dht_secret, timeout_seconds=timeout
         )
         try:
@@ -116,7 +117,7 @@ def runs(
 
     async def read(stop: asyncio.Event) -> list[dict[str, object]]:
         async with asyncio.timeout(timeout):
-            dht = await published.open_dht(
+            dht = await start_reader(
                 maddrs, backend=discovery, network_secret=dht_secret, timeout_seconds=timeout
             )
             try:
@@ -175,7 +176,7 @@ def join(
 
     async def fetch(stop: asyncio.Event) -> published.Listing:
         async with asyncio.timeout(timeout):
-            dht = await published.open_dht(
+            dht = await start_reader(
                 maddrs, backend=discovery, network_secret=dht_secret, timeout_seconds=timeout
             )
             try:

@@ -7,8 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from swarmgrad.node.discovery.base import dht_time
-from swarmgrad.node.discovery.start import DiscoveryConfig, start_discovery
-from swarmgrad.node.identity import Identity
+from swarmgrad.node.discovery.start import start_reader
 
 
 async def run_peers(
@@ -25,14 +24,11 @@ async def run_peers(
     The reader joins the DHT with a throwaway identity: it announces nothing.
     """
     async with asyncio.timeout(timeout_seconds):
-        discovery = await start_discovery(
-            DiscoveryConfig(
-                backend=backend,
-                initial_peers=tuple(bootstrap),
-                network_secret=network_secret,
-                start_timeout_seconds=timeout_seconds,
-            ),
-            Identity.generate(),
+        discovery = await start_reader(
+            bootstrap,
+            backend=backend,
+            network_secret=network_secret,
+            timeout_seconds=timeout_seconds,
             run_id=run_id,
             spec_hash=spec_hash or bytes(32),
         )

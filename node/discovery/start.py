@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from swarmgrad.node.discovery.base import BACKENDS, Discovery, DiscoveryError
@@ -56,3 +57,27 @@ async def start_discovery(
     from swarmgrad.node.discovery.libp2p_dht import Libp2pDiscovery
 
     return await Libp2pDiscovery.start(identity, config, run_id=run_id, spec_hash=spec_hash)
+
+
+async def start_reader(
+    bootstrap: Sequence[str],
+    *,
+    backend: str,
+    network_secret: str,
+    timeout_seconds: float,
+    run_id: str = "reader",
+    spec_hash: bytes = bytes(32),
+) -> Discovery:
+    """A short-lived DHT client with a throwaway identity, for commands that only read
+    (``status``, ``runs``, ``join``) or publish under another key (``publish``)."""
+    return await start_discovery(
+        DiscoveryConfig(
+            backend=backend,
+            initial_peers=tuple(bootstrap),
+            network_secret=network_secret,
+            start_timeout_seconds=timeout_seconds,
+        ),
+        Identity.generate(),
+        run_id=run_id,
+        spec_hash=spec_hash,
+    )
