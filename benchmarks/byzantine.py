@@ -180,6 +180,12 @@ class Lab:
         return out
 
 
+def _save(rows: list[dict[str, object]], path: str | None) -> None:
+    if path:  # after every row: a long study stopped early keeps what it measured
+        with open(path, "w") as out:
+            json.dump(rows, out, indent=1)
+
+
 def study(args: argparse.Namespace) -> list[dict[str, object]]:
     torch.set_num_threads(args.threads)
     spec = RunSpec.from_toml(DEMO_SPEC)
@@ -201,6 +207,7 @@ def study(args: argparse.Namespace) -> list[dict[str, object]]:
             {"seed": seed, "attack": "none", "honest": honest, "honest_all": honest_all,
              "open": calm.loss, "mean": honest_all, "bans": calm.bans, "false_bans": len(calm.bans)}
         )  # fmt: skip
+        _save(rows, args.json)
         for attack in args.attacks:
             bad = {i: Attack(attack) for i in range(n - f, n)}
             opened = lab.run(n, args.rounds, attackers=bad, mode="open")
@@ -211,6 +218,7 @@ def study(args: argparse.Namespace) -> list[dict[str, object]]:
                  "open": opened.loss, "mean": plain.loss, "bans": opened.bans,
                  "false_bans": false_bans}
             )  # fmt: skip
+            _save(rows, args.json)
             print(
                 f"  {attack:<10} open {opened.loss:.3f} ({opened.loss / honest:.3f}x) "
                 f"mean {'diverged' if plain.diverged else f'{plain.loss:.3f}'} "
@@ -308,15 +316,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--round-cost-repeats", type=int, default=10)
     parser.add_argument("--round-cost-only", action="store_true")
-    parser.add_argument("--json", help="also save the rows here")
+    parser.add_argument("--json", help="also save the rows here (after each one)")
+    parser.add_argument("--from-json", help="only report the rows saved here")
     args = parser.parse_args()
     logging.getLogger("swarmgrad").setLevel(logging.ERROR)  # bans are in the table
+    if args.from_json:
+        with open(args.from_json) as saved:
+            report(json.load(saved), args.nodes, args.attackers)
+        return
     if not args.round_cost_only:
         rows = study(args)
         report(rows, args.nodes, args.attackers)
-        if args.json:
-            with open(args.json, "w") as out:
-                json.dump(rows, out, indent=1)
     asyncio.run(round_cost(args.nodes, args.round_cost_repeats))
 
 

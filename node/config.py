@@ -271,3 +271,20 @@ def remember_joined_run(
     spec_path = folder / f"{run_id}.toml"
     atomic_write(spec_path, spec_toml.encode())
     return spec_path
+
+
+def read_allowlist(path: Path) -> list[str]:
+    """The peer ids in an allowlist file: one per line, ``#`` starts a comment."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read allowlist {path}: {error}") from None
+    peers = []
+    for number, line in enumerate(text.splitlines(), 1):
+        peer = line.split("#", 1)[0].strip()
+        if not peer:
+            continue
+        if not re.fullmatch(r"sg[a-z2-7]{20,62}", peer):
+            raise ConfigError(f"{path}:{number}: {peer!r} is not a peer id (sg...)")
+        peers.append(peer)
+    return peers

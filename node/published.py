@@ -16,7 +16,9 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,6 +26,7 @@ from swarmgrad.node.discovery.base import Discovery, dht_time
 from swarmgrad.node.discovery.envelope import Envelope
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec, RunSpecError
+from swarmgrad.node.trust.allowlist import Allowlist
 from swarmgrad.protocol.errors import SetupError
 
 log = logging.getLogger(__name__)
@@ -31,6 +34,8 @@ log = logging.getLogger(__name__)
 #: How long a published run lives in the DHT, and how often its publisher renews it.
 PUBLISHED_TTL_SECONDS = 150.0
 RENEW_SECONDS = 50.0
+#: How often ``publish`` reads a private run's allowlist file for changes.
+ALLOWLIST_CHECK_SECONDS = 2.0
 
 
 class RunNotFound(SetupError):
@@ -90,9 +95,16 @@ def listings(envelopes: Sequence[Envelope]) -> list[Listing]:
 
 
 async def publish(
-    dht: Discovery, run_key: Identity, spec_toml: str, *, stop: asyncio.Event
+    dht: Discovery,
+    run_key: Identity,
+    spec_toml: str,
+    *,
+    stop: asyncio.Event,
+    allowlist: Callable[[], list[str]] | None = None,
 ) -> None:
-    """Keep the run in ``spec_toml`` published under ``run_key`` until ``stop`` is set."""
+    """Keep the run in ``spec_toml`` published under ``run_key`` until ``stop`` is set, and,
+    for a private run, the allowlist ``allowlist()`` reads (a new version as soon as it
+    changes: it is read again every :data:`ALLOWLIST_CHECK_SECONDS`)."""
     spec = RunSpec.from_toml(spec_toml)
     run = PublishedRun(
         run_id=spec.run.id,
@@ -100,11 +112,34 @@ async def publish(
         spec_toml=spec_toml,
         published_at=dht_time(),
     )
+    listed: Allowlist | None = None
+    renewed = -math.inf
     while not stop.is_set():
-        await dht.publish_run(run_key, run.body(), expires_at=dht_time() + PUBLISHED_TTL_SECONDS)
-        log.info("published run %s (spec %s) as %s", spec.run.id, spec.short_hash, run_key.peer_id)
+        loop_time = asyncio.get_running_loop().time()
+        expires_at = dht_time() + PUBLISHED_TTL_SECONDS
+        if allowlist is not None:
+            try:
+                peers = frozenset(allowlist())
+            except SetupError as error:  # a file being edited: keep the last version
+                log.warning("%s (keeping allowlist version %s)", error,
+                            listed.version if listed else "none")  # fmt: skip
+                peers = listed.peers if listed is not None else frozenset()
+            if listed is None or peers != listed.peers:
+                # A version every reader orders after the last, even across restarts.
+                version = max(int(time.time() * 1000), listed.version + 1 if listed else 0)
+                listed = Allowlist(version=version, peers=peers)
+                renewed = -math.inf
+                log.info("allowlist version %d: %d peer(s)", version, len(peers))
+        if loop_time - renewed >= RENEW_SECONDS:
+            await dht.publish_run(run_key, run.body(), expires_at=expires_at)
+            if listed is not None:
+                view = dht.for_run(spec.run.id, spec.hash)
+                await view.publish_allowlist(run_key, listed.body(), expires_at=expires_at)
+            renewed = loop_time
+            log.info("published run %s (spec %s) as %s",
+                     spec.run.id, spec.short_hash, run_key.peer_id)  # fmt: skip
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), RENEW_SECONDS)
+            await asyncio.wait_for(stop.wait(), ALLOWLIST_CHECK_SECONDS)
 
 
 async def run_rows(dht: Discovery) -> list[dict[str, Any]]:

@@ -54,6 +54,10 @@ def run_key(
 def publish(
     spec: Annotated[Path, typer.Argument(help="The run spec to publish.")],
     run_key: Annotated[Path, typer.Option(help="The run key (swarmgrad run-key) that signs it.")],
+    allowlist: Annotated[
+        Path | None,
+        typer.Option(help="Private runs: peer ids allowed in, one a line; edits apply live."),
+    ] = None,
     bootstrap: Bootstrap = None,
     bootstrap_file: BootstrapFile = None,
     discovery: Backend = "hivemind",
@@ -69,8 +73,20 @@ def publish(
         loaded = RunSpec.from_toml(text)
         key = Identity.load(run_key)
         maddrs = _addresses(bootstrap, bootstrap_file)
+        if loaded.trust.private and allowlist is None:
+            raise node_config.ConfigError("a private run's spec: give --allowlist FILE")
+        if loaded.trust.private and loaded.trust.run_key != key.peer_id:
+            raise node_config.ConfigError(
+                f"the spec's trust.run_key is {loaded.trust.run_key}, this run key is {key.peer_id}"
+            )
+        if allowlist is not None:
+            node_config.read_allowlist(allowlist)  # a bad file fails now, not in the loop
     except SetupError as error:
         raise fail(EXIT_CONFIG, str(error)) from None
+
+    def read_allowlist() -> list[str]:
+        assert allowlist is not None
+        return node_config.read_allowlist(allowlist)
 
     async def serve(stop: asyncio.Event) -> int:
         dht = await start_reader(
@@ -83,7 +99,9 @@ def publish(
             typer.echo(
                 f"  swarmgrad join {loaded.run.id} --run-key-id {key.peer_id} --bootstrap ..."
             )
-            await published.publish(dht, key, text, stop=stop)
+            await published.publish(
+                dht, key, text, stop=stop, allowlist=read_allowlist if allowlist else None
+            )
         finally:
             await dht.close()
         return 0

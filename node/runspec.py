@@ -230,7 +230,7 @@ class AveragingSection:
             )
 
 
-TRUST_MODES = ("trusted", "open")
+TRUST_MODES = ("trusted", "private", "open")
 AGGREGATORS = ("mean", "centered_clip", "median")
 #: Codecs an open run refuses: low-rank factors and per-member top-k indices cannot be screened
 #: or robustly aggregated coordinate by coordinate.
@@ -244,12 +244,16 @@ class TrustSection:
     ``trusted`` (the default): every peer is honest; owners take the weighted mean. ``open``:
     anyone may join and some may be malicious; owners weigh every member alike, aggregate
     robustly (CenteredClip by default), return results in fp16, score members and stop
-    averaging with those whose updates are flagged (node/trust/ledger.py).
+    averaging with those whose updates are flagged (node/trust/ledger.py). ``private``: only
+    the peers on the allowlist that ``run_key`` signs (``swarmgrad publish --allowlist``) take
+    part; everyone else is refused at matchmaking and at every RPC (node/trust/allowlist.py).
     """
 
     mode: str = "trusted"
-    #: "": the mode's own (mean when trusted, centered_clip when open).
+    #: "": the mode's own (mean when trusted or private, centered_clip when open).
     aggregator: str = ""
+    #: The fingerprint (sg...) of the run key that signs a private run's allowlist.
+    run_key: str = ""
 
     def __post_init__(self) -> None:
         if self.mode not in TRUST_MODES:
@@ -260,6 +264,13 @@ class TrustSection:
             raise RunSpecError(
                 f"trust.aggregator must be one of {', '.join(AGGREGATORS)}, got {self.aggregator!r}"
             )
+        if self.mode == "private" and not (
+            self.run_key.startswith("sg") and 20 <= len(self.run_key) <= 64
+        ):
+            raise RunSpecError(
+                'trust.mode = "private" needs trust.run_key: the fingerprint (sg...) of the run '
+                "key that signs the allowlist (swarmgrad run-key FILE prints it)"
+            )
         if self.mode == "open" and self.aggregator == "mean":
             raise RunSpecError(
                 'trust.aggregator = "mean" in an open run: one malicious peer could move the '
@@ -269,6 +280,10 @@ class TrustSection:
     @property
     def open(self) -> bool:
         return self.mode == "open"
+
+    @property
+    def private(self) -> bool:
+        return self.mode == "private"
 
     @property
     def effective_aggregator(self) -> str:

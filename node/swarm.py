@@ -51,6 +51,7 @@ from swarmgrad.node.swarm_config import (
 )
 from swarmgrad.node.tasks import LoopBridge, TaskSet
 from swarmgrad.node.transport.transport import Transport
+from swarmgrad.node.trust.allowlist import AllowlistWatcher
 from swarmgrad.node.trust.ledger import TrustLedger
 from swarmgrad.protocol import state
 from swarmgrad.protocol.auth import Verifier
@@ -77,8 +78,14 @@ class Swarm:
             algorithm=spec.algorithm.name,
             codec=spec.averaging.codec,
         )
+        #: A private run's allowlist (None: anyone may take part).
+        self.allowlist = (
+            AllowlistWatcher(spec.trust.run_key, self.peer_id) if spec.trust.private else None
+        )
         #: Checks every signed request this node receives (one replay memory for all services).
-        self.verifier = Verifier(self.peer_id)
+        self.verifier = Verifier(
+            self.peer_id, admit=self.allowlist.allowed if self.allowlist is not None else None
+        )
         #: Requests this node's services refused, by service and result code.
         self.rejections = Rejections()
         # What does not need the DHT is built now; the rest once it runs (__aenter__).
@@ -169,7 +176,7 @@ class Swarm:
                 matchmaking_timeout_seconds=spec.averaging.matchmaking_timeout_seconds,
                 settle_seconds=MATCHMAKING_SETTLE_SECONDS,
                 peers=self.directory.refresh,
-                excluded=self._averager.ledger.banned,
+                excluded=self._excluded,
             )
             budget = round_budget_seconds(
                 spec, config, dht_call_seconds=self._discovery.call_timeout_seconds
@@ -186,6 +193,10 @@ class Swarm:
                 ),
                 config.rounds(budget_seconds=budget),
             )
+            if self.allowlist is not None:
+                self.allowlist.read = self._discovery.find_allowlists
+                await self.allowlist.refresh()
+                self._spawn(self.allowlist.run(), "allowlist")
             await self.directory.join()
             self._spawn(self.directory.keep_fresh(), "announce")
             self._spawn(self.reachability.run(), "reachability")
@@ -314,7 +325,15 @@ class Swarm:
     async def find_donors(self, epoch: int, checksum: str) -> list[PeerRecord]:
         """Peers to download state from if this node is behind or diverged."""
         assert self.directory is not None
-        return self.state.find_donors(await self.directory.refresh(), epoch, checksum)
+        peers = [p for p in await self.directory.refresh() if not self._excluded(p.peer_id)]
+        return self.state.find_donors(peers, epoch, checksum)
+
+    def _excluded(self, peer_id: str) -> bool:
+        """Peers this node does not average with or learn from: banned by its ledger (open
+        runs), or not on the allowlist (private runs)."""
+        if self._averager.ledger.banned(peer_id):
+            return True
+        return self.allowlist is not None and not self.allowlist.allowed(peer_id)
 
     async def download_state(
         self, donors: list[PeerRecord], num_values: int

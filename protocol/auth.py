@@ -22,7 +22,7 @@ import secrets
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from swarmgrad.protocol.errors import ProtocolViolation, quote
@@ -118,9 +118,18 @@ class ReplayGuard:
 class Verifier:
     """Checks the requests this node (``me``) receives."""
 
-    def __init__(self, me: str, *, replay: ReplayGuard | None = None) -> None:
+    def __init__(
+        self,
+        me: str,
+        *,
+        replay: ReplayGuard | None = None,
+        admit: Callable[[str], bool] | None = None,
+    ) -> None:
+        """``admit``: whether an authenticated peer may be served at all (a private run's
+        allowlist); refused peers get NOT_ALLOWED."""
         self.me = me
         self._replay = replay or ReplayGuard()
+        self.admit = admit
 
     @property
     def replay(self) -> ReplayGuard:
@@ -163,4 +172,8 @@ class Verifier:
             raise refuse(f"bad signature from {peer}")
         if not self._replay.first_time(auth.public_key, auth.nonce, now):
             raise refuse(f"a replayed request from {peer}")
+        if self.admit is not None and not self.admit(peer):
+            raise ProtocolViolation(
+                ResultCode.NOT_ALLOWED, f"{peer} is not on this private run's allowlist"
+            )
         return peer

@@ -49,6 +49,7 @@ STATUS_OF: dict[int, grpc.StatusCode] = {
     ResultCode.WRONG_ADDRESS: grpc.StatusCode.PERMISSION_DENIED,
     ResultCode.CANNOT_PUNCH: grpc.StatusCode.FAILED_PRECONDITION,
     ResultCode.BANNED: grpc.StatusCode.PERMISSION_DENIED,
+    ResultCode.NOT_ALLOWED: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 _REJECTION_NAMES = frozenset(ResultCode.Name(code) for code in STATUS_OF)

@@ -111,6 +111,14 @@ class Discovery(Protocol):
         """Every run published under ``runs`` whose seal holds."""
         ...
 
+    async def publish_allowlist(self, run_key: Sealer, body: bytes, *, expires_at: float) -> None:
+        """Publish this run and spec's allowlist in its run key's slot."""
+        ...
+
+    async def find_allowlists(self) -> list[Envelope]:
+        """Every allowlist under this run and spec whose seal holds (by any signer)."""
+        ...
+
     async def leave(self, topic: str = "peers") -> None:
         """Withdraw this node's record under ``topic`` at once (``peers``: a graceful leave)."""
         ...
@@ -269,20 +277,32 @@ class SignedDirectory(abc.ABC):
 
     async def publish_run(self, run_key: Sealer, body: bytes, *, expires_at: float) -> None:
         """Publish a run under ``runs``, sealed by its organizer's ``run_key`` (its slot)."""
-        if len(body) > MAX_SPEC_BYTES:
-            raise ValueError("the published run is too large")
-        now = dht_time()
-        if expires_at - now > MAX_TTL_SECONDS:
-            raise ValueError(f"a DHT value may live at most {MAX_TTL_SECONDS:g} s")
-        value = seal(
-            run_key, key=RUNS_KEY, kind=Kind.RUN, body=body, issued_at=now, expires_at=expires_at
-        )
-        await self._put(RUNS_KEY, peer_id_of(run_key.public_key), value, expires_at)
+        await self._put_sealed_by(run_key, RUNS_KEY, Kind.RUN, body, expires_at=expires_at)
 
     async def find_runs(self) -> list[Envelope]:
         """The runs published under ``runs`` whose seals hold (the body is the reader's to
         check)."""
         return [envelope for envelope, _ in await self._valid(RUNS_KEY)]
+
+    async def publish_allowlist(self, run_key: Sealer, body: bytes, *, expires_at: float) -> None:
+        """This run and spec's allowlist, sealed by ``run_key`` in its slot."""
+        await self._put_sealed_by(run_key, self._topic_key("allowlist"), Kind.ALLOWLIST, body,
+                                  expires_at=expires_at)  # fmt: skip
+
+    async def find_allowlists(self) -> list[Envelope]:
+        return [envelope for envelope, _ in await self._valid(self._topic_key("allowlist"))]
+
+    async def _put_sealed_by(
+        self, sealer: Sealer, key: str, kind: Kind, body: bytes, *, expires_at: float
+    ) -> None:
+        """Store ``body`` sealed by another key than this node's (a run key) in its slot."""
+        if len(body) > MAX_SPEC_BYTES:
+            raise ValueError("the value is too large")
+        now = dht_time()
+        if expires_at - now > MAX_TTL_SECONDS:
+            raise ValueError(f"a DHT value may live at most {MAX_TTL_SECONDS:g} s")
+        value = seal(sealer, key=key, kind=kind, body=body, issued_at=now, expires_at=expires_at)
+        await self._put(key, peer_id_of(sealer.public_key), value, expires_at)
 
     async def find_specs(self) -> dict[str, bytes]:
         return {

@@ -45,6 +45,7 @@ _RUN = r"[A-Za-z0-9._-]{1,64}"
 _PEERS = re.compile(rf"run/{_RUN}/[0-9a-f]{{64}}/peers")
 _ROUND = re.compile(rf"run/{_RUN}/[0-9a-f]{{64}}/round/(0|[1-9][0-9]{{0,18}})")
 _SPECS = re.compile(rf"run/{_RUN}/specs")
+_ALLOWLIST = re.compile(rf"run/{_RUN}/[0-9a-f]{{64}}/allowlist")
 #: Where organizers publish their runs: one slot per run key.
 RUNS_KEY = "runs"
 
@@ -59,6 +60,7 @@ class Kind(enum.IntEnum):
     SPEC = 3  # a canonical run spec, under run/<id>/specs
     LEAVE = 4  # a withdrawal (tombstone) of the signer's value under any of those keys
     RUN = 5  # a run published by its organizer's run key, under "runs"
+    ALLOWLIST = 6  # a private run's allowlist, signed by its run key, under .../allowlist
 
 
 def allowed_kinds(key: str) -> tuple[Kind, ...]:
@@ -71,6 +73,8 @@ def allowed_kinds(key: str) -> tuple[Kind, ...]:
         return (Kind.SPEC, Kind.LEAVE)
     if key == RUNS_KEY:
         return (Kind.RUN, Kind.LEAVE)
+    if _ALLOWLIST.fullmatch(key):
+        return (Kind.ALLOWLIST, Kind.LEAVE)
     return ()
 
 

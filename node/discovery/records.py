@@ -164,7 +164,10 @@ def check(
             raise RecordError(f"record of {record.peer_id} disagrees with its seal's times")
         if isinstance(record, ReadyRecord) and str(record.round) != parts[-1]:
             raise RecordError(f"readiness of {record.peer_id} for another round")
-    elif envelope.kind in (Kind.SPEC, Kind.RUN) and len(envelope.body) > MAX_SPEC_BYTES:
+    elif (
+        envelope.kind in (Kind.SPEC, Kind.RUN, Kind.ALLOWLIST)
+        and len(envelope.body) > MAX_SPEC_BYTES
+    ):
         raise RecordError("a run spec over the size limit")
     return record
 

@@ -30,6 +30,7 @@ class ResultCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WRONG_ADDRESS: _ClassVar[ResultCode]
     CANNOT_PUNCH: _ClassVar[ResultCode]
     BANNED: _ClassVar[ResultCode]
+    NOT_ALLOWED: _ClassVar[ResultCode]
 RESULT_CODE_UNSPECIFIED: ResultCode
 OK: ResultCode
 WRONG_RUN: ResultCode
@@ -49,6 +50,7 @@ UNKNOWN_STATE: ResultCode
 WRONG_ADDRESS: ResultCode
 CANNOT_PUNCH: ResultCode
 BANNED: ResultCode
+NOT_ALLOWED: ResultCode
 
 class RoundKey(_message.Message):
     __slots__ = ("run_id", "spec_hash", "round", "group_id")

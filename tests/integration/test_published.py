@@ -9,7 +9,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
 from tests.helpers import wait_for_pattern, wait_until
 
@@ -127,6 +129,107 @@ def test_a_volunteer_joins_a_published_run_by_its_id(tmp_path: Path, cache_dir: 
         )  # fmt: skip
         assert code == 2, out
         assert f"was joined under run key {fingerprint}" in out
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+PRIVATE = """\
+[run]
+id = "private-demo"
+[model]
+vocab_size = 2048
+d_model = 64
+n_layers = 1
+n_heads = 2
+seq_len = 32
+[algorithm]
+inner_steps = 5
+[averaging]
+group_size = 3
+matchmaking_timeout_seconds = 4.0
+[trust]
+mode = "private"
+run_key = "{run_key}"
+"""
+
+
+def _status(path: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def test_a_private_run_refuses_strangers_until_the_allowlist_takes_them_in(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        processes.append(
+            swarmgrad("bootstrap", "--maddrs-file", str(tmp_path / "boot.json"),
+                      home=tmp_path / "boot", log=tmp_path / "boot.log")
+        )  # fmt: skip
+        wait_until(lambda: (tmp_path / "boot.json").exists(), timeout_seconds=60, what="bootstrap")
+        boot = ["--bootstrap-file", str(tmp_path / "boot.json")]
+        organizer = Identity.from_seed("private-run/organizer")
+        organizer.save(tmp_path / "org.key")
+        keys = [Identity.from_seed(f"private-run/node-{i}") for i in range(3)]
+        spec = tmp_path / "run.toml"
+        spec.write_text(PRIVATE.format(run_key=organizer.peer_id))
+        allowlist = tmp_path / "allowlist.txt"
+        allowlist.write_text(f"# the founders\n{keys[0].peer_id}\n{keys[1].peer_id}\n")
+        processes.append(
+            swarmgrad("publish", str(spec), "--run-key", str(tmp_path / "org.key"),
+                      "--allowlist", str(allowlist), *boot, home=tmp_path / "org",
+                      log=tmp_path / "publish.log")
+        )  # fmt: skip
+        wait_for_pattern(tmp_path / "publish.log", "published run", timeout_seconds=60)
+        for i, key in enumerate(keys):
+            home = tmp_path / f"node-{i}"
+            key.save(tmp_path / f"node-{i}.key")
+            processes.append(
+                swarmgrad("node", str(spec), *boot, "--identity", str(tmp_path / f"node-{i}.key"),
+                          "--cache-dir", str(cache_dir), "--max-epochs", "30",
+                          "--metrics-address", "off", "--display", "log", "--threads", "1",
+                          "--status-file", str(home / "status.json"),
+                          home=home, log=tmp_path / f"node-{i}.log")
+            )  # fmt: skip
+        statuses = [tmp_path / f"node-{i}" / "status.json" for i in range(3)]
+
+        def alive() -> None:
+            for process in processes:
+                assert process.poll() is None, "a process exited"
+
+        # The founders average together; the stranger is refused before matchmaking.
+        wait_until(lambda: _status(statuses[0]).get("epoch", 0) >= 3, timeout_seconds=120,
+                   what="the founders at epoch 3", check=alive)  # fmt: skip
+        stranger_log = tmp_path / "node-2.log"
+        wait_for_pattern(stranger_log, r"this node \(sg\w+\) is NOT on it", timeout_seconds=30)
+        for path in statuses[:2]:
+            history = _status(path)["history"]
+            assert all(h["group_size"] <= 2 for h in history), history
+            assert any(h["outcome"] == "averaged" for h in history), history
+        assert not any(h["outcome"] == "averaged" for h in _status(statuses[2]).get("history", []))
+        # NOT_ALLOWED: the stranger's signed state requests were refused by the founders.
+        wait_for_pattern(stranger_log, "NOT_ALLOWED", timeout_seconds=60, check=alive)
+
+        # The organizer adds it; without a restart, it is let in and averages with them.
+        allowlist.write_text(allowlist.read_text() + f"{keys[2].peer_id}  # joined later\n")
+        wait_for_pattern(stranger_log, r"allowlist version \d+: 3 peer", timeout_seconds=60)
+
+        def averaged_in_three() -> bool:
+            history = _status(statuses[2]).get("history", [])
+            return any(h["outcome"] == "averaged" and h["group_size"] == 3 for h in history)
+
+        wait_until(averaged_in_three, timeout_seconds=120, what="the newcomer averaging",
+                   check=alive)  # fmt: skip
     finally:
         for process in processes:
             if process.poll() is None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from swarmgrad.node.discovery.base import dht_time
+from swarmgrad.node.discovery.envelope import Envelope, Kind, open_envelope, seal
+from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec, RunSpecError
 from swarmgrad.node.trust.aggregate import (
     Aggregator,
@@ -14,6 +17,7 @@ from swarmgrad.node.trust.aggregate import (
     centered_clip,
     coordinate_median,
 )
+from swarmgrad.node.trust.allowlist import Allowlist, AllowlistError, AllowlistWatcher
 from swarmgrad.node.trust.ledger import Flag, Observation, TrustLedger, TrustPolicy, sketch
 
 
@@ -161,3 +165,33 @@ def test_trust_section_defaults_keep_the_hash_and_open_runs_refuse_what_they_can
     ):
         with pytest.raises(RunSpecError, match=match):
             RunSpec.from_toml(SPEC + bad)
+
+
+def _allowlist_envelope(signer: Identity, version: int, peers: list[str]) -> Envelope:
+    body = Allowlist(version=version, peers=frozenset(peers)).body()
+    key = f"run/r/{'0' * 64}/allowlist"
+    now = dht_time()
+    return open_envelope(
+        seal(signer, key=key, kind=Kind.ALLOWLIST, body=body, issued_at=now, expires_at=now + 60)
+    )
+
+
+def test_the_allowlist_believes_only_the_run_key_and_only_moves_forward() -> None:
+    organizer, mallory = Identity.from_seed("org"), Identity.from_seed("mallory")
+    alice, bob = Identity.from_seed("alice").peer_id, Identity.from_seed("bob").peer_id
+    watcher = AllowlistWatcher(organizer.peer_id, me=alice)
+    assert not watcher.allowed(alice)  # nothing read yet: a private run admits nobody
+    assert watcher.take([_allowlist_envelope(mallory, 99, [alice, bob])]) is False
+    assert not watcher.allowed(bob)
+    assert watcher.take([_allowlist_envelope(organizer, 5, [alice])]) is True
+    assert watcher.allowed(alice)
+    assert not watcher.allowed(bob)
+    # An older version replayed into the DHT changes nothing; a newer one takes over.
+    assert watcher.take([_allowlist_envelope(organizer, 4, [alice, bob])]) is False
+    assert watcher.take([_allowlist_envelope(organizer, 6, [bob])]) is True
+    assert watcher.allowed(bob)
+    assert not watcher.allowed(alice)
+    with pytest.raises(AllowlistError):
+        Allowlist.parse(b'{"version": 1, "peers": ["not-a-peer"]}')
+    with pytest.raises(RunSpecError, match="run_key"):
+        RunSpec.from_toml(SPEC + '[trust]\nmode = "private"\n')
