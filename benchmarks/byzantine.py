@@ -118,7 +118,7 @@ class Lab:
             for i, attacker in evil.items():
                 if i in deltas:
                     deltas[i] = attacker.update(deltas[i], honest)
-            averaged = self._average(
+            averaged, missing = self._average(
                 round_, live, deltas, codec, ledgers if mode == "open" else None
             )
             for peer_ledger in ledgers.values():
@@ -126,7 +126,9 @@ class Lab:
                     outcome.bans.setdefault(int(peer_id), ban.round)
             if not torch.isfinite(averaged).all():
                 return Outcome(loss=float("inf"), diverged=True, bans=outcome.bans)
-            theta = outer.step(averaged, own=averaged)
+            # Parts whose result members could not decode apply nothing (a node keeps its own
+            # pseudo-gradient there as carry; one shared optimizer here keeps none).
+            theta = outer.step(averaged, own=torch.zeros_like(averaged), missing=missing)
             for model in models:
                 unflatten(theta, list(model.parameters()))
         outcome.loss = self.loss(models[next(i for i in range(n) if i not in evil)])
@@ -140,13 +142,15 @@ class Lab:
         deltas: dict[int, torch.Tensor],
         codec: object,
         ledgers: dict[int, TrustLedger] | None,
-    ) -> torch.Tensor:
-        """One round as the owners compute it; ``ledgers``: open mode, else the plain mean."""
+    ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """One round as the owners compute it (``ledgers``: open mode, else the plain mean);
+        the result and the parts members could not decode (an owner's own NaN)."""
         group = Group(
             round=round_, members=tuple(Member(peer_id=str(i), endpoint="-") for i in live)
         )
         size = next(iter(deltas.values())).numel()
-        out = torch.empty(size)
+        out = torch.zeros(size)
+        missing: list[tuple[int, int]] = []
         result_codec = get_codec("fp16" if ledgers is not None else self.spec.averaging.codec)
         for part, (start, end) in enumerate(group.partition(size)):
             owner = live[part]
@@ -176,8 +180,11 @@ class Lab:
                 if owner in ledgers:
                     observations.pop(str(owner), None)
                     ledgers[owner].observe(round_, observations)
+            if not torch.isfinite(value).all():  # refused on decode (NON_FINITE) by members
+                missing.append((start, end))
+                continue
             out[start:end] = decode(*result_codec.encode(value))
-        return out
+        return out, missing
 
 
 def _save(rows: list[dict[str, object]], path: str | None) -> None:
