@@ -81,6 +81,8 @@ class _Round:
     contributors: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
     failure_kinds: dict[str, Failure] = field(default_factory=dict)
+    #: Owners whose averaged chunk left out this member's values, which it had sent them.
+    excluded_by: set[str] = field(default_factory=set)
 
     @property
     def me(self) -> int:
@@ -201,6 +203,8 @@ async def _exchange_with_owner(
                 max_bytes=config.max_chunk_bytes,
             )
             _check_contributors(response, group)
+            if state.me not in response.contributors:  # it took our chunk, then left it out
+                state.excluded_by.add(owner.peer_id)
             await decode_chunk(response.chunk.payload, meta, out[start:end])
             state.contributors[(part, expected)] = tuple(response.contributors)
             expected += 1
@@ -352,4 +356,5 @@ def _summarize(state: _Round, bounds: list[tuple[int, int]], out: torch.Tensor) 
         missing=tuple(missing),
         failures=dict(state.failures),
         failure_kinds=dict(state.failure_kinds),
+        excluded_by=tuple(sorted(state.excluded_by)),
     )

@@ -198,6 +198,8 @@ class Averager:
                 await self._score(group, reducer)
             self._retire(key)
         self.rounds["complete" if result.complete else "partial"] += 1
+        if self.config.observe and result.excluded_by:
+            self.ledger.dispute(group.round, result.excluded_by)
         if result.failures:
             log.warning("round %d: %s", group.round, result.failures)
         return result

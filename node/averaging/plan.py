@@ -119,6 +119,9 @@ class RoundResult:
     #: exact, every other chunk as encoded once and sent, chunks never sent exact).
     #: ``vector - sent`` is what the codec lost: the error feedback a caller carries on.
     sent: torch.Tensor | None = None
+    #: Owners that answered a chunk of their part without this member's values in it, though
+    #: they took them (screened, or an owner that leaves members out: open runs dispute it).
+    excluded_by: tuple[str, ...] = ()
 
     @property
     def complete(self) -> bool:

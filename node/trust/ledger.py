@@ -12,6 +12,10 @@ per peer (EMAs of clip and cosine) and decides local bans:
   replayed and duplicated updates ban after ``consecutive`` flagged rounds in a row, or
   ``window_flags`` flagged rounds of the last ``window`` (an attacker who alternates).
 
+A member also notes the owners whose averaged chunks left its own values out (an *inclusion*
+check): a dispute, counted per owner (``disputes`` in :meth:`TrustLedger.table`, a metric),
+never a ban: the member cannot prove it, and an owner may have screened its values.
+
 A ban is this node's own decision: it stops grouping with the peer (matchmaking skips its
 readiness record) and refuses its streams. It is not published: statistics are not proof, and a
 peer that bans on another's word can be made to ban an honest peer.
@@ -115,6 +119,8 @@ class PeerScore:
     consecutive: int = 0
     recent: deque[bool] = field(default_factory=lambda: deque(maxlen=64))
     flags: dict[Flag, int] = field(default_factory=dict)
+    #: Rounds in which it, as an owner, left this node's values out.
+    disputes: list[int] = field(default_factory=list)
 
 
 def sketch(values: torch.Tensor) -> torch.Tensor:
@@ -134,6 +140,8 @@ class TrustLedger:
         self.flag_counts: dict[Flag, int] = dict.fromkeys(Flag, 0)
         self._sketches: dict[tuple[int, int], deque[tuple[int, str, torch.Tensor]]] = {}
         self._lock = threading.Lock()  # a metrics scrape reads from another thread
+        #: Inclusion disputes noted, all owners together.
+        self.dispute_count = 0
 
     def banned(self, peer_id: str) -> bool:
         return peer_id in self.bans
@@ -148,6 +156,16 @@ class TrustLedger:
                 if ban is not None:
                     new.append(ban)
         return new
+
+    def dispute(self, round_: int, owners: Iterable[str]) -> None:
+        """Note owners that left this node's values out of ``round_`` (never a ban)."""
+        with self._lock:
+            for owner in owners:
+                disputes = self.scores.setdefault(owner, PeerScore()).disputes
+                disputes.append(round_)
+                del disputes[:-64]
+                self.dispute_count += 1
+                log.warning("round %d: %s left this node's values out of its part", round_, owner)
 
     def _judge(self, round_: int, peer_id: str, seen: Observation) -> Ban | None:
         policy = self.policy
@@ -213,17 +231,20 @@ class TrustLedger:
                     "clip_ema": round(score.clip_ema, 4),
                     "cosine_ema": round(score.cosine_ema, 4),
                     "flags": {str(k): v for k, v in sorted(score.flags.items())},
+                    "disputes": len(score.disputes),
                     "banned": None if ban is None else {"round": ban.round, "reason": ban.reason},
                 }
             return out
 
     def counts(self) -> tuple[dict[str, int], dict[str, int]]:
-        """(flags raised by kind, bans by reason), safe from another thread."""
+        """(flags raised by kind and "dispute" for inclusion disputes, bans by reason), safe
+        from another thread."""
         with self._lock:
             reasons: dict[str, int] = {}
             for ban in self.bans.values():
                 reasons[ban.reason] = reasons.get(ban.reason, 0) + 1
-            return {str(k): v for k, v in self.flag_counts.items()}, reasons
+            flags = {str(k): v for k, v in self.flag_counts.items()}
+            return flags | {"dispute": self.dispute_count}, reasons
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:

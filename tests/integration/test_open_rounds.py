@@ -14,6 +14,7 @@ import torch
 from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
 from swarmgrad.node.averaging.averager import Averager, standalone
 from swarmgrad.node.averaging.group import Group, Member
+from swarmgrad.node.averaging.reducer import PartReducer
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.simulations.attacks import Attack, Attacker, NaNPayloads
@@ -162,3 +163,28 @@ async def test_a_banned_peer_is_refused_with_banned() -> None:
         assert set(mine.failures) == {p.peer_id for p in peers[:4]}
         # Each refused it with BANNED (its client may read a refusal mid-send as INTERNAL).
         assert all(p.servicer.rejections.snapshot().get(("Averaging", "BANNED")) for p in peers[:4])
+
+
+async def test_a_member_left_out_by_an_owner_disputes_it_and_bans_nobody(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with swarm(5) as peers:
+        liar, victim = peers[4].peer_id, peers[0].peer_id
+        honest_aggregate = PartReducer._aggregate
+
+        def leave_out(self: PartReducer, index: int) -> tuple[torch.Tensor, list[int]]:
+            if self.group.members[self.part].peer_id == liar:
+                self._inputs[index].pop(self.group.index(victim), None)
+            return honest_aggregate(self, index)
+
+        monkeypatch.setattr(PartReducer, "_aggregate", leave_out)
+        for round_ in range(3):
+            results = await average(peers, honest_updates(round_, 5), round_)
+            mine = results[0]
+            assert isinstance(mine, RoundResult)
+            assert mine.excluded_by == (liar,)
+            assert all(isinstance(r, RoundResult) and not r.excluded_by for r in results[1:])
+        table = peers[0].ledger.table()
+        assert table[liar]["disputes"] == 3
+        # Unprovable: a dispute never bans, here or anywhere.
+        assert all(p.ledger.bans == {} for p in peers)
