@@ -309,6 +309,26 @@ async def round_cost(n: int, repeats: int) -> None:
         medians[name] = statistics.median(kept)
         print(f"  {name:<8} median {medians[name]:.3f} s [{min(kept):.3f}, {max(kept):.3f}]")
     print(f"  open / trusted: {medians['open'] / medians['trusted']:.2f}x")
+    # In one process all N owners aggregate on the same cores; in a swarm each node does only
+    # its own part. What one owner adds, on one thread, for its part of the demo model:
+    torch.set_num_threads(1)
+    part = torch.stack(vectors)[:, : size // n].contiguous()
+    cost = {}
+    for name, combine in (
+        ("mean", lambda: part.mean(0)),
+        ("centered_clip", lambda: aggregate(part, Aggregator.CENTERED_CLIP)),
+    ):
+        combine()
+        began = time.perf_counter()
+        for _ in range(20):
+            combine()
+        cost[name] = (time.perf_counter() - began) / 20
+    print(
+        f"  one owner's part ({size // n:,} values x {n}), 1 thread: mean "
+        f"{cost['mean'] * 1e3:.2f} ms, centered_clip {cost['centered_clip'] * 1e3:.2f} ms "
+        f"(+{(cost['centered_clip'] - cost['mean']) * 1e3:.1f} ms a round per node, "
+        f"{(cost['centered_clip'] - cost['mean']) / medians['trusted']:.1%} of a trusted round)"
+    )
 
 
 def main() -> None:
