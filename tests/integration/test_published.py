@@ -8,16 +8,17 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
 from tests.helpers import wait_for_pattern, wait_until
 
-SPEC = """\
-[run]
-id = "published-demo"
+SMALL = """\
 [model]
 vocab_size = 2048
 d_model = 64
@@ -26,7 +27,11 @@ n_heads = 2
 seq_len = 32
 [algorithm]
 inner_steps = 5
-[averaging]
+"""
+SPEC = f"""\
+[run]
+id = "published-demo"
+{SMALL}[averaging]
 group_size = 2
 matchmaking_timeout_seconds = 10.0
 [trust]
@@ -44,119 +49,122 @@ def swarmgrad(*args: str, home: Path, log: Path | None = None) -> subprocess.Pop
         return subprocess.Popen(command, env=env, stdout=out, stderr=out)
 
 
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """The test's processes, stopped (then killed) at its end."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.terminate()
+    for process in started:
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def bootstrap(tmp_path: Path, processes: list[subprocess.Popen[bytes]]) -> list[str]:
+    """Start a bootstrap node; the options that point a command at it."""
+    maddrs = tmp_path / "boot.json"
+    processes.append(
+        swarmgrad("bootstrap", "--maddrs-file", str(maddrs), home=tmp_path / "boot",
+                  log=tmp_path / "boot.log")
+    )  # fmt: skip
+    wait_until(maddrs.exists, timeout_seconds=60, what="the bootstrap node")
+    return ["--bootstrap-file", str(maddrs)]
+
+
 def finish(process: subprocess.Popen[bytes], seconds: float) -> tuple[int, str]:
     out, err = process.communicate(timeout=seconds)
     return process.returncode, (out or b"").decode() + (err or b"").decode()
 
 
-def test_a_volunteer_joins_a_published_run_by_its_id(tmp_path: Path, cache_dir: Path) -> None:
-    processes: list[subprocess.Popen[bytes]] = []
-    try:
-        boot_log = tmp_path / "boot.log"
-        processes.append(
-            swarmgrad("bootstrap", "--maddrs-file", str(tmp_path / "boot.json"),
-                      home=tmp_path / "boot", log=boot_log)
-        )  # fmt: skip
-        wait_until(lambda: (tmp_path / "boot.json").exists(), timeout_seconds=60, what="bootstrap")
-        boot = ["--bootstrap-file", str(tmp_path / "boot.json")]
-        organizer = tmp_path / "organizer"
-        code, out = finish(swarmgrad("run-key", str(organizer / "run.key"), home=organizer), 60)
-        assert code == 0, out
-        fingerprint = out.split("fingerprint")[1].split(":")[1].split()[0]
-        (organizer / "run.toml").write_text(SPEC)
-        spec = RunSpec.from_toml(SPEC)
-        processes.append(
-            swarmgrad("publish", str(organizer / "run.toml"), "--run-key",
-                      str(organizer / "run.key"), *boot, home=organizer,
-                      log=tmp_path / "publish.log")
-        )  # fmt: skip
-        # Someone else publishes a look-alike under the same run id, with their own key.
-        mallory = tmp_path / "mallory"
-        assert finish(swarmgrad("run-key", str(mallory / "run.key"), home=mallory), 60)[0] == 0
-        (mallory / "run.toml").write_text(SPEC.replace("d_model = 64", "d_model = 32"))
-        processes.append(
-            swarmgrad("publish", str(mallory / "run.toml"), "--run-key", str(mallory / "run.key"),
-                      *boot, home=mallory, log=tmp_path / "mallory.log")
-        )  # fmt: skip
-        for log in ("publish.log", "mallory.log"):
-            wait_for_pattern(tmp_path / log, "published run", timeout_seconds=60)
+def test_a_volunteer_joins_a_published_run_by_its_id(
+    tmp_path: Path, cache_dir: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    boot = bootstrap(tmp_path, processes)
+    organizer = tmp_path / "organizer"
+    code, out = finish(swarmgrad("run-key", str(organizer / "run.key"), home=organizer), 60)
+    assert code == 0, out
+    fingerprint = out.split("fingerprint")[1].split(":")[1].split()[0]
+    (organizer / "run.toml").write_text(SPEC)
+    spec = RunSpec.from_toml(SPEC)
+    processes.append(
+        swarmgrad("publish", str(organizer / "run.toml"), "--run-key",
+                  str(organizer / "run.key"), *boot, home=organizer,
+                  log=tmp_path / "publish.log")
+    )  # fmt: skip
+    # Someone else publishes a look-alike under the same run id, with their own key.
+    mallory = tmp_path / "mallory"
+    assert finish(swarmgrad("run-key", str(mallory / "run.key"), home=mallory), 60)[0] == 0
+    (mallory / "run.toml").write_text(SPEC.replace("d_model = 64", "d_model = 32"))
+    processes.append(
+        swarmgrad("publish", str(mallory / "run.toml"), "--run-key", str(mallory / "run.key"),
+                  *boot, home=mallory, log=tmp_path / "mallory.log")
+    )  # fmt: skip
+    for log in ("publish.log", "mallory.log"):
+        wait_for_pattern(tmp_path / log, "published run", timeout_seconds=60)
 
-        code, out = finish(swarmgrad("runs", *boot, "--json", home=tmp_path / "reader"), 60)
-        assert code == 0, out
-        listed = {(r["run_id"], r["run_key_id"]): r for r in json.loads(out)}
-        assert listed[("published-demo", fingerprint)]["spec_hash"] == spec.short_hash
-        assert listed[("published-demo", fingerprint)]["trust"] == "open"
-        assert len(listed) == 2  # both are listed; the fingerprint says which is the organizer's
+    code, out = finish(swarmgrad("runs", *boot, "--json", home=tmp_path / "reader"), 60)
+    assert code == 0, out
+    listed = {(r["run_id"], r["run_key_id"]): r for r in json.loads(out)}
+    assert listed[("published-demo", fingerprint)]["spec_hash"] == spec.short_hash
+    assert listed[("published-demo", fingerprint)]["trust"] == "open"
+    assert len(listed) == 2  # both are listed; the fingerprint says which is the organizer's
 
-        volunteer = tmp_path / "volunteer-0"
-        code, out = finish(swarmgrad("join", "published-demo", *boot, home=volunteer), 60)
-        assert code == 2, out
-        assert "give --run-key-id" in out
-        code, out = finish(
-            swarmgrad("join", "published-demo", "--run-key-id", "sg" + "a" * 34, *boot,
-                      home=volunteer), 60,
-        )  # fmt: skip
-        assert code == 2, out
-        assert "no run 'published-demo' published under run key" in out
+    volunteer = tmp_path / "volunteer-0"
+    code, out = finish(swarmgrad("join", "published-demo", *boot, home=volunteer), 60)
+    assert code == 2, out
+    assert "give --run-key-id" in out
+    code, out = finish(
+        swarmgrad("join", "published-demo", "--run-key-id", "sg" + "a" * 34, *boot,
+                  home=volunteer), 60,
+    )  # fmt: skip
+    assert code == 2, out
+    assert "no run 'published-demo' published under run key" in out
 
-        joiners = []
-        for i in range(2):
-            home = tmp_path / f"volunteer-{i}"
-            joiners.append(
-                swarmgrad("join", "published-demo", "--run-key-id", fingerprint, *boot,
-                          "--cache-dir", str(cache_dir), "--max-epochs", "2",
-                          "--metrics-address", "off", "--display", "log",
-                          "--status-file", str(home / "status.json"),
-                          home=home, log=tmp_path / f"join-{i}.log")
-            )  # fmt: skip
-        processes += joiners
-        for i, joiner in enumerate(joiners):
-            code, _ = finish(joiner, 240)
-            log = (tmp_path / f"join-{i}.log").read_text()
-            assert code == 0, log[-3000:]
-            home = tmp_path / f"volunteer-{i}"
-            assert RunSpec.load(home / "runs" / "published-demo.toml").hash == spec.hash
-            assert json.loads((home / "runs" / "known.json").read_text()) == {
-                "published-demo": fingerprint
-            }
-            status = json.loads((home / "status.json").read_text())
-            assert status["epoch"] == 2
-            assert status["outcomes"].get("averaged", 0) >= 1, status["outcomes"]
-        # A later join of that run under another key is refused: the fingerprint is remembered.
-        code, out = finish(
-            swarmgrad("join", "published-demo", "--run-key-id", "sg" + "b" * 34, *boot,
-                      home=tmp_path / "volunteer-0"), 60,
+    joiners = []
+    for i in range(2):
+        home = tmp_path / f"volunteer-{i}"
+        joiners.append(
+            swarmgrad("join", "published-demo", "--run-key-id", fingerprint, *boot,
+                      "--cache-dir", str(cache_dir), "--max-epochs", "2",
+                      "--metrics-address", "off", "--display", "log",
+                      "--status-file", str(home / "status.json"),
+                      home=home, log=tmp_path / f"join-{i}.log")
         )  # fmt: skip
-        assert code == 2, out
-        assert f"was joined under run key {fingerprint}" in out
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
+    processes += joiners
+    for i, joiner in enumerate(joiners):
+        code, _ = finish(joiner, 240)
+        log = (tmp_path / f"join-{i}.log").read_text()
+        assert code == 0, log[-3000:]
+        home = tmp_path / f"volunteer-{i}"
+        assert RunSpec.load(home / "runs" / "published-demo.toml").hash == spec.hash
+        assert json.loads((home / "runs" / "known.json").read_text()) == {
+            "published-demo": fingerprint
+        }
+        status = json.loads((home / "status.json").read_text())
+        assert status["epoch"] == 2
+        assert status["outcomes"].get("averaged", 0) >= 1, status["outcomes"]
+    # A later join of that run under another key is refused: the fingerprint is remembered.
+    code, out = finish(
+        swarmgrad("join", "published-demo", "--run-key-id", "sg" + "b" * 34, *boot,
+                  home=tmp_path / "volunteer-0"), 60,
+    )  # fmt: skip
+    assert code == 2, out
+    assert f"was joined under run key {fingerprint}" in out
 
 
-PRIVATE = """\
+PRIVATE = f"""\
 [run]
 id = "private-demo"
-[model]
-vocab_size = 2048
-d_model = 64
-n_layers = 1
-n_heads = 2
-seq_len = 32
-[algorithm]
-inner_steps = 5
-[averaging]
+{SMALL}[averaging]
 group_size = 3
 matchmaking_timeout_seconds = 4.0
 [trust]
 mode = "private"
-run_key = "{run_key}"
+run_key = "{{run_key}}"
 """
 
 
@@ -168,74 +176,58 @@ def _status(path: Path) -> dict[str, Any]:
 
 
 def test_a_private_run_refuses_strangers_until_the_allowlist_takes_them_in(
-    tmp_path: Path, cache_dir: Path
+    tmp_path: Path, cache_dir: Path, processes: list[subprocess.Popen[bytes]]
 ) -> None:
-    processes: list[subprocess.Popen[bytes]] = []
-    try:
+    boot = bootstrap(tmp_path, processes)
+    organizer = Identity.from_seed("private-run/organizer")
+    organizer.save(tmp_path / "org.key")
+    keys = [Identity.from_seed(f"private-run/node-{i}") for i in range(3)]
+    spec = tmp_path / "run.toml"
+    spec.write_text(PRIVATE.format(run_key=organizer.peer_id))
+    allowlist = tmp_path / "allowlist.txt"
+    allowlist.write_text(f"# the founders\n{keys[0].peer_id}\n{keys[1].peer_id}\n")
+    processes.append(
+        swarmgrad("publish", str(spec), "--run-key", str(tmp_path / "org.key"),
+                  "--allowlist", str(allowlist), *boot, home=tmp_path / "org",
+                  log=tmp_path / "publish.log")
+    )  # fmt: skip
+    wait_for_pattern(tmp_path / "publish.log", "published run", timeout_seconds=60)
+    for i, key in enumerate(keys):
+        home = tmp_path / f"node-{i}"
+        key.save(tmp_path / f"node-{i}.key")
         processes.append(
-            swarmgrad("bootstrap", "--maddrs-file", str(tmp_path / "boot.json"),
-                      home=tmp_path / "boot", log=tmp_path / "boot.log")
+            swarmgrad("node", str(spec), *boot, "--identity", str(tmp_path / f"node-{i}.key"),
+                      "--cache-dir", str(cache_dir), "--max-epochs", "30",
+                      "--metrics-address", "off", "--display", "log", "--threads", "1",
+                      "--status-file", str(home / "status.json"),
+                      home=home, log=tmp_path / f"node-{i}.log")
         )  # fmt: skip
-        wait_until(lambda: (tmp_path / "boot.json").exists(), timeout_seconds=60, what="bootstrap")
-        boot = ["--bootstrap-file", str(tmp_path / "boot.json")]
-        organizer = Identity.from_seed("private-run/organizer")
-        organizer.save(tmp_path / "org.key")
-        keys = [Identity.from_seed(f"private-run/node-{i}") for i in range(3)]
-        spec = tmp_path / "run.toml"
-        spec.write_text(PRIVATE.format(run_key=organizer.peer_id))
-        allowlist = tmp_path / "allowlist.txt"
-        allowlist.write_text(f"# the founders\n{keys[0].peer_id}\n{keys[1].peer_id}\n")
-        processes.append(
-            swarmgrad("publish", str(spec), "--run-key", str(tmp_path / "org.key"),
-                      "--allowlist", str(allowlist), *boot, home=tmp_path / "org",
-                      log=tmp_path / "publish.log")
-        )  # fmt: skip
-        wait_for_pattern(tmp_path / "publish.log", "published run", timeout_seconds=60)
-        for i, key in enumerate(keys):
-            home = tmp_path / f"node-{i}"
-            key.save(tmp_path / f"node-{i}.key")
-            processes.append(
-                swarmgrad("node", str(spec), *boot, "--identity", str(tmp_path / f"node-{i}.key"),
-                          "--cache-dir", str(cache_dir), "--max-epochs", "30",
-                          "--metrics-address", "off", "--display", "log", "--threads", "1",
-                          "--status-file", str(home / "status.json"),
-                          home=home, log=tmp_path / f"node-{i}.log")
-            )  # fmt: skip
-        statuses = [tmp_path / f"node-{i}" / "status.json" for i in range(3)]
+    statuses = [tmp_path / f"node-{i}" / "status.json" for i in range(3)]
 
-        def alive() -> None:
-            for process in processes:
-                assert process.poll() is None, "a process exited"
-
-        # The founders average together; the stranger is refused before matchmaking.
-        wait_until(lambda: _status(statuses[0]).get("epoch", 0) >= 3, timeout_seconds=120,
-                   what="the founders at epoch 3", check=alive)  # fmt: skip
-        stranger_log = tmp_path / "node-2.log"
-        wait_for_pattern(stranger_log, r"this node \(sg\w+\) is NOT on it", timeout_seconds=30)
-        for path in statuses[:2]:
-            history = _status(path)["history"]
-            assert all(h["group_size"] <= 2 for h in history), history
-            assert any(h["outcome"] == "averaged" for h in history), history
-        assert not any(h["outcome"] == "averaged" for h in _status(statuses[2]).get("history", []))
-        # NOT_ALLOWED: the stranger's signed state requests were refused by the founders.
-        wait_for_pattern(stranger_log, "NOT_ALLOWED", timeout_seconds=60, check=alive)
-
-        # The organizer adds it; without a restart, it is let in and averages with them.
-        allowlist.write_text(allowlist.read_text() + f"{keys[2].peer_id}  # joined later\n")
-        wait_for_pattern(stranger_log, r"allowlist version \d+: 3 peer", timeout_seconds=60)
-
-        def averaged_in_three() -> bool:
-            history = _status(statuses[2]).get("history", [])
-            return any(h["outcome"] == "averaged" and h["group_size"] == 3 for h in history)
-
-        wait_until(averaged_in_three, timeout_seconds=120, what="the newcomer averaging",
-                   check=alive)  # fmt: skip
-    finally:
+    def alive() -> None:
         for process in processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            assert process.poll() is None, "a process exited"
+
+    # The founders average together; the stranger is refused before matchmaking.
+    wait_until(lambda: _status(statuses[0]).get("epoch", 0) >= 3, timeout_seconds=120,
+               what="the founders at epoch 3", check=alive)  # fmt: skip
+    stranger_log = tmp_path / "node-2.log"
+    wait_for_pattern(stranger_log, r"this node \(sg\w+\) is NOT on it", timeout_seconds=30)
+    for path in statuses[:2]:
+        history = _status(path)["history"]
+        assert all(h["group_size"] <= 2 for h in history), history
+        assert any(h["outcome"] == "averaged" for h in history), history
+    assert not any(h["outcome"] == "averaged" for h in _status(statuses[2]).get("history", []))
+    # NOT_ALLOWED: the stranger's signed state requests were refused by the founders.
+    wait_for_pattern(stranger_log, "NOT_ALLOWED", timeout_seconds=60, check=alive)
+
+    # The organizer adds it; without a restart, it is let in and averages with them.
+    allowlist.write_text(allowlist.read_text() + f"{keys[2].peer_id}  # joined later\n")
+    wait_for_pattern(stranger_log, r"allowlist version \d+: 3 peer", timeout_seconds=60)
+
+    def averaged_in_three() -> bool:
+        history = _status(statuses[2]).get("history", [])
+        return any(h["outcome"] == "averaged" and h["group_size"] == 3 for h in history)
+
+    wait_until(averaged_in_three, timeout_seconds=120, what="the newcomer averaging",
+               check=alive)  # fmt: skip
