@@ -47,12 +47,10 @@ from swarmgrad.node.training.data import load_corpus
 from swarmgrad.node.training.diloco import OuterOptimizer
 from swarmgrad.node.training.model import GPT, build_model, flatten, unflatten
 from swarmgrad.node.training.trainer import set_lr
-from swarmgrad.node.trust.aggregate import Aggregator, Screen, aggregate
-from swarmgrad.node.trust.ledger import Flag, Observation, TrustLedger, sketch
+from swarmgrad.node.trust.aggregate import Aggregator, aggregate
+from swarmgrad.node.trust.ledger import Flag, Observation, TrustLedger, observe_chunk
 from swarmgrad.simulations.attacks import Attack, Attacker
 from swarmgrad.simulations.swarm import DEMO_SPEC
-
-_SCREENED = {Screen.ZERO: Flag.ZERO, Screen.SCALE: Flag.SCALE}
 
 
 @dataclass(slots=True)
@@ -170,13 +168,8 @@ class Lab:
             else:
                 result = aggregate(stack, Aggregator.CENTERED_CLIP)
                 value = result.value
-                for k, i in enumerate(members):
-                    seen = observations.setdefault(str(i), Observation())
-                    if k in result.screened:
-                        seen.flags.add(_SCREENED[result.screened[k]])
-                        continue
-                    seen.add_chunk(end - start, result.clip[k], result.cosine[k])
-                    seen.sketches[(start, end - start)] = sketch(stack[k])
+                names = [str(i) for i in members]
+                observe_chunk(observations, names, stack, result, (start, end - start))
                 if owner in ledgers:
                     observations.pop(str(owner), None)
                     ledgers[owner].observe(round_, observations)

@@ -36,7 +36,7 @@ from swarmgrad.node.averaging.reducer import PartReducer, SenderSession
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.tasks import TaskSet
 from swarmgrad.node.transport.transport import Transport, TransportConfig
-from swarmgrad.node.trust.ledger import Ban, TrustLedger
+from swarmgrad.node.trust.ledger import TrustLedger
 from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.averaging import AveragingServicer, StreamHeader, add_to_server
 from swarmgrad.protocol.errors import ProtocolViolation, RoundAborted, quote
@@ -88,8 +88,6 @@ class Averager:
         self.transport = transport
         #: Scores and bans of peers, from what this node saw of them as an owner (open runs).
         self.ledger = ledger if ledger is not None else TrustLedger()
-        #: Bans as they happen (the node's metrics and log read them).
-        self.new_bans: list[Ban] = []
         self._rounds: dict[tuple[int, bytes], _ActiveRound] = {}
         self._finished: dict[tuple[int, bytes], None] = {}
         self._rounds_changed = asyncio.Condition()
@@ -212,7 +210,7 @@ class Averager:
             for member, observation in reducer.observations.items()
             if member != reducer.part
         }
-        self.new_bans += self.ledger.observe(group.round, seen)
+        self.ledger.observe(group.round, seen)
 
     def _retire(self, key: tuple[int, bytes]) -> None:
         """Forget a round after it lingers long enough for slow readers of its results."""

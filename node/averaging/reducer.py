@@ -29,13 +29,11 @@ import torch
 
 from swarmgrad.compression import Codec, Meta, decode
 from swarmgrad.node.averaging.group import Group
-from swarmgrad.node.trust.aggregate import Aggregate, Aggregator, Screen, aggregate
-from swarmgrad.node.trust.ledger import Flag, Observation, sketch
+from swarmgrad.node.trust.aggregate import Aggregator, aggregate
+from swarmgrad.node.trust.ledger import Flag, Observation, observe_chunk
 from swarmgrad.protocol.averaging import ChunkResult
 from swarmgrad.protocol.errors import ProtocolViolation, SwarmgradError
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
-
-_SCREEN_FLAGS = {Screen.ZERO: Flag.ZERO, Screen.SCALE: Flag.SCALE}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -257,28 +255,9 @@ class PartReducer:
         weights = [self._alpha[m] for m in members]
         outcome = aggregate(stack, self.rules.aggregator, weights=weights)
         if self.rules.observe:
-            self._observe(index, members, stack, outcome)
+            position = (self._offset + sum(self.chunk_numels[:index]), self.chunk_numels[index])
+            observe_chunk(self.observations, members, stack, outcome, position)
         return outcome.value, [members[k] for k in outcome.used]
-
-    def _observe(
-        self, index: int, members: list[int], stack: torch.Tensor, outcome: Aggregate
-    ) -> None:
-        numel = self.chunk_numels[index]
-        position = (self._offset + sum(self.chunk_numels[:index]), numel)
-        fingerprints = [sketch(row) for row in stack]
-        for k, member in enumerate(members):
-            seen = self.observations.setdefault(member, Observation())
-            if k in outcome.screened:
-                seen.flags.add(_SCREEN_FLAGS[outcome.screened[k]])
-                continue
-            seen.add_chunk(numel, outcome.clip[k], outcome.cosine[k])
-            seen.sketches[position] = fingerprints[k]
-            for j in range(k):
-                if torch.equal(fingerprints[j], fingerprints[k]) and torch.equal(
-                    stack[j], stack[k]
-                ):
-                    seen.flags.add(Flag.DUPLICATE)
-                    self.observations[members[j]].flags.add(Flag.DUPLICATE)
 
     def _publish(
         self, total: torch.Tensor, weight: float

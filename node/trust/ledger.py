@@ -28,10 +28,13 @@ import logging
 import math
 import threading
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
+
+from swarmgrad.node.trust.aggregate import Aggregate, Screen
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +130,33 @@ def sketch(values: torch.Tensor) -> torch.Tensor:
     """A chunk's fingerprint: up to :data:`SKETCH_VALUES` of its values, evenly strided."""
     step = max(1, values.numel() // SKETCH_VALUES)
     return values[::step][:SKETCH_VALUES].double()
+
+
+_SCREEN_FLAGS = {Screen.ZERO: Flag.ZERO, Screen.SCALE: Flag.SCALE}
+K = TypeVar("K")
+
+
+def observe_chunk(
+    observations: MutableMapping[K, Observation],
+    members: Sequence[K],
+    stack: torch.Tensor,
+    outcome: Aggregate,
+    position: tuple[int, int],
+) -> None:
+    """Note in ``observations`` what each of ``members`` (the rows of ``stack``) looked like in
+    one aggregated chunk at ``position`` (its start in the round's vector, its size)."""
+    fingerprints = [sketch(row) for row in stack]
+    for k, member in enumerate(members):
+        seen = observations.setdefault(member, Observation())
+        if k in outcome.screened:
+            seen.flags.add(_SCREEN_FLAGS[outcome.screened[k]])
+            continue
+        seen.add_chunk(position[1], outcome.clip[k], outcome.cosine[k])
+        seen.sketches[position] = fingerprints[k]
+        for j in range(k):
+            if torch.equal(fingerprints[j], fingerprints[k]) and torch.equal(stack[j], stack[k]):
+                seen.flags.add(Flag.DUPLICATE)
+                observations[members[j]].flags.add(Flag.DUPLICATE)
 
 
 class TrustLedger:
