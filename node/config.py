@@ -29,6 +29,7 @@ from swarmgrad.node.files import atomic_write
 from swarmgrad.node.runspec import NodeSection, RunSpec, RunSpecError
 from swarmgrad.node.swarm_config import SwarmConfig
 from swarmgrad.node.training.model import InitWeightsError, init_weights
+from swarmgrad.node.trust.allowlist import PEER_ID
 from swarmgrad.protocol.errors import SetupError
 
 #: Each [node] setting and its type's name ("int" or "str").
@@ -243,15 +244,20 @@ def joined_runs(environ: Mapping[str, str] | None = None) -> Path:
 
 def known_run_key(run_id: str, environ: Mapping[str, str] | None = None) -> str | None:
     """The run key fingerprint first given for ``run_id``, if any."""
-    path = joined_runs(environ) / "known.json"
+    return _known_runs(joined_runs(environ) / "known.json").get(run_id)
+
+
+def _known_runs(path: Path) -> dict[str, str]:
+    """Run id -> run key fingerprint, as ``join`` recorded them (empty: no file yet)."""
     try:
         known = json.loads(path.read_text())
     except FileNotFoundError:
-        return None
+        return {}
     except (OSError, ValueError) as error:
         raise ConfigError(f"{path} is unreadable ({error}): fix or remove it") from None
-    value = known.get(run_id) if isinstance(known, dict) else None
-    return value if isinstance(value, str) else None
+    if not isinstance(known, dict):
+        raise ConfigError(f"{path} is not a JSON object: fix or remove it")
+    return {k: v for k, v in known.items() if isinstance(v, str)}
 
 
 def remember_joined_run(
@@ -260,12 +266,7 @@ def remember_joined_run(
     """Record ``run_key_id`` as ``run_id``'s key and save its spec; the spec's path."""
     folder = joined_runs(environ)
     path = folder / "known.json"
-    known: dict[str, str] = {}
-    if path.exists():
-        try:
-            known = dict(json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError) as error:
-            raise ConfigError(f"{path} is unreadable ({error}): fix or remove it") from None
+    known = _known_runs(path)
     known[run_id] = run_key_id
     atomic_write(path, json.dumps(known, indent=1, sort_keys=True).encode())
     spec_path = folder / f"{run_id}.toml"
@@ -284,7 +285,7 @@ def read_allowlist(path: Path) -> list[str]:
         peer = line.split("#", 1)[0].strip()
         if not peer:
             continue
-        if not re.fullmatch(r"sg[a-z2-7]{20,62}", peer):
+        if not PEER_ID.fullmatch(peer):
             raise ConfigError(f"{path}:{number}: {peer!r} is not a peer id (sg...)")
         peers.append(peer)
     return peers

@@ -6,19 +6,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 
 from swarmgrad.node import config as node_config
 from swarmgrad.node import published, tasks
 from swarmgrad.node.cli_common import EXIT_CONFIG, EXIT_NETWORK, fail, setup_logging
-from swarmgrad.node.discovery.base import DiscoveryError
+from swarmgrad.node.discovery.base import Discovery, DiscoveryError
 from swarmgrad.node.discovery.start import start_reader
 from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.errors import SetupError
 
+T = TypeVar("T")
 Bootstrap = Annotated[
     list[str] | None,
     typer.Option(help="Multiaddr of a peer to reach the DHT through (repeatable)."),
@@ -36,6 +38,29 @@ def _addresses(bootstrap: list[str] | None, bootstrap_file: Path | None) -> tupl
     if not maddrs:
         raise node_config.ConfigError("no bootstrap multiaddr: give --bootstrap")
     return maddrs
+
+
+def _read_dht(
+    read: Callable[[Discovery], Awaitable[T]],
+    maddrs: Sequence[str],
+    *,
+    backend: str,
+    secret: str,
+    timeout: float,
+) -> T:
+    """``read`` on a short-lived DHT reader, all of it within ``timeout`` seconds."""
+
+    async def run(stop: asyncio.Event) -> T:
+        async with asyncio.timeout(timeout):
+            dht = await start_reader(
+                maddrs, backend=backend, network_secret=secret, timeout_seconds=timeout
+            )
+            try:
+                return await read(dht)
+            finally:
+                await dht.close()
+
+    return tasks.run(run)
 
 
 def run_key(
@@ -133,18 +158,10 @@ def runs(
     except SetupError as error:
         raise fail(EXIT_CONFIG, str(error)) from None
 
-    async def read(stop: asyncio.Event) -> list[dict[str, object]]:
-        async with asyncio.timeout(timeout):
-            dht = await start_reader(
-                maddrs, backend=discovery, network_secret=dht_secret, timeout_seconds=timeout
-            )
-            try:
-                return await published.run_rows(dht)
-            finally:
-                await dht.close()
-
     try:
-        rows = tasks.run(read)
+        rows = _read_dht(
+            published.run_rows, maddrs, backend=discovery, secret=dht_secret, timeout=timeout
+        )
     except (DiscoveryError, TimeoutError) as error:
         raise fail(EXIT_NETWORK, f"could not read the published runs: {error}") from None
     if as_json:
@@ -192,18 +209,11 @@ def join(
         )
     expected = run_key_id or str(known)
 
-    async def fetch(stop: asyncio.Event) -> published.Listing:
-        async with asyncio.timeout(timeout):
-            dht = await start_reader(
-                maddrs, backend=discovery, network_secret=dht_secret, timeout_seconds=timeout
-            )
-            try:
-                return await published.fetch(dht, run_id, expected)
-            finally:
-                await dht.close()
+    async def fetch(dht: Discovery) -> published.Listing:
+        return await published.fetch(dht, run_id, expected)
 
     try:
-        listing = tasks.run(fetch)
+        listing = _read_dht(fetch, maddrs, backend=discovery, secret=dht_secret, timeout=timeout)
     except published.RunNotFound as error:
         raise fail(EXIT_CONFIG, str(error)) from None
     except (DiscoveryError, TimeoutError) as error:
