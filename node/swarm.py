@@ -176,7 +176,7 @@ class Swarm:
                 matchmaking_timeout_seconds=spec.averaging.matchmaking_timeout_seconds,
                 settle_seconds=MATCHMAKING_SETTLE_SECONDS,
                 peers=self.directory.refresh,
-                excluded=self._excluded,
+                excluded=self.excludes,
             )
             budget = round_budget_seconds(
                 spec, config, dht_call_seconds=self._discovery.call_timeout_seconds
@@ -325,10 +325,10 @@ class Swarm:
     async def find_donors(self, epoch: int, checksum: str) -> list[PeerRecord]:
         """Peers to download state from if this node is behind or diverged."""
         assert self.directory is not None
-        peers = [p for p in await self.directory.refresh() if not self._excluded(p.peer_id)]
+        peers = [p for p in await self.directory.refresh() if not self.excludes(p.peer_id)]
         return self.state.find_donors(peers, epoch, checksum)
 
-    def _excluded(self, peer_id: str) -> bool:
+    def excludes(self, peer_id: str) -> bool:
         """Peers this node does not average with or learn from: banned by its ledger (open
         runs), or not on the allowlist (private runs)."""
         if self._averager.ledger.banned(peer_id):

@@ -113,12 +113,21 @@ class Replica:
         No later round will tell peers that split the last one (a record that reached some
         members' last read and not others': two groups, two states) that they differ, so wait
         (up to ``seconds``) until every other peer's record is at this epoch or past it, then
-        take the majority's state if this one is not it."""
+        take the majority's state if this one is not it. Only peers one epoch behind can still
+        finish the last round: peers further behind (gone, or joining late) and peers this node
+        no longer averages with are not waited for."""
         deadline = time.monotonic() + seconds
         while not stop.is_set():
             peers = self.swarm.call(self.swarm.refresh_peers())
-            others = [p for p in peers if p.peer_id != self.swarm.peer_id and p.checksum]
-            if all(p.epoch >= self.epoch for p in others) or time.monotonic() >= deadline:
+            finishing = [
+                p
+                for p in peers
+                if p.peer_id != self.swarm.peer_id
+                and p.checksum
+                and p.epoch == self.epoch - 1
+                and not self.swarm.excludes(p.peer_id)
+            ]
+            if not finishing or time.monotonic() >= deadline:
                 return self._resync_if_needed()
             stop.wait(0.5)
         return None
