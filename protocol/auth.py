@@ -17,6 +17,7 @@ every endpoint, round number and group id, so without signatures anyone could sp
 
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
 import struct
@@ -177,3 +178,31 @@ class Verifier:
                 ResultCode.NOT_ALLOWED, f"{peer} is not on this private run's allowlist"
             )
         return peer
+
+
+# -- statements: signed for anyone ------------------------------------------------------------
+
+#: What a statement's receiver is: nobody in particular (any member may check it, or forward it).
+ANYONE = ""
+
+
+def sign_statement(signer: Signer, kind: str, body: bytes) -> Auth:
+    """Sign ``body`` (a serialized message) as a statement of ``kind`` that anyone can check:
+    the signature covers the kind and the body's SHA-256, not a receiver or a clock window."""
+    return sign_request(signer, kind, ANYONE, [hashlib.sha256(body).digest()])
+
+
+def verify_statement(auth: Auth, kind: str, body: bytes) -> str:
+    """The peer id that signed ``body`` as a statement of ``kind``; ProtocolViolation
+    (UNAUTHENTICATED) if the signature does not hold."""
+    if (
+        len(auth.public_key) != KEY_BYTES
+        or len(auth.signature) != SIGNATURE_BYTES
+        or len(auth.nonce) != NONCE_BYTES
+    ):
+        raise ProtocolViolation(ResultCode.UNAUTHENTICATED, f"the {kind} is not signed")
+    message = signed_bytes(kind, ANYONE, _with_auth(auth, [hashlib.sha256(body).digest()]))
+    if not verify_signature(auth.public_key, auth.signature, message):
+        peer = peer_id_of(auth.public_key)
+        raise ProtocolViolation(ResultCode.UNAUTHENTICATED, f"bad signature on {peer}'s {kind}")
+    return peer_id_of(auth.public_key)

@@ -13,20 +13,30 @@ keeps serving the other streams.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 import torch
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from swarmgrad.compression import CodecError, Meta, NonFiniteError, decode
-from swarmgrad.protocol.auth import Signer, Verifier, sign_request
-from swarmgrad.protocol.errors import ProtocolViolation, SwarmgradError
+from swarmgrad.protocol.auth import (
+    ANYONE,
+    Signer,
+    Verifier,
+    sign_request,
+    sign_statement,
+    signed_bytes,
+    verify_statement,
+)
+from swarmgrad.protocol.errors import ProtocolViolation, SwarmgradError, quote
 from swarmgrad.protocol.framing import Framed, serialize
+from swarmgrad.protocol.keys import verify_signature
 from swarmgrad.protocol.server import Malformed, Rejections, ServerLimits, lenient
 from swarmgrad.protocol.tensors import meta_from_proto, meta_to_proto
 from swarmgrad.protocol.v1 import averaging_pb2, averaging_pb2_grpc
@@ -46,6 +56,10 @@ class StreamHeader:
     receiver: str
     part: int
     weight: float
+    #: Open runs: SHA-256 of the secret the sender reveals after the round (empty otherwise).
+    commitment: bytes = b""
+    #: The sender's public key, from the verified signature (not itself a signed field).
+    public_key: bytes = b""
 
     def fields(self) -> list[str | bytes | int | float]:
         """What the header's signature covers besides its auth, typed as the wire carries it
@@ -58,6 +72,7 @@ class StreamHeader:
             self.sender,
             int(self.part),
             float(self.weight),
+            self.commitment,
         ]
 
 
@@ -101,11 +116,17 @@ class PartSession(Protocol):
         """How long the sender may take to send its next chunk."""
         ...
 
-    async def accept(self, index: int, values: torch.Tensor) -> None:
-        """Take chunk ``index``. ``values`` is reused for the next chunk: copy what you keep."""
+    async def accept(self, index: int, values: torch.Tensor, chunk: averaging_pb2.Chunk) -> None:
+        """Take chunk ``index``, decoded into ``values`` from ``chunk``. ``values`` is reused for
+        the next chunk: copy what you keep."""
         ...
 
     def results(self) -> AsyncIterator[ChunkResult]: ...
+
+    async def account(self) -> averaging_pb2.Signed | None:
+        """What the owner signs about its part once every result is out (open runs), sent as
+        the stream's last message; None: nothing."""
+        ...
 
     def close(self, error: SwarmgradError | None) -> None: ...
 
@@ -113,6 +134,13 @@ class PartSession(Protocol):
 class AggregateHandler(Protocol):
     async def open_session(self, header: StreamHeader) -> PartSession:
         """Find the round and part; raise ProtocolViolation if the stream is not acceptable."""
+        ...
+
+    async def check(
+        self, statement: averaging_pb2.CheckStatement, signed: averaging_pb2.Signed
+    ) -> None:
+        """Take a member's check message (its signature is verified); raise ProtocolViolation
+        if there is no such round here or the sender is not in it."""
         ...
 
 
@@ -134,23 +162,69 @@ def header_to_proto(header: StreamHeader, signer: Signer) -> averaging_pb2.Aggre
             part=header.part,
             weight=header.weight,
             auth=sign_request(signer, AGGREGATE, header.receiver, header.fields()),
+            commitment=header.commitment,
         )
     )
 
 
 def framed_chunk(
-    kind: type[Message], index: int, payload: bytes | memoryview, meta: Meta
+    kind: type[Message],
+    index: int,
+    payload: bytes | memoryview,
+    meta: Meta,
+    *,
+    signature: bytes = b"",
 ) -> Framed:
     """An AggregateRequest or AggregateResponse carrying a chunk, cheap to serialize."""
     message = kind()
     chunk = message.chunk  # type: ignore[attr-defined]
     chunk.index = index
+    if signature:
+        chunk.signature = signature
     chunk.meta.CopyFrom(meta_to_proto(meta))
     return Framed(message, payload)
 
 
 SERVICE = "swarmgrad.v1.Averaging"
 AGGREGATE = f"/{SERVICE}/Aggregate"
+CHECK = f"/{SERVICE}/Check"
+#: The kinds of signed statements (what their signatures name).
+ACCOUNT_STATEMENT = "swarmgrad.v1.PartAccount"
+CHECK_STATEMENT = "swarmgrad.v1.CheckStatement"
+#: Largest Check message a server reads (reveals carry every owner's account).
+MAX_CHECK_BYTES = 8 << 20
+
+
+def seal(signer: Signer, kind: str, message: Message) -> averaging_pb2.Signed:
+    """``message`` as a statement of ``kind`` signed by ``signer``."""
+    body = message.SerializeToString(deterministic=True)
+    return averaging_pb2.Signed(body=body, auth=sign_statement(signer, kind, body))
+
+
+M = TypeVar("M", bound=Message)
+
+
+def unseal(signed: averaging_pb2.Signed, kind: str, message_type: type[M]) -> tuple[str, M]:
+    """(signer's peer id, the parsed body) of a statement of ``kind``; ProtocolViolation if the
+    signature does not hold (UNAUTHENTICATED) or the body does not parse (BAD_PAYLOAD)."""
+    peer = verify_statement(signed.auth, kind, signed.body)
+    message = message_type()
+    try:
+        message.ParseFromString(signed.body)
+    except DecodeError:
+        raise ProtocolViolation(ResultCode.BAD_PAYLOAD, f"{peer}'s {kind} does not parse") from None
+    return peer, message
+
+
+def check_method(channel: grpc.aio.Channel) -> grpc.aio.UnaryUnaryMultiCallable:
+    """The Check call on ``channel``."""
+    return channel.unary_unary(
+        CHECK,
+        request_serializer=averaging_pb2.Signed.SerializeToString,
+        response_deserializer=averaging_pb2.CheckReply.FromString,
+    )
+
+
 _SERVICE_NAME = "Averaging"
 
 
@@ -170,8 +244,13 @@ def add_to_server(servicer: AveragingServicer, server: grpc.aio.Server) -> None:
         request_deserializer=lenient(averaging_pb2.AggregateRequest.FromString),
         response_serializer=serialize,
     )
+    check = grpc.unary_unary_rpc_method_handler(
+        servicer.Check,
+        request_deserializer=lenient(averaging_pb2.Signed.FromString),
+        response_serializer=averaging_pb2.CheckReply.SerializeToString,
+    )
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE, {"Aggregate": handler}),)
+        (grpc.method_handlers_generic_handler(SERVICE, {"Aggregate": handler, "Check": check}),)
     )
 
 
@@ -238,6 +317,29 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
                 if self.open_streams[sender] <= 0:
                     del self.open_streams[sender]
 
+    async def Check(
+        self,
+        request: averaging_pb2.Signed | Malformed,
+        context: grpc.aio.ServicerContext[averaging_pb2.Signed, averaging_pb2.CheckReply],
+    ) -> averaging_pb2.CheckReply:
+        """A member's reveal, report or accusation about a round (open runs)."""
+        try:
+            if isinstance(request, Malformed) or request.ByteSize() > MAX_CHECK_BYTES:
+                raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "a malformed check message")
+            signer, statement = unseal(request, CHECK_STATEMENT, averaging_pb2.CheckStatement)
+            if statement.sender != signer:
+                raise ProtocolViolation(
+                    ResultCode.UNAUTHENTICATED,
+                    f"a check message signed by {signer} in the name of {quote(statement.sender)}",
+                )
+            if statement.WhichOneof("body") is None:
+                raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "an empty check message")
+            await self._handler.check(statement, request)
+        except ProtocolViolation as error:
+            self.rejections.record(_SERVICE_NAME, error.code_name, str(error))
+            await context.abort(error.status, str(error))
+        return averaging_pb2.CheckReply(code=ResultCode.OK)
+
 
 async def _serve_stream(
     requests: Requests,
@@ -253,6 +355,9 @@ async def _serve_stream(
         async for result in session.results():
             traffic["sent"] += len(result.payload)
             await context.write(result.wire())
+        account = await session.account()
+        if account is not None:
+            await context.write(averaging_pb2.AggregateResponse(account=account))
 
     reader = asyncio.create_task(_read_chunks(requests, session, traffic))
     writer = asyncio.create_task(write_results())
@@ -291,6 +396,7 @@ async def _read_header(requests: Requests, verifier: Verifier) -> StreamHeader:
         or len(h.key.run_id) > 256
         or len(h.key.group_id) > 64
         or len(h.key.spec_hash) > 64
+        or len(h.commitment) > 64
     ):
         raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "oversized header field")
     header = StreamHeader(
@@ -302,6 +408,8 @@ async def _read_header(requests: Requests, verifier: Verifier) -> StreamHeader:
         receiver=h.receiver,
         part=h.part,
         weight=h.weight,
+        commitment=h.commitment,
+        public_key=h.auth.public_key,
     )
     verifier.verify(AGGREGATE, h.auth, receiver=h.receiver, fields=header.fields(), sender=h.sender)
     return header
@@ -343,7 +451,7 @@ async def _read_chunks(
             )
             numel = session.chunk_numels[expected]
             values = await decode_chunk(message.chunk.payload, meta, scratch[:numel])
-            await session.accept(expected, values)
+            await session.accept(expected, values, message.chunk)
             expected += 1
         if expected != len(session.chunk_numels):
             raise ProtocolViolation(
@@ -403,3 +511,47 @@ async def decode_chunk(payload: bytes, meta: Meta, out: torch.Tensor) -> torch.T
         raise ProtocolViolation(ResultCode.NON_FINITE, str(error)) from None
     except CodecError as error:
         raise ProtocolViolation(ResultCode.BAD_PAYLOAD, str(error)) from None
+
+
+CHUNK_STATEMENT = "swarmgrad.v1.Chunk"
+
+
+def chunk_fields(
+    key: averaging_pb2.RoundKey, sender: str, part: int, index: int, payload: bytes | memoryview
+) -> list[str | bytes | int | float]:
+    """What a member's chunk signature covers (open runs)."""
+    digest = hashlib.sha256(payload).digest()
+    return [
+        key.run_id,
+        key.spec_hash,
+        int(key.round),
+        key.group_id,
+        sender,
+        int(part),
+        int(index),
+        digest,
+    ]
+
+
+def sign_chunk(
+    signer: Signer, key: averaging_pb2.RoundKey, part: int, index: int, payload: bytes | memoryview
+) -> bytes:
+    return signer.sign(
+        signed_bytes(
+            CHUNK_STATEMENT, ANYONE, chunk_fields(key, signer.peer_id, part, index, payload)
+        )
+    )
+
+
+def chunk_signed_by(
+    public_key: bytes,
+    key: averaging_pb2.RoundKey,
+    sender: str,
+    part: int,
+    chunk: averaging_pb2.Chunk,
+) -> bool:
+    """Whether ``chunk`` carries ``sender``'s (holder of ``public_key``) signature."""
+    fields = chunk_fields(key, sender, part, chunk.index, chunk.payload)
+    return verify_signature(
+        public_key, chunk.signature, signed_bytes(CHUNK_STATEMENT, ANYONE, fields)
+    )

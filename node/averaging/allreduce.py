@@ -23,6 +23,12 @@ Failure semantics
   unaveraged.
 * All members that receive a chunk receive the same bytes from its owner, so their averaged
   values are bit-identical wherever they are not missing.
+* Open runs (``config.observe``): each chunk a member sends is signed, its stream header carries
+  a commitment to a secret of the round, an owner's own values stay out of its part, and every
+  owner ends its stream with a signed account of its part. A member takes a part's results only
+  with a valid account that names the very bytes it received (else the whole part is missing),
+  and notes a dispute if the account does not name its own payload. ``checks.py`` then checks
+  the accounts with the other members before the caller applies anything.
 * The round raises :class:`RoundAborted` if no chunk was averaged with anyone but this member
   (every other member failed, or the deadline passed first). The caller's tensors are never
   modified, whether the round succeeds or not: the result is a new tensor.
@@ -34,6 +40,8 @@ __all__ = ["AllReduceConfig", "RoundHooks", "RoundPlan", "RoundResult", "run_rou
 
 import asyncio
 import contextlib
+import hashlib
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -41,14 +49,17 @@ import grpc
 import torch
 
 from swarmgrad.compression import Codec, Meta, decode
+from swarmgrad.node.averaging.checks import verify_account
 from swarmgrad.node.averaging.group import Group, chunk_sizes
 from swarmgrad.node.averaging.plan import (
     AllReduceConfig,
     RoundHooks,
     RoundPlan,
     RoundResult,
+    round_key,
 )
 from swarmgrad.node.kinds import Failure
+from swarmgrad.node.trust.checks import SECRET_BYTES, commitment
 from swarmgrad.protocol.averaging import (
     StreamHeader,
     aggregate_method,
@@ -56,6 +67,7 @@ from swarmgrad.protocol.averaging import (
     decode_chunk,
     framed_chunk,
     header_to_proto,
+    sign_chunk,
 )
 from swarmgrad.protocol.errors import (
     PeerUnavailable,
@@ -83,6 +95,11 @@ class _Round:
     failure_kinds: dict[str, Failure] = field(default_factory=dict)
     #: Owners whose averaged chunk left out this member's values, which it had sent them.
     excluded_by: set[str] = field(default_factory=set)
+    #: Open runs: this member's secret, the SHA-256 of each payload it sent by (part, chunk),
+    #: and the accounts it received, by part.
+    secret: bytes = b""
+    sent_digests: dict[tuple[int, int], bytes] = field(default_factory=dict)
+    accounts: dict[int, averaging_pb2.Signed] = field(default_factory=dict)
 
     @property
     def me(self) -> int:
@@ -107,11 +124,14 @@ async def run_round(
     """Run this member's side of one round of ``vector`` (into ``out``, if given)."""
     loop = asyncio.get_running_loop()
     me, group = plan.me, plan.group
+    checked = plan.config.observe
     state = _Round(
         plan=plan,
         deadline=loop.time() + plan.config.round_timeout_seconds,
-        # Chunks never encoded (their owner failed first) count as sent exactly.
-        sent=vector.clone() if plan.keep_sent else None,
+        # Chunks never encoded (their owner failed first) count as sent exactly. Checks need
+        # what the owners decoded.
+        sent=vector.clone() if plan.keep_sent or checked else None,
+        secret=secrets.token_bytes(SECRET_BYTES) if checked else b"",
     )
     bounds = group.partition(vector.numel())
     # Every averaged chunk is decoded straight into `out`; missing ones get the caller's values
@@ -151,8 +171,9 @@ async def _reduce_own_part(state: _Round, values: torch.Tensor, out: torch.Tenso
     reducer = state.plan.reducer
     assert reducer is not None  # a member with a part has a reducer for it
     offsets = _offsets(reducer.chunk_numels)
-    for index, (start, end) in enumerate(offsets):
-        await reducer.accept(state.me, index, values[start:end])
+    if not reducer.rules.owner_abstains:
+        for index, (start, end) in enumerate(offsets):
+            await reducer.accept(state.me, index, values[start:end])
     for index, (start, end) in enumerate(offsets):
         result = await reducer.result(index)
         decoded = reducer.decoded[index]
@@ -160,6 +181,9 @@ async def _reduce_own_part(state: _Round, values: torch.Tensor, out: torch.Tenso
             continue
         out[start:end] = decoded
         state.contributors[(state.me, index)] = result.contributors
+    account = await reducer.account()
+    if account is not None:
+        state.accounts[state.me] = account
 
 
 async def _exchange_with_owner(
@@ -185,6 +209,9 @@ async def _exchange_with_owner(
         requests(), timeout=max(0.001, state.deadline - loop.time())
     )
     expected = 0
+    checked = config.observe
+    received: dict[int, tuple[int, ...]] = {}  # open runs: kept until the account holds
+    digests: dict[int, bytes] = {}
     try:
         while expected < len(numels):
             async with asyncio.timeout(config.reducer_timeout_seconds):
@@ -206,8 +233,35 @@ async def _exchange_with_owner(
             if state.me not in response.contributors:  # it took our chunk, then left it out
                 state.excluded_by.add(owner.peer_id)
             await decode_chunk(response.chunk.payload, meta, out[start:end])
-            state.contributors[(part, expected)] = tuple(response.contributors)
+            if checked:
+                received[expected] = tuple(response.contributors)
+                digests[expected] = hashlib.sha256(response.chunk.payload).digest()
+            else:
+                state.contributors[(part, expected)] = tuple(response.contributors)
             expected += 1
+        if checked:
+            async with asyncio.timeout(config.reducer_timeout_seconds):
+                response = await call.read()
+            if response is grpc.aio.EOF or not response.HasField("account"):
+                raise ProtocolViolation(
+                    ResultCode.BAD_PAYLOAD, f"{owner.peer_id} sent no account of its part"
+                )
+            account = verify_account(
+                response.account,
+                group=group,
+                key=round_key(config, group),
+                part=part,
+                numels=numels,
+                results=digests,
+                contributors=received,
+            )
+            state.accounts[part] = response.account
+            for index, contributors in received.items():
+                state.contributors[(part, index)] = contributors
+                if state.me in contributors and account.chunks[index].payload_sha256[
+                    list(contributors).index(state.me)
+                ] != state.sent_digests.get((part, index)):
+                    state.excluded_by.add(owner.peer_id)  # it counted other values as ours
     except grpc.aio.AioRpcError as error:
         _owner_failed(state, part, from_rpc_error(error, owner.peer_id), error.code())
     except TimeoutError:
@@ -236,6 +290,7 @@ async def _produce(
         first = plan.group.partition(state.sent.numel())[part][0]
         sent = state.sent[first : first + values.numel()]
     numels = chunk_sizes(values.numel(), plan.config.chunk_values)
+    key = round_key(plan.config, plan.group) if plan.config.observe else None
     try:
         for index, (start, end) in enumerate(_offsets(numels)):
             # A view of `values` for the identity codec: the caller's vector is not modified
@@ -248,7 +303,15 @@ async def _produce(
             if plan.pace is not None:  # the node's upload cap
                 await plan.pace(len(payload))
             plan.traffic["sent"] += len(payload)
-            await queue.put(framed_chunk(averaging_pb2.AggregateRequest, index, payload, meta))
+            signature = b""
+            if key is not None:
+                signature = sign_chunk(plan.signer, key, part, index, payload)
+                state.sent_digests[(part, index)] = hashlib.sha256(payload).digest()
+            await queue.put(
+                framed_chunk(
+                    averaging_pb2.AggregateRequest, index, payload, meta, signature=signature
+                )
+            )
     except BaseException:
         # End the request stream if there is room; never block here (nobody may be reading).
         with contextlib.suppress(asyncio.QueueFull):
@@ -271,6 +334,7 @@ def _header(state: _Round, part: int) -> averaging_pb2.AggregateRequest:
             receiver=group.members[part].peer_id,
             part=part,
             weight=me.weight,
+            commitment=commitment(state.secret) if state.secret else b"",
         ),
         state.plan.signer,
     )
@@ -343,6 +407,8 @@ def _summarize(state: _Round, bounds: list[tuple[int, int]], out: torch.Tensor) 
             with_others |= any(c != me for c in contributors)
             for c in contributors:
                 seen_in[c] += 1
+            if config.observe and part not in contributors:
+                seen_in[part] += 1  # an owner's values stay out of its own part
     if not with_others:
         reasons = "; ".join(f"{p}: {r}" for p, r in state.failures.items()) or "no peers"
         raise RoundAborted(
@@ -357,4 +423,7 @@ def _summarize(state: _Round, bounds: list[tuple[int, int]], out: torch.Tensor) 
         failures=dict(state.failures),
         failure_kinds=dict(state.failure_kinds),
         excluded_by=tuple(sorted(state.excluded_by)),
+        accounts=dict(state.accounts),
+        secret=state.secret,
+        sent_digests=dict(state.sent_digests),
     )

@@ -10,7 +10,10 @@ signed, but keys cost nothing).
 
 In an open run (``config.observe``) the averager keeps a :class:`TrustLedger`: after each round
 its reducer's observations of the members are scored there, and a peer the ledger bans is
-refused (BANNED) from then on; the node's matchmaking skips it too.
+refused (BANNED) from then on; the node's matchmaking skips it too. Before an open round's
+result is returned, the members check every owner's result together (``checks.py``): a part
+whose owner is convicted is dropped from the result (the caller's own values stay there, as for
+a missing part), and peers convicted on signed evidence are banned at once.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,16 +34,19 @@ from swarmgrad.node.averaging.allreduce import (
     RoundResult,
     run_round,
 )
+from swarmgrad.node.averaging.checks import CheckBox, CheckRun, Verdict, run_checks
 from swarmgrad.node.averaging.group import Group, chunk_sizes
+from swarmgrad.node.averaging.plan import round_key
 from swarmgrad.node.averaging.reducer import PartReducer, SenderSession
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.tasks import TaskSet
 from swarmgrad.node.transport.transport import Transport, TransportConfig
-from swarmgrad.node.trust.ledger import TrustLedger
+from swarmgrad.node.trust.ledger import Flag, TrustLedger
 from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.averaging import AveragingServicer, StreamHeader, add_to_server
 from swarmgrad.protocol.errors import ProtocolViolation, RoundAborted, quote
 from swarmgrad.protocol.server import Rejections, ServerLimits
+from swarmgrad.protocol.v1 import averaging_pb2
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
 log = logging.getLogger(__name__)
@@ -57,6 +63,8 @@ class _ActiveRound:
     group: Group
     me: int
     reducer: PartReducer | None
+    #: Open runs: the other members' check messages.
+    box: CheckBox | None = None
 
 
 class Averager:
@@ -104,6 +112,12 @@ class Averager:
         self.rounds: Counter[str] = Counter()
         #: Payload bytes "sent" and "received" by this node, as client and as owner.
         self.traffic: Counter[str] = self.servicer.traffic
+        #: Owner checks of open rounds: parts "checked", "failed" (dropped) and "unchecked".
+        self.checks: Counter[str] = Counter()
+        #: What a lying owner does to its results, and whether this node frames owners with
+        #: false check reports (simulations and tests only).
+        self.tamper_results: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+        self.false_reports = False
 
     @property
     def endpoint(self) -> str:
@@ -170,9 +184,13 @@ class Averager:
                 max_chunks_ahead=self.config.max_chunks_ahead,
                 rules=self.config.owner_rules(),
                 offset=start,
+                signer=self.identity,
+                key=round_key(self.config, group),
+                tamper=self.tamper_results,
             )
+        box = CheckBox(group) if self.config.observe else None
         async with self._rounds_changed:
-            self._rounds[key] = _ActiveRound(group=group, me=me, reducer=reducer)
+            self._rounds[key] = _ActiveRound(group=group, me=me, reducer=reducer, box=box)
             self._rounds_changed.notify_all()
         try:
             plan = RoundPlan(
@@ -188,6 +206,8 @@ class Averager:
                 keep_sent=keep_sent,
             )
             result = await run_round(plan, vector.contiguous(), out=out)
+            if box is not None:
+                result = await self._check(result, vector, group, me, box, reducer)
         except RoundAborted:
             self.rounds["aborted"] += 1
             raise
@@ -201,6 +221,51 @@ class Averager:
         if result.failures:
             log.warning("round %d: %s", group.round, result.failures)
         return result
+
+    async def _check(
+        self,
+        result: RoundResult,
+        vector: torch.Tensor,
+        group: Group,
+        me: int,
+        box: CheckBox,
+        reducer: PartReducer | None,
+    ) -> RoundResult:
+        """Check the owners' results with the other members; drop what fails."""
+        assert result.sent is not None  # kept in open rounds
+        verdict = await run_checks(
+            CheckRun(
+                signer=self.identity,
+                config=self.config,
+                group=group,
+                me=me,
+                box=box,
+                channel=self.transport.channel,
+                result=result,
+                sent=result.sent,
+                own_chunks=reducer.chunks if reducer is not None else (),
+                false_reports=self.false_reports,
+            )
+        )
+        self._record_verdict(group.round, verdict)
+        if not verdict.dropped:
+            return result
+        bounds = group.partition(vector.numel())
+        missing = list(result.missing)
+        for part in sorted(verdict.dropped):
+            start, end = bounds[part]
+            result.averaged[start:end] = vector[start:end]
+            missing.append((start, end))
+        return replace(result, missing=tuple(sorted(missing)))
+
+    def _record_verdict(self, round_: int, verdict: Verdict) -> None:
+        self.checks["checked"] += verdict.checked
+        self.checks["failed"] += len(verdict.dropped)
+        flags = dict.fromkeys(verdict.silent - verdict.convicted.keys(), Flag.SILENT)
+        flags |= verdict.convicted
+        flags.pop(self.peer_id, None)
+        if flags:
+            self.ledger.note(round_, flags)
 
     async def _score(self, group: Group, reducer: PartReducer) -> None:
         """Hand the ledger what the reducer saw of each member (itself aside)."""
@@ -266,7 +331,29 @@ class Averager:
             member,
             max_chunk_bytes=self.config.max_chunk_bytes,
             sender_timeout_seconds=self.config.sender_timeout_seconds,
+            commitment=header.commitment,
+            public_key=header.public_key,
         )
+
+    async def check(
+        self, statement: averaging_pb2.CheckStatement, signed: averaging_pb2.Signed
+    ) -> None:
+        """A member's check message (AggregateHandler): into its round's box."""
+        key = statement.key
+        if key.run_id != self.config.run_id or key.spec_hash != self.config.spec_hash:
+            raise ProtocolViolation(ResultCode.WRONG_RUN, "a check message of another run")
+        if self.ledger.banned(statement.sender):
+            raise ProtocolViolation(ResultCode.BANNED, f"{statement.sender} is banned here")
+        active = await self._wait_for_round((key.round, key.group_id))
+        try:
+            member = active.group.index(statement.sender)
+        except KeyError:
+            raise ProtocolViolation(
+                ResultCode.NOT_A_MEMBER, f"{statement.sender} is not in group of round {key.round}"
+            ) from None
+        if active.box is None:
+            raise ProtocolViolation(ResultCode.UNKNOWN_ROUND, "this round runs no checks")
+        await active.box.put(member, statement, signed)
 
     async def _wait_for_round(self, key: tuple[int, bytes]) -> _ActiveRound:
         if key in self._finished and key not in self._rounds:

@@ -19,6 +19,7 @@ from swarmgrad.node.averaging.reducer import OwnerRules, PartReducer
 from swarmgrad.node.kinds import Failure
 from swarmgrad.node.trust.aggregate import Aggregator
 from swarmgrad.protocol.auth import Signer
+from swarmgrad.protocol.v1 import averaging_pb2
 
 _MIN_CHUNK_VALUES = 1024
 _MAX_CHUNK_VALUES = 1 << 24
@@ -46,8 +47,11 @@ class AllReduceConfig:
     uniform_weights: bool = False
     #: The codec owners send results in ("": the round's codec).
     result_codec: str = ""
-    #: Owners keep an Observation of every member for the trust ledger (open runs).
+    #: Owners keep an Observation of every member for the trust ledger, sign an account of
+    #: each part, and members check every owner's result after the round (open runs).
     observe: bool = False
+    #: How long each step of those checks waits for the other members' messages.
+    check_timeout_seconds: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.run_id:
@@ -122,6 +126,12 @@ class RoundResult:
     #: Owners that answered a chunk of their part without this member's values in it, though
     #: they took them (screened, or an owner that leaves members out: open runs dispute it).
     excluded_by: tuple[str, ...] = ()
+    #: Open runs: each part's signed account as this member received it, by part, and the
+    #: secret this member committed to in its stream headers.
+    accounts: Mapping[int, averaging_pb2.Signed] = field(default_factory=dict)
+    secret: bytes = b""
+    #: Open runs: the SHA-256 of each payload this member sent, by (part, chunk).
+    sent_digests: Mapping[tuple[int, int], bytes] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -157,3 +167,13 @@ class RoundPlan:
     pace: Callable[[int], Awaitable[None]] | None = None
     #: Report what the owners decode of this member's values (``RoundResult.sent``).
     keep_sent: bool = False
+
+
+def round_key(config: AllReduceConfig, group: Group) -> averaging_pb2.RoundKey:
+    """The key every message of ``group``'s round carries."""
+    return averaging_pb2.RoundKey(
+        run_id=config.run_id,
+        spec_hash=config.spec_hash,
+        round=group.round,
+        group_id=group.group_id,
+    )

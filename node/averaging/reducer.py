@@ -16,13 +16,18 @@ instead of a running sum (``max_chunks_ahead`` x members x chunk), aggregates th
 (``node/trust/aggregate.py``: screening, CenteredClip or the coordinate median, uniform weights),
 publishes the result with its own codec (fp16: a lossy return path would hide an owner's small
 lies from later checks), and keeps an :class:`Observation` of each member for the node's
-:class:`TrustLedger`.
+:class:`TrustLedger`. It also keeps every member's chunks as they arrived and, once every result
+is out, signs a :class:`PartAccount` of its part (per chunk: the result's hash, the contributors,
+their clip coefficients and payload hashes; the members' commitments), which it sends after the
+last result: members check it (``checks.py``). In an open run the owner's own values are not in
+its part: nobody could check what it claims of them.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import hashlib
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +36,10 @@ from swarmgrad.compression import Codec, Meta, decode
 from swarmgrad.node.averaging.group import Group
 from swarmgrad.node.trust.aggregate import Aggregator, aggregate
 from swarmgrad.node.trust.ledger import Flag, Observation, observe_chunk
-from swarmgrad.protocol.averaging import ChunkResult
+from swarmgrad.protocol.auth import Signer
+from swarmgrad.protocol.averaging import ACCOUNT_STATEMENT, ChunkResult, chunk_signed_by, seal
 from swarmgrad.protocol.errors import ProtocolViolation, SwarmgradError
+from swarmgrad.protocol.v1 import averaging_pb2
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
 
@@ -52,6 +59,11 @@ class OwnerRules:
     def buffered(self) -> bool:
         return self.observe or self.aggregator is not Aggregator.MEAN
 
+    @property
+    def owner_abstains(self) -> bool:
+        """The owner's own values stay out of its part (open runs: checks cannot see them)."""
+        return self.observe
+
 
 class PartReducer:
     """Reduces the part ``part`` of ``group`` at its owner."""
@@ -67,9 +79,13 @@ class PartReducer:
         max_chunks_ahead: int = 4,
         rules: OwnerRules | None = None,
         offset: int = 0,
+        signer: Signer | None = None,
+        key: averaging_pb2.RoundKey | None = None,
+        tamper: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """``offset``: where the part starts in the round's vector (names chunks for replay
-        checks)."""
+        checks); ``signer`` and ``key``: to sign the part's account (open runs); ``tamper``: what
+        a lying owner does to each chunk's result (simulations and tests only)."""
         self.group = group
         self.part = part
         self.chunk_numels = list(chunk_numels)
@@ -92,7 +108,9 @@ class PartReducer:
         self.observations: dict[int, Observation] = {}
         self._weights = [0.0] * n
         self._contributors: list[list[int]] = [[] for _ in range(n)]
-        self._delivered = dict.fromkeys(range(len(group.members)), 0)
+        self._delivered = {
+            m: 0 for m in range(len(group.members)) if not (m == part and self.rules.owner_abstains)
+        }
         self.dropped: dict[int, str] = {}
         self._opened: set[int] = {part}  # the owner feeds its own values without a stream
         self._loop = asyncio.get_running_loop()
@@ -101,6 +119,14 @@ class PartReducer:
         ]
         self.decoded: list[torch.Tensor | None] = [None] * n
         self._finalized = 0
+        #: Open runs: each member's chunks as received, and what the account says of them.
+        self.chunks: list[dict[int, averaging_pb2.Chunk]] = [{} for _ in range(n)]
+        self._digests: list[dict[int, bytes]] = [{} for _ in range(n)]
+        self._accounts = [averaging_pb2.ChunkAccount() for _ in range(n)]
+        self.commitments: dict[int, bytes] = {}
+        self._signer, self.key = signer, key
+        self._tamper = tamper
+        self._account: asyncio.Future[averaging_pb2.Signed | None] = self._loop.create_future()
         self._progress = asyncio.Event()
         self._finalizer = asyncio.create_task(self._finalize_in_order(), name=f"reduce-part-{part}")
         self._watchdog = self._loop.call_later(open_timeout_seconds, self._drop_silent)
@@ -119,8 +145,20 @@ class PartReducer:
             )
         self._opened.add(member)
 
-    async def accept(self, member: int, index: int, values: torch.Tensor) -> None:
-        """Add ``member``'s decoded chunk ``index`` (fp32, validated by the caller)."""
+    def commit(self, member: int, commitment: bytes) -> None:
+        """Note the commitment ``member``'s stream header carried (open runs)."""
+        if commitment:
+            self.commitments[member] = commitment
+
+    async def accept(
+        self,
+        member: int,
+        index: int,
+        values: torch.Tensor,
+        chunk: averaging_pb2.Chunk | None = None,
+    ) -> None:
+        """Add ``member``'s decoded chunk ``index`` (fp32, validated by the caller; ``chunk``:
+        what arrived, kept in open runs)."""
         while index >= self._finalized + self._max_ahead and member not in self.dropped:
             self._progress.clear()
             await self._progress.wait()
@@ -130,6 +168,11 @@ class PartReducer:
             )
         if index != self._delivered[member]:  # pragma: no cover - the servicer orders chunks
             raise ProtocolViolation(ResultCode.BAD_SHAPE, f"chunk {index} out of order")
+        if self.rules.observe and chunk is not None:
+            kept = averaging_pb2.Chunk()
+            kept.CopyFrom(chunk)
+            self.chunks[index][member] = kept
+            self._digests[index][member] = hashlib.sha256(chunk.payload).digest()
         if self.rules.buffered:
             self._inputs[index][member] = values.clone()
         elif (total := self._sums[index]) is None:
@@ -175,6 +218,10 @@ class PartReducer:
     async def result(self, index: int) -> ChunkResult | None:
         """The averaged chunk, or None if nobody's values reached it."""
         return await asyncio.shield(self._results[index])
+
+    async def account(self) -> averaging_pb2.Signed | None:
+        """The signed account of the part, once every chunk is finalized (open runs)."""
+        return await asyncio.shield(self._account)
 
     async def results(self) -> AsyncIterator[ChunkResult]:
         for index in range(len(self.chunk_numels)):
@@ -226,6 +273,8 @@ class PartReducer:
                     weight = 1.0
                 result: ChunkResult | None = None
                 if total is not None and weight > 0 and contributors:
+                    if self._tamper is not None:
+                        total = self._tamper(index, total)
                     payload, meta, mine = await asyncio.to_thread(self._publish, total, weight)
                     result = ChunkResult(
                         index=index,
@@ -234,10 +283,14 @@ class PartReducer:
                         contributors=tuple(contributors),
                     )
                     self.decoded[index] = mine
+                    self._accounts[index].result_sha256 = hashlib.sha256(payload).digest()
                 self._results[index].set_result(result)
                 self._finalized += 1
                 self._notify()
+            self._account.set_result(self._sign_account())
         except BaseException as error:
+            if not self._account.done():
+                self._account.set_result(None)
             for future in self._results:
                 if not future.done():
                     future.set_exception(
@@ -255,9 +308,28 @@ class PartReducer:
         weights = [self._alpha[m] for m in members]
         outcome = aggregate(stack, self.rules.aggregator, weights=weights)
         if self.rules.observe:
+            account = self._accounts[index]
+            for k in outcome.used:
+                account.contributors.append(members[k])
+                account.clip.append(outcome.clip[k])
+                account.payload_sha256.append(self._digests[index].get(members[k], b""))
             position = (self._offset + sum(self.chunk_numels[:index]), self.chunk_numels[index])
             observe_chunk(self.observations, members, stack, outcome, position)
         return outcome.value, [members[k] for k in outcome.used]
+
+    def _sign_account(self) -> averaging_pb2.Signed | None:
+        if not self.rules.observe or self._signer is None or self.key is None:
+            return None
+        members = sorted(self.commitments)
+        account = averaging_pb2.PartAccount(
+            key=self.key,
+            owner=self.group.members[self.part].peer_id,
+            part=self.part,
+            chunks=self._accounts,
+            members=members,
+            commitments=[self.commitments[m] for m in members],
+        )
+        return seal(self._signer, ACCOUNT_STATEMENT, account)
 
     def _publish(
         self, total: torch.Tensor, weight: float
@@ -284,20 +356,36 @@ class SenderSession:
         *,
         max_chunk_bytes: int,
         sender_timeout_seconds: float,
+        commitment: bytes = b"",
+        public_key: bytes = b"",
     ) -> None:
         reducer.open(member)
+        reducer.commit(member, commitment)
         self._reducer = reducer
         self._member = member
+        self._public_key = public_key
+        self._sender = reducer.group.members[member].peer_id
         self.codec = (reducer.codec.name, reducer.codec.version)
         self.chunk_numels = reducer.chunk_numels
         self.max_chunk_bytes = max_chunk_bytes
         self.sender_timeout_seconds = sender_timeout_seconds
 
-    async def accept(self, index: int, values: torch.Tensor) -> None:
-        await self._reducer.accept(self._member, index, values)
+    async def accept(self, index: int, values: torch.Tensor, chunk: averaging_pb2.Chunk) -> None:
+        reducer = self._reducer
+        if reducer.rules.observe and not (
+            reducer.key is not None
+            and chunk_signed_by(self._public_key, reducer.key, self._sender, reducer.part, chunk)
+        ):
+            raise ProtocolViolation(
+                ResultCode.UNAUTHENTICATED, f"chunk {index} is not signed by {self._sender}"
+            )
+        await reducer.accept(self._member, index, values, chunk)
 
     def results(self) -> AsyncIterator[ChunkResult]:
         return self._reducer.results()
+
+    async def account(self) -> averaging_pb2.Signed | None:
+        return await self._reducer.account()
 
     def close(self, error: SwarmgradError | None) -> None:
         if error is not None:

@@ -52,10 +52,24 @@ class Flag(enum.StrEnum):
     CLIPPED = "clipped"  # far outside the others' radius
     REPLAY = "replay"  # an earlier update sent again
     DUPLICATE = "duplicate"  # the same values as another member's this round
+    # Owner checks (node/averaging/checks.py): the first three rest on signed evidence.
+    LYING_OWNER = "lying_owner"  # its result failed the members' projection check
+    EQUIVOCATION = "equivocation"  # it signed two accounts of one part
+    FALSE_REPORT = "false_report"  # its check report contradicts the chunks it signed
+    SILENT = "silent"  # it revealed or reported nothing in time: a part went unchecked
 
 
-#: Flags no honest update raises: one is enough to ban.
-DECISIVE = frozenset({Flag.ZERO, Flag.NON_FINITE, Flag.SCALE})
+#: Flags no honest peer raises: one is enough to ban.
+DECISIVE = frozenset(
+    {
+        Flag.ZERO,
+        Flag.NON_FINITE,
+        Flag.SCALE,
+        Flag.LYING_OWNER,
+        Flag.EQUIVOCATION,
+        Flag.FALSE_REPORT,
+    }
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -183,6 +197,16 @@ class TrustLedger:
         with self._lock:
             for peer_id, seen in observations.items():
                 ban = self._judge(round_, peer_id, seen)
+                if ban is not None:
+                    new.append(ban)
+        return new
+
+    def note(self, round_: int, flags: Mapping[str, Flag]) -> list[Ban]:
+        """Take what the owner checks of ``round_`` found of some peers (one flag each)."""
+        new: list[Ban] = []
+        with self._lock:
+            for peer_id, flag in flags.items():
+                ban = self._judge(round_, peer_id, Observation(flags={flag}))
                 if ban is not None:
                     new.append(ban)
         return new

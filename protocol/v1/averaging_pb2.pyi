@@ -52,6 +52,14 @@ CANNOT_PUNCH: ResultCode
 BANNED: ResultCode
 NOT_ALLOWED: ResultCode
 
+class Signed(_message.Message):
+    __slots__ = ("body", "auth")
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    body: bytes
+    auth: _auth_pb2.Auth
+    def __init__(self, body: _Optional[bytes] = ..., auth: _Optional[_Union[_auth_pb2.Auth, _Mapping]] = ...) -> None: ...
+
 class RoundKey(_message.Message):
     __slots__ = ("run_id", "spec_hash", "round", "group_id")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -65,30 +73,34 @@ class RoundKey(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., spec_hash: _Optional[bytes] = ..., round: _Optional[int] = ..., group_id: _Optional[bytes] = ...) -> None: ...
 
 class PartHeader(_message.Message):
-    __slots__ = ("key", "sender", "part", "weight", "receiver", "auth")
+    __slots__ = ("key", "sender", "part", "weight", "receiver", "auth", "commitment")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
+    COMMITMENT_FIELD_NUMBER: _ClassVar[int]
     key: RoundKey
     sender: str
     part: int
     weight: float
     receiver: str
     auth: _auth_pb2.Auth
-    def __init__(self, key: _Optional[_Union[RoundKey, _Mapping]] = ..., sender: _Optional[str] = ..., part: _Optional[int] = ..., weight: _Optional[float] = ..., receiver: _Optional[str] = ..., auth: _Optional[_Union[_auth_pb2.Auth, _Mapping]] = ...) -> None: ...
+    commitment: bytes
+    def __init__(self, key: _Optional[_Union[RoundKey, _Mapping]] = ..., sender: _Optional[str] = ..., part: _Optional[int] = ..., weight: _Optional[float] = ..., receiver: _Optional[str] = ..., auth: _Optional[_Union[_auth_pb2.Auth, _Mapping]] = ..., commitment: _Optional[bytes] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("index", "meta", "payload")
+    __slots__ = ("index", "meta", "payload", "signature")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     META_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     index: int
     meta: _tensor_pb2.CodecMeta
     payload: bytes
-    def __init__(self, index: _Optional[int] = ..., meta: _Optional[_Union[_tensor_pb2.CodecMeta, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, index: _Optional[int] = ..., meta: _Optional[_Union[_tensor_pb2.CodecMeta, _Mapping]] = ..., payload: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class AggregateRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -99,9 +111,95 @@ class AggregateRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PartHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class AggregateResponse(_message.Message):
-    __slots__ = ("chunk", "contributors")
+    __slots__ = ("chunk", "contributors", "account")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNT_FIELD_NUMBER: _ClassVar[int]
     chunk: Chunk
     contributors: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., contributors: _Optional[_Iterable[int]] = ...) -> None: ...
+    account: Signed
+    def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., contributors: _Optional[_Iterable[int]] = ..., account: _Optional[_Union[Signed, _Mapping]] = ...) -> None: ...
+
+class ChunkAccount(_message.Message):
+    __slots__ = ("result_sha256", "contributors", "clip", "payload_sha256")
+    RESULT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_SHA256_FIELD_NUMBER: _ClassVar[int]
+    result_sha256: bytes
+    contributors: _containers.RepeatedScalarFieldContainer[int]
+    clip: _containers.RepeatedScalarFieldContainer[float]
+    payload_sha256: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, result_sha256: _Optional[bytes] = ..., contributors: _Optional[_Iterable[int]] = ..., clip: _Optional[_Iterable[float]] = ..., payload_sha256: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PartAccount(_message.Message):
+    __slots__ = ("key", "owner", "part", "chunks", "members", "commitments")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    COMMITMENTS_FIELD_NUMBER: _ClassVar[int]
+    key: RoundKey
+    owner: str
+    part: int
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkAccount]
+    members: _containers.RepeatedScalarFieldContainer[int]
+    commitments: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, key: _Optional[_Union[RoundKey, _Mapping]] = ..., owner: _Optional[str] = ..., part: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkAccount, _Mapping]]] = ..., members: _Optional[_Iterable[int]] = ..., commitments: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class Reveal(_message.Message):
+    __slots__ = ("secret", "accounts")
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNTS_FIELD_NUMBER: _ClassVar[int]
+    secret: bytes
+    accounts: _containers.RepeatedCompositeFieldContainer[Signed]
+    def __init__(self, secret: _Optional[bytes] = ..., accounts: _Optional[_Iterable[_Union[Signed, _Mapping]]] = ...) -> None: ...
+
+class PartReport(_message.Message):
+    __slots__ = ("part", "projections", "payload_sha256")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    PROJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_SHA256_FIELD_NUMBER: _ClassVar[int]
+    part: int
+    projections: _containers.RepeatedScalarFieldContainer[float]
+    payload_sha256: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, part: _Optional[int] = ..., projections: _Optional[_Iterable[float]] = ..., payload_sha256: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class Report(_message.Message):
+    __slots__ = ("parts",)
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[PartReport]
+    def __init__(self, parts: _Optional[_Iterable[_Union[PartReport, _Mapping]]] = ...) -> None: ...
+
+class Accusation(_message.Message):
+    __slots__ = ("part", "member", "report", "payloads")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    PAYLOADS_FIELD_NUMBER: _ClassVar[int]
+    part: int
+    member: int
+    report: Signed
+    payloads: _containers.RepeatedCompositeFieldContainer[Chunk]
+    def __init__(self, part: _Optional[int] = ..., member: _Optional[int] = ..., report: _Optional[_Union[Signed, _Mapping]] = ..., payloads: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ...) -> None: ...
+
+class CheckStatement(_message.Message):
+    __slots__ = ("key", "sender", "reveal", "report", "accusation")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    REVEAL_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    ACCUSATION_FIELD_NUMBER: _ClassVar[int]
+    key: RoundKey
+    sender: str
+    reveal: Reveal
+    report: Report
+    accusation: Accusation
+    def __init__(self, key: _Optional[_Union[RoundKey, _Mapping]] = ..., sender: _Optional[str] = ..., reveal: _Optional[_Union[Reveal, _Mapping]] = ..., report: _Optional[_Union[Report, _Mapping]] = ..., accusation: _Optional[_Union[Accusation, _Mapping]] = ...) -> None: ...
+
+class CheckReply(_message.Message):
+    __slots__ = ("code",)
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    code: ResultCode
+    def __init__(self, code: _Optional[_Union[ResultCode, str]] = ...) -> None: ...

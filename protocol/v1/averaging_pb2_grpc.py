@@ -39,6 +39,11 @@ class AveragingStub:
                 request_serializer=swarmgrad_dot_protocol_dot_v1_dot_averaging__pb2.AggregateRequest.SerializeToString,
                 response_deserializer=swarmgrad_dot_protocol_dot_v1_dot_averaging__pb2.AggregateResponse.FromString,
                 _registered_method=True)
+        self.Check = channel.unary_unary(
+                '/swarmgrad.v1.Averaging/Check',
+                request_serializer=swarmgrad_dot_protocol_dot_v1_dot_averaging__pb2.Signed.SerializeToString,
+                response_deserializer=swarmgrad_dot_protocol_dot_v1_dot_averaging__pb2.CheckReply.FromString,
+                _registered_method=True)
 
 
 class AveragingServicer:
@@ -52,6 +57,13 @@ class AveragingServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Check(self, request, context):
+        """Open runs: one member's reveal, report or accusation about a round, sent to each member.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AveragingServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +71,11 @@ def add_AveragingServicer_to_server(servicer, server):
                     servicer.Aggregate,
                     request_deserializer=swarmgrad_dot_protocol_dot_v1_dot_averaging__pb2.AggregateRequest.FromString,
                     response_serializer=swarmgrad_dot_protocol_dot_v1_dot_averaging__pb2.AggregateResponse.SerializeToString,
+            ),
+            'Check': grpc.unary_unary_rpc_method_handler(
+                    servicer.Check,
+                    request_deserializer=swarmgrad_dot_protocol_dot_v1_dot_averaging__pb2.Signed.FromString,
+                    response_serializer=swarmgrad_dot_protocol_dot_v1_dot_averaging__pb2.CheckReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,6 +105,33 @@ class Averaging:
             '/swarmgrad.v1.Averaging/Aggregate',
             swarmgrad_dot_protocol_dot_v1_dot_averaging__pb2.AggregateRequest.SerializeToString,
             swarmgrad_dot_protocol_dot_v1_dot_averaging__pb2.AggregateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Check(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmgrad.v1.Averaging/Check',
+            swarmgrad_dot_protocol_dot_v1_dot_averaging__pb2.Signed.SerializeToString,
+            swarmgrad_dot_protocol_dot_v1_dot_averaging__pb2.CheckReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -72,6 +72,19 @@ async def average(
     return list(await asyncio.gather(*calls, return_exceptions=True))
 
 
+def open_mean(averagers: list[Averager], updates: list[torch.Tensor]) -> torch.Tensor:
+    """What an honest open round returns: each part the mean of its members but its owner (an
+    owner's own values stay out of its part)."""
+    group = Group(
+        round=0, members=tuple(Member(peer_id=a.peer_id, endpoint=a.endpoint) for a in averagers)
+    )
+    out = torch.empty(SIZE)
+    for owner, (start, end) in enumerate(group.partition(SIZE)):
+        others = [u[start:end] for i, u in enumerate(updates) if i != owner]
+        out[start:end] = torch.stack(others).mean(0)
+    return out
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
@@ -85,7 +98,7 @@ async def test_honest_members_are_never_flagged_and_their_replicas_agree() -> No
             averaged = [r.averaged for r in results if isinstance(r, RoundResult)]
             assert all(torch.equal(averaged[0], a) for a in averaged[1:])
             # With honest members CenteredClip is the mean, up to the codecs.
-            assert rel(averaged[0], torch.stack(updates).mean(0)) < 0.02
+            assert rel(averaged[0], open_mean(peers, updates)) < 0.02
         for peer in peers:
             assert peer.ledger.bans == {}
             assert all(count == 0 for count in peer.ledger.flag_counts.values())
@@ -93,6 +106,8 @@ async def test_honest_members_are_never_flagged_and_their_replicas_agree() -> No
             assert len(table) == 4
             assert all(row["rounds"] == ROUNDS for row in table.values())
             assert all(float(row["cosine_ema"]) > 0.5 for row in table.values())  # type: ignore[arg-type]
+            # Every member checked every part of every round, and none failed.
+            assert peer.checks == {"checked": 5 * ROUNDS, "failed": 0}
 
 
 #: The round by which every honest member has banned the attacker.
@@ -131,7 +146,7 @@ async def test_an_attacker_is_banned_in_time_by_every_honest_member(attack: Atta
                 assert len(honest_results) == 4
                 if round_ > banned_at:
                     # Without the attacker the honest members average as if it never existed.
-                    mean = torch.stack(updates[:4]).mean(0)
+                    mean = open_mean(honest, updates[:4])
                     assert rel(honest_results[0].averaged, mean) < 0.02
         assert banned_at is not None, attack
         assert banned_at <= BANNED_BY[attack], (attack, banned_at)
@@ -188,3 +203,47 @@ async def test_a_member_left_out_by_an_owner_disputes_it_and_bans_nobody(
         assert table[liar]["disputes"] == 3
         # Unprovable: a dispute never bans, here or anywhere.
         assert all(p.ledger.bans == {} for p in peers)
+
+
+def lie(index: int, value: torch.Tensor) -> torch.Tensor:
+    """A lying owner: its result, shifted by 1% of its norm (a small, steady pull)."""
+    shift = torch.ones_like(value)
+    return value + shift * (0.01 * float(value.norm()) / float(shift.norm()))
+
+
+async def test_a_lying_owner_is_convicted_in_the_round_it_lies() -> None:
+    async with swarm(5) as peers:
+        honest, bad = peers[:4], peers[4]
+        bad.tamper_results = lie
+        updates = honest_updates(0, 5)
+        results = await average(peers, updates, 0)
+        bounds = Group(
+            round=0, members=tuple(Member(peer_id=a.peer_id, endpoint=a.endpoint) for a in peers)
+        ).partition(SIZE)
+        for peer, result in zip(honest, results, strict=False):
+            assert isinstance(result, RoundResult)
+            assert peer.ledger.bans[bad.peer_id].flags == (Flag.LYING_OWNER,)
+            # Its part is not applied: the member keeps its own values there ...
+            assert result.missing == (bounds[4],)
+            start, end = bounds[4]
+            assert torch.equal(result.averaged[start:end], updates[peers.index(peer)][start:end])
+            # ... and every other part passed.
+            assert peer.checks["failed"] == 1
+        assert not any(p.ledger.bans.keys() - {bad.peer_id} for p in peers)
+        # Without it, the honest members go on as before.
+        results = await average(honest, honest_updates(1, 4), 1)
+        assert all(isinstance(r, RoundResult) and r.complete for r in results)
+        assert all(p.checks["failed"] == 1 for p in honest)
+
+
+async def test_a_member_that_frames_an_owner_with_false_reports_is_convicted_instead() -> None:
+    async with swarm(5) as peers:
+        honest, framer = peers[:4], peers[4]
+        framer.false_reports = True
+        results = await average(peers, honest_updates(0, 5), 0)
+        for peer in honest:
+            # Every owner showed the framer's signed chunks: the framer is banned, nobody else.
+            assert set(peer.ledger.bans) == {framer.peer_id}
+            assert peer.ledger.bans[framer.peer_id].flags == (Flag.FALSE_REPORT,)
+            assert peer.checks["failed"] == 0
+        assert all(isinstance(r, RoundResult) and r.complete for r in results[:4])

@@ -1,0 +1,96 @@
+"""The projection check of an owner's result: the arithmetic, without the wire.
+
+At CenteredClip's fixed point (and for the plain mean, with every clip 1) the owner's result
+``v`` of a chunk satisfies ``sum_i c_i (x_i - v) = 0`` over its contributors ``i``, whose values
+``x_i`` only they and the owner hold. After the owner has signed ``v`` and the clips ``c_i``
+(its :class:`PartAccount`), every contributor projects its own ``c_i (x_i - v)`` on
+:data:`PROJECTIONS` random sign vectors ``z_k`` and reports the numbers; the sums over the
+contributors must vanish, up to the return codec's rounding of ``v``. An owner that shifts
+``v`` by ``d`` moves each sum by ``-(sum_i c_i) <z_k, d>``, which it cannot aim at zero: the
+vectors come from a seed made of the account it signed and secrets the contributors committed
+to in their stream headers and reveal only after every account is out (commit and reveal).
+
+The tolerance comes from fp16's rounding: every value of ``v`` is off by at most ``2^-11`` of
+itself, so ``<z, v - fp16(v)>`` has a spread of at most ``2^-11 |v|``, and the sum's is that
+times ``sum_i c_i``. :data:`SIGMAS` spreads is the bound (a false alarm is a ~1e-9 event per
+projection); a small relative term absorbs fp32 arithmetic in the reports. Measured in
+``tests/unit/test_owner_checks.py``: honest results use a few percent of the bound; a lie of
+1% of ``|v|`` fails every time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+#: Random projections per chunk.
+PROJECTIONS = 8
+#: The tolerance, in spreads of the return codec's rounding.
+SIGMAS = 6.0
+#: fp16's unit roundoff: every result value is within this fraction of itself.
+FP16_ROUNDOFF = 2.0**-11
+#: Slack relative to the reports' own magnitude (fp32 arithmetic in x - v and the dot products).
+RELATIVE_SLACK = 1e-5
+SECRET_BYTES = 32
+
+
+def commitment(secret: bytes) -> bytes:
+    return hashlib.sha256(b"swarmgrad/check-secret\0" + secret).digest()
+
+
+def part_seed(account_body: bytes, secrets: Sequence[bytes]) -> bytes:
+    """The seed of a part's projections: its signed account and the contributors' revealed
+    secrets, in the account's member order."""
+    digest = hashlib.sha256(b"swarmgrad/check-seed\0")
+    digest.update(hashlib.sha256(account_body).digest())
+    for secret in secrets:
+        digest.update(hashlib.sha256(secret).digest())
+    return digest.digest()
+
+
+def sign_vectors(seed: bytes, chunk: int, numel: int, k: int = PROJECTIONS) -> torch.Tensor:
+    """``k`` vectors of +-1 (``k x numel`` fp32), from SHAKE-128 of the seed and the chunk."""
+    stream = hashlib.shake_128(seed + chunk.to_bytes(4, "little")).digest(k * ((numel + 7) // 8))
+    bits = np.unpackbits(np.frombuffer(stream, dtype=np.uint8)).reshape(k, -1)[:, :numel]
+    return torch.from_numpy(bits.astype(np.float32) * 2.0 - 1.0)
+
+
+def project(
+    values: torch.Tensor, result: torch.Tensor, clip: float, vectors: torch.Tensor
+) -> list[float]:
+    """A contributor's report for one chunk: ``clip * <z_k, values - result>`` for every k."""
+    centred = (values.double() - result.double()).mul_(clip)
+    return (vectors.double() @ centred).tolist()
+
+
+def tolerance(
+    result: torch.Tensor, clips: Sequence[float], reports: Sequence[Sequence[float]]
+) -> list[float]:
+    """How far from zero each projection's sum may be for an honest owner."""
+    spread = FP16_ROUNDOFF * float(torch.linalg.vector_norm(result.double()))
+    base = SIGMAS * sum(clips) * spread
+    return [
+        base + RELATIVE_SLACK * sum(abs(r[k]) for r in reports)
+        for k in range(len(reports[0]) if reports else 0)
+    ]
+
+
+def holds(
+    result: torch.Tensor, clips: Sequence[float], reports: Sequence[Sequence[float]]
+) -> tuple[bool, float]:
+    """Whether the contributors' reports of one chunk sum to zero within the tolerance, and the
+    largest |sum| / tolerance (under 1 passes)."""
+    if not reports:
+        return True, 0.0
+    bounds = tolerance(result, clips, reports)
+    worst = 0.0
+    for k, bound in enumerate(bounds):
+        total = math.fsum(r[k] for r in reports)
+        if not math.isfinite(total):
+            return False, math.inf
+        worst = max(worst, abs(total) / bound if bound > 0 else (0.0 if total == 0 else math.inf))
+    return worst <= 1.0, worst
