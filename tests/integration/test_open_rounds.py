@@ -8,15 +8,20 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import grpc
 import pytest
 import torch
 
 from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
 from swarmgrad.node.averaging.averager import Averager, standalone
 from swarmgrad.node.averaging.group import Group, Member
+from swarmgrad.node.averaging.plan import round_key
 from swarmgrad.node.averaging.reducer import PartReducer
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.trust.ledger import Flag
+from swarmgrad.protocol.auth import sign_statement
+from swarmgrad.protocol.averaging import CHECK_STATEMENT, check_method, seal
+from swarmgrad.protocol.v1 import averaging_pb2
 from swarmgrad.simulations.attacks import Attack, Attacker, NaNPayloads
 
 CHUNK = 4096
@@ -247,3 +252,56 @@ async def test_a_member_that_frames_an_owner_with_false_reports_is_convicted_ins
             assert peer.ledger.bans[framer.peer_id].flags == (Flag.FALSE_REPORT,)
             assert peer.checks["failed"] == 0
         assert all(isinstance(r, RoundResult) and r.complete for r in results[:4])
+
+
+async def test_check_messages_from_strangers_and_forgers_are_refused() -> None:
+    async with swarm(3) as peers:
+        target = peers[0]
+        group = Group(
+            round=0, members=tuple(Member(peer_id=a.peer_id, endpoint=a.endpoint) for a in peers)
+        )
+        await average(peers, honest_updates(0, 3)[:3], 0)
+        mallory = Identity.from_seed("open-rounds/mallory")
+        key = round_key(OPEN, group)
+        reveal = averaging_pb2.Reveal(secret=bytes(32))
+
+        def statement(sender: str, **fields: object) -> averaging_pb2.CheckStatement:
+            return averaging_pb2.CheckStatement(key=key, sender=sender, reveal=reveal, **fields)  # type: ignore[arg-type]
+
+        forged = seal(mallory, CHECK_STATEMENT, statement(peers[1].peer_id))
+        tampered = seal(mallory, CHECK_STATEMENT, statement(mallory.peer_id))
+        tampered.body += b"\x08\x01"
+        other_run = statement(mallory.peer_id)
+        other_run.key.run_id = "another-run"
+        cases = {
+            "forged": (forged, grpc.StatusCode.UNAUTHENTICATED),
+            "tampered": (tampered, grpc.StatusCode.UNAUTHENTICATED),
+            "garbage": (
+                averaging_pb2.Signed(body=b"\xff" * 64, auth=forged.auth),
+                grpc.StatusCode.UNAUTHENTICATED,
+            ),
+            "unparsable": (
+                averaging_pb2.Signed(
+                    body=b"\xff" * 8, auth=sign_statement(mallory, CHECK_STATEMENT, b"\xff" * 8)
+                ),
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ),
+            "other run": (
+                seal(mallory, CHECK_STATEMENT, other_run),
+                grpc.StatusCode.FAILED_PRECONDITION,
+            ),
+            "stranger": (
+                seal(mallory, CHECK_STATEMENT, statement(mallory.peer_id)),
+                grpc.StatusCode.PERMISSION_DENIED,
+            ),
+        }
+        async with grpc.aio.insecure_channel(target.endpoint) as channel:
+            call = check_method(channel)
+            for name, (signed, status) in cases.items():
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call(signed, timeout=5)
+                assert refused.value.code() == status, (name, refused.value)
+        # The target keeps averaging, and checking, with its members.
+        results = await average(peers, honest_updates(1, 3)[:3], 1)
+        assert all(isinstance(r, RoundResult) and r.complete for r in results)
+        assert target.checks["failed"] == 0
