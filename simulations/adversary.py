@@ -1,5 +1,6 @@
 """A malicious node for simulations: the real node, whose every round sends an attack instead of
-its honest update (``python -m swarmgrad.simulations.adversary --attack KIND node ...``).
+its honest update (``python -m swarmgrad.simulations.adversary --attack KIND node ...``), or
+whose owner lies about its part, or whose check reports frame honest owners.
 
 Everything else is the real node (discovery, matchmaking, its owner's part, state sync): only
 the vector it hands to the all-reduce is replaced, by :class:`~.attacks.Attacker`, or (NaN) its
@@ -18,7 +19,7 @@ from swarmgrad.node import cli
 from swarmgrad.node.averaging.allreduce import RoundResult
 from swarmgrad.node.averaging.averager import Averager
 from swarmgrad.node.averaging.group import Group
-from swarmgrad.simulations.attacks import Attack, Attacker, NaNPayloads
+from swarmgrad.simulations.attacks import Attack, Attacker, NaNPayloads, lying_result
 
 
 def install(attack: Attack, *, seed: int = 0) -> None:
@@ -31,6 +32,10 @@ def install(attack: Attack, *, seed: int = 0) -> None:
     ) -> RoundResult:
         if attack is Attack.NAN:
             options["hooks"] = NaNPayloads()
+        elif attack is Attack.LYING_OWNER:
+            self.tamper_results = lying_result
+        elif attack is Attack.FALSE_REPORT:
+            self.false_reports = True
         else:
             vector = attacker.update(vector)
         return await honest_all_reduce(self, vector, group, **options)

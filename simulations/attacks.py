@@ -23,6 +23,14 @@ class Attack(enum.StrEnum):
     NAN = "nan"  # NaN in a few places (on the wire: a NaN block scale, see NaNPayloads)
     REPLAY = "replay"  # its first round's update, every round after
     ALIE = "alie"  # mean - z std of the honest updates, per coordinate (z = 1)
+    # As an owner or a checker (its update stays honest):
+    LYING_OWNER = "lying_owner"  # shifts its part's result by 1% of its norm
+    FALSE_REPORT = "false_report"  # sends false check reports, to frame honest owners
+
+    @property
+    def as_owner(self) -> bool:
+        """Whether the attack is in what it does as an owner or checker, not in its update."""
+        return self in (Attack.LYING_OWNER, Attack.FALSE_REPORT)
 
 
 @dataclass(slots=True)
@@ -41,6 +49,8 @@ class Attacker:
         """What it sends this round instead of ``honest`` (``others``: the honest members'
         updates, for ALIE)."""
         attack = self.attack
+        if attack.as_owner:
+            return honest
         if self._first is None:
             self._first = honest.clone()
             if attack is Attack.REPLAY:
@@ -71,3 +81,10 @@ class NaNPayloads:
 
     async def before_send(self, owner: int, index: int, payload: bytes) -> bytes:
         return struct.pack("<f", float("nan")) + payload[4:]
+
+
+def lying_result(index: int, value: torch.Tensor) -> torch.Tensor:
+    """What a lying owner publishes for a chunk: its result shifted by 1% of the result's norm
+    (small enough to pass for noise, large enough to pull a run off course round after round)."""
+    shift = torch.ones_like(value)
+    return value + shift * (0.01 * float(value.norm()) / max(1e-12, float(shift.norm())))

@@ -53,18 +53,21 @@ def part_seed(account_body: bytes, secrets: Sequence[bytes]) -> bytes:
 
 
 def sign_vectors(seed: bytes, chunk: int, numel: int, k: int = PROJECTIONS) -> torch.Tensor:
-    """``k`` vectors of +-1 (``k x numel`` fp32), from SHAKE-128 of the seed and the chunk."""
+    """``k`` random sign vectors from SHAKE-128 of the seed and the chunk, as their bits (a
+    ``k x numel`` fp32 tensor of 0 and 1: the sign vector is ``2 * bits - 1``)."""
     stream = hashlib.shake_128(seed + chunk.to_bytes(4, "little")).digest(k * ((numel + 7) // 8))
     bits = np.unpackbits(np.frombuffer(stream, dtype=np.uint8)).reshape(k, -1)[:, :numel]
-    return torch.from_numpy(bits.astype(np.float32) * 2.0 - 1.0)
+    return torch.from_numpy(bits.astype(np.float32))
 
 
 def project(
     values: torch.Tensor, result: torch.Tensor, clip: float, vectors: torch.Tensor
 ) -> list[float]:
-    """A contributor's report for one chunk: ``clip * <z_k, values - result>`` for every k."""
-    centred = (values.double() - result.double()).mul_(clip)
-    return (vectors.double() @ centred).tolist()
+    """A contributor's report for one chunk: ``clip * <z_k, values - result>`` for every k
+    (``vectors`` from :func:`sign_vectors`; fp32 products, well inside the tolerance)."""
+    centred = values - result
+    total = float(centred.double().sum())
+    return [clip * (2.0 * float(x) - total) for x in (vectors @ centred).double()]
 
 
 def tolerance(

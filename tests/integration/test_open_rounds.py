@@ -22,7 +22,7 @@ from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.protocol.auth import sign_statement
 from swarmgrad.protocol.averaging import CHECK_STATEMENT, check_method, seal
 from swarmgrad.protocol.v1 import averaging_pb2
-from swarmgrad.simulations.attacks import Attack, Attacker, NaNPayloads
+from swarmgrad.simulations.attacks import Attack, Attacker, NaNPayloads, lying_result
 
 CHUNK = 4096
 SIZE = 5 * 2 * CHUNK  # two chunks per owner's part
@@ -126,7 +126,7 @@ BANNED_BY = {
 }
 
 
-@pytest.mark.parametrize("attack", list(BANNED_BY))
+@pytest.mark.parametrize("attack", list(BANNED_BY))  # owner attacks: the tests below
 async def test_an_attacker_is_banned_in_time_by_every_honest_member(attack: Attack) -> None:
     attacker = Attacker(attack, seed=7)
     async with swarm(5) as peers:
@@ -210,16 +210,10 @@ async def test_a_member_left_out_by_an_owner_disputes_it_and_bans_nobody(
         assert all(p.ledger.bans == {} for p in peers)
 
 
-def lie(index: int, value: torch.Tensor) -> torch.Tensor:
-    """A lying owner: its result, shifted by 1% of its norm (a small, steady pull)."""
-    shift = torch.ones_like(value)
-    return value + shift * (0.01 * float(value.norm()) / float(shift.norm()))
-
-
 async def test_a_lying_owner_is_convicted_in_the_round_it_lies() -> None:
     async with swarm(5) as peers:
         honest, bad = peers[:4], peers[4]
-        bad.tamper_results = lie
+        bad.tamper_results = lying_result
         updates = honest_updates(0, 5)
         results = await average(peers, updates, 0)
         bounds = Group(
