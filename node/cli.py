@@ -228,6 +228,13 @@ def status(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON, not a table.")] = False,
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 30.0,
+    scores: Annotated[
+        Path | None,
+        typer.Option(
+            help="Open runs: also show what the node writing this --status-file thinks of each "
+            "peer (clip and cosine EMAs, flags, bans, owner checks); alone, only that."
+        ),
+    ] = None,
 ) -> None:
     """Show a run's peers from the DHT: id, role, epoch, throughput, reachability, last seen."""
     import json
@@ -236,9 +243,19 @@ def status(
     from rich.table import Table
 
     from swarmgrad.node.runspec import RunSpec
-    from swarmgrad.node.status import run_peers
+    from swarmgrad.node.status import ScoresError, read_scores, run_peers, scores_table
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    try:
+        scored = read_scores(scores) if scores is not None else None
+    except ScoresError as error:
+        raise _fail(EXIT_CONFIG, str(error)) from None
+    if scored is not None and spec is None and run is None:
+        if as_json:
+            typer.echo(json.dumps({"scores": scored}, indent=1))
+        else:
+            Console().print(scores_table(scored))
+        return
     try:
         loaded = RunSpec.load(spec) if spec is not None else None
         if (loaded is None) == (run is None):
@@ -273,7 +290,7 @@ def status(
     except (DiscoveryError, TimeoutError) as error:
         raise _fail(EXIT_NETWORK, f"could not read the run's peers: {error}") from None
     if as_json:
-        typer.echo(json.dumps({"run": run_id, "peers": rows}, indent=1))
+        typer.echo(json.dumps({"run": run_id, "peers": rows, "scores": scored}, indent=1))
         return
     table = Table(title=f"run {run_id}: {len(rows)} peer(s)")
     columns = ("peer", "spec", "role", "epoch", "samples/s", "endpoint", "reached", "seen")
@@ -293,6 +310,8 @@ def status(
             f"{row['last_seen_seconds']:.0f} s ago",
         )
     Console().print(table)
+    if scored is not None:
+        Console().print(scores_table(scored))
 
 
 @app.command()

@@ -95,6 +95,7 @@ async def _train(
                     "metrics_url": server.url if server is not None else "",
                     "counts": swarm.counts,
                     "failures": swarm.failures,
+                    "owner_checks": swarm.owner_checks,
                 }
                 | swarm.reachability_summary()
             )

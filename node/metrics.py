@@ -142,9 +142,9 @@ class _Rejections(Collector):
         yield family
 
 
-#: Per peer (the ledger's table), and (flags by kind, bans by reason).
+#: Per peer (the ledger's table), and (flags by kind, bans by reason, owner checks by result).
 TrustSource = Callable[[], tuple[Mapping[str, Mapping[str, object]], "TrustCounts"]]
-TrustCounts = tuple[Mapping[str, int], Mapping[str, int]]
+TrustCounts = tuple[Mapping[str, int], Mapping[str, int], Mapping[str, int]]
 
 
 class _Trust(Collector):
@@ -154,7 +154,7 @@ class _Trust(Collector):
         self._trust = trust
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        table, (flags, bans) = self._trust()
+        table, (flags, bans, checks) = self._trust()
         family = CounterMetricFamily(
             "swarmgrad_trust_flags",
             "Members' updates flagged by this node as an owner, by kind (zero, non_finite, "
@@ -164,6 +164,15 @@ class _Trust(Collector):
         for kind, count in sorted(flags.items()):
             family.add_metric([str(kind)], float(count))
         yield family
+        checked = CounterMetricFamily(
+            "swarmgrad_owner_checks",
+            "Owners' results this node checked with its group after open rounds, by result "
+            "(checked: passed or failed; failed: dropped, the owner convicted).",
+            labels=["result"],
+        )
+        for result in ("checked", "failed"):
+            checked.add_metric([result], float(checks.get(result, 0)))
+        yield checked
         banned = GaugeMetricFamily(
             "swarmgrad_banned_peers", "Peers this node no longer averages with, by reason.",
             labels=["reason"],

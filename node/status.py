@@ -1,10 +1,15 @@
-"""``swarmgrad status``: a run's peers as the DHT shows them, read by a short-lived DHT node."""
+"""``swarmgrad status``: a run's peers as the DHT shows them, read by a short-lived DHT node, and
+(``--scores``) what one node of an open run thinks of each peer, from its status file."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+from rich.table import Table
 
 from swarmgrad.node.discovery.base import dht_time
 from swarmgrad.node.discovery.start import start_reader
@@ -60,3 +65,55 @@ async def run_peers(
             return rows
         finally:
             await discovery.close()
+
+
+class ScoresError(ValueError):
+    """A node's status file that cannot be read, or holds no scores."""
+
+
+def read_scores(path: Path) -> dict[str, Any]:
+    """What a node's ``--status-file`` says of its peers in an open run: its peer id, its
+    ledger's row per peer (rounds, clip and cosine EMAs, flags, disputes, ban), and its owner
+    checks (checked, failed)."""
+    try:
+        status = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ScoresError(f"cannot read the node's status file {path}: {error}") from None
+    if not isinstance(status, dict) or not isinstance(status.get("trust"), dict):
+        raise ScoresError(f"{path} is not a node's status file (no trust section)")
+    return {
+        "node": status.get("peer_id", ""),
+        "epoch": status.get("epoch"),
+        "peers": status["trust"],
+        "owner_checks": status.get("owner_checks", {}),
+    }
+
+
+def scores_table(scores: dict[str, Any]) -> Table:
+    """The scores as a table, worst first (banned, then by cosine)."""
+    checks = scores["owner_checks"]
+    table = Table(
+        title=f"scores by {scores['node']} at epoch {scores['epoch']}: "
+        f"{checks.get('checked', 0)} owner results checked, {checks.get('failed', 0)} failed"
+    )
+    for column in ("peer", "rounds", "clip", "cosine", "flags", "disputes", "banned"):
+        table.add_column(
+            column, justify="right" if column in ("rounds", "clip", "cosine") else "left"
+        )
+    rows = sorted(
+        scores["peers"].items(),
+        key=lambda item: (not item[1].get("banned"), item[1].get("cosine_ema", 0.0)),
+    )
+    for peer, row in rows:
+        ban = row.get("banned")
+        flags = ", ".join(f"{k} {v}" for k, v in row.get("flags", {}).items())
+        table.add_row(
+            peer,
+            str(row.get("rounds", 0)),
+            f"{row.get('clip_ema', 0.0):.2f}",
+            f"{row.get('cosine_ema', 0.0):.2f}",
+            flags or "-",
+            str(row.get("disputes", 0)),
+            f"round {ban['round']}: {ban['reason']}" if ban else "-",
+        )
+    return table

@@ -136,7 +136,8 @@ class Swarm:
         self.metrics.read_rejections(self.rejections.snapshot)
         if spec.trust.open:
             ledger = self._averager.ledger
-            self.metrics.read_trust(lambda: (ledger.table(), ledger.counts()))
+            checks = self._averager.checks
+            self.metrics.read_trust(lambda: (ledger.table(), (*ledger.counts(), dict(checks))))
         sample = torch.randn(  # its own generator: the process's random stream is the user's
             min(spec.averaging.chunk_values, 1 << 16), generator=torch.Generator().manual_seed(0)
         )
@@ -239,6 +240,11 @@ class Swarm:
     def ledger(self) -> TrustLedger:
         """What this node thinks of the peers it aggregated, and whom it banned (open runs)."""
         return self._averager.ledger
+
+    @property
+    def owner_checks(self) -> Counter[str]:
+        """Owners' results this node checked after open rounds: "checked", "failed"."""
+        return self._averager.checks
 
     @property
     def peers(self) -> list[PeerRecord]:

@@ -4,6 +4,10 @@ identical."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
@@ -38,3 +42,27 @@ def test_a_sign_flipping_peer_is_banned_and_the_honest_swarm_learns(tmp_path: Pa
     assert set(banned_by) >= honest, bans  # every honest node banned it ...
     assert all(banned_by[peer]["round"] <= 2 for peer in honest), bans  # ... in 3 rounds
     assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0, summary["loss_curve"]
+    # One node's own view, from its status file: `swarmgrad status --scores`.
+    shown = _status("--scores", str(tmp_path / "sim" / "node-0.json"), "--json")
+    scores = json.loads(shown)["scores"]
+    assert scores["node"] in honest
+    assert scores["peers"][attacker]["banned"]["round"] <= 2
+    assert all(not scores["peers"][p]["banned"] for p in honest - {scores["node"]})
+    # It checked its owners' results every round, and none failed (the attacker only sends).
+    assert scores["owner_checks"]["checked"] >= ROUNDS
+    assert scores["owner_checks"]["failed"] == 0
+    table = _status("--scores", str(tmp_path / "sim" / "node-0.json"))
+    assert attacker in table
+    assert "round" in table
+
+
+def _status(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "swarmgrad.node.cli", "status", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | {"COLUMNS": "250"},
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout

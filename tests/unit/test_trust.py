@@ -195,3 +195,24 @@ def test_the_allowlist_believes_only_the_run_key_and_only_moves_forward() -> Non
         Allowlist.parse(b'{"version": 1, "peers": ["not-a-peer"]}')
     with pytest.raises(RunSpecError, match="run_key"):
         RunSpec.from_toml(SPEC + '[trust]\nmode = "private"\n')
+
+
+def test_trust_metrics_show_flags_bans_scores_and_owner_checks() -> None:
+    from prometheus_client import generate_latest
+
+    from swarmgrad.node.metrics import NodeMetrics
+
+    ledger = TrustLedger()
+    ledger.observe(0, {"sgbad": Observation(flags={Flag.ZERO}), "sggood": Observation()})
+    ledger.note(1, {"sgliar": Flag.LYING_OWNER})
+    metrics = NodeMetrics(peer_id="sgme", run_id="r", spec_hash="00", algorithm="a", codec="c")
+    checks = {"checked": 12, "failed": 1}
+    metrics.read_trust(lambda: (ledger.table(), (*ledger.counts(), checks)))
+    text = generate_latest(metrics.registry).decode()
+    assert 'swarmgrad_trust_flags_total{kind="zero"} 1.0' in text
+    assert 'swarmgrad_trust_flags_total{kind="lying_owner"} 1.0' in text
+    assert 'swarmgrad_banned_peers{reason="lying_owner"} 1.0' in text
+    assert 'swarmgrad_banned_peers{reason="zero"} 1.0' in text
+    assert 'swarmgrad_owner_checks_total{result="checked"} 12.0' in text
+    assert 'swarmgrad_owner_checks_total{result="failed"} 1.0' in text
+    assert 'swarmgrad_peer_cosine_ema{peer="sggood"}' in text
