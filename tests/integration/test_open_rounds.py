@@ -16,11 +16,11 @@ from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
 from swarmgrad.node.averaging.averager import Averager, standalone
 from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.averaging.plan import round_key
-from swarmgrad.node.averaging.reducer import PartReducer
+from swarmgrad.node.averaging.reducer import PartReducer, SenderSession
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.protocol.auth import sign_statement
-from swarmgrad.protocol.averaging import CHECK_STATEMENT, check_method, seal
+from swarmgrad.protocol.averaging import ACCOUNT_STATEMENT, CHECK_STATEMENT, check_method, seal
 from swarmgrad.protocol.v1 import averaging_pb2
 from swarmgrad.simulations.attacks import Attack, Attacker, NaNPayloads, lying_result
 
@@ -299,3 +299,33 @@ async def test_check_messages_from_strangers_and_forgers_are_refused() -> None:
         results = await average(peers, honest_updates(1, 3)[:3], 1)
         assert all(isinstance(r, RoundResult) and r.complete for r in results)
         assert target.checks["failed"] == 0
+
+
+async def test_an_owner_that_signs_two_accounts_of_its_part_is_convicted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with swarm(5) as peers:
+        honest, bad = peers[:4], peers[4]
+        honest_account = SenderSession.account
+
+        async def two_faced(self: SenderSession) -> averaging_pb2.Signed | None:
+            signed = await honest_account(self)
+            reducer = self._reducer
+            if signed is None or reducer.group.members[reducer.part].peer_id != bad.peer_id:
+                return signed
+            if self._member % 2:  # odd members get another account: one clip nudged
+                account = averaging_pb2.PartAccount.FromString(signed.body)
+                account.chunks[0].clip[0] *= 0.999
+                return seal(bad.identity, ACCOUNT_STATEMENT, account)
+            return signed
+
+        monkeypatch.setattr(SenderSession, "account", two_faced)
+        results = await average(peers, honest_updates(0, 5), 0)
+        bounds = Group(
+            round=0, members=tuple(Member(peer_id=a.peer_id, endpoint=a.endpoint) for a in peers)
+        ).partition(SIZE)
+        for peer, result in zip(honest, results, strict=False):
+            assert isinstance(result, RoundResult)
+            assert peer.ledger.bans[bad.peer_id].flags == (Flag.EQUIVOCATION,)
+            assert result.missing == (bounds[4],)  # its part is dropped by everyone
+        assert not any(p.ledger.bans.keys() - {bad.peer_id} for p in peers)
