@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from swarmgrad.node.averaging.allreduce import AllReduceConfig
+from swarmgrad.node.averaging.plan import CHECK_STEPS, CHECK_TIMEOUT_SECONDS
 from swarmgrad.node.averaging.rounds import RoundsConfig
 from swarmgrad.node.discovery.directory import DirectoryConfig
 from swarmgrad.node.discovery.start import DiscoveryConfig
@@ -114,10 +115,13 @@ def allreduce_config(spec: RunSpec) -> AllReduceConfig:
 def round_budget_seconds(spec: RunSpec, config: SwarmConfig, *, dht_call_seconds: float) -> float:
     """The longest a round may take, as a trainer waits for it: the reachability wait (first
     round only), matchmaking (its timeout, the settle time, and the DHT calls at its edges: an
-    announce, a read, a last read), the all-reduce, and a little slack for the rest."""
+    announce, a read, a last read), the all-reduce, an open run's owner checks, and a little
+    slack for the rest."""
     averaging = spec.averaging
+    checks = CHECK_STEPS * CHECK_TIMEOUT_SECONDS if spec.trust.open else 0.0
     return (
-        config.reachability_wait_seconds
+        checks
+        + config.reachability_wait_seconds
         + averaging.matchmaking_timeout_seconds
         + MATCHMAKING_SETTLE_SECONDS
         + 3 * dht_call_seconds

@@ -22,6 +22,10 @@ from swarmgrad.protocol.auth import Signer
 from swarmgrad.protocol.v1 import averaging_pb2
 
 _MIN_CHUNK_VALUES = 1024
+#: Open runs: how long each step of the owner checks waits for the other members' messages, and
+#: how many steps there are (reveals, reports, accusations).
+CHECK_TIMEOUT_SECONDS = 5.0
+CHECK_STEPS = 3
 _MAX_CHUNK_VALUES = 1 << 24
 
 
@@ -51,7 +55,7 @@ class AllReduceConfig:
     #: each part, and members check every owner's result after the round (open runs).
     observe: bool = False
     #: How long each step of those checks waits for the other members' messages.
-    check_timeout_seconds: float = 5.0
+    check_timeout_seconds: float = CHECK_TIMEOUT_SECONDS
 
     def __post_init__(self) -> None:
         if not self.run_id:
