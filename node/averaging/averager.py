@@ -188,7 +188,10 @@ class Averager:
                 key=round_key(self.config, group),
                 tamper=self.tamper_results,
             )
-        box = CheckBox(group) if self.config.observe else None
+        box = None
+        if self.config.observe:
+            largest = max(end - start for start, end in group.partition(vector.numel()))
+            box = CheckBox(group, max_chunks=len(chunk_sizes(largest, self.config.chunk_values)))
         async with self._rounds_changed:
             self._rounds[key] = _ActiveRound(group=group, me=me, reducer=reducer, box=box)
             self._rounds_changed.notify_all()

@@ -41,7 +41,15 @@ import torch
 from swarmgrad.compression import CodecError, decode
 from swarmgrad.node.averaging.group import Group, chunk_sizes
 from swarmgrad.node.averaging.plan import AllReduceConfig, RoundResult, round_key
-from swarmgrad.node.trust.checks import commitment, holds, part_seed, project, sign_vectors
+from swarmgrad.node.trust.checks import (
+    PROJECTIONS,
+    SECRET_BYTES,
+    commitment,
+    holds,
+    part_seed,
+    project,
+    sign_vectors,
+)
 from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.protocol.auth import Signer
 from swarmgrad.protocol.averaging import (
@@ -121,18 +129,45 @@ def verify_account(
 
 class CheckBox:
     """The check messages of one round received from the other members, first of each kind per
-    member."""
+    member; a message larger than the round can need is refused (BAD_PAYLOAD)."""
 
-    def __init__(self, group: Group) -> None:
+    def __init__(self, group: Group, *, max_chunks: int) -> None:
+        """``max_chunks``: the most chunks any part of the round has."""
         self.group = group
+        self.max_chunks = max_chunks
         self.reveals: dict[int, averaging_pb2.Reveal] = {}
         self.reports: dict[int, tuple[averaging_pb2.Signed, averaging_pb2.Report]] = {}
         self.accusations: list[averaging_pb2.Accusation] = []
         self._changed = asyncio.Condition()
 
+    def validate(self, statement: averaging_pb2.CheckStatement) -> None:
+        """Refuse what no honest member sends: more accounts or parts than the group has
+        members, more numbers or chunks than a part has chunks, a secret of the wrong size."""
+        n, chunks = len(self.group.members), self.max_chunks
+        kind = statement.WhichOneof("body")
+        if kind == "reveal":
+            ok = (
+                len(statement.reveal.secret) == SECRET_BYTES and len(statement.reveal.accounts) <= n
+            )
+        elif kind == "report":
+            ok = len(statement.report.parts) <= n and all(
+                p.part < n
+                and len(p.projections) <= PROJECTIONS * chunks
+                and len(p.payload_sha256) <= chunks
+                for p in statement.report.parts
+            )
+        else:
+            accusation = statement.accusation
+            ok = (
+                accusation.part < n and accusation.member < n and len(accusation.payloads) <= chunks
+            )
+        if not ok:
+            raise _bad(f"an oversized or malformed {kind} from {statement.sender}")
+
     async def put(
         self, member: int, statement: averaging_pb2.CheckStatement, signed: averaging_pb2.Signed
     ) -> None:
+        self.validate(statement)
         kind = statement.WhichOneof("body")
         if kind == "reveal":
             self.reveals.setdefault(member, statement.reveal)

@@ -284,6 +284,20 @@ async def test_check_messages_from_strangers_and_forgers_are_refused() -> None:
                 seal(mallory, CHECK_STATEMENT, other_run),
                 grpc.StatusCode.FAILED_PRECONDITION,
             ),
+            "oversized": (
+                seal(
+                    peers[1].identity,
+                    CHECK_STATEMENT,
+                    averaging_pb2.CheckStatement(
+                        key=key,
+                        sender=peers[1].peer_id,
+                        reveal=averaging_pb2.Reveal(
+                            secret=bytes(32), accounts=[averaging_pb2.Signed()] * 10
+                        ),
+                    ),
+                ),
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ),
             "stranger": (
                 seal(mallory, CHECK_STATEMENT, statement(mallory.peer_id)),
                 grpc.StatusCode.PERMISSION_DENIED,
