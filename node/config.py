@@ -201,6 +201,7 @@ def node_config(
     )
     network = dataclasses.replace(spec.network, bootstrap=maddrs)
     spec = dataclasses.replace(spec, node=node, network=network)
+    checkpoint_dir = cli.checkpoint_dir or base / "checkpoints" / spec.run.id
     try:
         swarm = SwarmConfig(
             host=node.host,
@@ -211,6 +212,7 @@ def node_config(
             dht_secret=node.dht_secret,
             bandwidth=cli.bandwidth,
             upload_bytes_per_second=cli.upload_bytes_per_second,
+            bans_path=checkpoint_dir / "bans.json",
         )
     except ValueError as error:
         raise ConfigError(str(error)) from None
@@ -219,7 +221,7 @@ def node_config(
         swarm=swarm,
         identity_path=cli.identity_path or base / "identity.key",
         cache_dir=cli.cache_dir or base / "cache",
-        checkpoint_dir=cli.checkpoint_dir or base / "checkpoints" / spec.run.id,
+        checkpoint_dir=checkpoint_dir,
         max_epochs=cli.max_epochs,
         linger=cli.linger,
         slowdown=cli.slowdown,

@@ -122,7 +122,12 @@ class Swarm:
             punch=config.reachability.punch,
         )
         self._averager = Averager(
-            identity, rounds, self.transport, verifier=self.verifier, rejections=self.rejections
+            identity,
+            rounds,
+            self.transport,
+            verifier=self.verifier,
+            rejections=self.rejections,
+            ledger=TrustLedger(store=config.bans_path if spec.trust.open else None),
         )
         self._discovery: Discovery | None = None
         self.directory: PeerDirectory | None = None

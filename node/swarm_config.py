@@ -4,6 +4,7 @@ per-part configs and limits the :class:`~swarmgrad.node.swarm.Swarm` builds its 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from swarmgrad.node.averaging.allreduce import AllReduceConfig
 from swarmgrad.node.averaging.plan import CHECK_STEPS, CHECK_TIMEOUT_SECONDS
@@ -48,6 +49,8 @@ class SwarmConfig:
     reachability: ReachabilityConfig = field(default_factory=ReachabilityConfig)
     #: How long a first round waits for that verdict when there are peers to ask.
     reachability_wait_seconds: float = 15.0
+    #: Open runs: where this node's bans are kept across restarts (None: in memory only).
+    bans_path: Path | None = None
 
     def __post_init__(self) -> None:
         # Each part's own config checks its settings, here as when the part is built.

@@ -18,22 +18,26 @@ never a ban: the member cannot prove it, and an owner may have screened its valu
 
 A ban is this node's own decision: it stops grouping with the peer (matchmaking skips its
 readiness record) and refuses its streams. It is not published: statistics are not proof, and a
-peer that bans on another's word can be made to ban an honest peer.
+peer that bans on another's word can be made to ban an honest peer. With a ``store`` path the
+ledger's bans outlive the process: written atomically at each new ban, read back at start.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import math
 import threading
 from collections import deque
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import torch
 
+from swarmgrad.node.files import atomic_write
 from swarmgrad.node.trust.aggregate import Aggregate, Screen
 
 log = logging.getLogger(__name__)
@@ -176,10 +180,12 @@ def observe_chunk(
 class TrustLedger:
     """Scores and local bans of the peers this node has aggregated."""
 
-    def __init__(self, policy: TrustPolicy | None = None) -> None:
+    def __init__(self, policy: TrustPolicy | None = None, *, store: Path | None = None) -> None:
+        """``store``: a file that keeps the bans across restarts (None: memory only)."""
         self.policy = policy or TrustPolicy()
         self.scores: dict[str, PeerScore] = {}
-        self.bans: dict[str, Ban] = {}
+        self.store = store
+        self.bans: dict[str, Ban] = _load_bans(store) if store is not None else {}
         #: Flags raised, by kind (every round, banned or not).
         self.flag_counts: dict[Flag, int] = dict.fromkeys(Flag, 0)
         self._sketches: dict[tuple[int, int], deque[tuple[int, str, torch.Tensor]]] = {}
@@ -250,6 +256,7 @@ class TrustLedger:
             ban = Ban(peer_id=peer_id, round=round_, flags=tuple(sorted(flags)))
             self.bans[peer_id] = ban
             log.warning("round %d: banned %s (%s)", round_, peer_id, ban.reason)
+            self._save()
             return ban
         return None
 
@@ -299,6 +306,41 @@ class TrustLedger:
                 reasons[ban.reason] = reasons.get(ban.reason, 0) + 1
             flags = {str(k): v for k, v in self.flag_counts.items()}
             return flags | {"dispute": self.dispute_count}, reasons
+
+    def _save(self) -> None:
+        if self.store is None:
+            return
+        bans = [
+            {"peer_id": b.peer_id, "round": b.round, "flags": list(b.flags)}
+            for b in self.bans.values()
+        ]
+        try:
+            atomic_write(self.store, json.dumps({"version": 1, "bans": bans}).encode())
+        except OSError as error:  # the ban holds in memory; say it will not survive a restart
+            log.warning("could not save the bans to %s: %s", self.store, error)
+
+
+def _load_bans(path: Path) -> dict[str, Ban]:
+    """The bans a ledger saved at ``path`` (none if there is no file; a file that does not read
+    as one is reported and set aside, never trusted in part)."""
+    try:
+        saved = json.loads(path.read_text())
+        bans = {
+            entry["peer_id"]: Ban(
+                peer_id=str(entry["peer_id"]),
+                round=int(entry["round"]),
+                flags=tuple(Flag(f) for f in entry["flags"]),
+            )
+            for entry in saved["bans"]
+        }
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        log.warning("ignoring the saved bans in %s (%s): starting without them", path, error)
+        return {}
+    if bans:
+        log.info("%d peer(s) still banned from earlier runs of this node (%s)", len(bans), path)
+    return bans
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -143,6 +143,8 @@ def test_paths_default_under_swarmgrad_home(spec: Path, tmp_path: Path) -> None:
     assert config.identity_path == tmp_path / "home" / "identity.key"
     assert config.checkpoint_dir == tmp_path / "home" / "checkpoints" / "r"
     assert config.cache_dir == tmp_path / "home" / "cache"
+    # An open run's bans are kept with the run's checkpoints.
+    assert config.swarm.bans_path == config.checkpoint_dir / "bans.json"
 
 
 def test_the_discovery_backend_and_a_dht_secret_reach_the_swarm(spec: Path, tmp_path: Path) -> None:

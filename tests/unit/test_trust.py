@@ -3,6 +3,8 @@ screening leaves out, how flags become bans, and the [trust] section of the run 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -216,3 +218,22 @@ def test_trust_metrics_show_flags_bans_scores_and_owner_checks() -> None:
     assert 'swarmgrad_owner_checks_total{result="checked"} 12.0' in text
     assert 'swarmgrad_owner_checks_total{result="failed"} 1.0' in text
     assert 'swarmgrad_peer_cosine_ema{peer="sggood"}' in text
+
+
+def test_bans_outlive_the_ledger_and_a_damaged_file_is_set_aside(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = tmp_path / "run" / "bans.json"
+    ledger = TrustLedger(store=store)
+    ledger.observe(3, {"sgzero": Observation(flags={Flag.ZERO}), "sggood": Observation()})
+    ledger.note(4, {"sgliar": Flag.LYING_OWNER})
+    again = TrustLedger(store=store)  # the node restarted
+    assert again.banned("sgzero")
+    assert again.banned("sgliar")
+    assert not again.banned("sggood")
+    assert again.bans["sgliar"].round == 4
+    assert again.bans["sgliar"].flags == (Flag.LYING_OWNER,)
+    store.write_text('{"version": 1, "bans": [{"peer_id": "sgx", "flags": ["not-a-flag"]}]}')
+    with caplog.at_level("WARNING"):
+        assert TrustLedger(store=store).bans == {}
+    assert "ignoring the saved bans" in caplog.text
