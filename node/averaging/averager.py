@@ -314,12 +314,7 @@ class Averager:
             )
         key = (header.round, header.group_id)
         active = await self._wait_for_round(key)
-        try:
-            member = active.group.index(header.sender)
-        except KeyError:
-            raise ProtocolViolation(
-                ResultCode.NOT_A_MEMBER, f"{header.sender} is not in group of round {header.round}"
-            ) from None
+        member = _member(active, header.sender)
         if header.part != active.me or active.reducer is None:
             raise ProtocolViolation(
                 ResultCode.NOT_A_MEMBER, f"part {header.part} is not owned by {self.peer_id}"
@@ -348,12 +343,7 @@ class Averager:
         if self.ledger.banned(statement.sender):
             raise ProtocolViolation(ResultCode.BANNED, f"{statement.sender} is banned here")
         active = await self._wait_for_round((key.round, key.group_id))
-        try:
-            member = active.group.index(statement.sender)
-        except KeyError:
-            raise ProtocolViolation(
-                ResultCode.NOT_A_MEMBER, f"{statement.sender} is not in group of round {key.round}"
-            ) from None
+        member = _member(active, statement.sender)
         if active.box is None:
             raise ProtocolViolation(ResultCode.UNKNOWN_ROUND, "this round runs no checks")
         await active.box.put(member, statement, signed)
@@ -384,6 +374,16 @@ class Averager:
                 f"(waited {self.config.join_timeout_seconds:g} s)",
             )
         return active
+
+
+def _member(active: _ActiveRound, peer_id: str) -> int:
+    """``peer_id``'s index in the round's group; NOT_A_MEMBER if it has none."""
+    try:
+        return active.group.index(peer_id)
+    except KeyError:
+        raise ProtocolViolation(
+            ResultCode.NOT_A_MEMBER, f"{peer_id} is not in group of round {active.group.round}"
+        ) from None
 
 
 def transport_limits(config: AllReduceConfig, *, min_message_bytes: int = 0) -> ServerLimits:

@@ -309,7 +309,7 @@ async def run_checks(run: CheckRun) -> Verdict:
         for accusation in accusations + list(run.box.accusations):
             _judge_accusation(run, accusation, failed, reports, key, verdict)
         for part in failed.values():
-            if _verify(run, part, reports, verdict) is not False:
+            if _verify(run, part, reports, verdict, again=True) is not False:
                 continue
             owner = group.members[part.part].peer_id
             verdict.dropped.add(part.part)
@@ -399,9 +399,15 @@ def _projections(
 
 
 def _verify(
-    run: CheckRun, part: _Part, reports: Mapping[int, averaging_pb2.Report], verdict: Verdict
+    run: CheckRun,
+    part: _Part,
+    reports: Mapping[int, averaging_pb2.Report],
+    verdict: Verdict,
+    *,
+    again: bool = False,
 ) -> bool | None:
-    """Whether the reports of ``part`` sum to zero (None: some are missing; unchecked)."""
+    """Whether the reports of ``part`` sum to zero (None: some are missing; unchecked);
+    ``again``: after accusations (the part is counted once)."""
     by_member: dict[int, list[list[float]]] = {}
     for member in {m for c in part.account.chunks for m in c.contributors}:
         projections = _projections(reports.get(member), part, member)
@@ -420,7 +426,7 @@ def _verify(
         ok, ratio = holds(result, list(chunk.clip), rows)
         passed &= ok
         worst = max(worst, ratio)
-    verdict.checked += 1
+    verdict.checked += not again
     if passed:
         verdict.worst_ratio = max(verdict.worst_ratio, worst)
     return passed

@@ -60,16 +60,20 @@ def honest_updates(round_: int, n: int) -> list[torch.Tensor]:
     return [common + torch.randn(SIZE, generator=g) for _ in range(n)]
 
 
+def group_of(averagers: list[Averager], round_: int) -> Group:
+    return Group(
+        round=round_,
+        members=tuple(Member(peer_id=a.peer_id, endpoint=a.endpoint) for a in averagers),
+    )
+
+
 async def average(
     averagers: list[Averager],
     vectors: list[torch.Tensor],
     round_: int,
     hooks: dict[int, NaNPayloads] | None = None,
 ) -> list[RoundResult | BaseException]:
-    group = Group(
-        round=round_,
-        members=tuple(Member(peer_id=a.peer_id, endpoint=a.endpoint) for a in averagers),
-    )
+    group = group_of(averagers, round_)
     calls = [
         a.all_reduce(v, group, hooks=(hooks or {}).get(i))
         for i, (a, v) in enumerate(zip(averagers, vectors, strict=True))
@@ -80,9 +84,7 @@ async def average(
 def open_mean(averagers: list[Averager], updates: list[torch.Tensor]) -> torch.Tensor:
     """What an honest open round returns: each part the mean of its members but its owner (an
     owner's own values stay out of its part)."""
-    group = Group(
-        round=0, members=tuple(Member(peer_id=a.peer_id, endpoint=a.endpoint) for a in averagers)
-    )
+    group = group_of(averagers, 0)
     out = torch.empty(SIZE)
     for owner, (start, end) in enumerate(group.partition(SIZE)):
         others = [u[start:end] for i, u in enumerate(updates) if i != owner]
@@ -216,9 +218,7 @@ async def test_a_lying_owner_is_convicted_in_the_round_it_lies() -> None:
         bad.tamper_results = lying_result
         updates = honest_updates(0, 5)
         results = await average(peers, updates, 0)
-        bounds = Group(
-            round=0, members=tuple(Member(peer_id=a.peer_id, endpoint=a.endpoint) for a in peers)
-        ).partition(SIZE)
+        bounds = group_of(peers, 0).partition(SIZE)
         for peer, result in zip(honest, results, strict=False):
             assert isinstance(result, RoundResult)
             assert peer.ledger.bans[bad.peer_id].flags == (Flag.LYING_OWNER,)
@@ -251,9 +251,7 @@ async def test_a_member_that_frames_an_owner_with_false_reports_is_convicted_ins
 async def test_check_messages_from_strangers_and_forgers_are_refused() -> None:
     async with swarm(3) as peers:
         target = peers[0]
-        group = Group(
-            round=0, members=tuple(Member(peer_id=a.peer_id, endpoint=a.endpoint) for a in peers)
-        )
+        group = group_of(peers, 0)
         await average(peers, honest_updates(0, 3)[:3], 0)
         mallory = Identity.from_seed("open-rounds/mallory")
         key = round_key(OPEN, group)
@@ -335,9 +333,7 @@ async def test_an_owner_that_signs_two_accounts_of_its_part_is_convicted(
 
         monkeypatch.setattr(SenderSession, "account", two_faced)
         results = await average(peers, honest_updates(0, 5), 0)
-        bounds = Group(
-            round=0, members=tuple(Member(peer_id=a.peer_id, endpoint=a.endpoint) for a in peers)
-        ).partition(SIZE)
+        bounds = group_of(peers, 0).partition(SIZE)
         for peer, result in zip(honest, results, strict=False):
             assert isinstance(result, RoundResult)
             assert peer.ledger.bans[bad.peer_id].flags == (Flag.EQUIVOCATION,)
