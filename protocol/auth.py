@@ -180,6 +180,18 @@ class Verifier:
         return peer
 
 
+def signature_holds(
+    auth: Auth, method: str, receiver: str, fields: Sequence[Field], *, signer: str
+) -> bool:
+    """Whether ``auth`` is ``signer``'s signature of a request (``method`` to ``receiver`` with
+    ``fields``), whenever it was sent: for a third party checking a forwarded request, not for
+    its receiver (no clock window, no replay memory)."""
+    if len(auth.public_key) != KEY_BYTES or peer_id_of(auth.public_key) != signer:
+        return False
+    message = signed_bytes(method, receiver, _with_auth(auth, fields))
+    return verify_signature(auth.public_key, auth.signature, message)
+
+
 # -- statements: signed for anyone ------------------------------------------------------------
 
 #: What a statement's receiver is: nobody in particular (any member may check it, or forward it).

@@ -17,7 +17,7 @@ import hashlib
 import math
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import grpc
@@ -31,6 +31,7 @@ from swarmgrad.protocol.auth import (
     Verifier,
     sign_request,
     sign_statement,
+    signature_holds,
     signed_bytes,
     verify_statement,
 )
@@ -40,6 +41,7 @@ from swarmgrad.protocol.keys import verify_signature
 from swarmgrad.protocol.server import Malformed, Rejections, ServerLimits, lenient
 from swarmgrad.protocol.tensors import meta_from_proto, meta_to_proto
 from swarmgrad.protocol.v1 import averaging_pb2, averaging_pb2_grpc
+from swarmgrad.protocol.v1.auth_pb2 import Auth
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
 #: How long a new stream may take to send its header.
@@ -58,8 +60,12 @@ class StreamHeader:
     weight: float
     #: Open runs: SHA-256 of the secret the sender reveals after the round (empty otherwise).
     commitment: bytes = b""
-    #: The sender's public key, from the verified signature (not itself a signed field).
-    public_key: bytes = b""
+    #: The header's signature, once verified (not itself a signed field).
+    auth: Auth | None = field(default=None, compare=False)
+
+    @property
+    def public_key(self) -> bytes:
+        return b"" if self.auth is None else bytes(self.auth.public_key)
 
     def fields(self) -> list[str | bytes | int | float]:
         """What the header's signature covers besides its auth, typed as the wire carries it
@@ -409,7 +415,7 @@ async def _read_header(requests: Requests, verifier: Verifier) -> StreamHeader:
         part=h.part,
         weight=h.weight,
         commitment=h.commitment,
-        public_key=h.auth.public_key,
+        auth=h.auth,
     )
     verifier.verify(AGGREGATE, h.auth, receiver=h.receiver, fields=header.fields(), sender=h.sender)
     return header
@@ -541,6 +547,12 @@ def sign_chunk(
             CHUNK_STATEMENT, ANYONE, chunk_fields(key, signer.peer_id, part, index, payload)
         )
     )
+
+
+def header_signed(header: StreamHeader, auth: Auth) -> bool:
+    """Whether ``auth`` is ``header.sender``'s signature of ``header`` (forwarded: an open
+    run's account shows each member's commitment with it)."""
+    return signature_holds(auth, AGGREGATE, header.receiver, header.fields(), signer=header.sender)
 
 
 def chunk_signed_by(

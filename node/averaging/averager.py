@@ -330,7 +330,7 @@ class Averager:
             max_chunk_bytes=self.config.max_chunk_bytes,
             sender_timeout_seconds=self.config.sender_timeout_seconds,
             commitment=header.commitment,
-            public_key=header.public_key,
+            auth=header.auth,
         )
 
     async def check(

@@ -55,8 +55,10 @@ from swarmgrad.protocol.auth import Signer
 from swarmgrad.protocol.averaging import (
     ACCOUNT_STATEMENT,
     CHECK_STATEMENT,
+    StreamHeader,
     check_method,
     chunk_signed_by,
+    header_signed,
     seal,
     unseal,
 )
@@ -119,11 +121,15 @@ def verify_account(
             raise _bad(f"{owner}'s account of chunk {index} names other contributors")
     if (
         len(account.members) != len(account.commitments)
+        or len(account.members) != len(account.header_auths)
         or len(set(account.members)) != len(account.members)
         or not all(0 <= m < n for m in account.members)
         or not all(len(c) == 32 for c in account.commitments)
     ):
         raise _bad(f"{owner}'s account lists malformed commitments")
+    committed = set(account.members)
+    if not all(set(chunk.contributors) <= committed for chunk in account.chunks):
+        raise _bad(f"{owner}'s account counts members with no commitment")
     return account
 
 
@@ -264,19 +270,8 @@ async def run_checks(run: CheckRun) -> Verdict:
 
     # 3: seeds, reports.
     for part in parts.values():
-        if part.part in verdict.dropped:
-            continue
-        secrets = []
-        for member, promised in zip(part.account.members, part.account.commitments, strict=True):
-            if member == part.part:
-                continue
-            secret = run.result.secret if member == me else _secret(run.box, member)
-            if secret is None or commitment(secret) != promised:
-                verdict.silent.add(group.members[member].peer_id)
-                break
-            secrets.append(secret)
-        else:
-            part.seed = part_seed(part.signed.body, secrets)
+        if part.part not in verdict.dropped:
+            _seed(run, part, verdict)
     seeded = {p.part: p for p in parts.values() if p.seed and p.part not in verdict.dropped}
     if config.aggregator == "median":
         seeded = {}  # no fixed point to check (the median is a fallback, not for open runs)
@@ -320,9 +315,45 @@ async def run_checks(run: CheckRun) -> Verdict:
     return verdict
 
 
-def _secret(box: CheckBox, member: int) -> bytes | None:
-    reveal = box.reveals.get(member)
-    return None if reveal is None else reveal.secret
+def _seed(run: CheckRun, part: _Part, verdict: Verdict) -> None:
+    """Fix ``part``'s seed from its account and its contributors' secrets, each checked against
+    the commitment the member signed in its stream header (the account shows the signature).
+    A commitment the member did not sign convicts the owner (the part is dropped); a secret that
+    does not match what the member signed convicts the member; a missing one leaves the part
+    unchecked and the member flagged silent."""
+    group, account = run.group, part.account
+    owner = group.members[part.part].peer_id
+    secrets = []
+    for member, promised, auth in zip(
+        account.members, account.commitments, account.header_auths, strict=True
+    ):
+        peer = group.members[member]
+        header = StreamHeader(
+            run_id=account.key.run_id,
+            spec_hash=account.key.spec_hash,
+            round=account.key.round,
+            group_id=account.key.group_id,
+            sender=peer.peer_id,
+            receiver=owner,
+            part=part.part,
+            weight=peer.weight,
+            commitment=promised,
+        )
+        if not header_signed(header, auth):
+            verdict.dropped.add(part.part)
+            verdict.convicted[owner] = Flag.FORGERY
+            log.warning("round %d: %s forged %s's commitment", group.round, owner, peer.peer_id)
+            return
+        reveal = run.box.reveals.get(member)
+        secret = run.result.secret if member == run.me else reveal.secret if reveal else None
+        if secret is None:
+            verdict.silent.add(peer.peer_id)
+            return
+        if commitment(secret) != promised:
+            verdict.convicted.setdefault(peer.peer_id, Flag.FALSE_REPORT)
+            return
+        secrets.append(secret)
+    part.seed = part_seed(part.signed.body, secrets)
 
 
 def _contributes(part: _Part, member: int) -> bool:

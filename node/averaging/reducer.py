@@ -40,6 +40,7 @@ from swarmgrad.protocol.auth import Signer
 from swarmgrad.protocol.averaging import ACCOUNT_STATEMENT, ChunkResult, chunk_signed_by, seal
 from swarmgrad.protocol.errors import ProtocolViolation, SwarmgradError
 from swarmgrad.protocol.v1 import averaging_pb2
+from swarmgrad.protocol.v1.auth_pb2 import Auth
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
 
@@ -123,7 +124,7 @@ class PartReducer:
         self.chunks: list[dict[int, averaging_pb2.Chunk]] = [{} for _ in range(n)]
         self._digests: list[dict[int, bytes]] = [{} for _ in range(n)]
         self._accounts = [averaging_pb2.ChunkAccount() for _ in range(n)]
-        self.commitments: dict[int, bytes] = {}
+        self.commitments: dict[int, tuple[bytes, Auth]] = {}
         self._signer, self.key = signer, key
         self._tamper = tamper
         self._account: asyncio.Future[averaging_pb2.Signed | None] = self._loop.create_future()
@@ -145,10 +146,11 @@ class PartReducer:
             )
         self._opened.add(member)
 
-    def commit(self, member: int, commitment: bytes) -> None:
-        """Note the commitment ``member``'s stream header carried (open runs)."""
-        if commitment:
-            self.commitments[member] = commitment
+    def commit(self, member: int, commitment: bytes, auth: Auth | None) -> None:
+        """Note the commitment ``member``'s stream header carried, with the header's signature
+        (open runs)."""
+        if commitment and auth is not None:
+            self.commitments[member] = (commitment, auth)
 
     async def accept(
         self,
@@ -327,7 +329,8 @@ class PartReducer:
             part=self.part,
             chunks=self._accounts,
             members=members,
-            commitments=[self.commitments[m] for m in members],
+            commitments=[self.commitments[m][0] for m in members],
+            header_auths=[self.commitments[m][1] for m in members],
         )
         return seal(self._signer, ACCOUNT_STATEMENT, account)
 
@@ -357,13 +360,13 @@ class SenderSession:
         max_chunk_bytes: int,
         sender_timeout_seconds: float,
         commitment: bytes = b"",
-        public_key: bytes = b"",
+        auth: Auth | None = None,
     ) -> None:
         reducer.open(member)
-        reducer.commit(member, commitment)
+        reducer.commit(member, commitment, auth)
         self._reducer = reducer
         self._member = member
-        self._public_key = public_key
+        self._public_key = b"" if auth is None else bytes(auth.public_key)
         self._sender = reducer.group.members[member].peer_id
         self.codec = (reducer.codec.name, reducer.codec.version)
         self.chunk_numels = reducer.chunk_numels

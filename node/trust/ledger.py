@@ -59,7 +59,8 @@ class Flag(enum.StrEnum):
     # Owner checks (node/averaging/checks.py): the first three rest on signed evidence.
     LYING_OWNER = "lying_owner"  # its result failed the members' projection check
     EQUIVOCATION = "equivocation"  # it signed two accounts of one part
-    FALSE_REPORT = "false_report"  # its check report contradicts the chunks it signed
+    FALSE_REPORT = "false_report"  # its check report or secret contradicts what it signed
+    FORGERY = "forgery"  # as an owner, it listed a commitment a member never signed
     SILENT = "silent"  # it revealed or reported nothing in time: a part went unchecked
 
 
@@ -72,6 +73,7 @@ DECISIVE = frozenset(
         Flag.LYING_OWNER,
         Flag.EQUIVOCATION,
         Flag.FALSE_REPORT,
+        Flag.FORGERY,
     }
 )
 

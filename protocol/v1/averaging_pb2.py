@@ -26,15 +26,15 @@ from swarmgrad.protocol.v1 import auth_pb2 as swarmgrad_dot_protocol_dot_v1_dot_
 from swarmgrad.protocol.v1 import tensor_pb2 as swarmgrad_dot_protocol_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%swarmgrad/protocol/v1/averaging.proto\x12\x0cswarmgrad.v1\x1a swarmgrad/protocol/v1/auth.proto\x1a\"swarmgrad/protocol/v1/tensor.proto\"8\n\x06Signed\x12\x0c\n\x04\x62ody\x18\x01 \x01(\x0c\x12 \n\x04\x61uth\x18\x02 \x01(\x0b\x32\x12.swarmgrad.v1.Auth\"N\n\x08RoundKey\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_hash\x18\x02 \x01(\x0c\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x10\n\x08group_id\x18\x04 \x01(\x0c\"\xa7\x01\n\nPartHeader\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.swarmgrad.v1.RoundKey\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x0c\n\x04part\x18\x03 \x01(\r\x12\x0e\n\x06weight\x18\x04 \x01(\x01\x12\x10\n\x08receiver\x18\x05 \x01(\t\x12 \n\x04\x61uth\x18\x06 \x01(\x0b\x32\x12.swarmgrad.v1.Auth\x12\x12\n\ncommitment\x18\x07 \x01(\x0c\"a\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12%\n\x04meta\x18\x02 \x01(\x0b\x32\x17.swarmgrad.v1.CodecMeta\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x11\n\tsignature\x18\x04 \x01(\x0c\"l\n\x10\x41ggregateRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.swarmgrad.v1.PartHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.swarmgrad.v1.ChunkH\x00\x42\x06\n\x04\x62ody\"t\n\x11\x41ggregateResponse\x12\"\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x13.swarmgrad.v1.Chunk\x12\x14\n\x0c\x63ontributors\x18\x02 \x03(\r\x12%\n\x07\x61\x63\x63ount\x18\x03 \x01(\x0b\x32\x14.swarmgrad.v1.Signed\"a\n\x0c\x43hunkAccount\x12\x15\n\rresult_sha256\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63ontributors\x18\x02 \x03(\r\x12\x0c\n\x04\x63lip\x18\x03 \x03(\x01\x12\x16\n\x0epayload_sha256\x18\x04 \x03(\x0c\"\xa1\x01\n\x0bPartAccount\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.swarmgrad.v1.RoundKey\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0c\n\x04part\x18\x03 \x01(\r\x12*\n\x06\x63hunks\x18\x04 \x03(\x0b\x32\x1a.swarmgrad.v1.ChunkAccount\x12\x0f\n\x07members\x18\x05 \x03(\r\x12\x13\n\x0b\x63ommitments\x18\x06 \x03(\x0c\"@\n\x06Reveal\x12\x0e\n\x06secret\x18\x01 \x01(\x0c\x12&\n\x08\x61\x63\x63ounts\x18\x02 \x03(\x0b\x32\x14.swarmgrad.v1.Signed\"G\n\nPartReport\x12\x0c\n\x04part\x18\x01 \x01(\r\x12\x13\n\x0bprojections\x18\x02 \x03(\x01\x12\x16\n\x0epayload_sha256\x18\x03 \x03(\x0c\"1\n\x06Report\x12\'\n\x05parts\x18\x01 \x03(\x0b\x32\x18.swarmgrad.v1.PartReport\"w\n\nAccusation\x12\x0c\n\x04part\x18\x01 \x01(\r\x12\x0e\n\x06member\x18\x02 \x01(\r\x12$\n\x06report\x18\x03 \x01(\x0b\x32\x14.swarmgrad.v1.Signed\x12%\n\x08payloads\x18\x04 \x03(\x0b\x32\x13.swarmgrad.v1.Chunk\"\xcd\x01\n\x0e\x43heckStatement\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.swarmgrad.v1.RoundKey\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12&\n\x06reveal\x18\x03 \x01(\x0b\x32\x14.swarmgrad.v1.RevealH\x00\x12&\n\x06report\x18\x04 \x01(\x0b\x32\x14.swarmgrad.v1.ReportH\x00\x12.\n\naccusation\x18\x05 \x01(\x0b\x32\x18.swarmgrad.v1.AccusationH\x00\x42\x06\n\x04\x62ody\"4\n\nCheckReply\x12&\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x18.swarmgrad.v1.ResultCode*\xdd\x02\n\nResultCode\x12\x1b\n\x17RESULT_CODE_UNSPECIFIED\x10\x00\x12\x06\n\x02OK\x10\x01\x12\r\n\tWRONG_RUN\x10\x02\x12\x11\n\rUNKNOWN_ROUND\x10\x03\x12\x10\n\x0cNOT_A_MEMBER\x10\x04\x12\r\n\tBAD_CODEC\x10\x05\x12\r\n\tBAD_SHAPE\x10\x06\x12\x0f\n\x0b\x42\x41\x44_PAYLOAD\x10\x07\x12\x0e\n\nNON_FINITE\x10\x08\x12\r\n\tTOO_LARGE\x10\t\x12\x12\n\x0e\x44UPLICATE_PART\x10\n\x12\x0e\n\nOVERLOADED\x10\x0b\x12\r\n\tTIMED_OUT\x10\x0c\x12\x0b\n\x07\x41\x42ORTED\x10\r\x12\x13\n\x0fUNAUTHENTICATED\x10\x0e\x12\x11\n\rUNKNOWN_STATE\x10\x0f\x12\x11\n\rWRONG_ADDRESS\x10\x10\x12\x10\n\x0c\x43\x41NNOT_PUNCH\x10\x11\x12\n\n\x06\x42\x41NNED\x10\x12\x12\x0f\n\x0bNOT_ALLOWED\x10\x13\x32\x96\x01\n\tAveraging\x12P\n\tAggregate\x12\x1e.swarmgrad.v1.AggregateRequest\x1a\x1f.swarmgrad.v1.AggregateResponse(\x01\x30\x01\x12\x37\n\x05\x43heck\x12\x14.swarmgrad.v1.Signed\x1a\x18.swarmgrad.v1.CheckReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%swarmgrad/protocol/v1/averaging.proto\x12\x0cswarmgrad.v1\x1a swarmgrad/protocol/v1/auth.proto\x1a\"swarmgrad/protocol/v1/tensor.proto\"8\n\x06Signed\x12\x0c\n\x04\x62ody\x18\x01 \x01(\x0c\x12 \n\x04\x61uth\x18\x02 \x01(\x0b\x32\x12.swarmgrad.v1.Auth\"N\n\x08RoundKey\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_hash\x18\x02 \x01(\x0c\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x10\n\x08group_id\x18\x04 \x01(\x0c\"\xa7\x01\n\nPartHeader\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.swarmgrad.v1.RoundKey\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x0c\n\x04part\x18\x03 \x01(\r\x12\x0e\n\x06weight\x18\x04 \x01(\x01\x12\x10\n\x08receiver\x18\x05 \x01(\t\x12 \n\x04\x61uth\x18\x06 \x01(\x0b\x32\x12.swarmgrad.v1.Auth\x12\x12\n\ncommitment\x18\x07 \x01(\x0c\"a\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12%\n\x04meta\x18\x02 \x01(\x0b\x32\x17.swarmgrad.v1.CodecMeta\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x11\n\tsignature\x18\x04 \x01(\x0c\"l\n\x10\x41ggregateRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.swarmgrad.v1.PartHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.swarmgrad.v1.ChunkH\x00\x42\x06\n\x04\x62ody\"t\n\x11\x41ggregateResponse\x12\"\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x13.swarmgrad.v1.Chunk\x12\x14\n\x0c\x63ontributors\x18\x02 \x03(\r\x12%\n\x07\x61\x63\x63ount\x18\x03 \x01(\x0b\x32\x14.swarmgrad.v1.Signed\"a\n\x0c\x43hunkAccount\x12\x15\n\rresult_sha256\x18\x01 \x01(\x0c\x12\x14\n\x0c\x63ontributors\x18\x02 \x03(\r\x12\x0c\n\x04\x63lip\x18\x03 \x03(\x01\x12\x16\n\x0epayload_sha256\x18\x04 \x03(\x0c\"\xcb\x01\n\x0bPartAccount\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.swarmgrad.v1.RoundKey\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0c\n\x04part\x18\x03 \x01(\r\x12*\n\x06\x63hunks\x18\x04 \x03(\x0b\x32\x1a.swarmgrad.v1.ChunkAccount\x12\x0f\n\x07members\x18\x05 \x03(\r\x12\x13\n\x0b\x63ommitments\x18\x06 \x03(\x0c\x12(\n\x0cheader_auths\x18\x07 \x03(\x0b\x32\x12.swarmgrad.v1.Auth\"@\n\x06Reveal\x12\x0e\n\x06secret\x18\x01 \x01(\x0c\x12&\n\x08\x61\x63\x63ounts\x18\x02 \x03(\x0b\x32\x14.swarmgrad.v1.Signed\"G\n\nPartReport\x12\x0c\n\x04part\x18\x01 \x01(\r\x12\x13\n\x0bprojections\x18\x02 \x03(\x01\x12\x16\n\x0epayload_sha256\x18\x03 \x03(\x0c\"1\n\x06Report\x12\'\n\x05parts\x18\x01 \x03(\x0b\x32\x18.swarmgrad.v1.PartReport\"w\n\nAccusation\x12\x0c\n\x04part\x18\x01 \x01(\r\x12\x0e\n\x06member\x18\x02 \x01(\r\x12$\n\x06report\x18\x03 \x01(\x0b\x32\x14.swarmgrad.v1.Signed\x12%\n\x08payloads\x18\x04 \x03(\x0b\x32\x13.swarmgrad.v1.Chunk\"\xcd\x01\n\x0e\x43heckStatement\x12#\n\x03key\x18\x01 \x01(\x0b\x32\x16.swarmgrad.v1.RoundKey\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12&\n\x06reveal\x18\x03 \x01(\x0b\x32\x14.swarmgrad.v1.RevealH\x00\x12&\n\x06report\x18\x04 \x01(\x0b\x32\x14.swarmgrad.v1.ReportH\x00\x12.\n\naccusation\x18\x05 \x01(\x0b\x32\x18.swarmgrad.v1.AccusationH\x00\x42\x06\n\x04\x62ody\"4\n\nCheckReply\x12&\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x18.swarmgrad.v1.ResultCode*\xdd\x02\n\nResultCode\x12\x1b\n\x17RESULT_CODE_UNSPECIFIED\x10\x00\x12\x06\n\x02OK\x10\x01\x12\r\n\tWRONG_RUN\x10\x02\x12\x11\n\rUNKNOWN_ROUND\x10\x03\x12\x10\n\x0cNOT_A_MEMBER\x10\x04\x12\r\n\tBAD_CODEC\x10\x05\x12\r\n\tBAD_SHAPE\x10\x06\x12\x0f\n\x0b\x42\x41\x44_PAYLOAD\x10\x07\x12\x0e\n\nNON_FINITE\x10\x08\x12\r\n\tTOO_LARGE\x10\t\x12\x12\n\x0e\x44UPLICATE_PART\x10\n\x12\x0e\n\nOVERLOADED\x10\x0b\x12\r\n\tTIMED_OUT\x10\x0c\x12\x0b\n\x07\x41\x42ORTED\x10\r\x12\x13\n\x0fUNAUTHENTICATED\x10\x0e\x12\x11\n\rUNKNOWN_STATE\x10\x0f\x12\x11\n\rWRONG_ADDRESS\x10\x10\x12\x10\n\x0c\x43\x41NNOT_PUNCH\x10\x11\x12\n\n\x06\x42\x41NNED\x10\x12\x12\x0f\n\x0bNOT_ALLOWED\x10\x13\x32\x96\x01\n\tAveraging\x12P\n\tAggregate\x12\x1e.swarmgrad.v1.AggregateRequest\x1a\x1f.swarmgrad.v1.AggregateResponse(\x01\x30\x01\x12\x37\n\x05\x43heck\x12\x14.swarmgrad.v1.Signed\x1a\x18.swarmgrad.v1.CheckReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarmgrad.protocol.v1.averaging_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RESULTCODE']._serialized_start=1597
-  _globals['_RESULTCODE']._serialized_end=1946
+  _globals['_RESULTCODE']._serialized_start=1639
+  _globals['_RESULTCODE']._serialized_end=1988
   _globals['_SIGNED']._serialized_start=125
   _globals['_SIGNED']._serialized_end=181
   _globals['_ROUNDKEY']._serialized_start=183
@@ -50,19 +50,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHUNKACCOUNT']._serialized_start=760
   _globals['_CHUNKACCOUNT']._serialized_end=857
   _globals['_PARTACCOUNT']._serialized_start=860
-  _globals['_PARTACCOUNT']._serialized_end=1021
-  _globals['_REVEAL']._serialized_start=1023
-  _globals['_REVEAL']._serialized_end=1087
-  _globals['_PARTREPORT']._serialized_start=1089
-  _globals['_PARTREPORT']._serialized_end=1160
-  _globals['_REPORT']._serialized_start=1162
-  _globals['_REPORT']._serialized_end=1211
-  _globals['_ACCUSATION']._serialized_start=1213
-  _globals['_ACCUSATION']._serialized_end=1332
-  _globals['_CHECKSTATEMENT']._serialized_start=1335
-  _globals['_CHECKSTATEMENT']._serialized_end=1540
-  _globals['_CHECKREPLY']._serialized_start=1542
-  _globals['_CHECKREPLY']._serialized_end=1594
-  _globals['_AVERAGING']._serialized_start=1949
-  _globals['_AVERAGING']._serialized_end=2099
+  _globals['_PARTACCOUNT']._serialized_end=1063
+  _globals['_REVEAL']._serialized_start=1065
+  _globals['_REVEAL']._serialized_end=1129
+  _globals['_PARTREPORT']._serialized_start=1131
+  _globals['_PARTREPORT']._serialized_end=1202
+  _globals['_REPORT']._serialized_start=1204
+  _globals['_REPORT']._serialized_end=1253
+  _globals['_ACCUSATION']._serialized_start=1255
+  _globals['_ACCUSATION']._serialized_end=1374
+  _globals['_CHECKSTATEMENT']._serialized_start=1377
+  _globals['_CHECKSTATEMENT']._serialized_end=1582
+  _globals['_CHECKREPLY']._serialized_start=1584
+  _globals['_CHECKREPLY']._serialized_end=1636
+  _globals['_AVERAGING']._serialized_start=1991
+  _globals['_AVERAGING']._serialized_end=2141
 # @@protoc_insertion_point(module_scope)

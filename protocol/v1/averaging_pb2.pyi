@@ -133,20 +133,22 @@ class ChunkAccount(_message.Message):
     def __init__(self, result_sha256: _Optional[bytes] = ..., contributors: _Optional[_Iterable[int]] = ..., clip: _Optional[_Iterable[float]] = ..., payload_sha256: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PartAccount(_message.Message):
-    __slots__ = ("key", "owner", "part", "chunks", "members", "commitments")
+    __slots__ = ("key", "owner", "part", "chunks", "members", "commitments", "header_auths")
     KEY_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     COMMITMENTS_FIELD_NUMBER: _ClassVar[int]
+    HEADER_AUTHS_FIELD_NUMBER: _ClassVar[int]
     key: RoundKey
     owner: str
     part: int
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkAccount]
     members: _containers.RepeatedScalarFieldContainer[int]
     commitments: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, key: _Optional[_Union[RoundKey, _Mapping]] = ..., owner: _Optional[str] = ..., part: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkAccount, _Mapping]]] = ..., members: _Optional[_Iterable[int]] = ..., commitments: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    header_auths: _containers.RepeatedCompositeFieldContainer[_auth_pb2.Auth]
+    def __init__(self, key: _Optional[_Union[RoundKey, _Mapping]] = ..., owner: _Optional[str] = ..., part: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkAccount, _Mapping]]] = ..., members: _Optional[_Iterable[int]] = ..., commitments: _Optional[_Iterable[bytes]] = ..., header_auths: _Optional[_Iterable[_Union[_auth_pb2.Auth, _Mapping]]] = ...) -> None: ...
 
 class Reveal(_message.Message):
     __slots__ = ("secret", "accounts")

@@ -339,3 +339,28 @@ async def test_an_owner_that_signs_two_accounts_of_its_part_is_convicted(
             assert peer.ledger.bans[bad.peer_id].flags == (Flag.EQUIVOCATION,)
             assert result.missing == (bounds[4],)  # its part is dropped by everyone
         assert not any(p.ledger.bans.keys() - {bad.peer_id} for p in peers)
+
+
+async def test_an_owner_that_forges_a_members_commitment_is_convicted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An owner that lists a commitment a member never made (so that the member's secret looks
+    false and the part goes unchecked) is caught by the member's header signature it must show."""
+    async with swarm(5) as peers:
+        honest, bad = peers[:4], peers[4]
+        honest_sign = PartReducer._sign_account
+
+        def forge(self: PartReducer) -> averaging_pb2.Signed | None:
+            if self.group.members[self.part].peer_id == bad.peer_id:
+                first = next(iter(self.commitments))
+                self.commitments[first] = (bytes(32), self.commitments[first][1])
+            return honest_sign(self)
+
+        monkeypatch.setattr(PartReducer, "_sign_account", forge)
+        results = await average(peers, honest_updates(0, 5), 0)
+        bounds = group_of(peers, 0).partition(SIZE)
+        for peer, result in zip(honest, results, strict=False):
+            assert isinstance(result, RoundResult)
+            assert peer.ledger.bans[bad.peer_id].flags == (Flag.FORGERY,)
+            assert result.missing == (bounds[4],)
+        assert not any(p.ledger.bans.keys() - {bad.peer_id} for p in peers)
