@@ -12,6 +12,7 @@ import grpc
 import pytest
 import torch
 
+from swarmgrad.node.averaging import checks
 from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
 from swarmgrad.node.averaging.averager import Averager, standalone
 from swarmgrad.node.averaging.group import Group, Member
@@ -364,3 +365,24 @@ async def test_an_owner_that_forges_a_members_commitment_is_convicted(
             assert peer.ledger.bans[bad.peer_id].flags == (Flag.FORGERY,)
             assert result.missing == (bounds[4],)
         assert not any(p.ledger.bans.keys() - {bad.peer_id} for p in peers)
+
+
+async def test_a_member_that_reveals_another_secret_than_it_committed_to_is_convicted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with swarm(5) as peers:
+        honest, liar = peers[:4], peers[4]
+        honest_broadcast = checks._broadcast
+
+        async def broadcast(run: checks.CheckRun, statement: averaging_pb2.CheckStatement) -> None:
+            if run.signer.peer_id == liar.peer_id and statement.WhichOneof("body") == "reveal":
+                statement.reveal.secret = bytes(32)  # not the secret it committed to
+            await honest_broadcast(run, statement)
+
+        monkeypatch.setattr(checks, "_broadcast", broadcast)
+        results = await average(peers, honest_updates(0, 5), 0)
+        for peer in honest:
+            assert peer.ledger.bans[liar.peer_id].flags == (Flag.FALSE_REPORT,)
+        # Parts it contributed to went unchecked this round, not dropped: nothing is lost.
+        assert all(isinstance(r, RoundResult) and r.complete for r in results[:4])
+        assert not any(p.ledger.bans.keys() - {liar.peer_id} for p in peers)
