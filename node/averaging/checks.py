@@ -262,6 +262,8 @@ async def run_checks(run: CheckRun) -> Verdict:
             )
         ),
     )
+    if not _reachable(run, me):
+        return verdict  # nobody can send this member anything: it only gave its secret
     committed = {m for p in parts.values() for m in p.account.members} - {me}
     await run.box.wait_for(lambda: committed <= run.box.reveals.keys(), timeout_seconds=timeout)
     for reveal in list(run.box.reveals.values()):
@@ -283,8 +285,13 @@ async def run_checks(run: CheckRun) -> Verdict:
         )
     )
     await _broadcast(run, averaging_pb2.CheckStatement(report=mine))
-    expected = {m for p in seeded.values() for c in p.account.chunks for m in c.contributors}
-    expected.discard(me)
+    expected = {
+        m
+        for p in seeded.values()
+        for c in p.account.chunks
+        for m in c.contributors
+        if m != me and _reachable(run, m)
+    }
     await run.box.wait_for(lambda: expected <= run.box.reports.keys(), timeout_seconds=timeout)
 
     # 4: verify; accusations for failed parts.
@@ -354,6 +361,13 @@ def _seed(run: CheckRun, part: _Part, verdict: Verdict) -> None:
             return
         secrets.append(secret)
     part.seed = part_seed(part.signed.body, secrets)
+
+
+def _reachable(run: CheckRun, member: int) -> bool:
+    """Whether ``member`` can receive check messages: one with no endpoint (it accepts no
+    connections) gets no reveals, so it cannot report; the parts it sent to go unchecked, and it
+    is not held silent for it."""
+    return bool(run.group.members[member].endpoint)
 
 
 def _contributes(part: _Part, member: int) -> bool:
@@ -443,7 +457,8 @@ def _verify(
     for member in {m for c in part.account.chunks for m in c.contributors}:
         projections = _projections(reports.get(member), part, member)
         if projections is None:
-            verdict.silent.add(run.group.members[member].peer_id)
+            if _reachable(run, member):
+                verdict.silent.add(run.group.members[member].peer_id)
             return None
         by_member[member] = projections
     used = dict.fromkeys(by_member, 0)

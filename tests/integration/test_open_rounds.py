@@ -386,3 +386,22 @@ async def test_a_member_that_reveals_another_secret_than_it_committed_to_is_conv
         # Parts it contributed to went unchecked this round, not dropped: nothing is lost.
         assert all(isinstance(r, RoundResult) and r.complete for r in results[:4])
         assert not any(p.ledger.bans.keys() - {liar.peer_id} for p in peers)
+
+
+async def test_a_member_that_accepts_no_connections_is_not_held_silent() -> None:
+    """A member with no endpoint (it dials out only, owns no part) gets no check messages, so it
+    cannot report: the parts it sent to go unchecked, and nobody flags it."""
+    async with swarm(4) as peers:
+        members = [Member(peer_id=a.peer_id, endpoint=a.endpoint) for a in peers[:3]]
+        members.append(Member(peer_id=peers[3].peer_id, endpoint="", bandwidth=0.0))
+        for round_ in range(2):
+            group = Group(round=round_, members=tuple(members))
+            updates = honest_updates(round_, 4)
+            results = await asyncio.gather(
+                *(a.all_reduce(u[:SIZE], group) for a, u in zip(peers, updates, strict=True))
+            )
+            assert all(r.complete for r in results)
+        for peer in peers:
+            assert peer.ledger.bans == {}
+            assert all(n == 0 for n in peer.ledger.flag_counts.values())
+            assert peer.checks["failed"] == 0
