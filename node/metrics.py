@@ -142,9 +142,10 @@ class _Rejections(Collector):
         yield family
 
 
-#: Per peer (the ledger's table), and (flags by kind, bans by reason, owner checks by result).
+#: Per peer (the ledger's table), and (flags by kind, bans by reason, owner checks by result,
+#: published evidence read by outcome).
 TrustSource = Callable[[], tuple[Mapping[str, Mapping[str, object]], "TrustCounts"]]
-TrustCounts = tuple[Mapping[str, int], Mapping[str, int], Mapping[str, int]]
+TrustCounts = tuple[Mapping[str, int], Mapping[str, int], Mapping[str, int], Mapping[str, int]]
 
 
 class _Trust(Collector):
@@ -154,7 +155,7 @@ class _Trust(Collector):
         self._trust = trust
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        table, (flags, bans, checks) = self._trust()
+        table, (flags, bans, checks, evidence) = self._trust()
         family = CounterMetricFamily(
             "swarmgrad_trust_flags",
             "Members' updates flagged by this node as an owner, by kind (zero, non_finite, "
@@ -173,6 +174,16 @@ class _Trust(Collector):
         for result in ("checked", "failed"):
             checked.add_metric([result], float(checks.get(result, 0)))
         yield checked
+        read = CounterMetricFamily(
+            "swarmgrad_ban_evidence",
+            "Evidence in other nodes' published ban records, by what this node made of it "
+            "(adopted: a ban; known: already held; rejected: proves nothing; against_me), and "
+            "this node's own records published.",
+            labels=["result"],
+        )
+        for result in ("adopted", "known", "rejected", "against_me", "published"):
+            read.add_metric([result], float(evidence.get(result, 0)))
+        yield read
         banned = GaugeMetricFamily(
             "swarmgrad_banned_peers", "Peers this node no longer averages with, by reason.",
             labels=["reason"],

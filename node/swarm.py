@@ -20,6 +20,7 @@ runs on the loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import Counter
 from collections.abc import Coroutine
@@ -29,6 +30,7 @@ import torch
 
 from swarmgrad.compression import get_codec
 from swarmgrad.node.averaging.averager import Averager
+from swarmgrad.node.averaging.evidence import verify_bytes
 from swarmgrad.node.averaging.matchmaking import Matchmaker
 from swarmgrad.node.averaging.rounds import Averaged, RoundParts, Rounds
 from swarmgrad.node.discovery.base import Discovery
@@ -52,6 +54,7 @@ from swarmgrad.node.swarm_config import (
 from swarmgrad.node.tasks import LoopBridge, TaskSet
 from swarmgrad.node.transport.transport import Transport
 from swarmgrad.node.trust.allowlist import AllowlistWatcher
+from swarmgrad.node.trust.board import BanBoard
 from swarmgrad.node.trust.ledger import TrustLedger
 from swarmgrad.protocol import state
 from swarmgrad.protocol.auth import Verifier
@@ -139,10 +142,19 @@ class Swarm:
         self.metrics.read_tallies(traffic=self._traffic_totals, failures=self._failure_totals)
         self.metrics.read_links(self._links)
         self.metrics.read_rejections(self.rejections.snapshot)
+        #: Open runs: bans published with their evidence, read and checked (None otherwise).
+        self.board: BanBoard | None = None
         if spec.trust.open:
             ledger = self._averager.ledger
             checks = self._averager.checks
-            self.metrics.read_trust(lambda: (ledger.table(), (*ledger.counts(), dict(checks))))
+            self.board = board = BanBoard(
+                ledger,
+                me=self.peer_id,
+                verify=functools.partial(verify_bytes, run_id=spec.run.id, spec_hash=spec.hash),
+            )
+            self.metrics.read_trust(
+                lambda: (ledger.table(), (*ledger.counts(), dict(checks), dict(board.counts)))
+            )
         sample = torch.randn(  # its own generator: the process's random stream is the user's
             min(spec.averaging.chunk_values, 1 << 16), generator=torch.Generator().manual_seed(0)
         )
@@ -203,6 +215,13 @@ class Swarm:
                 self.allowlist.read = self._discovery.find_allowlists
                 await self.allowlist.refresh()
                 self._spawn(self.allowlist.run(), "allowlist")
+            if self.board is not None:
+                discovery = self._discovery
+                self.board.read = discovery.find_bans
+                self.board.publish = lambda body, until: discovery.publish_bans(
+                    body, expires_at=until
+                )
+                self._spawn(self.board.run(), "ban-records")
             await self.directory.join()
             self._spawn(self.directory.keep_fresh(), "announce")
             self._spawn(self.reachability.run(), "reachability")

@@ -35,6 +35,7 @@ from swarmgrad.node.averaging.allreduce import (
     run_round,
 )
 from swarmgrad.node.averaging.checks import CheckBox, CheckRun, Verdict, run_checks
+from swarmgrad.node.averaging.evidence import MAX_EVIDENCE_BYTES
 from swarmgrad.node.averaging.group import Group, chunk_sizes
 from swarmgrad.node.averaging.plan import round_key
 from swarmgrad.node.averaging.reducer import PartReducer, SenderSession
@@ -267,8 +268,13 @@ class Averager:
         flags = dict.fromkeys(verdict.silent - verdict.convicted.keys(), Flag.SILENT)
         flags |= verdict.convicted
         flags.pop(self.peer_id, None)
+        proofs = {
+            peer: e.SerializeToString(deterministic=True) for peer, e in verdict.evidence.items()
+        }
         if flags:
-            self.ledger.note(round_, flags)
+            self.ledger.note(
+                round_, flags, {p: e for p, e in proofs.items() if len(e) <= MAX_EVIDENCE_BYTES}
+            )
 
     async def _score(self, group: Group, reducer: PartReducer) -> None:
         """Hand the ledger what the reducer saw of each member (itself aside)."""

@@ -39,6 +39,7 @@ import grpc
 import torch
 
 from swarmgrad.compression import CodecError, decode
+from swarmgrad.node.averaging import evidence
 from swarmgrad.node.averaging.group import Group, chunk_sizes
 from swarmgrad.node.averaging.plan import AllReduceConfig, RoundResult, round_key
 from swarmgrad.node.trust.checks import (
@@ -55,7 +56,6 @@ from swarmgrad.protocol.auth import Signer
 from swarmgrad.protocol.averaging import (
     ACCOUNT_STATEMENT,
     CHECK_STATEMENT,
-    StreamHeader,
     check_method,
     chunk_signed_by,
     header_signed,
@@ -142,6 +142,8 @@ class CheckBox:
         self.group = group
         self.max_chunks = max_chunks
         self.reveals: dict[int, averaging_pb2.Reveal] = {}
+        #: The reveals as their members signed them (evidence of a false secret).
+        self.signed_reveals: dict[int, averaging_pb2.Signed] = {}
         self.reports: dict[int, tuple[averaging_pb2.Signed, averaging_pb2.Report]] = {}
         self.accusations: list[averaging_pb2.Accusation] = []
         self._changed = asyncio.Condition()
@@ -177,6 +179,7 @@ class CheckBox:
         kind = statement.WhichOneof("body")
         if kind == "reveal":
             self.reveals.setdefault(member, statement.reveal)
+            self.signed_reveals.setdefault(member, signed)
         elif kind == "report":
             self.reports.setdefault(member, (signed, statement.report))
         elif kind == "accusation" and len(self.accusations) < len(self.group.members) ** 2:
@@ -202,6 +205,8 @@ class Verdict:
     dropped: set[int] = field(default_factory=set)
     #: Peers convicted on signed evidence, and of what.
     convicted: dict[str, Flag] = field(default_factory=dict)
+    #: For some convictions, the evidence any peer can check (``evidence.py``), by peer.
+    evidence: dict[str, averaging_pb2.Evidence] = field(default_factory=dict)
     #: Members that did not reveal or report in time: their parts went unchecked.
     silent: set[str] = field(default_factory=set)
     #: Parts checked (and passed or failed), and the largest |sum| / tolerance among passes.
@@ -335,20 +340,10 @@ def _seed(run: CheckRun, part: _Part, verdict: Verdict) -> None:
         account.members, account.commitments, account.header_auths, strict=True
     ):
         peer = group.members[member]
-        header = StreamHeader(
-            run_id=account.key.run_id,
-            spec_hash=account.key.spec_hash,
-            round=account.key.round,
-            group_id=account.key.group_id,
-            sender=peer.peer_id,
-            receiver=owner,
-            part=part.part,
-            weight=peer.weight,
-            commitment=promised,
-        )
-        if not header_signed(header, auth):
+        if not header_signed(evidence.header_of(account, group, member, promised), auth):
             verdict.dropped.add(part.part)
             verdict.convicted[owner] = Flag.FORGERY
+            verdict.evidence[owner] = evidence.forgery(part.signed, group, member)
             log.warning("round %d: %s forged %s's commitment", group.round, owner, peer.peer_id)
             return
         reveal = run.box.reveals.get(member)
@@ -357,7 +352,12 @@ def _seed(run: CheckRun, part: _Part, verdict: Verdict) -> None:
             verdict.silent.add(peer.peer_id)
             return
         if commitment(secret) != promised:
-            verdict.convicted.setdefault(peer.peer_id, Flag.FALSE_REPORT)
+            if peer.peer_id not in verdict.convicted:
+                verdict.convicted[peer.peer_id] = Flag.FALSE_REPORT
+                signed = run.box.signed_reveals.get(member)
+                if signed is not None:
+                    proof = evidence.false_secret(part.signed, group, member, signed)
+                    verdict.evidence[peer.peer_id] = proof
             return
         secrets.append(secret)
     part.seed = part_seed(part.signed.body, secrets)
@@ -398,6 +398,7 @@ def _equivocation(
         return
     verdict.dropped.add(account.part)
     verdict.convicted[signer] = Flag.EQUIVOCATION
+    verdict.evidence[signer] = evidence.equivocation(mine.signed, signed)
     log.warning(
         "round %d: %s signed two accounts of part %d", run.group.round, signer, account.part
     )

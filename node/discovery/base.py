@@ -119,6 +119,15 @@ class Discovery(Protocol):
         """Every allowlist under this run and spec whose seal holds (by any signer)."""
         ...
 
+    async def publish_bans(self, body: bytes, *, expires_at: float) -> None:
+        """Publish this node's ban records (``node/trust/board.py``) in its slot under this
+        run and spec's ``bans``."""
+        ...
+
+    async def find_bans(self) -> list[Envelope]:
+        """Every node's ban records under this run and spec whose seal holds."""
+        ...
+
     async def leave(self, topic: str = "peers") -> None:
         """Withdraw this node's record under ``topic`` at once (``peers``: a graceful leave)."""
         ...
@@ -291,6 +300,16 @@ class SignedDirectory(abc.ABC):
 
     async def find_allowlists(self) -> list[Envelope]:
         return [envelope for envelope, _ in await self._valid(self._topic_key("allowlist"))]
+
+    async def publish_bans(self, body: bytes, *, expires_at: float) -> None:
+        if len(body) > MAX_SPEC_BYTES:
+            raise ValueError("the ban records are too large to publish")
+        await self._seal_and_put(
+            self._topic_key("bans"), Kind.BANS, body, issued_at=dht_time(), expires_at=expires_at
+        )
+
+    async def find_bans(self) -> list[Envelope]:
+        return [envelope for envelope, _ in await self._valid(self._topic_key("bans"))]
 
     async def _put_sealed_by(
         self, sealer: Sealer, key: str, kind: Kind, body: bytes, *, expires_at: float

@@ -46,6 +46,7 @@ _PEERS = re.compile(rf"run/{_RUN}/[0-9a-f]{{64}}/peers")
 _ROUND = re.compile(rf"run/{_RUN}/[0-9a-f]{{64}}/round/(0|[1-9][0-9]{{0,18}})")
 _SPECS = re.compile(rf"run/{_RUN}/specs")
 _ALLOWLIST = re.compile(rf"run/{_RUN}/[0-9a-f]{{64}}/allowlist")
+_BANS = re.compile(rf"run/{_RUN}/[0-9a-f]{{64}}/bans")
 #: Where organizers publish their runs: one slot per run key.
 RUNS_KEY = "runs"
 
@@ -61,6 +62,7 @@ class Kind(enum.IntEnum):
     LEAVE = 4  # a withdrawal (tombstone) of the signer's value under any of those keys
     RUN = 5  # a run published by its organizer's run key, under "runs"
     ALLOWLIST = 6  # a private run's allowlist, signed by its run key, under .../allowlist
+    BANS = 7  # an open run's ban records with their evidence, by the node that holds them
 
 
 def allowed_kinds(key: str) -> tuple[Kind, ...]:
@@ -75,6 +77,8 @@ def allowed_kinds(key: str) -> tuple[Kind, ...]:
         return (Kind.RUN, Kind.LEAVE)
     if _ALLOWLIST.fullmatch(key):
         return (Kind.ALLOWLIST, Kind.LEAVE)
+    if _BANS.fullmatch(key):
+        return (Kind.BANS, Kind.LEAVE)
     return ()
 
 

@@ -165,10 +165,10 @@ def check(
         if isinstance(record, ReadyRecord) and str(record.round) != parts[-1]:
             raise RecordError(f"readiness of {record.peer_id} for another round")
     elif (
-        envelope.kind in (Kind.SPEC, Kind.RUN, Kind.ALLOWLIST)
+        envelope.kind in (Kind.SPEC, Kind.RUN, Kind.ALLOWLIST, Kind.BANS)
         and len(envelope.body) > MAX_SPEC_BYTES
     ):
-        raise RecordError("a run spec over the size limit")
+        raise RecordError(f"a {envelope.kind.name.lower()} value over the size limit")
     return record
 
 

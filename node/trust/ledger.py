@@ -17,13 +17,18 @@ check): a dispute, counted per owner (``disputes`` in :meth:`TrustLedger.table`,
 never a ban: the member cannot prove it, and an owner may have screened its values.
 
 A ban is this node's own decision: it stops grouping with the peer (matchmaking skips its
-readiness record) and refuses its streams. It is not published: statistics are not proof, and a
-peer that bans on another's word can be made to ban an honest peer. With a ``store`` path the
-ledger's bans outlive the process: written atomically at each new ban, read back at start.
+readiness record) and refuses its streams. Statistics are not proof, and a peer that bans on
+another's word can be made to ban an honest peer, so a ban is published only with *evidence*:
+signed statements any peer checks for itself (``node/averaging/evidence.py``), kept with the ban
+(:attr:`Ban.evidence`); a ban adopted from such evidence names the peer it came from
+(:attr:`Ban.source`, ``node/trust/board.py``). With a ``store`` path the ledger's bans outlive the
+process: written atomically at each new ban, read back at start.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import enum
 import json
 import logging
@@ -128,6 +133,10 @@ class Ban:
     peer_id: str
     round: int
     flags: tuple[Flag, ...]
+    #: Serialized evidence any peer can check (empty: this node's own judgement only).
+    evidence: bytes = b""
+    #: The peer whose published evidence this ban was adopted from ("": this node saw it).
+    source: str = ""
 
     @property
     def reason(self) -> str:
@@ -194,6 +203,8 @@ class TrustLedger:
         self._lock = threading.Lock()  # a metrics scrape reads from another thread
         #: Inclusion disputes noted, all owners together.
         self.dispute_count = 0
+        #: Bans adopted from evidence other peers published.
+        self.adopted = 0
 
     def banned(self, peer_id: str) -> bool:
         return peer_id in self.bans
@@ -209,15 +220,42 @@ class TrustLedger:
                     new.append(ban)
         return new
 
-    def note(self, round_: int, flags: Mapping[str, Flag]) -> list[Ban]:
-        """Take what the owner checks of ``round_`` found of some peers (one flag each)."""
+    def note(
+        self, round_: int, flags: Mapping[str, Flag], evidence: Mapping[str, bytes] | None = None
+    ) -> list[Ban]:
+        """Take what the owner checks of ``round_`` found of some peers (one flag each), with
+        the evidence that proves some of them."""
         new: list[Ban] = []
+        proof = evidence or {}
         with self._lock:
             for peer_id, flag in flags.items():
-                ban = self._judge(round_, peer_id, Observation(flags={flag}))
+                ban = self._judge(round_, peer_id, Observation(flags={flag}), proof.get(peer_id))
                 if ban is not None:
                     new.append(ban)
         return new
+
+    def adopt(self, peer_id: str, flag: Flag, round_: int, evidence: bytes, source: str) -> bool:
+        """Ban ``peer_id`` on ``evidence`` published by ``source`` (already verified); whether
+        that changed anything (a ban this node held without evidence gains it)."""
+        with self._lock:
+            held = self.bans.get(peer_id)
+            if held is not None and held.evidence:
+                return False
+            if held is None:
+                self.bans[peer_id] = Ban(peer_id, round_, (flag,), evidence, source)
+                self.adopted += 1
+                log.warning("banned %s (%s in round %d): evidence published by %s",
+                            peer_id, flag, round_, source)  # fmt: skip
+            else:
+                self.bans[peer_id] = Ban(held.peer_id, held.round, held.flags, evidence, source)
+            self._save()
+            return True
+
+    def evidence(self) -> list[bytes]:
+        """The evidence behind this node's bans, newest ban first."""
+        with self._lock:
+            held = sorted(self.bans.values(), key=lambda b: -b.round)
+            return [ban.evidence for ban in held if ban.evidence]
 
     def dispute(self, round_: int, owners: Iterable[str]) -> None:
         """Note owners that left this node's values out of ``round_`` (never a ban)."""
@@ -229,7 +267,9 @@ class TrustLedger:
                 self.dispute_count += 1
                 log.warning("round %d: %s left this node's values out of its part", round_, owner)
 
-    def _judge(self, round_: int, peer_id: str, seen: Observation) -> Ban | None:
+    def _judge(
+        self, round_: int, peer_id: str, seen: Observation, evidence: bytes | None = None
+    ) -> Ban | None:
         policy = self.policy
         flags = set(seen.flags)
         if seen.numel:
@@ -247,7 +287,11 @@ class TrustLedger:
         for flag in flags:
             score.flags[flag] = score.flags.get(flag, 0) + 1
             self.flag_counts[flag] += 1
-        if peer_id in self.bans or not flags:
+        held = self.bans.get(peer_id)
+        if held is not None and evidence and not held.evidence:
+            self.bans[peer_id] = Ban(held.peer_id, held.round, held.flags, evidence)
+            self._save()
+        if held is not None or not flags:
             return None
         window = list(score.recent)[-policy.window :]
         if (
@@ -255,7 +299,7 @@ class TrustLedger:
             or score.consecutive >= policy.consecutive
             or sum(window) >= policy.window_flags
         ):
-            ban = Ban(peer_id=peer_id, round=round_, flags=tuple(sorted(flags)))
+            ban = Ban(peer_id, round_, tuple(sorted(flags)), evidence or b"")
             self.bans[peer_id] = ban
             log.warning("round %d: banned %s (%s)", round_, peer_id, ban.reason)
             self._save()
@@ -282,20 +326,21 @@ class TrustLedger:
     def table(self, peers: Iterable[str] | None = None) -> dict[str, dict[str, object]]:
         """Per peer: rounds seen, clip and cosine EMAs, flags, ban (status files, display)."""
         with self._lock:
-            names = list(self.scores if peers is None else peers)
+            names = list(dict.fromkeys([*self.scores, *self.bans]) if peers is None else peers)
             out: dict[str, dict[str, object]] = {}
             for peer_id in names:
-                score = self.scores.get(peer_id)
-                if score is None:
-                    continue
                 ban = self.bans.get(peer_id)
+                score = self.scores.get(peer_id)
+                if score is None and ban is None:
+                    continue
+                score = score or PeerScore()  # banned on published evidence, never aggregated
                 out[peer_id] = {
                     "rounds": score.rounds,
                     "clip_ema": round(score.clip_ema, 4),
                     "cosine_ema": round(score.cosine_ema, 4),
                     "flags": {str(k): v for k, v in sorted(score.flags.items())},
                     "disputes": len(score.disputes),
-                    "banned": None if ban is None else {"round": ban.round, "reason": ban.reason},
+                    "banned": None if ban is None else _shown(ban),
                 }
             return out
 
@@ -313,7 +358,13 @@ class TrustLedger:
         if self.store is None:
             return
         bans = [
-            {"peer_id": b.peer_id, "round": b.round, "flags": list(b.flags)}
+            {
+                "peer_id": b.peer_id,
+                "round": b.round,
+                "flags": list(b.flags),
+                "evidence": base64.b64encode(b.evidence).decode(),
+                "source": b.source,
+            }
             for b in self.bans.values()
         ]
         try:
@@ -332,17 +383,28 @@ def _load_bans(path: Path) -> dict[str, Ban]:
                 peer_id=str(entry["peer_id"]),
                 round=int(entry["round"]),
                 flags=tuple(Flag(f) for f in entry["flags"]),
+                evidence=base64.b64decode(entry.get("evidence", ""), validate=True),
+                source=str(entry.get("source", "")),
             )
             for entry in saved["bans"]
         }
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError, KeyError, TypeError, binascii.Error) as error:
         log.warning("ignoring the saved bans in %s (%s): starting without them", path, error)
         return {}
     if bans:
         log.info("%d peer(s) still banned from earlier runs of this node (%s)", len(bans), path)
     return bans
+
+
+def _shown(ban: Ban) -> dict[str, object]:
+    shown: dict[str, object] = {"round": ban.round, "reason": ban.reason}
+    if ban.evidence:
+        shown["evidence"] = True
+    if ban.source:
+        shown["source"] = ban.source
+    return shown
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -205,3 +205,35 @@ class CheckReply(_message.Message):
     CODE_FIELD_NUMBER: _ClassVar[int]
     code: ResultCode
     def __init__(self, code: _Optional[_Union[ResultCode, str]] = ...) -> None: ...
+
+class GroupMember(_message.Message):
+    __slots__ = ("peer_id", "endpoint", "bandwidth", "weight")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    endpoint: str
+    bandwidth: float
+    weight: float
+    def __init__(self, peer_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., bandwidth: _Optional[float] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class Evidence(_message.Message):
+    __slots__ = ("reason", "accounts", "members", "member", "reveal")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNTS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    REVEAL_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    accounts: _containers.RepeatedCompositeFieldContainer[Signed]
+    members: _containers.RepeatedCompositeFieldContainer[GroupMember]
+    member: int
+    reveal: Signed
+    def __init__(self, reason: _Optional[str] = ..., accounts: _Optional[_Iterable[_Union[Signed, _Mapping]]] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., member: _Optional[int] = ..., reveal: _Optional[_Union[Signed, _Mapping]] = ...) -> None: ...
+
+class EvidenceList(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[Evidence]
+    def __init__(self, items: _Optional[_Iterable[_Union[Evidence, _Mapping]]] = ...) -> None: ...

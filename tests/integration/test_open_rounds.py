@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from swarmgrad.node.averaging import checks
+from swarmgrad.node.averaging import checks, evidence
 from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
 from swarmgrad.node.averaging.averager import Averager, standalone
 from swarmgrad.node.averaging.group import Group, Member
@@ -95,6 +95,30 @@ def open_mean(averagers: list[Averager], updates: list[torch.Tensor]) -> torch.T
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
+
+
+def assert_proven(judges: list[Averager], accused: Averager, flag: Flag) -> bytes:
+    """Every judge banned ``accused`` for ``flag`` with evidence that anyone can check (no
+    group, no round state: only the run and spec), and that a changed byte breaks."""
+    proofs = set()
+    for judge in judges:
+        ban = judge.ledger.bans[accused.peer_id]
+        assert ban.flags == (flag,)
+        assert ban.evidence
+        assert not ban.source
+        found = evidence.verify_bytes(ban.evidence, run_id=OPEN.run_id, spec_hash=OPEN.spec_hash)
+        assert found == (accused.peer_id, flag, 0)
+        proofs.add(ban.evidence)
+    proof = min(proofs)
+    with pytest.raises(evidence.EvidenceError, match="another run"):
+        evidence.verify_bytes(proof, run_id="another-run", spec_hash=OPEN.spec_hash)
+    item = averaging_pb2.Evidence.FromString(proof)
+    forged = bytearray(item.accounts[0].body)
+    forged[-1] ^= 1  # one bit of the owner's signed account
+    item.accounts[0].body = bytes(forged)
+    with pytest.raises(evidence.EvidenceError):
+        evidence.verify(item, run_id=OPEN.run_id, spec_hash=OPEN.spec_hash)
+    return proof
 
 
 async def test_honest_members_are_never_flagged_and_their_replicas_agree() -> None:
@@ -340,6 +364,18 @@ async def test_an_owner_that_signs_two_accounts_of_its_part_is_convicted(
             assert peer.ledger.bans[bad.peer_id].flags == (Flag.EQUIVOCATION,)
             assert result.missing == (bounds[4],)  # its part is dropped by everyone
         assert not any(p.ledger.bans.keys() - {bad.peer_id} for p in peers)
+        proof = averaging_pb2.Evidence.FromString(assert_proven(honest, bad, Flag.EQUIVOCATION))
+        # The same account twice, or two accounts of different rounds, prove nothing.
+        same = evidence.equivocation(proof.accounts[0], proof.accounts[0])
+        with pytest.raises(evidence.EvidenceError, match="the same"):
+            evidence.verify(same, run_id=OPEN.run_id, spec_hash=OPEN.spec_hash)
+        later = averaging_pb2.PartAccount.FromString(proof.accounts[1].body)
+        later.key.round += 1
+        other = evidence.equivocation(
+            proof.accounts[0], seal(bad.identity, ACCOUNT_STATEMENT, later)
+        )
+        with pytest.raises(evidence.EvidenceError, match="not one owner's"):
+            evidence.verify(other, run_id=OPEN.run_id, spec_hash=OPEN.spec_hash)
 
 
 async def test_an_owner_that_forges_a_members_commitment_is_convicted(
@@ -365,6 +401,17 @@ async def test_an_owner_that_forges_a_members_commitment_is_convicted(
             assert peer.ledger.bans[bad.peer_id].flags == (Flag.FORGERY,)
             assert result.missing == (bounds[4],)
         assert not any(p.ledger.bans.keys() - {bad.peer_id} for p in peers)
+        proof = averaging_pb2.Evidence.FromString(assert_proven(honest, bad, Flag.FORGERY))
+        # Pointing at a member whose commitment is genuine, or at another group, proves nothing.
+        account = averaging_pb2.PartAccount.FromString(proof.accounts[0].body)
+        genuine = averaging_pb2.Evidence()
+        genuine.CopyFrom(proof)
+        genuine.member = next(m for m in account.members if m != proof.member)
+        with pytest.raises(evidence.EvidenceError, match="did sign"):
+            evidence.verify(genuine, run_id=OPEN.run_id, spec_hash=OPEN.spec_hash)
+        del genuine.members[-1]
+        with pytest.raises(evidence.EvidenceError, match="not the round's group"):
+            evidence.verify(genuine, run_id=OPEN.run_id, spec_hash=OPEN.spec_hash)
 
 
 async def test_a_member_that_reveals_another_secret_than_it_committed_to_is_convicted(
@@ -381,8 +428,14 @@ async def test_a_member_that_reveals_another_secret_than_it_committed_to_is_conv
 
         monkeypatch.setattr(checks, "_broadcast", broadcast)
         results = await average(peers, honest_updates(0, 5), 0)
-        for peer in honest:
-            assert peer.ledger.bans[liar.peer_id].flags == (Flag.FALSE_REPORT,)
+        proof = averaging_pb2.Evidence.FromString(assert_proven(honest, liar, Flag.FALSE_REPORT))
+        # The evidence convicts the member who signed the reveal, nobody else.
+        assert proof.reason == "false_secret"
+        framed = averaging_pb2.CheckStatement.FromString(proof.reveal.body)
+        framed.sender = honest[0].peer_id
+        proof.reveal.CopyFrom(seal(honest[0].identity, CHECK_STATEMENT, framed))
+        with pytest.raises(evidence.EvidenceError, match="not the member's"):
+            evidence.verify(proof, run_id=OPEN.run_id, spec_hash=OPEN.spec_hash)
         # Parts it contributed to went unchecked this round, not dropped: nothing is lost.
         assert all(isinstance(r, RoundResult) and r.complete for r in results[:4])
         assert not any(p.ledger.bans.keys() - {liar.peer_id} for p in peers)

@@ -209,7 +209,7 @@ def test_trust_metrics_show_flags_bans_scores_and_owner_checks() -> None:
     ledger.note(1, {"sgliar": Flag.LYING_OWNER})
     metrics = NodeMetrics(peer_id="sgme", run_id="r", spec_hash="00", algorithm="a", codec="c")
     checks = {"checked": 12, "failed": 1}
-    metrics.read_trust(lambda: (ledger.table(), (*ledger.counts(), checks)))
+    metrics.read_trust(lambda: (ledger.table(), (*ledger.counts(), checks, {"adopted": 2})))
     text = generate_latest(metrics.registry).decode()
     assert 'swarmgrad_trust_flags_total{kind="zero"} 1.0' in text
     assert 'swarmgrad_trust_flags_total{kind="lying_owner"} 1.0' in text
@@ -218,6 +218,8 @@ def test_trust_metrics_show_flags_bans_scores_and_owner_checks() -> None:
     assert 'swarmgrad_owner_checks_total{result="checked"} 12.0' in text
     assert 'swarmgrad_owner_checks_total{result="failed"} 1.0' in text
     assert 'swarmgrad_peer_cosine_ema{peer="sggood"}' in text
+    assert 'swarmgrad_ban_evidence_total{result="adopted"} 2.0' in text
+    assert 'swarmgrad_ban_evidence_total{result="rejected"} 0.0' in text
 
 
 def test_bans_outlive_the_ledger_and_a_damaged_file_is_set_aside(
