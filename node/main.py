@@ -96,6 +96,7 @@ async def _train(
                     "counts": swarm.counts,
                     "failures": swarm.failures,
                     "owner_checks": swarm.owner_checks,
+                    "ban_records": swarm.board.counts if swarm.board is not None else {},
                 }
                 | swarm.reachability_summary()
             )

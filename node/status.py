@@ -73,8 +73,8 @@ class ScoresError(ValueError):
 
 def read_scores(path: Path) -> dict[str, Any]:
     """What a node's ``--status-file`` says of its peers in an open run: its peer id, its
-    ledger's row per peer (rounds, clip and cosine EMAs, flags, disputes, ban), and its owner
-    checks (checked, failed)."""
+    ledger's row per peer (rounds, clip and cosine EMAs, flags, disputes, ban), its owner
+    checks (checked, failed), and what it made of the ban records other nodes published."""
     try:
         status = json.loads(path.read_text())
     except (OSError, ValueError) as error:
@@ -86,6 +86,7 @@ def read_scores(path: Path) -> dict[str, Any]:
         "epoch": status.get("epoch"),
         "peers": status["trust"],
         "owner_checks": status.get("owner_checks", {}),
+        "ban_records": status.get("ban_records", {}),
     }
 
 
@@ -94,7 +95,8 @@ def scores_table(scores: dict[str, Any]) -> Table:
     checks = scores["owner_checks"]
     table = Table(
         title=f"scores by {scores['node']} at epoch {scores['epoch']}: "
-        f"{checks.get('checked', 0)} owner results checked, {checks.get('failed', 0)} failed"
+        f"{checks.get('checked', 0)} owner results checked, {checks.get('failed', 0)} failed; "
+        f"{scores.get('ban_records', {}).get('adopted', 0)} bans adopted from published evidence"
     )
     for column in ("peer", "rounds", "clip", "cosine", "flags", "disputes", "banned"):
         table.add_column(
@@ -114,6 +116,19 @@ def scores_table(scores: dict[str, Any]) -> Table:
             f"{row.get('cosine_ema', 0.0):.2f}",
             flags or "-",
             str(row.get("disputes", 0)),
-            f"round {ban['round']}: {ban['reason']}" if ban else "-",
+            _ban_cell(ban),
         )
     return table
+
+
+def _ban_cell(ban: dict[str, Any] | None) -> str:
+    """A ban as a cell: its round and reason, whether it carries evidence, and the peer it was
+    adopted from (a ban read in the DHT)."""
+    if not ban:
+        return "-"
+    cell = f"round {ban['round']}: {ban['reason']}"
+    if ban.get("source"):
+        cell += f" (evidence from {str(ban['source'])[:16]}…)"
+    elif ban.get("evidence"):
+        cell += " (evidence published)"
+    return cell

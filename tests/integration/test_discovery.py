@@ -314,6 +314,32 @@ async def test_another_spec_sees_nothing_and_the_dht_refuses_forgeries(start: St
 
 
 @pytest.mark.slow
+async def test_ban_records_live_under_their_run_in_each_publishers_slot(start: Starter) -> None:
+    a, b = Identity.generate(), Identity.generate()
+    node_a = await start(a)
+    node_b = await start(b, initial_peers=node_a.visible_maddrs())
+    other_spec = await start(
+        Identity.generate(), spec_hash=b"\x09" * 32, initial_peers=node_a.visible_maddrs()
+    )
+    await node_a.publish_bans(b"evidence", expires_at=dht_time() + 30)
+
+    async def found() -> list[tuple[str, bytes]] | None:
+        records = [(e.signer, e.body) for e in await node_b.find_bans()]
+        return records or None
+
+    records = await until(found, timeout_seconds=15, what="ban records", interval_seconds=0.1)
+    assert records == [(a.peer_id, b"evidence")]
+    assert await other_spec.find_bans() == []
+    # Ban records belong under .../bans only, and within the size limit.
+    now = dht_time()
+    misfiled = seal(a, key=KEY, kind=Kind.BANS, body=b"evidence", issued_at=now,
+                    expires_at=now + 30)  # fmt: skip
+    assert not await node_b._store(KEY, a.peer_id, misfiled, now + 30)
+    with pytest.raises(ValueError, match="too large"):
+        await node_a.publish_bans(bytes(MAX_SPEC_BYTES + 1), expires_at=now + 30)
+
+
+@pytest.mark.slow
 async def test_records_expire_and_a_graceful_leave_is_immediate(start: Starter) -> None:
     a, b = Identity.generate(), Identity.generate()
     node_a = await start(a)

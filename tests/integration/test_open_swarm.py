@@ -51,6 +51,9 @@ def test_a_sign_flipping_peer_is_banned_and_the_honest_swarm_learns(tmp_path: Pa
     # It checked its owners' results every round, and none failed (the attacker only sends).
     assert scores["owner_checks"]["checked"] >= ROUNDS
     assert scores["owner_checks"]["failed"] == 0
+    # Sign flips are banned on statistics, which are never published: no record to adopt.
+    assert scores["ban_records"].get("adopted", 0) == 0
+    assert scores["ban_records"].get("rejected", 0) == 0
     table = _status("--scores", str(tmp_path / "sim" / "node-0.json"))
     assert attacker in table
     assert "round" in table

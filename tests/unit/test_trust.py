@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 
 from swarmgrad.node.discovery.base import dht_time
 from swarmgrad.node.discovery.envelope import Envelope, Kind, open_envelope, seal
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec, RunSpecError
+from swarmgrad.node.status import scores_table
 from swarmgrad.node.trust.aggregate import (
     Aggregator,
     Screen,
@@ -239,3 +241,50 @@ def test_bans_outlive_the_ledger_and_a_damaged_file_is_set_aside(
     with caplog.at_level("WARNING"):
         assert TrustLedger(store=store).bans == {}
     assert "ignoring the saved bans" in caplog.text
+
+
+def test_evidence_stays_with_its_ban_and_adopting_never_overrides_it() -> None:
+    ledger = TrustLedger()
+    policy = ledger.policy
+    for round_ in range(policy.consecutive):  # banned on statistics: nothing to publish
+        ledger.observe(round_, {"sgflip": Observation(flags={Flag.MISALIGNED})})
+    assert ledger.banned("sgflip")
+    assert ledger.evidence() == []
+    # Evidence read later is kept with the ban it confirms (so it is published from now on) ...
+    assert ledger.adopt("sgflip", Flag.EQUIVOCATION, 7, b"proof-1", "sgalice")
+    assert ledger.bans["sgflip"].flags == (Flag.MISALIGNED,)
+    assert ledger.evidence() == [b"proof-1"]
+    # ... and once a ban has evidence, more changes nothing.
+    assert not ledger.adopt("sgflip", Flag.EQUIVOCATION, 7, b"proof-2", "sgbob")
+    assert ledger.adopt("sgcheat", Flag.FORGERY, 9, b"proof-3", "sgbob")
+    assert ledger.adopted == 1
+    assert ledger.evidence() == [b"proof-3", b"proof-1"]  # newest ban first
+    # A peer banned only on evidence it never sent this node still shows in the table.
+    row = ledger.table()["sgcheat"]
+    assert row["rounds"] == 0
+    assert row["banned"] == {"round": 9, "reason": "forgery", "evidence": True, "source": "sgbob"}
+    # The node's own conviction carries its evidence and no source.
+    ledger.note(10, {"sgtwo": Flag.EQUIVOCATION}, {"sgtwo": b"proof-4"})
+    assert ledger.table()["sgtwo"]["banned"] == {
+        "round": 10, "reason": "equivocation", "evidence": True
+    }  # fmt: skip
+    assert ledger.evidence()[0] == b"proof-4"
+
+
+def test_the_scores_table_says_where_a_ban_came_from() -> None:
+    ledger = TrustLedger()
+    ledger.adopt("sgcheat", Flag.FORGERY, 9, b"proof", "sgalice0123456789abcdef")
+    ledger.note(10, {"sgtwo": Flag.EQUIVOCATION}, {"sgtwo": b"proof-2"})
+    scores = {
+        "node": "sgme",
+        "epoch": 11,
+        "peers": ledger.table(),
+        "owner_checks": {"checked": 4, "failed": 1},
+        "ban_records": {"adopted": 1},
+    }
+    console = Console(record=True, width=200)
+    console.print(scores_table(scores))
+    text = console.export_text()
+    assert "1 bans adopted from published evidence" in text
+    assert "round 9: forgery (evidence from sgalice012345678" in text
+    assert "round 10: equivocation (evidence published)" in text
