@@ -21,7 +21,9 @@ are in ``node/trust/checks.py``). The steps, each bounded by ``check_timeout_sec
    there, as for a missing part), and the owner is banned.
 
 Convictions here rest on signed evidence (equivocation, a false report, a failed check whose
-reports stand), so they are decisive. What is not proof stays a flag: a member that does not
+reports stand), so they are decisive. Equivocation, a forged commitment and a false secret come
+with evidence small enough for peers outside the group to check (``evidence.py``): the ledger keeps
+it with the ban, and ``node/trust/board.py`` publishes it. What is not proof stays a flag: a member that does not
 reveal or report is only marked silent (banned after repeated rounds, like other flags), and the
 part goes unchecked this round; an owner that drops a member's values is a dispute (``ledger``).
 """
