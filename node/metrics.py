@@ -168,10 +168,12 @@ class _Trust(Collector):
         checked = CounterMetricFamily(
             "swarmgrad_owner_checks",
             "Owners' results this node checked with its group after open rounds, by result "
-            "(checked: passed or failed; failed: dropped, the owner convicted).",
+            "(checked: passed or failed; failed: dropped, the owner convicted), and the parts "
+            "it audited (audit_passed, audit_failed: someone convicted, audit_inconclusive: "
+            "the owner did not answer).",
             labels=["result"],
         )
-        for result in ("checked", "failed"):
+        for result in ("checked", "failed", "audit_passed", "audit_failed", "audit_inconclusive"):
             checked.add_metric([result], float(checks.get(result, 0)))
         yield checked
         read = CounterMetricFamily(

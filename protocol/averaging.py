@@ -144,9 +144,10 @@ class AggregateHandler(Protocol):
 
     async def check(
         self, statement: averaging_pb2.CheckStatement, signed: averaging_pb2.Signed
-    ) -> None:
-        """Take a member's check message (its signature is verified); raise ProtocolViolation
-        if there is no such round here or the sender is not in it."""
+    ) -> averaging_pb2.Chunk | None:
+        """Take a member's check message (its signature is verified), and answer an audit's
+        request with the chunk asked for; raise ProtocolViolation if there is no such round
+        here or the sender is not in it."""
         ...
 
 
@@ -328,7 +329,7 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
         request: averaging_pb2.Signed | Malformed,
         context: grpc.aio.ServicerContext[averaging_pb2.Signed, averaging_pb2.CheckReply],
     ) -> averaging_pb2.CheckReply:
-        """A member's reveal, report or accusation about a round (open runs)."""
+        """A member's reveal, report, accusation or audit request about a round (open runs)."""
         try:
             if isinstance(request, Malformed) or request.ByteSize() > MAX_CHECK_BYTES:
                 raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "a malformed check message")
@@ -340,11 +341,11 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
                 )
             if statement.WhichOneof("body") is None:
                 raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "an empty check message")
-            await self._handler.check(statement, request)
+            chunk = await self._handler.check(statement, request)
         except ProtocolViolation as error:
             self.rejections.record(_SERVICE_NAME, error.code_name, str(error))
             await context.abort(error.status, str(error))
-        return averaging_pb2.CheckReply(code=ResultCode.OK)
+        return averaging_pb2.CheckReply(code=ResultCode.OK, payloads=[chunk] if chunk else [])
 
 
 async def _serve_stream(

@@ -23,10 +23,11 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from swarmgrad.node.averaging import audits
 from swarmgrad.node.averaging.allreduce import (
     AllReduceConfig,
     RoundHooks,
@@ -66,6 +67,8 @@ class _ActiveRound:
     reducer: PartReducer | None
     #: Open runs: the other members' check messages.
     box: CheckBox | None = None
+    #: Open runs: chunks served to each member's audits.
+    served: Counter[int] = field(default_factory=Counter)
 
 
 class Averager:
@@ -252,6 +255,7 @@ class Averager:
             )
         )
         self._record_verdict(group.round, verdict)
+        self._maybe_audit(group, me, verdict, result)
         if not verdict.dropped:
             return result
         bounds = group.partition(vector.numel())
@@ -261,6 +265,45 @@ class Averager:
             result.averaged[start:end] = vector[start:end]
             missing.append((start, end))
         return replace(result, missing=tuple(sorted(missing)))
+
+    def _maybe_audit(self, group: Group, me: int, verdict: Verdict, result: RoundResult) -> None:
+        """Perhaps audit one other owner's part, in the background (``audits.py``)."""
+        candidates = [
+            number
+            for number in verdict.parts
+            if number != me and number not in verdict.dropped and group.members[number].endpoint
+        ]
+        probability = self.config.audit_probability
+        if probability is None:
+            probability = 1.0 / len(group.members)
+        chosen = audits.choose(candidates, probability)
+        if chosen is None:
+            return
+        part = verdict.parts[chosen]
+        end = part.start + sum(part.numels)
+        job = audits.Audit(
+            signer=self.identity,
+            config=self.config,
+            group=group,
+            channel=self.transport.channel,
+            part=part,
+            received=result.averaged[part.start : end].clone(),
+            reports=dict(verdict.reports),
+        )
+        self._background.spawn(self._audit(job), name=f"audit-{group.round}-{chosen}")
+
+    async def _audit(self, job: audits.Audit) -> None:
+        round_, owner = job.group.round, job.group.members[job.part.part].peer_id
+        outcome = await audits.run_audit(job)
+        self.checks[f"audit_{outcome.result}"] += 1
+        if outcome.result == "inconclusive":
+            log.info("round %d: the audit of %s's part was inconclusive: %s",
+                     round_, owner, outcome.why)  # fmt: skip
+        convicted = {p: f for p, f in outcome.convicted.items() if p != self.peer_id}
+        if convicted:
+            log.warning("round %d: the audit of %s's part convicted %s: %s",
+                        round_, owner, sorted(convicted), outcome.why)  # fmt: skip
+            self.ledger.note(round_, convicted)
 
     def _record_verdict(self, round_: int, verdict: Verdict) -> None:
         self.checks["checked"] += verdict.checked
@@ -292,9 +335,12 @@ class Averager:
         while len(self._finished) > _FINISHED_MEMORY:
             self._finished.pop(next(iter(self._finished)))
 
+        # Open runs: the owner's chunks stay for other members' audits a little longer.
+        seconds = _LINGER_SECONDS + 2 * self.config.check_timeout_seconds * self.config.observe
+
         async def linger() -> None:
             try:
-                await asyncio.sleep(_LINGER_SECONDS)
+                await asyncio.sleep(seconds)
             finally:
                 active = self._rounds.pop(key, None)
                 if active is not None and active.reducer is not None:
@@ -341,8 +387,9 @@ class Averager:
 
     async def check(
         self, statement: averaging_pb2.CheckStatement, signed: averaging_pb2.Signed
-    ) -> None:
-        """A member's check message (AggregateHandler): into its round's box."""
+    ) -> averaging_pb2.Chunk | None:
+        """A member's check message (AggregateHandler): into its round's box; an audit's
+        request: the chunk asked for."""
         key = statement.key
         if key.run_id != self.config.run_id or key.spec_hash != self.config.spec_hash:
             raise ProtocolViolation(ResultCode.WRONG_RUN, "a check message of another run")
@@ -352,7 +399,10 @@ class Averager:
         member = _member(active, statement.sender)
         if active.box is None:
             raise ProtocolViolation(ResultCode.UNKNOWN_ROUND, "this round runs no checks")
+        if statement.WhichOneof("body") == "audit":
+            return _serve_audit(active, member, statement.audit)
         await active.box.put(member, statement, signed)
+        return None
 
     async def _wait_for_round(self, key: tuple[int, bytes]) -> _ActiveRound:
         if key in self._finished and key not in self._rounds:
@@ -380,6 +430,23 @@ class Averager:
                 f"(waited {self.config.join_timeout_seconds:g} s)",
             )
         return active
+
+
+def _serve_audit(
+    active: _ActiveRound, member: int, request: averaging_pb2.AuditRequest
+) -> averaging_pb2.Chunk | None:
+    """The chunk an audit asks this owner for, as its member sent it (signed); None if this
+    node does not hold it. Each member gets at most one audit's worth of chunks a round."""
+    reducer = active.reducer
+    if reducer is None or request.part != active.me:
+        raise ProtocolViolation(ResultCode.NOT_A_MEMBER, f"part {request.part} is not owned here")
+    n, chunks = len(active.group.members), len(reducer.chunks)
+    if request.member >= n or request.chunk >= chunks:
+        raise ProtocolViolation(ResultCode.BAD_SHAPE, "an audit of a chunk the part does not have")
+    if active.served[member] >= n * chunks:
+        raise ProtocolViolation(ResultCode.OVERLOADED, "more audit requests than a part has chunks")
+    active.served[member] += 1
+    return reducer.chunks[request.chunk].get(request.member)
 
 
 def _member(active: _ActiveRound, peer_id: str) -> int:

@@ -22,10 +22,12 @@ are in ``node/trust/checks.py``). The steps, each bounded by ``check_timeout_sec
 
 Convictions here rest on signed evidence (equivocation, a false report, a failed check whose
 reports stand), so they are decisive. Equivocation, a forged commitment and a false secret come
-with evidence small enough for peers outside the group to check (``evidence.py``): the ledger keeps
-it with the ban, and ``node/trust/board.py`` publishes it. What is not proof stays a flag: a member that does not
-reveal or report is only marked silent (banned after repeated rounds, like other flags), and the
-part goes unchecked this round; an owner that drops a member's values is a dispute (``ledger``).
+with evidence small enough for peers outside the group to check (``evidence.py``): the ledger
+keeps it with the ban, and ``node/trust/board.py`` publishes it. What is not proof stays a flag:
+a member that does not reveal or report is only marked silent (banned after repeated rounds, like
+other flags), and the part goes unchecked this round; an owner that drops a member's values is a
+dispute (``ledger``). A member covering its owner's lie with a false report passes these checks;
+the audits after the round (``audits.py``) catch both.
 """
 
 from __future__ import annotations
@@ -166,11 +168,13 @@ class CheckBox:
                 and len(p.payload_sha256) <= chunks
                 for p in statement.report.parts
             )
-        else:
+        elif kind == "accusation":
             accusation = statement.accusation
             ok = (
                 accusation.part < n and accusation.member < n and len(accusation.payloads) <= chunks
             )
+        else:
+            ok = False  # audit requests are answered, not kept (the averager's ``check``)
         if not ok:
             raise _bad(f"an oversized or malformed {kind} from {statement.sender}")
 
@@ -214,6 +218,10 @@ class Verdict:
     #: Parts checked (and passed or failed), and the largest |sum| / tolerance among passes.
     checked: int = 0
     worst_ratio: float = 0.0
+    #: What an audit (``audits.py``) needs of the checks: the parts with their accounts (and
+    #: seeds, where fixed), and the members' reports.
+    parts: dict[int, CheckedPart] = field(default_factory=dict)
+    reports: dict[int, averaging_pb2.Report] = field(default_factory=dict)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -236,7 +244,7 @@ class CheckRun:
 
 
 @dataclass(slots=True)
-class _Part:
+class CheckedPart:
     part: int
     account: averaging_pb2.PartAccount
     signed: averaging_pb2.Signed
@@ -252,12 +260,13 @@ async def run_checks(run: CheckRun) -> Verdict:
     group, me, config = run.group, run.me, run.config
     key = round_key(config, group)
     bounds = group.partition(run.result.averaged.numel())
-    parts: dict[int, _Part] = {}
+    parts: dict[int, CheckedPart] = {}
     for number, signed in run.result.accounts.items():
         start, end = bounds[number]
         numels = chunk_sizes(end - start, config.chunk_values)
         account = verify_account(signed, group=group, key=key, part=number, numels=numels)
-        parts[number] = _Part(number, account, signed, start, numels)
+        parts[number] = CheckedPart(number, account, signed, start, numels)
+    verdict.parts = parts
     timeout = config.check_timeout_seconds
 
     # 2: reveal, and equivocation.
@@ -304,7 +313,8 @@ async def run_checks(run: CheckRun) -> Verdict:
     # 4: verify; accusations for failed parts.
     reports = {m: report for m, (_, report) in run.box.reports.items()}
     reports[me] = mine
-    failed: dict[int, _Part] = {}
+    verdict.reports = reports
+    failed: dict[int, CheckedPart] = {}
     for part in seeded.values():
         outcome = _verify(run, part, reports, verdict)
         if outcome is False:
@@ -329,7 +339,7 @@ async def run_checks(run: CheckRun) -> Verdict:
     return verdict
 
 
-def _seed(run: CheckRun, part: _Part, verdict: Verdict) -> None:
+def _seed(run: CheckRun, part: CheckedPart, verdict: Verdict) -> None:
     """Fix ``part``'s seed from its account and its contributors' secrets, each checked against
     the commitment the member signed in its stream header (the account shows the signature).
     A commitment the member did not sign convicts the owner (the part is dropped); a secret that
@@ -372,13 +382,13 @@ def _reachable(run: CheckRun, member: int) -> bool:
     return bool(run.group.members[member].endpoint)
 
 
-def _contributes(part: _Part, member: int) -> bool:
+def _contributes(part: CheckedPart, member: int) -> bool:
     return any(member in c.contributors for c in part.account.chunks)
 
 
 def _equivocation(
     run: CheckRun,
-    parts: Mapping[int, _Part],
+    parts: Mapping[int, CheckedPart],
     signed: averaging_pb2.Signed,
     key: averaging_pb2.RoundKey,
     verdict: Verdict,
@@ -406,14 +416,14 @@ def _equivocation(
     )
 
 
-def _values(run: CheckRun, part: _Part, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _values(run: CheckRun, part: CheckedPart, index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(this member's values as its owner decoded them, the result) of one chunk."""
     start = part.start + sum(part.numels[:index])
     end = start + part.numels[index]
     return run.sent[start:end], run.result.averaged[start:end]
 
 
-def _report(run: CheckRun, part: _Part) -> averaging_pb2.PartReport:
+def _report(run: CheckRun, part: CheckedPart) -> averaging_pb2.PartReport:
     """This member's projections for its chunks of ``part``."""
     out = averaging_pb2.PartReport(part=part.part)
     digests = run.result.sent_digests
@@ -431,8 +441,8 @@ def _report(run: CheckRun, part: _Part) -> averaging_pb2.PartReport:
     return out
 
 
-def _projections(
-    report: averaging_pb2.Report | None, part: _Part, member: int
+def reported_projections(
+    report: averaging_pb2.Report | None, part: CheckedPart, member: int
 ) -> list[list[float]] | None:
     """A member's projections of its chunks of ``part`` (None: it did not report them all)."""
     if report is None:
@@ -448,7 +458,7 @@ def _projections(
 
 def _verify(
     run: CheckRun,
-    part: _Part,
+    part: CheckedPart,
     reports: Mapping[int, averaging_pb2.Report],
     verdict: Verdict,
     *,
@@ -458,7 +468,7 @@ def _verify(
     ``again``: after accusations (the part is counted once)."""
     by_member: dict[int, list[list[float]]] = {}
     for member in {m for c in part.account.chunks for m in c.contributors}:
-        projections = _projections(reports.get(member), part, member)
+        projections = reported_projections(reports.get(member), part, member)
         if projections is None:
             if _reachable(run, member):
                 verdict.silent.add(run.group.members[member].peer_id)
@@ -482,14 +492,14 @@ def _verify(
 
 
 async def _accuse(
-    run: CheckRun, part: _Part, reports: Mapping[int, averaging_pb2.Report]
+    run: CheckRun, part: CheckedPart, reports: Mapping[int, averaging_pb2.Report]
 ) -> list[averaging_pb2.Accusation]:
     """As the owner of a failed part: send the signed chunks behind every false report."""
     sent = []
     for member in {m for c in part.account.chunks for m in c.contributors}:
-        claimed = _projections(reports.get(member), part, member)
+        claimed = reported_projections(reports.get(member), part, member)
         truth = _true_projections(run, part, member)
-        if claimed is None or truth is None or _agree(claimed, truth):
+        if claimed is None or truth is None or agree(claimed, truth):
             continue
         signed, _ = run.box.reports[member]
         chunks = [
@@ -506,7 +516,10 @@ async def _accuse(
 
 
 def _true_projections(
-    run: CheckRun, part: _Part, member: int, chunks: Iterable[averaging_pb2.Chunk] | None = None
+    run: CheckRun,
+    part: CheckedPart,
+    member: int,
+    chunks: Iterable[averaging_pb2.Chunk] | None = None,
 ) -> list[list[float]] | None:
     """What ``member`` should have reported, from its chunks (the owner's, by default)."""
     if chunks is None:
@@ -541,7 +554,7 @@ def _true_projections(
     return out
 
 
-def _agree(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> bool:
+def agree(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> bool:
     return all(
         math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-9)
         for row_a, row_b in zip(a, b, strict=True)
@@ -552,7 +565,7 @@ def _agree(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> bool:
 def _judge_accusation(
     run: CheckRun,
     accusation: averaging_pb2.Accusation,
-    failed: Mapping[int, _Part],
+    failed: Mapping[int, CheckedPart],
     reports: dict[int, averaging_pb2.Report],
     key: averaging_pb2.RoundKey,
     verdict: Verdict,
@@ -580,9 +593,9 @@ def _judge_accusation(
         )
     ):
         return
-    claimed = _projections(statement.report, part, member)
+    claimed = reported_projections(statement.report, part, member)
     truth = _true_projections(run, part, member, accusation.payloads)
-    if claimed is None or truth is None or _agree(claimed, truth):
+    if claimed is None or truth is None or agree(claimed, truth):
         return
     verdict.convicted[accused] = Flag.FALSE_REPORT
     entry = averaging_pb2.PartReport(part=part.part, projections=[x for row in truth for x in row])

@@ -56,10 +56,15 @@ class AllReduceConfig:
     observe: bool = False
     #: How long each step of those checks waits for the other members' messages.
     check_timeout_seconds: float = CHECK_TIMEOUT_SECONDS
+    #: Open runs: the chance a member audits one other owner's part after a round (None: one
+    #: over the group's size, about one audit per group and round).
+    audit_probability: float | None = None
 
     def __post_init__(self) -> None:
         if not self.run_id:
             raise ValueError("run_id must not be empty")
+        if self.audit_probability is not None and not 0.0 <= self.audit_probability <= 1.0:
+            raise ValueError(f"audit_probability must be in [0, 1], got {self.audit_probability}")
         get_codec(self.codec, **self.codec_options)  # raises ValueError for a bad codec
         if self.result_codec:
             get_codec(self.result_codec)

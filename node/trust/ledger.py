@@ -66,6 +66,7 @@ class Flag(enum.StrEnum):
     EQUIVOCATION = "equivocation"  # it signed two accounts of one part
     FALSE_REPORT = "false_report"  # its check report or secret contradicts what it signed
     FORGERY = "forgery"  # as an owner, it listed a commitment a member never signed
+    FAILED_AUDIT = "failed_audit"  # its part, aggregated again from the signed chunks, differs
     SILENT = "silent"  # it revealed or reported nothing in time: a part went unchecked
 
 
@@ -79,6 +80,7 @@ DECISIVE = frozenset(
         Flag.EQUIVOCATION,
         Flag.FALSE_REPORT,
         Flag.FORGERY,
+        Flag.FAILED_AUDIT,
     }
 )
 

@@ -186,25 +186,39 @@ class Accusation(_message.Message):
     payloads: _containers.RepeatedCompositeFieldContainer[Chunk]
     def __init__(self, part: _Optional[int] = ..., member: _Optional[int] = ..., report: _Optional[_Union[Signed, _Mapping]] = ..., payloads: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ...) -> None: ...
 
+class AuditRequest(_message.Message):
+    __slots__ = ("part", "chunk", "member")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    part: int
+    chunk: int
+    member: int
+    def __init__(self, part: _Optional[int] = ..., chunk: _Optional[int] = ..., member: _Optional[int] = ...) -> None: ...
+
 class CheckStatement(_message.Message):
-    __slots__ = ("key", "sender", "reveal", "report", "accusation")
+    __slots__ = ("key", "sender", "reveal", "report", "accusation", "audit")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     REVEAL_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
     ACCUSATION_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_FIELD_NUMBER: _ClassVar[int]
     key: RoundKey
     sender: str
     reveal: Reveal
     report: Report
     accusation: Accusation
-    def __init__(self, key: _Optional[_Union[RoundKey, _Mapping]] = ..., sender: _Optional[str] = ..., reveal: _Optional[_Union[Reveal, _Mapping]] = ..., report: _Optional[_Union[Report, _Mapping]] = ..., accusation: _Optional[_Union[Accusation, _Mapping]] = ...) -> None: ...
+    audit: AuditRequest
+    def __init__(self, key: _Optional[_Union[RoundKey, _Mapping]] = ..., sender: _Optional[str] = ..., reveal: _Optional[_Union[Reveal, _Mapping]] = ..., report: _Optional[_Union[Report, _Mapping]] = ..., accusation: _Optional[_Union[Accusation, _Mapping]] = ..., audit: _Optional[_Union[AuditRequest, _Mapping]] = ...) -> None: ...
 
 class CheckReply(_message.Message):
-    __slots__ = ("code",)
+    __slots__ = ("code", "payloads")
     CODE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOADS_FIELD_NUMBER: _ClassVar[int]
     code: ResultCode
-    def __init__(self, code: _Optional[_Union[ResultCode, str]] = ...) -> None: ...
+    payloads: _containers.RepeatedCompositeFieldContainer[Chunk]
+    def __init__(self, code: _Optional[_Union[ResultCode, str]] = ..., payloads: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ...) -> None: ...
 
 class GroupMember(_message.Message):
     __slots__ = ("peer_id", "endpoint", "bandwidth", "weight")

@@ -58,7 +58,8 @@ class AveragingServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Check(self, request, context):
-        """Open runs: one member's reveal, report or accusation about a round, sent to each member.
+        """Open runs: one member's reveal, report or accusation about a round, sent to each member; or
+        an audit's request for a chunk the receiver took as an owner.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

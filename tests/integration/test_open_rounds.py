@@ -7,18 +7,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 import pytest
 import torch
 
-from swarmgrad.node.averaging import checks, evidence
+from swarmgrad.node.averaging import audits, checks, evidence
 from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
 from swarmgrad.node.averaging.averager import Averager, standalone
-from swarmgrad.node.averaging.group import Group, Member
+from swarmgrad.node.averaging.group import Group, Member, chunk_sizes
 from swarmgrad.node.averaging.plan import round_key
 from swarmgrad.node.averaging.reducer import PartReducer, SenderSession
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.trust.checks import project, sign_vectors
 from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.protocol.auth import sign_statement
 from swarmgrad.protocol.averaging import ACCOUNT_STATEMENT, CHECK_STATEMENT, check_method, seal
@@ -44,14 +46,25 @@ OPEN = AllReduceConfig(
 
 
 @contextlib.asynccontextmanager
-async def swarm(n: int) -> AsyncIterator[list[Averager]]:
+async def swarm(n: int, config: AllReduceConfig = OPEN) -> AsyncIterator[list[Averager]]:
     async with contextlib.AsyncExitStack() as stack:
         yield [
             await stack.enter_async_context(
-                standalone(Identity.from_seed(f"open-rounds/{i}"), OPEN)
+                standalone(Identity.from_seed(f"open-rounds/{i}"), config)
             )
             for i in range(n)
         ]
+
+
+async def audited(peers: list[Averager], count: int, *, seconds: float = 30.0) -> None:
+    """Wait until each of ``peers`` finished ``count`` audits (they run after the round)."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while any(sum(p.checks[f"audit_{r}"] for r in AUDIT_RESULTS) < count for p in peers):
+        assert asyncio.get_running_loop().time() < deadline, [p.checks for p in peers]
+        await asyncio.sleep(0.05)
+
+
+AUDIT_RESULTS = ("passed", "failed", "inconclusive")
 
 
 def honest_updates(round_: int, n: int) -> list[torch.Tensor]:
@@ -122,7 +135,7 @@ def assert_proven(judges: list[Averager], accused: Averager, flag: Flag) -> byte
 
 
 async def test_honest_members_are_never_flagged_and_their_replicas_agree() -> None:
-    async with swarm(5) as peers:
+    async with swarm(5, replace(OPEN, audit_probability=1.0)) as peers:  # audits every round
         for round_ in range(ROUNDS):
             updates = honest_updates(round_, 5)
             results = await average(peers, updates, round_)
@@ -138,8 +151,12 @@ async def test_honest_members_are_never_flagged_and_their_replicas_agree() -> No
             assert len(table) == 4
             assert all(row["rounds"] == ROUNDS for row in table.values())
             assert all(float(row["cosine_ema"]) > 0.5 for row in table.values())  # type: ignore[arg-type]
-            # Every member checked every part of every round, and none failed.
-            assert peer.checks == {"checked": 5 * ROUNDS, "failed": 0}
+        # Every member checked every part of every round, and none failed; each audited one
+        # other owner's part every round, and every audit passed.
+        await audited(peers, ROUNDS)
+        for peer in peers:
+            assert peer.checks == {"checked": 5 * ROUNDS, "failed": 0, "audit_passed": ROUNDS}
+            assert peer.ledger.bans == {}
 
 
 #: The round by which every honest member has banned the attacker.
@@ -458,3 +475,121 @@ async def test_a_member_that_accepts_no_connections_is_not_held_silent() -> None
             assert peer.ledger.bans == {}
             assert all(n == 0 for n in peer.ledger.flag_counts.values())
             assert peer.checks["failed"] == 0
+
+
+async def test_an_owner_whose_lie_a_colluding_member_covers_is_caught_by_an_audit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The projection check trusts each member's report on its own values: a colluder that knows
+    the owner's lie reports what cancels it, and the check passes. An audit of that part (its
+    chunks fetched from the owner, checked against the members' signatures, aggregated again)
+    convicts both."""
+    async with swarm(5, replace(OPEN, audit_probability=1.0)) as peers:
+        honest, colluder, owner = peers[:3], peers[3], peers[4]
+        shifts: dict[int, torch.Tensor] = {}
+
+        def lie(index: int, value: torch.Tensor) -> torch.Tensor:
+            told = lying_result(index, value)
+            shifts[index] = told - value  # the pair share what the lie is
+            return told
+
+        honest_report = checks._report
+
+        def covering(run: checks.CheckRun, part: checks.CheckedPart) -> averaging_pb2.PartReport:
+            report = honest_report(run, part)
+            if run.signer.peer_id != colluder.peer_id or part.part != 4:
+                return report
+            cover: list[float] = []
+            for index, chunk in enumerate(part.account.chunks):
+                if run.me in chunk.contributors:  # what the lie takes from the sum, given back
+                    shift, vectors = (
+                        shifts[index],
+                        sign_vectors(part.seed, index, part.numels[index]),
+                    )
+                    cover += project(shift, torch.zeros_like(shift), sum(chunk.clip), vectors)
+            covered = [x + c for x, c in zip(report.projections, cover, strict=True)]
+            del report.projections[:]
+            report.projections.extend(covered)
+            return report
+
+        owner.tamper_results = lie
+        monkeypatch.setattr(checks, "_report", covering)
+        monkeypatch.setattr(audits, "choose", lambda parts, _: 4 if 4 in parts else None)
+        results = await average(peers, honest_updates(0, 5), 0)
+        # The check is fooled: every part passes and the lie is applied ...
+        assert all(isinstance(r, RoundResult) and r.complete for r in results)
+        assert all(p.checks["failed"] == 0 for p in peers)
+        assert not any(p.ledger.bans for p in honest)
+        # ... and the audits after the round convict the owner and its cover.
+        await audited(honest, 1)
+        for peer in honest:
+            assert peer.checks["audit_failed"] == 1
+            assert peer.ledger.bans[owner.peer_id].flags == (Flag.FAILED_AUDIT,)
+            assert peer.ledger.bans[colluder.peer_id].flags == (Flag.FALSE_REPORT,)
+            assert set(peer.ledger.bans) == {owner.peer_id, colluder.peer_id}
+
+
+async def test_an_owner_that_cannot_show_the_chunks_it_averaged_fails_its_audit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An audit's requests are answered only within bounds, and an owner that serves another
+    chunk than the one its account lists (or none) is convicted; one that has gone is not."""
+    async with swarm(4, replace(OPEN, audit_probability=1.0)) as peers:
+        owner = peers[3]
+        monkeypatch.setattr(audits, "choose", lambda parts, _: 3 if 3 in parts else None)
+        real = PartReducer._sign_account
+
+        def hide(self: PartReducer) -> averaging_pb2.Signed | None:
+            signed = real(self)
+            if self.group.members[self.part].peer_id == owner.peer_id:
+                for chunks in self.chunks:  # it keeps other bytes than it accounted for
+                    for chunk in chunks.values():
+                        chunk.payload = bytes(len(chunk.payload))
+            return signed
+
+        monkeypatch.setattr(PartReducer, "_sign_account", hide)
+        results = await average(peers, honest_updates(0, 4), 0)
+        assert all(isinstance(r, RoundResult) and r.complete for r in results)
+        await audited(peers[:3], 1)
+        for peer in peers[:3]:
+            assert peer.checks["audit_failed"] == 1
+            assert peer.ledger.bans[owner.peer_id].flags == (Flag.FAILED_AUDIT,)
+        # Out-of-bounds requests are refused, and more than one audit's worth too.
+        group = group_of(peers, 1)
+        key = round_key(OPEN, group)
+        asker = peers[0]
+
+        async def ask(part: int, chunk: int, member: int) -> averaging_pb2.CheckReply:
+            statement = averaging_pb2.CheckStatement(
+                key=key,
+                sender=asker.peer_id,
+                audit=averaging_pb2.AuditRequest(part=part, chunk=chunk, member=member),
+            )
+            async with grpc.aio.insecure_channel(peers[1].endpoint) as channel:
+                return await check_method(channel)(
+                    seal(asker.identity, CHECK_STATEMENT, statement), timeout=5
+                )
+
+        monkeypatch.setattr(PartReducer, "_sign_account", real)
+        round_ = asyncio.gather(
+            *(p.all_reduce(u, group) for p, u in zip(peers, honest_updates(1, 4), strict=True))
+        )
+        results = await round_
+        assert all(isinstance(r, RoundResult) for r in results)
+        reply = await ask(1, 0, 0)
+        assert len(reply.payloads) == 1  # its own part's chunk, as member 0 signed it
+        cases = {
+            (2, 0, 0): grpc.StatusCode.PERMISSION_DENIED,
+            (1, 99, 0): grpc.StatusCode.INVALID_ARGUMENT,
+        }
+        for (part, chunk, member), status in cases.items():
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await ask(part, chunk, member)
+            assert refused.value.code() == status
+        start, end = group.partition(SIZE)[1]
+        worth = 4 * len(chunk_sizes(end - start, CHUNK))  # one audit: every member's chunks
+        for _ in range(worth - 1):
+            await ask(1, 0, 0)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await ask(1, 0, 0)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
