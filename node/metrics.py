@@ -201,6 +201,16 @@ class _Trust(Collector):
             for peer, row in sorted(table.items()):
                 gauge.add_metric([peer], float(row[key]))  # type: ignore[arg-type]
             yield gauge
+        gain = GaugeMetricFamily(
+            "swarmgrad_peer_loss_gain_ema",
+            "EMA of the loss a peer's values took off in this node's spot checks (positive: its "
+            "update helps; node/training/spot_check.py).",
+            labels=["peer"],
+        )
+        for peer, row in sorted(table.items()):
+            if row.get("loss_gain_ema") is not None:
+                gain.add_metric([peer], float(row["loss_gain_ema"]))  # type: ignore[arg-type]
+        yield gain
 
 
 class NodeMetrics:

@@ -254,6 +254,9 @@ class TrustSection:
     aggregator: str = ""
     #: The fingerprint (sg...) of the run key that signs a private run's allowlist.
     run_key: str = ""
+    #: Open runs: members of its part each owner spot-checks a round, by the loss their values
+    #: take off on windows drawn from (run, peer, round) (node/training/spot_check.py).
+    spot_checks: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in TRUST_MODES:
@@ -271,6 +274,8 @@ class TrustSection:
                 'trust.mode = "private" needs trust.run_key: the fingerprint (sg...) of the run '
                 "key that signs the allowlist (swarmgrad run-key FILE prints it)"
             )
+        if not 0 <= self.spot_checks <= 64:
+            raise RunSpecError(f"trust.spot_checks must be in [0, 64], got {self.spot_checks}")
         if self.mode == "open" and self.aggregator == "mean":
             raise RunSpecError(
                 'trust.aggregator = "mean" in an open run: one malicious peer could move the '

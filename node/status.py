@@ -98,9 +98,10 @@ def scores_table(scores: dict[str, Any]) -> Table:
         f"{checks.get('checked', 0)} owner results checked, {checks.get('failed', 0)} failed; "
         f"{scores.get('ban_records', {}).get('adopted', 0)} bans adopted from published evidence"
     )
-    for column in ("peer", "rounds", "clip", "cosine", "flags", "disputes", "banned"):
+    for column in ("peer", "rounds", "clip", "cosine", "loss gain", "flags", "disputes", "banned"):
         table.add_column(
-            column, justify="right" if column in ("rounds", "clip", "cosine") else "left"
+            column,
+            justify="right" if column in ("rounds", "clip", "cosine", "loss gain") else "left",
         )
     rows = sorted(
         scores["peers"].items(),
@@ -114,11 +115,18 @@ def scores_table(scores: dict[str, Any]) -> Table:
             str(row.get("rounds", 0)),
             f"{row.get('clip_ema', 0.0):.2f}",
             f"{row.get('cosine_ema', 0.0):.2f}",
+            _gain_cell(row),
             flags or "-",
             str(row.get("disputes", 0)),
             _ban_cell(ban),
         )
     return table
+
+
+def _gain_cell(row: dict[str, Any]) -> str:
+    """The spot checks' loss gain EMA, and how many there were."""
+    gain = row.get("loss_gain_ema")
+    return "-" if gain is None else f"{gain:+.4f} ({row.get('spot_checks', 0)})"
 
 
 def _ban_cell(ban: dict[str, Any] | None) -> str:

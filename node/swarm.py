@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import torch
 
 from swarmgrad.compression import get_codec
-from swarmgrad.node.averaging.averager import Averager
+from swarmgrad.node.averaging.averager import Averager, LossProbe
 from swarmgrad.node.averaging.evidence import verify_bytes
 from swarmgrad.node.averaging.matchmaking import Matchmaker
 from swarmgrad.node.averaging.rounds import Averaged, RoundParts, Rounds
@@ -264,6 +264,11 @@ class Swarm:
     def ledger(self) -> TrustLedger:
         """What this node thinks of the peers it aggregated, and whom it banned (open runs)."""
         return self._averager.ledger
+
+    def use_loss_probe(self, probe: LossProbe) -> None:
+        """Spot-check members' values by the loss they take off (open runs; the trainer, who
+        has the model and data, gives the probe: ``node/training/spot_check.py``)."""
+        self._averager.loss_probe = probe
 
     @property
     def owner_checks(self) -> Counter[str]:

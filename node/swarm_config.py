@@ -112,6 +112,7 @@ def allreduce_config(spec: RunSpec) -> AllReduceConfig:
         uniform_weights=spec.trust.open,
         result_codec="fp16" if spec.trust.open else "",
         observe=spec.trust.open,
+        spot_checks=spec.trust.spot_checks if spec.trust.open else 0,
     )
 
 

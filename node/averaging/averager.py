@@ -21,9 +21,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 
@@ -52,6 +54,18 @@ from swarmgrad.protocol.v1 import averaging_pb2
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
 log = logging.getLogger(__name__)
+_random = random.SystemRandom()
+
+
+class LossProbe(Protocol):
+    """What spot checks need from the trainer (``node/training/spot_check.py``)."""
+
+    def snapshot(self) -> Callable[[str, int, int, torch.Tensor], float]:
+        """Capture this round's parameters; the returned function (run off the loop) gives
+        the loss a peer's values (``start``: their place in the vector) take off on windows
+        drawn from (run, peer, round)."""
+        ...
+
 
 #: How long a finished round's reducer keeps answering streams still reading their results.
 _LINGER_SECONDS = 5.0
@@ -122,6 +136,9 @@ class Averager:
         #: false check reports (simulations and tests only).
         self.tamper_results: Callable[[int, torch.Tensor], torch.Tensor] | None = None
         self.false_reports = False
+        #: Open runs: measures what members' values do to the loss (set by a trainer that has
+        #: the model and the data; ``node/training/spot_check.py``). None: no spot checks.
+        self.loss_probe: LossProbe | None = None
 
     @property
     def endpoint(self) -> str:
@@ -191,6 +208,7 @@ class Averager:
                 signer=self.identity,
                 key=round_key(self.config, group),
                 tamper=self.tamper_results,
+                probes=self._probes(group, me),
             )
         box = None
         if self.config.observe:
@@ -266,6 +284,34 @@ class Averager:
             missing.append((start, end))
         return replace(result, missing=tuple(sorted(missing)))
 
+    def _probes(self, group: Group, me: int) -> list[int]:
+        """Members of this node's part to spot-check this round, picked at random."""
+        if self.loss_probe is None or not self.config.observe:
+            return []
+        others = [m for m in range(len(group.members)) if m != me]
+        return _random.sample(others, min(self.config.spot_checks, len(others)))
+
+    def _spot_check(self, group: Group, reducer: PartReducer) -> None:
+        """Measure, in the background, what the probed members' values do to the loss."""
+        if self.loss_probe is None:
+            return
+        probed = {
+            m: torch.cat([v for v in chunks if v is not None])
+            for m, chunks in reducer.probed.items()
+            if chunks and all(v is not None for v in chunks)  # dropped members: no measure
+        }
+        if not probed:
+            return
+        measure = self.loss_probe.snapshot()  # the parameters of this round, taken now
+
+        async def spot() -> None:
+            for member, values in probed.items():
+                peer = group.members[member].peer_id
+                gain = await asyncio.to_thread(measure, peer, group.round, reducer.offset, values)
+                self.ledger.spot(peer, gain)
+
+        self._background.spawn(spot(), name=f"spot-check-{group.round}")
+
     def _maybe_audit(self, group: Group, me: int, verdict: Verdict, result: RoundResult) -> None:
         """Perhaps audit one other owner's part, in the background (``audits.py``)."""
         candidates = [
@@ -328,6 +374,7 @@ class Averager:
             if member != reducer.part
         }
         self.ledger.observe(group.round, seen)
+        self._spot_check(group, reducer)
 
     def _retire(self, key: tuple[int, bytes]) -> None:
         """Forget a round after it lingers long enough for slow readers of its results."""

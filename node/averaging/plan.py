@@ -59,6 +59,8 @@ class AllReduceConfig:
     #: Open runs: the chance a member audits one other owner's part after a round (None: one
     #: over the group's size, about one audit per group and round).
     audit_probability: float | None = None
+    #: Open runs: members of its part an owner spot-checks a round (with a loss probe set).
+    spot_checks: int = 0
 
     def __post_init__(self) -> None:
         if not self.run_id:

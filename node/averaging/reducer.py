@@ -83,17 +83,19 @@ class PartReducer:
         signer: Signer | None = None,
         key: averaging_pb2.RoundKey | None = None,
         tamper: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+        probes: Sequence[int] = (),
     ) -> None:
         """``offset``: where the part starts in the round's vector (names chunks for replay
         checks); ``signer`` and ``key``: to sign the part's account (open runs); ``tamper``: what
-        a lying owner does to each chunk's result (simulations and tests only)."""
+        a lying owner does to each chunk's result (simulations and tests only); ``probes``:
+        members whose values of the part are kept whole, for a spot check after the round."""
         self.group = group
         self.part = part
         self.chunk_numels = list(chunk_numels)
         self.codec = codec
         self.rules = rules or OwnerRules()
         self.result_codec = self.rules.result_codec or codec
-        self._offset = offset
+        self.offset = offset
         self._max_ahead = max_chunks_ahead
         total = sum(m.weight for m in group.members)
         # Weights relative to the group's total keep fp32 sums in a sane range.
@@ -127,6 +129,8 @@ class PartReducer:
         self.commitments: dict[int, tuple[bytes, Auth]] = {}
         self._signer, self.key = signer, key
         self._tamper = tamper
+        #: The values of the members in ``probes``, by chunk (None: not received).
+        self.probed: dict[int, list[torch.Tensor | None]] = {m: [None] * n for m in probes}
         self._account: asyncio.Future[averaging_pb2.Signed | None] = self._loop.create_future()
         self._progress = asyncio.Event()
         self._finalizer = asyncio.create_task(self._finalize_in_order(), name=f"reduce-part-{part}")
@@ -304,6 +308,8 @@ class PartReducer:
         """Robustly combine the chunk's buffered inputs; note what each member looked like."""
         inputs = self._inputs[index]
         self._inputs[index] = {}
+        for member, kept in self.probed.items():
+            kept[index] = inputs.get(member)  # clones, never written after (see accept)
         members = sorted(inputs)
         stack = torch.stack([inputs[m] for m in members])
         inputs.clear()
@@ -315,7 +321,7 @@ class PartReducer:
                 account.contributors.append(members[k])
                 account.clip.append(outcome.clip[k])
                 account.payload_sha256.append(self._digests[index].get(members[k], b""))
-            position = (self._offset + sum(self.chunk_numels[:index]), self.chunk_numels[index])
+            position = (self.offset + sum(self.chunk_numels[:index]), self.chunk_numels[index])
             observe_chunk(self.observations, members, stack, outcome, position)
         return outcome.value, [members[k] for k in outcome.used]
 

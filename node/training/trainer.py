@@ -32,6 +32,7 @@ from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.training.api import DiLoCo, RoundReport, SyncDataParallel
 from swarmgrad.node.training.data import Batches, load_corpus
 from swarmgrad.node.training.model import GPT, build_model
+from swarmgrad.node.training.spot_check import LossProbe
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,9 @@ class Trainer:
             replica = SyncDataParallel(
                 self.swarm, model, optimizer, target_batch_size=algorithm.target_batch_size
             )
+        if spec.trust.open and spec.trust.spot_checks and isinstance(replica, DiLoCo):
+            diloco = replica
+            self.swarm.use_loss_probe(LossProbe(spec, corpus, theta=lambda: diloco.outer.theta))
         progress.initial_val_loss = evaluate(model, validation, device)
         restored = self.checkpoints.latest() if self.checkpoints is not None else None
         if restored is not None:

@@ -155,6 +155,10 @@ class PeerScore:
     flags: dict[Flag, int] = field(default_factory=dict)
     #: Rounds in which it, as an owner, left this node's values out.
     disputes: list[int] = field(default_factory=list)
+    #: Spot checks of its values (``node/training/spot_check.py``), and the EMA of the loss
+    #: they took off (positive: its update helps).
+    spot_checks: int = 0
+    loss_gain_ema: float = 0.0
 
 
 def sketch(values: torch.Tensor) -> torch.Tensor:
@@ -259,6 +263,19 @@ class TrustLedger:
             held = sorted(self.bans.values(), key=lambda b: -b.round)
             return [ban.evidence for ban in held if ban.evidence]
 
+    def spot(self, peer_id: str, gain: float) -> None:
+        """Note a spot check of ``peer_id``'s values: the loss they took off (a score, never a
+        ban: one part on a few windows is noisy)."""
+        if not math.isfinite(gain):
+            return
+        with self._lock:
+            score = self.scores.setdefault(peer_id, PeerScore())
+            first = score.spot_checks == 0
+            score.spot_checks += 1
+            score.loss_gain_ema += (1.0 if first else self.policy.ema) * (
+                gain - score.loss_gain_ema
+            )
+
     def dispute(self, round_: int, owners: Iterable[str]) -> None:
         """Note owners that left this node's values out of ``round_`` (never a ban)."""
         with self._lock:
@@ -342,6 +359,8 @@ class TrustLedger:
                     "cosine_ema": round(score.cosine_ema, 4),
                     "flags": {str(k): v for k, v in sorted(score.flags.items())},
                     "disputes": len(score.disputes),
+                    "spot_checks": score.spot_checks,
+                    "loss_gain_ema": round(score.loss_gain_ema, 5) if score.spot_checks else None,
                     "banned": None if ban is None else _shown(ban),
                 }
             return out

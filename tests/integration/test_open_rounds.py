@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 import grpc
@@ -593,3 +593,55 @@ async def test_an_owner_that_cannot_show_the_chunks_it_averaged_fails_its_audit(
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await ask(1, 0, 0)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class RecordingProbe:
+    """A loss probe that notes what it was given and scores by the values' sum."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int, torch.Tensor]] = []
+        self.snapshots = 0
+
+    def snapshot(self) -> Callable[[str, int, int, torch.Tensor], float]:
+        self.snapshots += 1
+
+        def measure(peer_id: str, round_: int, start: int, values: torch.Tensor) -> float:
+            self.calls.append((peer_id, round_, start, values.clone()))
+            return float(values.sum())
+
+        return measure
+
+
+async def test_owners_spot_check_members_values_of_their_part_each_round() -> None:
+    async with swarm(4, replace(OPEN, spot_checks=2)) as peers:
+        probes = [RecordingProbe() for _ in peers]
+        for peer, probe in zip(peers, probes, strict=True):
+            peer.loss_probe = probe
+        rounds = 3
+        for round_ in range(rounds):
+            updates = honest_updates(round_, 4)
+            results = await average(peers, updates, round_)
+            assert all(isinstance(r, RoundResult) and r.complete for r in results)
+            bounds = group_of(peers, round_).partition(SIZE)
+            deadline = asyncio.get_running_loop().time() + 10
+            while any(len(p.calls) < 2 * (round_ + 1) for p in probes):  # off the round
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.05)
+            for owner, probe in enumerate(probes):
+                start, end = bounds[owner]
+                this_round = [c for c in probe.calls if c[1] == round_]
+                assert len(this_round) == 2  # two members of its part, itself never
+                assert len({c[0] for c in this_round}) == 2
+                for peer_id, _, at, values in this_round:
+                    member = next(i for i, p in enumerate(peers) if p.peer_id == peer_id)
+                    assert member != owner
+                    assert at == start
+                    # The member's values of the part, as the owner decoded them (int8).
+                    assert rel(values, updates[member][start:end]) < 0.02
+        for peer, probe in zip(peers, probes, strict=True):
+            assert probe.snapshots == rounds  # one capture of the parameters per round
+            table = peer.ledger.table()
+            assert sum(int(row["spot_checks"]) for row in table.values()) == 2 * rounds  # type: ignore[call-overload]
+            assert all(
+                row["loss_gain_ema"] is not None for row in table.values() if row["spot_checks"]
+            )

@@ -17,7 +17,7 @@ ROUNDS = 6
 
 def test_a_sign_flipping_peer_is_banned_and_the_honest_swarm_learns(tmp_path: Path) -> None:
     spec = tmp_path / "open.toml"
-    spec.write_text(DEMO_SPEC + '\n[trust]\nmode = "open"\n')
+    spec.write_text(DEMO_SPEC + '\n[trust]\nmode = "open"\nspot_checks = 4\n')
     profile = tmp_path / "peers.toml"
     profile.write_text("[[peer]]\n" * 4 + '[[peer]]\nattack = "sign_flip"\n')
     summary = simulate(
@@ -54,6 +54,13 @@ def test_a_sign_flipping_peer_is_banned_and_the_honest_swarm_learns(tmp_path: Pa
     # Sign flips are banned on statistics, which are never published: no record to adopt.
     assert scores["ban_records"].get("adopted", 0) == 0
     assert scores["ban_records"].get("rejected", 0) == 0
+    # Its spot checks (every member of its part, every round) scored the attacker's values by
+    # the loss they take off: they add to it, unlike any honest peer's.
+    gains = {p: row["loss_gain_ema"] for p, row in scores["peers"].items() if row["spot_checks"]}
+    assert gains.keys() >= honest - {scores["node"]}, scores["peers"]
+    assert attacker in gains, scores["peers"]
+    assert gains[attacker] < 0, gains
+    assert gains[attacker] == min(gains.values()), gains
     table = _status("--scores", str(tmp_path / "sim" / "node-0.json"))
     assert attacker in table
     assert "round" in table
