@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -39,10 +39,15 @@ class IdentityError(SetupError):
 @dataclass(frozen=True, slots=True)
 class Identity:
     private_key: Ed25519PrivateKey
+    _public: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        raw = self.private_key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        object.__setattr__(self, "_public", raw)
 
     @property
     def public_key(self) -> bytes:
-        return self.private_key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        return self._public
 
     @property
     def peer_id(self) -> str:

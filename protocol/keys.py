@@ -8,6 +8,7 @@ not load gRPC or protobuf stubs, checks DHT records with it too.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 
 from cryptography.exceptions import InvalidSignature
@@ -17,6 +18,7 @@ KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 
 
+@functools.lru_cache(maxsize=4096)  # every signature checked names its signer's id
 def peer_id_of(public_key: bytes) -> str:
     """The peer id that belongs to a raw 32-byte Ed25519 public key."""
     if len(public_key) != KEY_BYTES:

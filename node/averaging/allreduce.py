@@ -100,6 +100,8 @@ class _Round:
     secret: bytes = b""
     sent_digests: dict[tuple[int, int], bytes] = field(default_factory=dict)
     accounts: dict[int, averaging_pb2.Signed] = field(default_factory=dict)
+    #: The accounts of other owners' parts once verified (signature, round, part, shape).
+    verified: dict[int, averaging_pb2.PartAccount] = field(default_factory=dict)
 
     @property
     def me(self) -> int:
@@ -256,6 +258,7 @@ async def _exchange_with_owner(
                 contributors=received,
             )
             state.accounts[part] = response.account
+            state.verified[part] = account
             for index, contributors in received.items():
                 state.contributors[(part, index)] = contributors
                 if state.me in contributors and account.chunks[index].payload_sha256[
@@ -424,6 +427,7 @@ def _summarize(state: _Round, bounds: list[tuple[int, int]], out: torch.Tensor) 
         failure_kinds=dict(state.failure_kinds),
         excluded_by=tuple(sorted(state.excluded_by)),
         accounts=dict(state.accounts),
+        verified_accounts=dict(state.verified),
         secret=state.secret,
         sent_digests=dict(state.sent_digests),
     )

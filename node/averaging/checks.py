@@ -264,7 +264,9 @@ async def run_checks(run: CheckRun) -> Verdict:
     for number, signed in run.result.accounts.items():
         start, end = bounds[number]
         numels = chunk_sizes(end - start, config.chunk_values)
-        account = verify_account(signed, group=group, key=key, part=number, numels=numels)
+        account = run.result.verified_accounts.get(number)
+        if account is None:
+            account = verify_account(signed, group=group, key=key, part=number, numels=numels)
         parts[number] = CheckedPart(number, account, signed, start, numels)
     verdict.parts = parts
     timeout = config.check_timeout_seconds
@@ -341,10 +343,11 @@ async def run_checks(run: CheckRun) -> Verdict:
 
 def _seed(run: CheckRun, part: CheckedPart, verdict: Verdict) -> None:
     """Fix ``part``'s seed from its account and its contributors' secrets, each checked against
-    the commitment the member signed in its stream header (the account shows the signature).
-    A commitment the member did not sign convicts the owner (the part is dropped); a secret that
-    does not match what the member signed convicts the member; a missing one leaves the part
-    unchecked and the member flagged silent."""
+    the commitment the account lists. A secret that matches proves the commitment is the
+    member's (nobody else could pick one it hashes to). Only when one does not match is the
+    member's stream-header signature (which the account shows) checked: a commitment the member
+    did not sign convicts the owner (the part is dropped), one it did sign convicts the member.
+    A missing secret leaves the part unchecked and the member flagged silent."""
     group, account = run.group, part.account
     owner = group.members[part.part].peer_id
     secrets = []
@@ -352,26 +355,26 @@ def _seed(run: CheckRun, part: CheckedPart, verdict: Verdict) -> None:
         account.members, account.commitments, account.header_auths, strict=True
     ):
         peer = group.members[member]
-        if not header_signed(evidence.header_of(account, group, member, promised), auth):
-            verdict.dropped.add(part.part)
-            verdict.convicted[owner] = Flag.FORGERY
-            verdict.evidence[owner] = evidence.forgery(part.signed, group, member)
-            log.warning("round %d: %s forged %s's commitment", group.round, owner, peer.peer_id)
-            return
         reveal = run.box.reveals.get(member)
         secret = run.result.secret if member == run.me else reveal.secret if reveal else None
         if secret is None:
             verdict.silent.add(peer.peer_id)
             return
-        if commitment(secret) != promised:
-            if peer.peer_id not in verdict.convicted:
-                verdict.convicted[peer.peer_id] = Flag.FALSE_REPORT
-                signed = run.box.signed_reveals.get(member)
-                if signed is not None:
-                    proof = evidence.false_secret(part.signed, group, member, signed)
-                    verdict.evidence[peer.peer_id] = proof
-            return
-        secrets.append(secret)
+        if commitment(secret) == promised:
+            secrets.append(secret)
+            continue
+        if not header_signed(evidence.header_of(account, group, member, promised), auth):
+            verdict.dropped.add(part.part)
+            verdict.convicted[owner] = Flag.FORGERY
+            verdict.evidence[owner] = evidence.forgery(part.signed, group, member)
+            log.warning("round %d: %s forged %s's commitment", group.round, owner, peer.peer_id)
+        elif peer.peer_id not in verdict.convicted:
+            verdict.convicted[peer.peer_id] = Flag.FALSE_REPORT
+            signed = run.box.signed_reveals.get(member)
+            if signed is not None:
+                proof = evidence.false_secret(part.signed, group, member, signed)
+                verdict.evidence[peer.peer_id] = proof
+        return
     part.seed = part_seed(part.signed.body, secrets)
 
 

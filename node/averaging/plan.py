@@ -140,6 +140,9 @@ class RoundResult:
     #: Open runs: each part's signed account as this member received it, by part, and the
     #: secret this member committed to in its stream headers.
     accounts: Mapping[int, averaging_pb2.Signed] = field(default_factory=dict)
+    #: The same accounts, parsed, for those already verified as they arrived (so the checks do
+    #: not verify the signatures again).
+    verified_accounts: Mapping[int, averaging_pb2.PartAccount] = field(default_factory=dict)
     secret: bytes = b""
     #: Open runs: the SHA-256 of each payload this member sent, by (part, chunk).
     sent_digests: Mapping[tuple[int, int], bytes] = field(default_factory=dict)

@@ -206,6 +206,8 @@ class TrustLedger:
         #: Flags raised, by kind (every round, banned or not).
         self.flag_counts: dict[Flag, int] = dict.fromkeys(Flag, 0)
         self._sketches: dict[tuple[int, int], deque[tuple[int, str, torch.Tensor]]] = {}
+        #: The same fingerprints stacked, with their norms and rounds, per position.
+        self._stacked: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()  # a metrics scrape reads from another thread
         #: Inclusion disputes noted, all owners together.
         self.dispute_count = 0
@@ -329,18 +331,34 @@ class TrustLedger:
         """Flag fingerprints that match one from an earlier round (anyone's), then remember
         this round's."""
         for seen in observations.values():
-            for position, fingerprint in seen.sketches.items():
-                earlier = self._sketches.get(position, ())
-                if any(
-                    r < round_ and _cosine(fingerprint, old) > self.policy.replay_above
-                    for r, _, old in earlier
-                ):
-                    seen.flags.add(Flag.REPLAY)
-                    break
+            if any(self._replayed(round_, p, f) for p, f in seen.sketches.items()):
+                seen.flags.add(Flag.REPLAY)
         for peer_id, seen in observations.items():
             for position, fingerprint in seen.sketches.items():
                 memory = self._sketches.setdefault(position, deque(maxlen=SKETCH_MEMORY))
                 memory.append((round_, peer_id, fingerprint))
+                self._stacked.pop(position, None)
+
+    def _replayed(self, round_: int, position: tuple[int, int], fingerprint: torch.Tensor) -> bool:
+        """Whether ``fingerprint`` is (nearly) one remembered at ``position`` from an earlier
+        round: their cosine above ``replay_above`` (all earlier ones at once)."""
+        stacked = self._stacked.get(position)
+        if stacked is None:  # built once a round per position, as the memory changes
+            memory = [(r, old) for r, _, old in self._sketches.get(position, ())]
+            if not memory or any(old.shape != fingerprint.shape for _, old in memory):
+                return False
+            olds = torch.stack([old for _, old in memory])
+            rounds = torch.tensor([r for r, _ in memory])
+            stacked = self._stacked[position] = (
+                olds,
+                torch.linalg.vector_norm(olds, dim=1),
+                rounds,
+            )
+        olds, norms, rounds = stacked
+        denominators = norms * torch.linalg.vector_norm(fingerprint)
+        cosines = (olds @ fingerprint) / denominators
+        usable = (rounds < round_) & torch.isfinite(cosines) & (denominators > 0)
+        return bool((cosines[usable] > self.policy.replay_above).any())
 
     def table(self, peers: Iterable[str] | None = None) -> dict[str, dict[str, object]]:
         """Per peer: rounds seen, clip and cosine EMAs, flags, ban (status files, display)."""
@@ -426,12 +444,3 @@ def _shown(ban: Ban) -> dict[str, object]:
     if ban.source:
         shown["source"] = ban.source
     return shown
-
-
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.shape != b.shape:
-        return 0.0
-    denominator = float(a.norm() * b.norm())
-    if denominator == 0.0 or not math.isfinite(denominator):
-        return 0.0
-    return float(a @ b) / denominator
