@@ -288,7 +288,8 @@ def report(rows: list[dict[str, object]], n: int, f: int) -> None:
 
 
 async def round_cost(n: int, repeats: int) -> None:
-    """Median seconds of a real all-reduce round over gRPC for the demo model, trusted vs open."""
+    """Median seconds of a real all-reduce round over gRPC for the demo model, trusted vs open,
+    and the bytes each member uploads."""
     spec = RunSpec.from_toml(DEMO_SPEC)
     size = flatten(list(build_model(spec.model, seed=0).parameters())).numel()
     base = {"run_id": "cost", "spec_hash": bytes(32), "codec": spec.averaging.codec}
@@ -304,6 +305,7 @@ async def round_cost(n: int, repeats: int) -> None:
     }
     times: dict[str, list[float]] = {name: [] for name in configs}
     cpu: dict[str, list[float]] = {name: [] for name in configs}  # process CPU per member
+    sent: dict[str, list[float]] = {name: [] for name in configs}  # upload bytes per member
     round_ = 0
     for name, config in configs.items():
         async with contextlib.AsyncExitStack() as stack:
@@ -322,11 +324,13 @@ async def round_cost(n: int, repeats: int) -> None:
                 vectors = [common + torch.randn(size, generator=g) for _ in range(n)]
                 round_ += 1
                 began, cpu_began = time.perf_counter(), time.process_time()
+                bytes_began = sum(p.traffic["sent"] for p in peers)
                 await asyncio.gather(
                     *(p.all_reduce(v, group) for p, v in zip(peers, vectors, strict=True))
                 )
                 times[name].append(time.perf_counter() - began)
                 cpu[name].append((time.process_time() - cpu_began) / n)
+                sent[name].append((sum(p.traffic["sent"] for p in peers) - bytes_began) / n)
     print(f"\nround time, {n} members in one process over gRPC, {size:,} values (demo model), "
           f"{repeats} rounds after a warm-up:")  # fmt: skip
     medians = {}
@@ -334,8 +338,12 @@ async def round_cost(n: int, repeats: int) -> None:
         kept = seconds[1:]
         medians[name] = statistics.median(kept)
         print(f"  {name:<8} median {medians[name]:.3f} s [{min(kept):.3f}, {max(kept):.3f}], "
-              f"CPU per member {statistics.median(cpu[name][1:]) * 1e3:.0f} ms")  # fmt: skip
-    print(f"  open / trusted: {medians['open'] / medians['trusted']:.2f}x (one process)")
+              f"CPU per member {statistics.median(cpu[name][1:]) * 1e3:.0f} ms, "
+              f"upload per member {statistics.median(sent[name][1:]) / 1e6:.2f} MB")  # fmt: skip
+    upload = statistics.median(sent["open"][1:]) / statistics.median(sent["trusted"][1:])
+    print(f"  open / trusted: {medians['open'] / medians['trusted']:.2f}x (one process); "
+          f"upload {upload:.2f}x (results return in fp16: a round bound by upload bandwidth "
+          f"costs about that)")  # fmt: skip
     extra = statistics.median(cpu["open"][1:]) - statistics.median(cpu["trusted"][1:])
     print(
         f"  open mode's CPU per member and round: +{extra * 1e3:.0f} ms; a node in a swarm "
@@ -376,6 +384,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--round-cost-repeats", type=int, default=10)
     parser.add_argument("--round-cost-only", action="store_true")
+
     parser.add_argument("--json", help="also save the rows here (after each one)")
     parser.add_argument("--from-json", help="only report the rows saved here")
     args = parser.parse_args()
