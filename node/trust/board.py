@@ -36,9 +36,10 @@ log = logging.getLogger(__name__)
 REFRESH_SECONDS = 10.0
 #: How long a published record lives in the DHT (it is refreshed long before).
 TTL_SECONDS = 60.0
-#: The most evidence read from one node's record, and records read per refresh.
+#: The most evidence read from one node's record, and new records checked per refresh (a
+#: flood of records from throwaway keys costs a bounded amount of checking each time).
 MAX_ITEMS = 64
-MAX_RECORDS = 256
+MAX_RECORDS = 64
 #: Record bodies already checked (by SHA-256), not checked again.
 _MEMORY = 4096
 
@@ -76,13 +77,16 @@ class BanBoard:
 
     def take(self, envelopes: Sequence[Envelope]) -> int:
         """Check the evidence in other nodes' records and adopt what holds; the bans adopted."""
-        adopted = 0
-        for envelope in envelopes[:MAX_RECORDS]:
+        adopted = checked = 0
+        for envelope in envelopes:
             if envelope.signer == self.me:
                 continue
             digest = hashlib.sha256(envelope.body).digest()
             if digest in self._seen:
                 continue
+            if checked == MAX_RECORDS:
+                break  # the rest next time
+            checked += 1
             self._remember(digest)
             try:
                 records = averaging_pb2.EvidenceList.FromString(envelope.body)
@@ -126,7 +130,10 @@ class BanBoard:
                 await self.publish(body, dht_time() + TTL_SECONDS)
                 self._published = body
                 self.counts["published"] += bool(body)
-            return self.take(await self.read()) if self.read is not None else 0
+            if self.read is None:
+                return 0
+            envelopes = await self.read()
+            return await asyncio.to_thread(self.take, envelopes)  # signatures: off the loop
         except DiscoveryError as error:
             log.warning("could not exchange ban records: %s", error)
             return 0

@@ -22,7 +22,9 @@ from swarmgrad.node.trust.aggregate import (
     coordinate_median,
 )
 from swarmgrad.node.trust.allowlist import Allowlist, AllowlistError, AllowlistWatcher
+from swarmgrad.node.trust.board import MAX_RECORDS, BanBoard
 from swarmgrad.node.trust.ledger import Flag, Observation, TrustLedger, TrustPolicy, sketch
+from swarmgrad.protocol.v1 import averaging_pb2
 
 
 def honest(n: int, d: int = 4096, seed: int = 0) -> torch.Tensor:
@@ -288,3 +290,29 @@ def test_the_scores_table_says_where_a_ban_came_from() -> None:
     assert "1 bans adopted from published evidence" in text
     assert "round 9: forgery (evidence from sgalice012345678" in text
     assert "round 10: equivocation (evidence published)" in text
+
+
+def test_the_ban_board_checks_a_bounded_number_of_new_records_each_time() -> None:
+    """A flood of records from throwaway keys costs a bounded amount of checking per refresh;
+    a record already checked is not checked again."""
+    checked: list[bytes] = []
+
+    def verify(data: bytes) -> tuple[str, Flag, int]:
+        checked.append(data)
+        raise ValueError("proves nothing")
+
+    board = BanBoard(TrustLedger(), me="sgme", verify=verify)
+    item = averaging_pb2.EvidenceList(items=[averaging_pb2.Evidence(reason="equivocation")])
+    body = item.SerializeToString()
+    flood = [
+        Envelope(key="k", kind=Kind.BANS, public_key=bytes([i]) * 32, issued_at=0.0,
+                 expires_at=1.0, body=body + bytes([0x12, 1, i]))  # one item, an unknown field
+        for i in range(MAX_RECORDS + 36)
+    ]  # fmt: skip
+    assert board.take(flood) == 0
+    assert board.counts["rejected"] == MAX_RECORDS
+    board.take(flood)
+    assert board.counts["rejected"] == MAX_RECORDS + 36
+    board.take(flood)
+    assert board.counts["rejected"] == MAX_RECORDS + 36
+    assert len(checked) == MAX_RECORDS + 36
