@@ -4,16 +4,14 @@ in every node that reads and checks it; records that prove nothing ban nobody.""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from pathlib import Path
 
 from swarmgrad.node import Swarm, SwarmConfig
 from swarmgrad.node.averaging.evidence import equivocation, verify_bytes
 from swarmgrad.node.discovery.base import dht_time
 from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery
-from swarmgrad.node.discovery.start import DiscoveryConfig
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.trust.board import REFRESH_SECONDS, BanBoard
@@ -21,6 +19,8 @@ from swarmgrad.node.trust.ledger import Flag, TrustLedger
 from swarmgrad.protocol.averaging import ACCOUNT_STATEMENT, seal
 from swarmgrad.protocol.v1 import averaging_pb2
 from swarmgrad.simulations.swarm import DEMO_SPEC
+from tests.helpers import until
+from tests.integration.dht_nodes import hivemind_nodes
 
 RUN, SPEC = "bans", b"\x07" * 32
 
@@ -62,41 +62,21 @@ def board_of(identity: Identity, dht: HivemindDiscovery, ledger: TrustLedger) ->
     return board
 
 
-@contextlib.asynccontextmanager
-async def dht(n: int) -> AsyncIterator[list[tuple[Identity, HivemindDiscovery]]]:
-    ids = [Identity.generate() for _ in range(n)]
-    nodes: list[tuple[Identity, HivemindDiscovery]] = []
-    try:
-        boot = await HivemindDiscovery.start(ids[0], DiscoveryConfig(), run_id=RUN, spec_hash=SPEC)
-        nodes.append((ids[0], boot))
-        for identity in ids[1:]:
-            config = DiscoveryConfig(initial_peers=tuple(boot.visible_maddrs()))
-            nodes.append(
-                (
-                    identity,
-                    await HivemindDiscovery.start(identity, config, run_id=RUN, spec_hash=SPEC),
-                )
-            )
-        yield nodes
-    finally:
-        for _, node in nodes:
-            await node.close()
-
-
-async def read_until(board: BanBoard, done: object, *, deadline_seconds: float = 30.0) -> None:
+async def read_until(board: BanBoard, done: Callable[[], bool], what: str) -> None:
     """Refresh ``board`` until ``done()`` holds (a DHT store takes a moment to spread)."""
-    until = time.monotonic() + deadline_seconds
-    while not done():  # type: ignore[operator]
-        assert time.monotonic() < until, f"not done after {deadline_seconds} s: {board.counts}"
+
+    async def refreshed() -> bool:
         await board.refresh()
-        await asyncio.sleep(0.2)
+        return done()
+
+    await until(refreshed, timeout_seconds=30, what=what, interval_seconds=0.2)
 
 
 async def test_published_evidence_bans_the_peer_everywhere_and_lies_ban_nobody(
     tmp_path: Path,
 ) -> None:
     cheat, honest = Identity.generate(), Identity.generate()
-    async with dht(4) as nodes:
+    async with hivemind_nodes(4, run_id=RUN, spec_hash=SPEC) as nodes:
         (alice, alice_dht), (bob, bob_dht), (mallory, mallory_dht), (_, eve_dht) = nodes
         # Alice convicted the cheat in a round (and holds evidence against Bob too: Bob's key
         # signed two accounts; Bob must not ban himself on it).
@@ -132,6 +112,7 @@ async def test_published_evidence_bans_the_peer_everywhere_and_lies_ban_nobody(
                 and board.counts["rejected"] >= 5
                 and board.counts["against_me"] == 1
             ),
+            "the cheat banned, the lies rejected",
         )
         # Mallory convicted herself (her own key signed two accounts): the only other ban.
         assert set(reader.bans) == {cheat.peer_id, mallory.peer_id}

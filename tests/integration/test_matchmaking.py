@@ -10,8 +10,8 @@ import pytest
 
 from swarmgrad.node.averaging.matchmaking import Matchmaker, assign_groups
 from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery
-from swarmgrad.node.discovery.start import DiscoveryConfig
 from swarmgrad.node.identity import Identity
+from tests.integration.dht_nodes import hivemind_nodes
 
 RUN, SPEC = "mm", b"\x05" * 32
 
@@ -30,19 +30,8 @@ def test_groups_are_deterministic_disjoint_and_reshuffled_each_round() -> None:
 
 @pytest.fixture
 async def swarm() -> AsyncIterator[list[tuple[Identity, HivemindDiscovery]]]:
-    ids = [Identity.generate() for _ in range(5)]
-    nodes: list[tuple[Identity, HivemindDiscovery]] = []
-    try:
-        boot = await HivemindDiscovery.start(ids[0], DiscoveryConfig(), run_id=RUN, spec_hash=SPEC)
-        nodes.append((ids[0], boot))
-        for identity in ids[1:]:
-            config = DiscoveryConfig(initial_peers=tuple(boot.visible_maddrs()))
-            node = await HivemindDiscovery.start(identity, config, run_id=RUN, spec_hash=SPEC)
-            nodes.append((identity, node))
+    async with hivemind_nodes(5, run_id=RUN, spec_hash=SPEC) as nodes:
         yield nodes
-    finally:
-        for _, node in nodes:
-            await node.close()
 
 
 @pytest.mark.slow
