@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
@@ -148,6 +148,16 @@ TrustSource = Callable[[], tuple[Mapping[str, Mapping[str, object]], "TrustCount
 TrustCounts = tuple[Mapping[str, int], Mapping[str, int], Mapping[str, int], Mapping[str, int]]
 
 
+def _counts(
+    name: str, help_text: str, counts: Mapping[str, int], results: Sequence[str]
+) -> CounterMetricFamily:
+    """A counter of ``counts`` by ``result`` label, every one of ``results`` shown (0 if none)."""
+    family = CounterMetricFamily(name, help_text, labels=["result"])
+    for result in results:
+        family.add_metric([result], float(counts.get(result, 0)))
+    return family
+
+
 class _Trust(Collector):
     """Open runs: what this node's trust ledger thinks of each peer it aggregated."""
 
@@ -165,27 +175,23 @@ class _Trust(Collector):
         for kind, count in sorted(flags.items()):
             family.add_metric([str(kind)], float(count))
         yield family
-        checked = CounterMetricFamily(
+        yield _counts(
             "swarmgrad_owner_checks",
             "Owners' results this node checked with its group after open rounds, by result "
             "(checked: passed or failed; failed: dropped, the owner convicted), and the parts "
             "it audited (audit_passed, audit_failed: someone convicted, audit_inconclusive: "
             "the owner did not answer).",
-            labels=["result"],
+            checks,
+            ("checked", "failed", "audit_passed", "audit_failed", "audit_inconclusive"),
         )
-        for result in ("checked", "failed", "audit_passed", "audit_failed", "audit_inconclusive"):
-            checked.add_metric([result], float(checks.get(result, 0)))
-        yield checked
-        read = CounterMetricFamily(
+        yield _counts(
             "swarmgrad_ban_evidence",
             "Evidence in other nodes' published ban records, by what this node made of it "
             "(adopted: a ban; known: already held; rejected: proves nothing; against_me), and "
             "this node's own records published.",
-            labels=["result"],
+            evidence,
+            ("adopted", "known", "rejected", "against_me", "published"),
         )
-        for result in ("adopted", "known", "rejected", "against_me", "published"):
-            read.add_metric([result], float(evidence.get(result, 0)))
-        yield read
         banned = GaugeMetricFamily(
             "swarmgrad_banned_peers", "Peers this node no longer averages with, by reason.",
             labels=["reason"],
