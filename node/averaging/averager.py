@@ -302,12 +302,22 @@ class Averager:
         }
         if not probed:
             return
-        measure = self.loss_probe.snapshot()  # the parameters of this round, taken now
+        try:
+            measure = self.loss_probe.snapshot()  # the parameters of this round, taken now
+        except ValueError as error:  # the trainer's probe does not fit this round's vector
+            log.warning("round %d: no spot check: %s", group.round, error)
+            return
 
         async def spot() -> None:
             for member, values in probed.items():
                 peer = group.members[member].peer_id
-                gain = await asyncio.to_thread(measure, peer, group.round, reducer.offset, values)
+                try:
+                    gain = await asyncio.to_thread(
+                        measure, peer, group.round, reducer.offset, values
+                    )
+                except ValueError as error:
+                    log.warning("round %d: no spot check of %s: %s", group.round, peer, error)
+                    return
                 self.ledger.spot(peer, gain)
 
         self._background.spawn(spot(), name=f"spot-check-{group.round}")
