@@ -645,3 +645,18 @@ async def test_owners_spot_check_members_values_of_their_part_each_round() -> No
             assert all(
                 row["loss_gain_ema"] is not None for row in table.values() if row["spot_checks"]
             )
+
+
+async def test_a_loss_probe_that_does_not_fit_the_round_costs_nothing_but_its_score(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class Misfit:
+        def snapshot(self) -> Callable[[str, int, int, torch.Tensor], float]:
+            raise ValueError("parameters of 3 values, the model has 5")
+
+    async with swarm(3, replace(OPEN, spot_checks=1)) as peers:
+        peers[0].loss_probe = Misfit()
+        results = await average(peers, honest_updates(0, 3), 0)
+        assert all(isinstance(r, RoundResult) and r.complete for r in results)
+        assert "no spot check: parameters of 3 values" in caplog.text
+        assert all(row["spot_checks"] == 0 for row in peers[0].ledger.table().values())
