@@ -40,7 +40,7 @@ from swarmgrad.node.averaging.checks import CheckedPart, agree, reported_project
 from swarmgrad.node.averaging.group import Group
 from swarmgrad.node.averaging.plan import AllReduceConfig, round_key
 from swarmgrad.node.trust.aggregate import Aggregator, aggregate
-from swarmgrad.node.trust.checks import project, sign_vectors
+from swarmgrad.node.trust.checks import project, report_slack, sign_vectors
 from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.protocol.auth import Signer
 from swarmgrad.protocol.averaging import CHECK_STATEMENT, check_method, chunk_signed_by, seal
@@ -205,7 +205,7 @@ def _false_reports(audit: Audit, values: Mapping[tuple[int, int], torch.Tensor])
         claimed = reported_projections(audit.reports.get(member), part, member)
         if claimed is None:
             continue  # it did not report: already flagged silent by the checks
-        truth = []
+        truth, slack = [], []
         offset = 0
         for index, chunk in enumerate(part.account.chunks):
             numel = part.numels[index]
@@ -214,8 +214,9 @@ def _false_reports(audit: Audit, values: Mapping[tuple[int, int], torch.Tensor])
                 received = audit.received[offset : offset + numel]
                 vectors = sign_vectors(part.seed, index, numel)
                 truth.append(project(values[(index, member)], received, clip, vectors))
+                slack.append(report_slack(values[(index, member)], received, clip))
             offset += numel
-        if not agree(claimed, truth):
+        if not agree(claimed, truth, slack):
             out[audit.group.members[member].peer_id] = Flag.FALSE_REPORT
     return out
 

@@ -53,6 +53,7 @@ from swarmgrad.node.trust.checks import (
     holds,
     part_seed,
     project,
+    report_slack,
     sign_vectors,
 )
 from swarmgrad.node.trust.ledger import Flag
@@ -502,7 +503,7 @@ async def _accuse(
     for member in {m for c in part.account.chunks for m in c.contributors}:
         claimed = reported_projections(reports.get(member), part, member)
         truth = _true_projections(run, part, member)
-        if claimed is None or truth is None or agree(claimed, truth):
+        if claimed is None or truth is None or agree(claimed, *truth):
             continue
         signed, _ = run.box.reports[member]
         chunks = [
@@ -523,8 +524,9 @@ def _true_projections(
     part: CheckedPart,
     member: int,
     chunks: Iterable[averaging_pb2.Chunk] | None = None,
-) -> list[list[float]] | None:
-    """What ``member`` should have reported, from its chunks (the owner's, by default)."""
+) -> tuple[list[list[float]], list[float]] | None:
+    """What ``member`` should have reported, from its chunks (the owner's, by default), and
+    each chunk's slack."""
     if chunks is None:
         if len(run.own_chunks) != len(part.numels):
             return None
@@ -533,7 +535,8 @@ def _true_projections(
             for i, c in enumerate(part.account.chunks)
             if member in c.contributors and member in run.own_chunks[i]
         ]
-    out = []
+    out: list[list[float]] = []
+    slack: list[float] = []
     indices = [i for i, c in enumerate(part.account.chunks) if member in c.contributors]
     chunks = list(chunks)
     if len(chunks) != len(indices):
@@ -554,13 +557,19 @@ def _true_projections(
         _, result = _values(run, part, index)
         vectors = sign_vectors(part.seed, index, part.numels[index])
         out.append(project(values, result, account.clip[position], vectors))
-    return out
+        slack.append(report_slack(values, result, account.clip[position]))
+    return out, slack
 
 
-def agree(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> bool:
+def agree(
+    claimed: Sequence[Sequence[float]], truth: Sequence[Sequence[float]], slack: Sequence[float]
+) -> bool:
+    """Whether a member's reported projections are the ones its values give, within each
+    chunk's ``slack`` (:func:`~swarmgrad.node.trust.checks.report_slack`: the recomputation may
+    run on another machine)."""
     return all(
-        math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-9)
-        for row_a, row_b in zip(a, b, strict=True)
+        abs(x - y) <= bound
+        for row_a, row_b, bound in zip(claimed, truth, slack, strict=True)
         for x, y in zip(row_a, row_b, strict=True)
     )
 
@@ -597,10 +606,11 @@ def _judge_accusation(
     ):
         return
     claimed = reported_projections(statement.report, part, member)
-    truth = _true_projections(run, part, member, accusation.payloads)
-    if claimed is None or truth is None or agree(claimed, truth):
+    recomputed = _true_projections(run, part, member, accusation.payloads)
+    if claimed is None or recomputed is None or agree(claimed, *recomputed):
         return
     verdict.convicted[accused] = Flag.FALSE_REPORT
+    truth = recomputed[0]
     entry = averaging_pb2.PartReport(part=part.part, projections=[x for row in truth for x in row])
     reports[member] = averaging_pb2.Report(parts=[entry])
     log.warning(

@@ -35,6 +35,10 @@ SIGMAS = 6.0
 FP16_ROUNDOFF = 2.0**-11
 #: Slack relative to the reports' own magnitude (fp32 arithmetic in x - v and the dot products).
 RELATIVE_SLACK = 1e-5
+#: How far a report recomputed elsewhere may be from the member's own, relative to the sum of
+#: ``|c (x - v)|`` over the chunk: fp32 sums differ with the order of their additions (another
+#: machine, another BLAS), by up to ~1e-7 of that in practice.
+REPORT_SLACK = 1e-5
 SECRET_BYTES = 32
 
 
@@ -68,6 +72,12 @@ def project(
     centred = values - result
     total = float(centred.double().sum())
     return [clip * (2.0 * float(x) - total) for x in (vectors @ centred).double()]
+
+
+def report_slack(values: torch.Tensor, result: torch.Tensor, clip: float) -> float:
+    """How far a correct report of one chunk may differ between two machines (see
+    :data:`REPORT_SLACK`)."""
+    return REPORT_SLACK * abs(clip) * float((values - result).abs().sum()) + 1e-9
 
 
 def tolerance(

@@ -10,7 +10,7 @@ import torch
 
 from swarmgrad.compression import decode, get_codec
 from swarmgrad.node.trust.aggregate import Aggregator, aggregate
-from swarmgrad.node.trust.checks import holds, part_seed, project, sign_vectors
+from swarmgrad.node.trust.checks import holds, part_seed, project, report_slack, sign_vectors
 
 FP16, INT8 = get_codec("fp16"), get_codec("int8")
 TRIALS = 20
@@ -63,3 +63,22 @@ def test_sign_vectors_follow_the_seed_and_the_chunk() -> None:
     assert part_seed(b"account", [b"a" * 32, b"c" * 32]) != seed
     # Balanced: about half of the signs are positive.
     assert abs(float(a.mean()) - 0.5) < 0.025
+
+
+def test_a_report_recomputed_elsewhere_agrees_within_its_slack_and_a_cover_does_not() -> None:
+    """A false report is proven by recomputing it, maybe on another machine whose fp32 sums run
+    in another order: an honest report must stay within the slack, a colluder's cover of a 1%
+    lie far outside it."""
+    g = torch.Generator().manual_seed(5)
+    d, clip = 16384, 0.8
+    values, result = torch.randn(d, generator=g), 0.5 * torch.randn(d, generator=g)
+    vectors = sign_vectors(bytes(32), 0, d)
+    mine = project(values, result, clip, vectors)
+    slack = report_slack(values, result, clip)
+    for trial in range(5):
+        order = torch.randperm(d, generator=g)
+        theirs = project(values[order], result[order], clip, vectors[:, order])
+        assert all(abs(a - b) <= slack / 10 for a, b in zip(mine, theirs, strict=True)), trial
+    shift = torch.full((d,), 0.01 * float(result.norm()) / d**0.5)  # a 1% lie of the owner
+    cover = project(shift, torch.zeros(d), 4 * clip, vectors)  # what 4 contributors lose to it
+    assert max(abs(x) for x in cover) > 5 * slack  # the check fails on any of the 8
