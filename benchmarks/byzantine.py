@@ -263,7 +263,8 @@ def study(args: argparse.Namespace) -> list[dict[str, object]]:
 def report(rows: list[dict[str, object]], n: int, f: int) -> None:
     print(f"\nN = {n}, f = {f}; final validation loss, median over seeds [min, max]; ratio to the "
           f"honest {n - f} peers' plain mean")  # fmt: skip
-    print(f"{'attack':<12} {'open':>22} {'mean':>24} {'banned in round':>16} {'false bans':>10}")
+    print(f"{'attack':<12} {'seeds':>5} {'open':>22} {'mean':>24} {'banned in round':>16} "
+          f"{'false bans':>10}")  # fmt: skip
     for attack in dict.fromkeys(str(r["attack"]) for r in rows):
         mine = [r for r in rows if r["attack"] == attack]
         reference = "honest_all" if attack in ("none", "alie") else "honest"
@@ -283,7 +284,8 @@ def report(rows: list[dict[str, object]], n: int, f: int) -> None:
                 )
         false_bans = sum(int(r["false_bans"]) for r in mine)  # type: ignore[call-overload]
         shown = ",".join(map(str, bans)) if bans else "-"
-        print(f"{attack:<12} {cells[0]:>22} {cells[1]:>24} {shown:>16} {false_bans:>10}")
+        print(f"{attack:<12} {len(mine):>5} {cells[0]:>22} {cells[1]:>24} {shown:>16} "
+              f"{false_bans:>10}")  # fmt: skip
     print("(none, alie: ratio to all N honest peers' plain mean)")
 
 
@@ -386,12 +388,19 @@ def main() -> None:
     parser.add_argument("--round-cost-only", action="store_true")
 
     parser.add_argument("--json", help="also save the rows here (after each one)")
-    parser.add_argument("--from-json", help="only report the rows saved here")
+    parser.add_argument(
+        "--from-json",
+        nargs="+",
+        help="only report the rows saved in these files (e.g. one per seed)",
+    )
     args = parser.parse_args()
     logging.getLogger("swarmgrad").setLevel(logging.ERROR)  # bans are in the table
     if args.from_json:
-        with open(args.from_json) as saved:
-            report(json.load(saved), args.nodes, args.attackers)
+        rows = []
+        for path in args.from_json:
+            with open(path) as saved:
+                rows += json.load(saved)
+        report(rows, args.nodes, args.attackers)
         return
     if not args.round_cost_only:
         rows = study(args)
