@@ -25,7 +25,6 @@ audit bans, it does not correct the values already applied.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
 import random
@@ -35,17 +34,21 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from swarmgrad.compression import CodecError, decode
-from swarmgrad.node.averaging.checks import CheckedPart, agree, reported_projections
+from swarmgrad.compression import decode
+from swarmgrad.node.averaging.checks import (
+    CheckedPart,
+    agree,
+    listed_values,
+    reported_projections,
+    true_projections,
+)
 from swarmgrad.node.averaging.group import Group
 from swarmgrad.node.averaging.plan import AllReduceConfig, round_key
 from swarmgrad.node.trust.aggregate import Aggregator, aggregate
-from swarmgrad.node.trust.checks import project, report_slack, sign_vectors
 from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.protocol.auth import Signer
 from swarmgrad.protocol.averaging import CHECK_STATEMENT, check_method, chunk_signed_by, seal
 from swarmgrad.protocol.keys import peer_id_of
-from swarmgrad.protocol.tensors import meta_from_proto
 from swarmgrad.protocol.v1 import averaging_pb2
 
 log = logging.getLogger(__name__)
@@ -138,25 +141,17 @@ def _judge(
     values: dict[tuple[int, int], torch.Tensor] = {}
     for (index, member), chunk in chunks.items():
         peer = group.members[member].peer_id
-        position = list(account.chunks[index].contributors).index(member)
         public_key = keys.get(member, b"")
+        decoded = None
         if (
-            chunk is None
-            or chunk.index != index
-            or peer_id_of(public_key) != peer
-            or not chunk_signed_by(public_key, key, peer, part.part, chunk)
-            or hashlib.sha256(chunk.payload).digest()
-            != account.chunks[index].payload_sha256[position]
+            chunk is not None
+            and chunk.index == index
+            and peer_id_of(public_key) == peer
+            and chunk_signed_by(public_key, key, peer, part.part, chunk)
         ):
+            decoded = listed_values(part, index, member, chunk)
+        if decoded is None:
             return _failed(owner, f"cannot show {peer}'s chunk {index} as its account lists it")
-        try:
-            decoded = decode(
-                chunk.payload, meta_from_proto(chunk.meta), max_numel=part.numels[index]
-            )
-        except (CodecError, ValueError):
-            return _failed(owner, f"{peer}'s chunk {index}, signed and listed, does not decode")
-        if decoded.numel() != part.numels[index]:
-            return _failed(owner, f"{peer}'s chunk {index} has the wrong size")
         values[(index, member)] = decoded
     lie = _check_result(audit, values)
     # Were the reports true? A member that covered a lie (or framed nobody) reported otherwise.
@@ -172,11 +167,9 @@ def _check_result(audit: Audit, values: Mapping[tuple[int, int], torch.Tensor]) 
     """Why the owner's result is not the part's values aggregated again ("": it is)."""
     part, account = audit.part, audit.part.account
     codec = audit.config.owner_rules().result_codec or audit.config.make_codec()
-    offset = 0
     for index, chunk_account in enumerate(account.chunks):
-        numel = part.numels[index]
-        received = audit.received[offset : offset + numel]
-        offset += numel
+        start, end = part.span(index)
+        received = audit.received[start:end]
         members = list(chunk_account.contributors)
         if not members:
             continue
@@ -200,23 +193,18 @@ def _check_result(audit: Audit, values: Mapping[tuple[int, int], torch.Tensor]) 
 def _false_reports(audit: Audit, values: Mapping[tuple[int, int], torch.Tensor]) -> dict[str, Flag]:
     """Contributors whose reports differ from what their audited values give."""
     part = audit.part
+
+    def received(index: int) -> torch.Tensor:
+        start, end = part.span(index)
+        return audit.received[start:end]
+
     out: dict[str, Flag] = {}
     for member in sorted({m for c in part.account.chunks for m in c.contributors}):
         claimed = reported_projections(audit.reports.get(member), part, member)
         if claimed is None:
             continue  # it did not report: already flagged silent by the checks
-        truth, slack = [], []
-        offset = 0
-        for index, chunk in enumerate(part.account.chunks):
-            numel = part.numels[index]
-            if member in chunk.contributors:
-                clip = chunk.clip[list(chunk.contributors).index(member)]
-                received = audit.received[offset : offset + numel]
-                vectors = sign_vectors(part.seed, index, numel)
-                truth.append(project(values[(index, member)], received, clip, vectors))
-                slack.append(report_slack(values[(index, member)], received, clip))
-            offset += numel
-        if not agree(claimed, truth, slack):
+        mine = {index: v for (index, m), v in values.items() if m == member}
+        if not agree(claimed, *true_projections(part, member, mine, received)):
             out[audit.group.members[member].peer_id] = Flag.FALSE_REPORT
     return out
 

@@ -253,6 +253,11 @@ class CheckedPart:
     numels: list[int]
     seed: bytes = b""
 
+    def span(self, index: int) -> tuple[int, int]:
+        """[start, end) of chunk ``index`` within the part."""
+        start = sum(self.numels[:index])
+        return start, start + self.numels[index]
+
 
 async def run_checks(run: CheckRun) -> Verdict:
     """Run this member's side of the round's checks (module docstring); never raises for what
@@ -422,8 +427,7 @@ def _equivocation(
 
 def _values(run: CheckRun, part: CheckedPart, index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(this member's values as its owner decoded them, the result) of one chunk."""
-    start = part.start + sum(part.numels[:index])
-    end = start + part.numels[index]
+    start, end = (part.start + at for at in part.span(index))
     return run.sent[start:end], run.result.averaged[start:end]
 
 
@@ -535,29 +539,52 @@ def _true_projections(
             for i, c in enumerate(part.account.chunks)
             if member in c.contributors and member in run.own_chunks[i]
         ]
-    out: list[list[float]] = []
-    slack: list[float] = []
     indices = [i for i, c in enumerate(part.account.chunks) if member in c.contributors]
     chunks = list(chunks)
     if len(chunks) != len(indices):
         return None
+    values = {}
     for index, chunk in zip(indices, chunks, strict=True):
-        account = part.account.chunks[index]
-        position = list(account.contributors).index(member)
-        if hashlib.sha256(chunk.payload).digest() != account.payload_sha256[position]:
+        decoded = listed_values(part, index, member, chunk)
+        if decoded is None:
             return None
-        try:
-            values = decode(
-                chunk.payload, meta_from_proto(chunk.meta), max_numel=part.numels[index]
-            )
-        except (CodecError, ValueError):
-            return None
-        if values.numel() != part.numels[index]:
-            return None
-        _, result = _values(run, part, index)
+        values[index] = decoded
+    return true_projections(part, member, values, lambda index: _values(run, part, index)[1])
+
+
+def listed_values(
+    part: CheckedPart, index: int, member: int, chunk: averaging_pb2.Chunk
+) -> torch.Tensor | None:
+    """``member``'s values of chunk ``index``, if ``chunk`` is the payload the part's account
+    lists for it and decodes to the chunk's size (None otherwise)."""
+    account = part.account.chunks[index]
+    position = list(account.contributors).index(member)
+    if hashlib.sha256(chunk.payload).digest() != account.payload_sha256[position]:
+        return None
+    try:
+        values = decode(chunk.payload, meta_from_proto(chunk.meta), max_numel=part.numels[index])
+    except (CodecError, ValueError):
+        return None
+    return values if values.numel() == part.numels[index] else None
+
+
+def true_projections(
+    part: CheckedPart,
+    member: int,
+    values: Mapping[int, torch.Tensor],
+    result: Callable[[int], torch.Tensor],
+) -> tuple[list[list[float]], list[float]]:
+    """What ``member`` should have reported for its chunks of ``part`` (``values``: its values
+    by chunk index; ``result``: the result of a chunk), and each chunk's slack."""
+    out: list[list[float]] = []
+    slack: list[float] = []
+    for index, account in enumerate(part.account.chunks):
+        if member not in account.contributors:
+            continue
+        clip = account.clip[list(account.contributors).index(member)]
         vectors = sign_vectors(part.seed, index, part.numels[index])
-        out.append(project(values, result, account.clip[position], vectors))
-        slack.append(report_slack(values, result, account.clip[position]))
+        out.append(project(values[index], result(index), clip, vectors))
+        slack.append(report_slack(values[index], result(index), clip))
     return out, slack
 
 
