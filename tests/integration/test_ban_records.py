@@ -3,8 +3,6 @@ in every node that reads and checks it; records that prove nothing ban nobody.""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -156,10 +154,12 @@ async def test_open_nodes_exchange_ban_records_and_stop_grouping_with_the_convic
             proof = two_faced(cheat, (spec.run.id, spec.hash))
             first.ledger.note(5, {cheat.peer_id: Flag.EQUIVOCATION}, {cheat.peer_id: proof})
             await first.board.refresh()
-            deadline = time.monotonic() + 3 * REFRESH_SECONDS
-            while not second.excludes(cheat.peer_id):  # its own task reads the records
-                assert time.monotonic() < deadline, second.board.counts
-                await asyncio.sleep(0.2)
+
+            async def adopted() -> bool:  # its own task reads the records
+                return second.excludes(cheat.peer_id)
+
+            await until(adopted, timeout_seconds=3 * REFRESH_SECONDS, what="the ban adopted",
+                        interval_seconds=0.2)  # fmt: skip
             assert second.ledger.bans[cheat.peer_id].source == first.peer_id
             assert second.board.counts["adopted"] == 1
             assert not second.excludes(first.peer_id)

@@ -26,6 +26,7 @@ from swarmgrad.protocol.auth import sign_statement
 from swarmgrad.protocol.averaging import ACCOUNT_STATEMENT, CHECK_STATEMENT, check_method, seal
 from swarmgrad.protocol.v1 import averaging_pb2
 from swarmgrad.simulations.attacks import Attack, Attacker, NaNPayloads, lying_result
+from tests.helpers import until
 
 CHUNK = 4096
 SIZE = 5 * 2 * CHUNK  # two chunks per owner's part
@@ -58,10 +59,12 @@ async def swarm(n: int, config: AllReduceConfig = OPEN) -> AsyncIterator[list[Av
 
 async def audited(peers: list[Averager], count: int, *, seconds: float = 30.0) -> None:
     """Wait until each of ``peers`` finished ``count`` audits (they run after the round)."""
-    deadline = asyncio.get_running_loop().time() + seconds
-    while any(sum(p.checks[f"audit_{r}"] for r in AUDIT_RESULTS) < count for p in peers):
-        assert asyncio.get_running_loop().time() < deadline, [p.checks for p in peers]
-        await asyncio.sleep(0.05)
+
+    async def done() -> bool:
+        return all(sum(p.checks[f"audit_{r}"] for r in AUDIT_RESULTS) >= count for p in peers)
+
+    await until(done, timeout_seconds=seconds, what=f"{count} audits by each member",
+                interval_seconds=0.05)  # fmt: skip
 
 
 AUDIT_RESULTS = ("passed", "failed", "inconclusive")
@@ -623,10 +626,11 @@ async def test_owners_spot_check_members_values_of_their_part_each_round() -> No
             results = await average(peers, updates, round_)
             assert all(isinstance(r, RoundResult) and r.complete for r in results)
             bounds = group_of(peers, round_).partition(SIZE)
-            deadline = asyncio.get_running_loop().time() + 10
-            while any(len(p.calls) < 2 * (round_ + 1) for p in probes):  # off the round
-                assert asyncio.get_running_loop().time() < deadline
-                await asyncio.sleep(0.05)
+
+            async def probed(n: int = 2 * (round_ + 1)) -> bool:  # they run off the round
+                return all(len(p.calls) >= n for p in probes)
+
+            await until(probed, timeout_seconds=10, what="the spot checks", interval_seconds=0.05)
             for owner, probe in enumerate(probes):
                 start, end = bounds[owner]
                 this_round = [c for c in probe.calls if c[1] == round_]
