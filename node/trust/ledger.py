@@ -36,7 +36,7 @@ import math
 import threading
 from collections import deque
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -255,7 +255,7 @@ class TrustLedger:
                 log.warning("banned %s (%s in round %d): evidence published by %s",
                             peer_id, flag, round_, source)  # fmt: skip
             else:
-                self.bans[peer_id] = Ban(held.peer_id, held.round, held.flags, evidence, source)
+                self.bans[peer_id] = replace(held, evidence=evidence, source=source)
             self._save()
             return True
 
@@ -310,7 +310,7 @@ class TrustLedger:
             self.flag_counts[flag] += 1
         held = self.bans.get(peer_id)
         if held is not None and evidence and not held.evidence:
-            self.bans[peer_id] = Ban(held.peer_id, held.round, held.flags, evidence)
+            self.bans[peer_id] = replace(held, evidence=evidence)
             self._save()
         if held is not None or not flags:
             return None
