@@ -200,23 +200,19 @@ class _Trust(Collector):
             banned.add_metric([reason], float(count))
         yield banned
         for name, key, help_text in (
-            ("swarmgrad_peer_clip_ema", "clip_ema", "EMA of a peer's CenteredClip coefficient"),
-            ("swarmgrad_peer_cosine_ema", "cosine_ema", "EMA of a peer's cosine to the others"),
-        ):
-            gauge = GaugeMetricFamily(name, help_text + " (1: like its peers).", labels=["peer"])
+            ("swarmgrad_peer_clip_ema", "clip_ema",
+             "EMA of a peer's CenteredClip coefficient (1: like its peers)."),
+            ("swarmgrad_peer_cosine_ema", "cosine_ema",
+             "EMA of a peer's cosine to the others (1: like its peers)."),
+            ("swarmgrad_peer_loss_gain_ema", "loss_gain_ema",
+             "EMA of the loss a peer's values took off in this node's spot checks (positive: "
+             "its update helps; node/training/spot_check.py)."),
+        ):  # fmt: skip
+            gauge = GaugeMetricFamily(name, help_text, labels=["peer"])
             for peer, row in sorted(table.items()):
-                gauge.add_metric([peer], float(row[key]))  # type: ignore[arg-type]
+                if row.get(key) is not None:  # a peer never spot-checked has no loss gain
+                    gauge.add_metric([peer], float(row[key]))  # type: ignore[arg-type]
             yield gauge
-        gain = GaugeMetricFamily(
-            "swarmgrad_peer_loss_gain_ema",
-            "EMA of the loss a peer's values took off in this node's spot checks (positive: its "
-            "update helps; node/training/spot_check.py).",
-            labels=["peer"],
-        )
-        for peer, row in sorted(table.items()):
-            if row.get("loss_gain_ema") is not None:
-                gain.add_metric([peer], float(row["loss_gain_ema"]))  # type: ignore[arg-type]
-        yield gain
 
 
 class NodeMetrics:

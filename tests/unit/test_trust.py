@@ -211,6 +211,7 @@ def test_trust_metrics_show_flags_bans_scores_and_owner_checks() -> None:
     ledger = TrustLedger()
     ledger.observe(0, {"sgbad": Observation(flags={Flag.ZERO}), "sggood": Observation()})
     ledger.note(1, {"sgliar": Flag.LYING_OWNER})
+    ledger.spot("sggood", 0.25)
     metrics = NodeMetrics(peer_id="sgme", run_id="r", spec_hash="00", algorithm="a", codec="c")
     checks = {"checked": 12, "failed": 1}
     metrics.read_trust(lambda: (ledger.table(), (*ledger.counts(), checks, {"adopted": 2})))
@@ -223,6 +224,8 @@ def test_trust_metrics_show_flags_bans_scores_and_owner_checks() -> None:
     assert 'swarmgrad_owner_checks_total{result="failed"} 1.0' in text
     assert 'swarmgrad_peer_cosine_ema{peer="sggood"}' in text
     assert 'swarmgrad_ban_evidence_total{result="adopted"} 2.0' in text
+    assert 'swarmgrad_peer_loss_gain_ema{peer="sggood"} 0.25' in text
+    assert 'swarmgrad_peer_loss_gain_ema{peer="sgbad"}' not in text  # never spot-checked
     assert 'swarmgrad_ban_evidence_total{result="rejected"} 0.0' in text
 
 
