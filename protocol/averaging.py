@@ -16,7 +16,7 @@ import asyncio
 import hashlib
 import math
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -269,10 +269,14 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
         verifier: Verifier,
         limits: ServerLimits | None = None,
         rejections: Rejections | None = None,
+        pace: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
+        """``pace`` waits until so many result bytes may go up the node's link (its upload cap):
+        an owner's results share the uplink with its own chunks."""
         self._handler = handler
         self._verifier = verifier
         self._limits = limits or ServerLimits()
+        self._pace = pace
         #: Streams open right now, by (authenticated) sender.
         self.open_streams: Counter[str] = Counter()
         #: Rejected streams, by ("Averaging", ResultCode name).
@@ -299,7 +303,7 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
             sender = header.sender
             self.open_streams[sender] += 1
             session = await self._handler.open_session(header)
-            await _serve_stream(request_iterator, context, session, self.traffic)
+            await _serve_stream(request_iterator, context, session, self.traffic, self._pace)
             session.close(None)
         except ProtocolViolation as error:
             self.rejections.record(_SERVICE_NAME, error.code_name, str(error))
@@ -355,11 +359,14 @@ async def _serve_stream(
     ],
     session: PartSession,
     traffic: Counter[str],
+    pace: Callable[[int], Awaitable[None]] | None,
 ) -> None:
     """Read chunks and write results concurrently; the first failure of either ends both."""
 
     async def write_results() -> None:
         async for result in session.results():
+            if pace is not None:
+                await pace(len(result.payload))
             traffic["sent"] += len(result.payload)
             await context.write(result.wire())
         account = await session.account()

@@ -124,6 +124,7 @@ class Averager:
             verifier=verifier or Verifier(self.peer_id),
             limits=transport.limits,
             rejections=rejections,
+            pace=transport.pace if transport.paced else None,
         )
         transport.register(lambda server: add_to_server(self.servicer, server))
         #: Rounds by outcome: "complete", "partial" (some values missing or partial), "aborted".
@@ -526,10 +527,21 @@ def transport_limits(config: AllReduceConfig, *, min_message_bytes: int = 0) -> 
 
 @contextlib.asynccontextmanager
 async def standalone(
-    identity: Identity, config: AllReduceConfig, *, host: str = "127.0.0.1"
+    identity: Identity,
+    config: AllReduceConfig,
+    *,
+    host: str = "127.0.0.1",
+    upload_bytes_per_second: float | None = None,
 ) -> AsyncIterator[Averager]:
-    """An averager on a transport of its own (serving only Averaging, on a free port)."""
-    transport = Transport(TransportConfig(host=host, limits=transport_limits(config)))
+    """An averager on a transport of its own (serving only Averaging, on a free port), its
+    uploads capped at ``upload_bytes_per_second`` if given."""
+    transport = Transport(
+        TransportConfig(
+            host=host,
+            limits=transport_limits(config),
+            upload_bytes_per_second=upload_bytes_per_second,
+        )
+    )
     averager = Averager(identity, config, transport)
     async with averager, transport:  # the server stops (with its grace) before the rounds
         yield averager

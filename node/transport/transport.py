@@ -3,9 +3,9 @@
 Every service (Averaging, State, Peer) registers on the node's one ``grpc.aio`` server before it
 starts, so they share its port, its limits and its graceful stop. Clients borrow the cached
 channel to a peer from :meth:`Transport.channel`, with the same limits; a route hook (hole
-punching) may send the connection elsewhere. Uploads of averaging chunks and state chunks pass
-through :meth:`Transport.pace`, a token bucket when the node caps its uplink (simulated slow
-links), nothing otherwise.
+punching) may send the connection elsewhere. Every upload (a member's chunks, an owner's results,
+a donor's state chunks) passes through :meth:`Transport.pace`, a token bucket when the node caps
+its uplink (simulated slow links), nothing otherwise.
 """
 
 from __future__ import annotations

@@ -534,3 +534,22 @@ async def test_error_feedback_carries_exactly_what_the_owner_did_not_receive(
         sent_total += member.sent
     assert torch.allclose(sent_total + residual, inputs, atol=1e-4)
     assert (sent_total - inputs).norm() < 2 * residual.norm() + 1e-6
+
+
+async def test_an_owners_results_go_through_its_upload_cap() -> None:
+    # The owner owns the whole vector, so every byte it uploads is a result: with its link
+    # capped, the round cannot end before those bytes could have gone up the link.
+    rate = 20_000.0  # bytes per second: the results (~3 x 4 KiB x int8) take ~0.6 s
+    async with (
+        standalone(ident("owner"), CONFIG, upload_bytes_per_second=rate) as owner,
+        standalone(ident("honest"), CONFIG) as honest,
+    ):
+        group = group_of(7, owner, honest, [])
+        started = time.monotonic()
+        results = await honest_round(owner, honest, group, (5, 6))
+        elapsed = time.monotonic() - started
+    check_honest(results, (5, 6))
+    sent = owner.traffic["sent"]
+    assert sent > 3 * CHUNK  # the results, one byte per value and the blocks' scales
+    burst = 0.1 * rate  # what the bucket lets through at once
+    assert elapsed >= (sent - burst) / rate
