@@ -342,16 +342,53 @@ def simulate(
         int | None,
         typer.Option(
             help="Derive node i's key (and so its data stream) from this seed and i, so a rerun "
-            "sees the same data. The keys are predictable: for experiments only."
+            "sees the same data, and draw the profiles' distributions with it. The keys are "
+            "predictable: for experiments only."
+        ),
+    ] = None,
+    engine: Annotated[
+        str,
+        typer.Option(
+            help="processes: real node processes on loopback; des: the discrete-event model "
+            "(thousands of peers in seconds, no training: times, bytes and rounds)."
+        ),
+    ] = "processes",
+    step_seconds: Annotated[
+        float | None,
+        typer.Option(
+            help="des: one inner step's seconds at slowdown 1 (default: timed here, 1 thread)."
         ),
     ] = None,
 ) -> None:
-    """Run a bootstrap and N real node processes on loopback; print and save a summary."""
+    """Run a local swarm, real processes or the discrete-event model; print and save a
+    summary."""
     from swarmgrad.simulations import swarm
     from swarmgrad.simulations.profiles import SimulationError
     from swarmgrad.simulations.summary import print_summary
 
     _logging(False)
+    if engine not in ("processes", "des"):
+        raise _fail(EXIT_CONFIG, f"--engine must be processes or des, got {engine!r}")
+    if engine == "des":
+        from swarmgrad.simulations.des import driver
+
+        try:
+            summary = driver.run(
+                driver.DesConfig(
+                    nodes=nodes,
+                    rounds=rounds,
+                    out_dir=out,
+                    spec_path=spec,
+                    profile_path=profile,
+                    churn_path=churn,
+                    seed=seed or 0,
+                    step_seconds=step_seconds,
+                )
+            )
+        except (SetupError, SimulationError) as error:
+            raise _fail(EXIT_CONFIG, str(error)) from None
+        print_summary(summary)
+        raise typer.Exit(0 if summary["ok"] else 1)
     try:
         summary = swarm.simulate(
             swarm.SimulationConfig(

@@ -1,29 +1,75 @@
-"""Per-peer profiles for a simulated swarm: compute slowdown, upload cap and bandwidth share,
-and, for open runs, an attack the peer makes (``simulations/attacks.py``), read from a TOML file
-of ``[[peer]]`` tables (cycled over the nodes)."""
+"""Per-peer profiles for a simulated swarm, read from a TOML file of ``[[peer]]`` tables (cycled
+over the nodes): compute slowdown, link speeds, latency, NAT, session lengths and, for open runs,
+an attack the peer makes (``simulations/attacks.py``).
+
+Any value may be a distribution instead of a number (``simulations/distributions.py``); each node
+draws its own from its table, from the simulation's seed. The real-process ``simulate`` applies
+``slowdown``, ``upload_bytes_per_second``, ``bandwidth`` and ``attack`` itself; the others need
+``--netem`` (latency, download caps) or the discrete-event model (``--engine des``), which uses
+them all.
+"""
 
 from __future__ import annotations
 
+import random
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from swarmgrad.simulations.attacks import Attack
+from swarmgrad.simulations.distributions import DistributionError, parse
 
 
 class SimulationError(RuntimeError):
     """The simulation could not run (bad profile, a node that failed to start); says why."""
 
 
+NATS = ("direct", "relayed")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PeerProfile:
-    slowdown: float = 1.0
-    upload_bytes_per_second: float | None = None
-    bandwidth: float = 1.0
+    slowdown: float = 1.0  # compute time factor (2.0: steps take twice as long)
+    upload_bytes_per_second: float | None = None  # None: not capped
+    download_bytes_per_second: float | None = None
+    bandwidth: float = 1.0  # relative share of each vector this peer owns
+    latency_ms: float = 0.0  # one way, from the peer to the internet's core
+    nat: str = "direct"  # "relayed": unreachable, its streams go through a relay
+    session_seconds: float | None = None  # online this long, then it crashes (None: stays)
+    offline_seconds: float = 60.0  # and comes back (with its checkpoints) this much later
     attack: Attack | None = None  # a malicious peer: what it sends instead of its update
 
+    def __post_init__(self) -> None:
+        positive = {
+            "slowdown": self.slowdown,
+            "upload_bytes_per_second": self.upload_bytes_per_second,
+            "download_bytes_per_second": self.download_bytes_per_second,
+            "session_seconds": self.session_seconds,
+        }
+        for name, value in positive.items():
+            if value is not None and not value > 0:
+                raise SimulationError(f"{name} must be positive, got {value}")
+        for name in ("bandwidth", "latency_ms", "offline_seconds"):
+            if not getattr(self, name) >= 0:
+                raise SimulationError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.nat not in NATS:
+            raise SimulationError(f"nat must be one of {', '.join(NATS)}, got {self.nat!r}")
 
-def load_profile(path: Path | None, nodes: int) -> list[PeerProfile]:
+    @property
+    def applied_by_processes(self) -> bool:
+        """Whether real processes on loopback (no --netem) apply all of this profile."""
+        return (
+            self.download_bytes_per_second is None
+            and self.latency_ms == 0
+            and self.nat == "direct"
+            and self.session_seconds is None
+        )
+
+
+def load_profile(path: Path | None, nodes: int, *, seed: int = 0) -> list[PeerProfile]:
+    """Node i's profile, i < ``nodes``: table i mod the number of tables, its distributions
+    drawn for that node (the same draws for the same seed)."""
     if path is None:
         return [PeerProfile() for _ in range(nodes)]
     try:
@@ -33,24 +79,40 @@ def load_profile(path: Path | None, nodes: int) -> list[PeerProfile]:
     peers = raw.get("peer")
     if set(raw) != {"peer"} or not isinstance(peers, list) or not peers:
         raise SimulationError(f"{path}: expected one or more [[peer]] tables and nothing else")
-    known = {"slowdown", "upload_bytes_per_second", "bandwidth", "attack"}
-    profiles = []
+    known = [f.name for f in fields(PeerProfile)]
+    tables = []
     for i, table in enumerate(peers):
-        unknown = set(table) - known
+        unknown = set(table) - set(known)
         if unknown:
             raise SimulationError(f"{path}: peer {i}: unknown key(s) {', '.join(sorted(unknown))}")
-        table = dict(table)
-        attack = table.pop("attack", None)
         try:
-            numbers = {k: float(v) for k, v in table.items()}
-        except (TypeError, ValueError):
-            raise SimulationError(f"{path}: peer {i}: values must be numbers") from None
-        usable = [a for a in Attack if a is not Attack.ALIE]  # ALIE reads the others' updates
-        if attack is not None and attack not in usable:
-            raise SimulationError(
-                f"{path}: peer {i}: attack {attack!r} is not one a node can make; choose one of "
-                f"{', '.join(usable)} (alie needs the honest updates: benchmarks/byzantine.py)"
-            )
-        chosen = None if attack is None else Attack(attack)
-        profiles.append(PeerProfile(**numbers, attack=chosen))
-    return [profiles[i % len(profiles)] for i in range(nodes)]
+            tables.append({k: parse(v, f"{path}: peer {i}: {k}") for k, v in table.items()})
+        except DistributionError as error:
+            raise SimulationError(str(error)) from None
+    rng = random.Random(f"swarmgrad-profile:{seed}")
+    profiles = []
+    for node in range(nodes):
+        i = node % len(tables)
+        drawn = {k: d.sample(rng) for k, d in tables[i].items()}
+        try:
+            profiles.append(_profile(drawn))
+        except SimulationError as error:
+            raise SimulationError(f"{path}: peer {i} (node {node}): {error}") from None
+    return profiles
+
+
+def _profile(drawn: dict[str, Any]) -> PeerProfile:
+    attack = drawn.pop("attack", None)
+    nat = drawn.pop("nat", "direct")
+    usable = [a for a in Attack if a is not Attack.ALIE]  # ALIE reads the others' updates
+    if attack is not None and attack not in usable:
+        raise SimulationError(
+            f"attack {attack!r} is not one a node can make; choose one of "
+            f"{', '.join(usable)} (alie needs the honest updates: benchmarks/byzantine.py)"
+        )
+    try:
+        numbers = {k: float(v) for k, v in drawn.items()}
+    except (TypeError, ValueError):
+        raise SimulationError("values must be numbers (or distributions of numbers)") from None
+    chosen = None if attack is None else Attack(attack)
+    return PeerProfile(**numbers, nat=str(nat), attack=chosen)

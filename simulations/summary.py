@@ -118,16 +118,23 @@ def print_summary(summary: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console()
-    curve = Table(title=f"validation loss ({summary['algorithm']}, {summary['codec']})")
+    modelled = summary.get("engine") == "des"  # no training: no loss
+    title = "rounds" if modelled else "validation loss"
+    curve = Table(title=f"{title} ({summary['algorithm']}, {summary['codec']})")
     for name in ("epoch", "val loss", "round s (median / max)"):
         curve.add_column(name, justify="right")
-    curve.add_row("start", f"{summary['initial_val_loss']:.3f}", "")
+    if not modelled:
+        curve.add_row("start", f"{summary['initial_val_loss']:.3f}", "")
     times = {r["epoch"]: r for r in summary["round_seconds"]}
-    for point in summary["loss_curve"]:
+    points = summary["loss_curve"]
+    if len(points) > 24:  # a long run: every n-th round, and the last
+        step = len(points) // 20
+        points = [*points[::step][:-1], points[-1]]
+    for point in points:
         t = times.get(point["epoch"])
         curve.add_row(
             str(point["epoch"]),
-            f"{point['val_loss']:.3f}",
+            "-" if modelled else f"{point['val_loss']:.3f}",
             f"{t['median']:.2f} / {t['max']:.2f}" if t else "",
         )
     console.print(curve)
@@ -135,7 +142,10 @@ def print_summary(summary: dict[str, Any]) -> None:
     columns = ("peer", "epoch", "samples", "share", "tokens/s", "sent", "received", "util.")
     for name in columns:
         peers.add_column(name, justify="right")
-    for p in summary["peers"]:
+    shown = summary["peers"]
+    if len(shown) > 20:  # a large model: the first 20 (totals below)
+        shown = shown[:20]
+    for p in shown:
         peers.add_row(
             p["peer_id"][:12],
             str(p["epoch"]),
@@ -163,6 +173,16 @@ def print_summary(summary: dict[str, Any]) -> None:
         )
         partial = sum(p["outcomes"].get("partial", 0) for p in summary["peers"])
         console.print(f"rounds without a group or aborted: {lost}; partial rounds: {partial}")
+    if modelled:
+        totals = summary["totals"]
+        console.print(
+            f"modelled: {summary['nodes']} peers, {summary['rounds']} rounds in "
+            f"{summary['wall_seconds']:.0f} simulated s; utilization {totals['utilization']:.0%}; "
+            f"rounds averaged {totals['rounds_averaged']}, partial {totals['rounds_partial']}, "
+            f"lost {totals['rounds_lost']}, resyncs {totals['resyncs']}; "
+            f"{totals['bytes_sent_per_peer'] / 2**20:.1f} MiB sent per peer"
+        )
+        return
     console.print(
         f"{summary['nodes']} nodes, {summary['rounds']} rounds in {summary['wall_seconds']:.0f} s: "
         f"val loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f}; "

@@ -187,7 +187,15 @@ def simulate(config: SimulationConfig) -> dict[str, Any]:
     except ScheduleError as error:
         raise SimulationError(str(error)) from None
     slots = max([config.nodes - 1, *(e.node for e in events)]) + 1
-    profiles = load_profile(config.profile_path, slots)
+    profiles = load_profile(config.profile_path, slots, seed=config.seed or 0)
+    unapplied = [i for i, p in enumerate(profiles) if not p.applied_by_processes]
+    if unapplied:
+        log.warning(
+            "node(s) %s: latency, download caps, relayed NATs and session lengths are not applied "
+            "to processes on loopback (only slowdown, upload cap and bandwidth are); the "
+            "discrete-event model (--engine des) uses them",
+            ", ".join(map(str, unapplied)),
+        )
     config.out_dir.mkdir(parents=True, exist_ok=True)
     spec_path = config.spec_path
     if spec_path is None:

@@ -37,15 +37,17 @@ POLL_SECONDS = 0.1
 EXPECTED_REFRESH_SECONDS = 1.0
 
 
+def group_order(round_: int, peer_id: str) -> bytes:
+    """Where ``peer_id`` falls in round ``round_``'s shuffle of the candidates."""
+    return hashlib.blake2b(f"{round_}:{peer_id}".encode(), digest_size=16).digest()
+
+
 def assign_groups(round_: int, peer_ids: list[str], group_size: int) -> list[list[str]]:
-    """Deterministic groups of ``group_size`` (the last one may be up to 2x - 1 larger)."""
+    """Deterministic groups of ``group_size`` (the last one may be up to 2x - 1 larger): the
+    candidates in :func:`group_order`, cut into consecutive runs."""
     if group_size < 2:
         raise ValueError("group_size must be at least 2")
-
-    def order(peer_id: str) -> bytes:
-        return hashlib.blake2b(f"{round_}:{peer_id}".encode(), digest_size=16).digest()
-
-    shuffled = sorted(set(peer_ids), key=order)
+    shuffled = sorted(set(peer_ids), key=lambda peer_id: group_order(round_, peer_id))
     groups = [shuffled[i : i + group_size] for i in range(0, len(shuffled), group_size)]
     if len(groups) > 1 and len(groups[-1]) < group_size:
         groups[-2].extend(groups.pop())

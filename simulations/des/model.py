@@ -1,0 +1,620 @@
+"""The discrete-event swarm model: peers that train, match, average, resync and churn by the node's
+rules, on links drawn from profiles, in simulated time (SimPy).
+
+What each peer does, and whose rule it is:
+
+- **Train**: H inner steps (``algorithm.inner_steps``) of ``step_seconds x slowdown``.
+- **Resync**: before a round, a peer behind the newest announced epoch downloads the state (theta
+  and the outer momentum, fp32) from up to ``StateSyncConfig.max_donors`` donors at once, each
+  donor's upload and its own download shared, as ``node/state`` does; a (re)started peer does it
+  first.
+- **Match** (``node/averaging/matchmaking.py``): announce readiness (visible to others after a
+  DHT write), then wait until ``group_size`` candidates are visible, or every expected peer
+  (records at epoch r or r - 1, a dead peer's until its record expires), or the matchmaking
+  timeout; notice at the next poll, wait the settle time, read once more and cut the visible
+  candidates into groups in the node's own order (``groups.py``). Peers that read different
+  candidate sets can compute different groups: only members that computed the same group
+  average together (a group with dissenters is partial, a peer alone in its view aborts and
+  tries the round again after more training), as on the wire, where streams with another group
+  id are refused.
+- **Average** (``node/averaging``): the butterfly over the node's partition by bandwidth and its
+  codecs (``traffic.py``); it lasts as long as the member whose link is the bottleneck needs for
+  its bytes up or down (a relayed member's bytes also cross its relay's link), plus three
+  latencies (stream, chunks, results), codec time and the per-round overhead. A member that
+  dies mid-round leaves its part out (partial) after the sender timeout.
+- **Churn**: the run's schedule (``churn.py``: kill, stop, start, pause, resume at an epoch,
+  a kill "during" a round or a state download), and random sessions from the profiles
+  (``session_seconds``: mean of exponential sessions, then ``offline_seconds`` away).
+
+Not modelled: the loss (the model predicts time, bytes and rounds, not convergence), open runs'
+checks, and contention between different groups on one relay.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections import Counter
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import simpy
+import torch
+
+from swarmgrad.node.averaging.group import Group, Member
+from swarmgrad.node.averaging.matchmaking import EXPECTED_REFRESH_SECONDS, POLL_SECONDS
+from swarmgrad.node.averaging.plan import AllReduceConfig
+from swarmgrad.node.discovery.directory import DirectoryConfig
+from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.state.sync import StateSyncConfig
+from swarmgrad.node.swarm_config import MATCHMAKING_SETTLE_SECONDS, allreduce_config
+from swarmgrad.node.training.model import GPT
+from swarmgrad.simulations.churn import ChurnEvent
+from swarmgrad.simulations.des.groups import Candidates
+from swarmgrad.simulations.des.traffic import Traffic, round_traffic
+from swarmgrad.simulations.profiles import PeerProfile, SimulationError
+
+Events = Generator[simpy.Event, Any, Any]
+#: A link with no cap in the profile (loopback, or a datacentre): 10 Gbit/s.
+UNCAPPED_BYTES_PER_SECOND = 1.25e9
+
+
+def parameter_count(spec: RunSpec) -> int:
+    """The run's model size, built on the meta device (no memory, any size)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(spec.model).parameters())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelConfig:
+    """One modelled swarm: ``nodes`` peers from the start (``profiles`` has one per slot, the
+    churn schedule's newcomers included), trained to ``rounds`` epochs."""
+
+    spec: RunSpec
+    nodes: int
+    rounds: int
+    profiles: tuple[PeerProfile, ...]
+    #: One inner step at slowdown 1 (measure it: ``calibrate.step_seconds``).
+    step_seconds: float
+    events: tuple[ChurnEvent, ...] = ()
+    seed: int = 0
+    #: A DHT write becoming visible to readers, or one read.
+    dht_seconds: float = 0.05
+    #: Per round, besides matchmaking and the transfers: the outer step, bookkeeping.
+    round_overhead_seconds: float = 0.0
+    #: Values a peer encodes or decodes per second (None: free).
+    codec_values_per_second: float | None = None
+    #: Stop (and say so) if the swarm is not done by this simulated time.
+    max_simulated_seconds: float = 30 * 24 * 3600.0
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.rounds < 1:
+            raise SimulationError("nodes and rounds must be at least 1")
+        if len(self.profiles) < max([self.nodes - 1, *(e.node for e in self.events)]) + 1:
+            raise SimulationError("one profile per node slot is needed")
+        if not self.step_seconds > 0 or self.dht_seconds < 0 or self.round_overhead_seconds < 0:
+            raise SimulationError("step_seconds must be positive, the overheads >= 0")
+
+
+@dataclass(slots=True)
+class _Peer:
+    index: int
+    peer_id: str
+    profile: PeerProfile
+    alive: bool = False
+    paused: bool = False
+    finished: bool = False
+    epoch: int = 0
+    record_epoch: int = -1  # what its DHT record says (-1: none)
+    record_expires: float = math.inf  # a dead or frozen peer's record lapses then
+    phase: str = ""  # "train", "sync", "match", "round"
+    process: simpy.Process | None = None
+    relay: int | None = None  # a relayed peer's relay (a direct peer's index)
+    exchange: _Exchange | None = None  # the all-reduce it is in now
+    samples: int = 0
+    compute_seconds: float = 0.0
+    communication_seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    sessions: int = 0
+
+    @property
+    def up(self) -> float:
+        return self.profile.upload_bytes_per_second or UNCAPPED_BYTES_PER_SECOND
+
+    @property
+    def down(self) -> float:
+        return self.profile.download_bytes_per_second or UNCAPPED_BYTES_PER_SECOND
+
+    @property
+    def latency_seconds(self) -> float:
+        return self.profile.latency_ms / 1000.0
+
+
+@dataclass(slots=True)
+class _Exchange:
+    """One group's all-reduce among the members that agreed on it."""
+
+    group: tuple[str, ...]
+    members: tuple[int, ...]  # peer indices taking part
+    done: simpy.Event
+    process: simpy.Process | None = None
+    dead: list[int] = field(default_factory=list)
+    traffic: dict[int, Traffic] = field(default_factory=dict)
+
+
+class _Board:
+    """Round r's readiness records: who is visible, who decided which group, the exchanges."""
+
+    def __init__(self, env: simpy.Environment, round_: int, group_size: int) -> None:
+        self.env = env
+        self.visible = Candidates(round_, group_size)
+        self.changed = env.event()
+        self.decided: dict[str, tuple[tuple[str, ...] | None, float]] = {}
+        self.waiting: dict[tuple[str, ...], simpy.Event] = {}
+        #: The groups whose exchange waits for a peer's decision, by peer.
+        self.watchers: dict[str, list[tuple[str, ...]]] = {}
+        self.exchanges: dict[tuple[str, ...], _Exchange] = {}
+
+    def show(self, peer_id: str) -> None:
+        self.visible.add(peer_id)
+        changed, self.changed = self.changed, self.env.event()
+        changed.succeed()
+
+
+class SwarmModel:
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        spec = config.spec
+        self.allreduce: AllReduceConfig = allreduce_config(spec)
+        self.params = parameter_count(spec)
+        self.state_bytes = 2 * 4 * self.params  # theta and the outer momentum, fp32
+        self.group_size = spec.averaging.group_size
+        self.matchmaking_timeout = spec.averaging.matchmaking_timeout_seconds
+        self.record_ttl = DirectoryConfig().record_ttl_seconds
+        self.max_donors = StateSyncConfig().max_donors
+        self.inner_steps = spec.algorithm.inner_steps
+        self.batch = spec.data.batch_size
+        self.env = simpy.Environment()
+        self.rng = random.Random(f"swarmgrad-des:{config.seed}")
+        self.peers = [
+            _Peer(index=i, peer_id=f"peer-{i:06d}", profile=p)
+            for i, p in enumerate(config.profiles)
+        ]
+        self.by_id = {p.peer_id: p for p in self.peers}
+        direct = [p.index for p in self.peers if p.profile.nat == "direct"]
+        for peer in self.peers:
+            if peer.profile.nat == "relayed":
+                if not direct:
+                    raise SimulationError("a relayed peer needs a direct peer to relay it")
+                peer.relay = self.rng.choice(direct)
+        self.boards: dict[int, _Board] = {}
+        self.newest = 0
+        self.epoch_changed = self.env.event()
+        self.fired: list[dict[str, Any]] = []
+        self.armed: tuple[ChurnEvent, str] | None = None
+        self.done = self.env.event()
+        self.rejoin_seconds: dict[int, list[float]] = {}
+
+    # -- the run --------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        for peer in self.peers[: self.config.nodes]:
+            self._start(peer)
+        self.env.process(self._churn())
+        self.env.process(self._watch())
+        self.env.run(until=simpy.AnyOf(self.env, [self.done, self._cap()]))
+        return self.summary()
+
+    def _cap(self) -> simpy.Event:
+        return self.env.timeout(self.config.max_simulated_seconds)
+
+    def _watch(self) -> Events:
+        """Ends the run once every live peer has finished and the schedule is spent."""
+        while True:
+            yield self.epoch_changed
+            if self._all_done():
+                self.done.succeed()
+                return
+
+    def _all_done(self) -> bool:
+        scheduled = len(self.fired) == len(self.config.events) and self.armed is None
+        live = [p for p in self.peers if p.alive]
+        return scheduled and bool(live) and all(p.finished for p in live)
+
+    def _advanced(self) -> None:
+        changed, self.epoch_changed = self.epoch_changed, self.env.event()
+        changed.succeed()
+
+    # -- one peer's life ------------------------------------------------------------------------
+
+    def _start(self, peer: _Peer) -> None:
+        peer.alive, peer.paused, peer.finished = True, False, False
+        peer.record_epoch, peer.record_expires = peer.epoch, math.inf
+        peer.sessions += 1
+        peer.process = self.env.process(self._life(peer, restarted=peer.sessions > 1))
+        if peer.profile.session_seconds is not None:
+            session = self.rng.expovariate(1.0 / peer.profile.session_seconds)
+            self.env.process(self._session(peer, session, peer.sessions))
+
+    def _session(self, peer: _Peer, seconds: float, session: int) -> Events:
+        yield self.env.timeout(seconds)
+        if peer.alive and peer.sessions == session and not peer.finished:
+            self._kill(peer)
+            yield self.env.timeout(peer.profile.offline_seconds)
+            if not peer.alive:
+                self._start(peer)
+
+    def _life(self, peer: _Peer, *, restarted: bool) -> Events:
+        env, started = self.env, self.env.now
+        try:
+            if self.newest > peer.epoch:
+                yield from self._resync(peer)
+                if restarted:
+                    self.rejoin_seconds.setdefault(peer.index, []).append(env.now - started)
+            while peer.epoch < self.config.rounds:
+                peer.phase = "train"
+                compute = self.inner_steps * self.config.step_seconds * peer.profile.slowdown
+                yield env.timeout(compute)
+                peer.compute_seconds += compute
+                peer.samples += self.inner_steps * self.batch
+                round_started = env.now
+                if self.newest > peer.epoch:
+                    yield from self._resync(peer)
+                    self._record(peer, "resynced", round_started, 0)
+                    continue
+                yield env.timeout(self.config.dht_seconds)  # the donors' records, read
+                outcome, size = yield from self._round(peer)
+                if outcome in ("averaged", "partial"):
+                    peer.epoch += 1
+                    peer.record_epoch = peer.epoch
+                    if peer.epoch > self.newest:
+                        self.newest = peer.epoch
+                self._record(peer, outcome, round_started, size)
+            peer.finished = True
+            peer.phase = ""
+            self._advanced()
+        except simpy.Interrupt:
+            pass  # killed, stopped or paused: the churn that did it set the state
+
+    def _record(self, peer: _Peer, outcome: str, started: float, group_size: int) -> None:
+        seconds = self.env.now - started
+        peer.communication_seconds += seconds
+        peer.outcomes[outcome] += 1
+        peer.history.append(
+            {
+                "epoch": peer.epoch,
+                "outcome": outcome,
+                "time": self.env.now,
+                "samples": peer.samples,
+                "group_size": group_size,
+                "round_seconds": seconds,
+                "bytes_sent": peer.bytes_sent,
+                "bytes_received": peer.bytes_received,
+            }
+        )
+        self._advanced()
+
+    def _resync(self, peer: _Peer) -> Events:
+        peer.phase = "sync"
+        self._fire_armed(peer, "state_download")
+        donors = [p for p in self.peers if p.alive and not p.paused and p.epoch == self.newest]
+        donors = donors[: self.max_donors]
+        if not donors:
+            return
+        rate = min(peer.down, sum(d.up for d in donors))
+        latency = max(peer.latency_seconds + d.latency_seconds for d in donors)
+        yield self.env.timeout(self.config.dht_seconds + 2 * latency + self.state_bytes / rate)
+        peer.epoch = max(d.epoch for d in donors)
+        peer.record_epoch = peer.epoch
+
+    # -- matchmaking and the all-reduce ---------------------------------------------------------
+
+    def _board(self, round_: int) -> _Board:
+        board = self.boards.get(round_)
+        if board is None:
+            board = self.boards[round_] = _Board(self.env, round_, self.group_size)
+            self.boards.pop(round_ - 3, None)  # nobody reads that far back
+        return board
+
+    def _round(self, peer: _Peer) -> Events:
+        """Matchmaking, then the all-reduce: (outcome, group size)."""
+        env, board, me = self.env, self._board(peer.epoch), peer.peer_id
+        peer.phase = "match"
+        announced = self.config.dht_seconds + peer.latency_seconds
+        env.process(self._announce(board, me, announced))
+        deadline = env.now + self.matchmaking_timeout
+        while env.now < deadline:
+            seen = len(board.visible)
+            if seen >= self.group_size:
+                break
+            if me in board.visible.ids and seen >= 2 and not self._awaited(peer, board):
+                break
+            refresh = min(deadline - env.now, EXPECTED_REFRESH_SECONDS)
+            yield env.any_of([board.changed, env.timeout(refresh)])
+        yield env.timeout(POLL_SECONDS / 2 + MATCHMAKING_SETTLE_SECONDS)
+        group = board.visible.group_of(me)
+        board.decided[me] = (group, env.now)
+        self._settled(board, me)
+        if group is None:
+            return "no group", 1
+        exchange = yield from self._exchange(board, group)
+        peer.phase = "round"
+        self._fire_armed(peer, "round")
+        if peer.index not in exchange.members:
+            return "aborted", len(group)
+        peer.exchange = exchange
+        yield exchange.done
+        peer.exchange = None
+        traffic = exchange.traffic.get(peer.index)
+        if traffic is not None:
+            peer.bytes_sent += traffic.sent
+            peer.bytes_received += traffic.received
+        if len(exchange.members) < 2:
+            return "aborted", len(group)
+        complete = len(exchange.members) == len(group) and not exchange.dead
+        return ("averaged" if complete else "partial"), len(group)
+
+    def _announce(self, board: _Board, peer_id: str, delay: float) -> Events:
+        yield self.env.timeout(delay)
+        board.show(peer_id)
+
+    def _awaited(self, peer: _Peer, board: _Board) -> bool:
+        """Whether a peer this one expects in the round (census rule) is not visible yet."""
+        r, now = peer.epoch, self.env.now
+        for other in self.peers:
+            if other is peer or other.peer_id in board.visible.ids:
+                continue
+            if other.record_epoch in (r - 1, r) and other.record_expires > now:
+                return True
+        return False
+
+    def _exchange(self, board: _Board, group: tuple[str, ...]) -> Events:
+        """The exchange of ``group``: once every member has decided (or a sender timeout has
+        passed), the members that computed this same group average among themselves."""
+        exchange = board.exchanges.get(group)
+        if exchange is not None:
+            return exchange
+        if not self._all_decided(board, group):
+            waiting = board.waiting.get(group)
+            if waiting is None:
+                waiting = board.waiting[group] = self.env.event()
+                for p in group:
+                    board.watchers.setdefault(p, []).append(group)
+            yield self.env.any_of(
+                [waiting, self.env.timeout(self.allreduce.sender_timeout_seconds)]
+            )
+        exchange = board.exchanges.get(group)
+        if exchange is None:
+            agreed = tuple(
+                self.by_id[p].index
+                for p in group
+                if board.decided.get(p, (None, 0.0))[0] == group and self.by_id[p].alive
+            )
+            exchange = _Exchange(group=group, members=agreed, done=self.env.event())
+            board.exchanges[group] = exchange
+            exchange.process = self.env.process(self._transfer(exchange))
+        return exchange
+
+    def _all_decided(self, board: _Board, group: tuple[str, ...]) -> bool:
+        return all(p in board.decided or not self.by_id[p].alive for p in group)
+
+    def _settled(self, board: _Board, peer_id: str) -> None:
+        """``peer_id`` decided (or died): wake the exchanges that were waiting for it."""
+        for group in board.watchers.pop(peer_id, []):
+            waiting = board.waiting[group]
+            if not waiting.triggered and self._all_decided(board, group):
+                waiting.succeed()
+
+    def _transfer(self, exchange: _Exchange) -> Events:
+        env = self.env
+        seconds = self._transfer_seconds(exchange)
+        end = env.now + seconds
+        while env.now < end:
+            try:
+                yield env.timeout(end - env.now)
+            except simpy.Interrupt:  # a member died: the others drop it after the sender timeout
+                end = max(end, env.now + self.allreduce.sender_timeout_seconds)
+        exchange.done.succeed()
+
+    def _transfer_seconds(self, exchange: _Exchange) -> float:
+        members = [self.by_id[p] for p in exchange.group]
+        if len(exchange.members) < 2:
+            return 0.0
+        group = Group(
+            round=0,
+            members=tuple(
+                Member(
+                    peer_id=m.peer_id,
+                    endpoint=m.peer_id,
+                    bandwidth=m.profile.bandwidth if m.profile.nat == "direct" else 0.0,
+                )
+                for m in members
+            ),
+        )
+        position = {m.index: i for i, m in enumerate(members)}
+        taking = [position[i] for i in exchange.members]
+        by_position = round_traffic(group, self.params, self.allreduce, taking)
+        exchange.traffic = {members[i].index: t for i, t in by_position.items()}
+        up: Counter[int] = Counter()
+        down: Counter[int] = Counter()
+        for index, t in exchange.traffic.items():
+            up[index] += t.sent
+            down[index] += t.received
+            relay = self.peers[index].relay
+            if relay is not None:  # the relay carries both directions of the relayed peer
+                up[relay] += t.received
+                down[relay] += t.sent
+        transfer = max(
+            max(b / self.peers[i].up for i, b in up.items()),
+            max(b / self.peers[i].down for i, b in down.items()),
+        )
+        hops = [self.peers[i].latency_seconds * (2 if self.peers[i].relay else 1) for i in up]
+        latency = 3 * (sorted(hops)[-1] + sorted(hops)[-2]) if len(hops) > 1 else 0.0
+        codec = 0.0
+        if self.config.codec_values_per_second:
+            codec = 2 * self.params / self.config.codec_values_per_second
+        if len(exchange.members) < len(exchange.group):  # streams to dissenters time out
+            transfer = max(transfer, self.allreduce.join_timeout_seconds)
+        return transfer + latency + codec + self.config.round_overhead_seconds
+
+    # -- churn ----------------------------------------------------------------------------------
+
+    def _kill(self, peer: _Peer, *, graceful: bool = False) -> None:
+        peer.alive = False
+        peer.record_expires = self.env.now if graceful else self.env.now + self.record_ttl
+        self._halt(peer)
+        for board in self.boards.values():
+            self._settled(board, peer.peer_id)
+
+    def _halt(self, peer: _Peer) -> None:
+        """Stop ``peer``'s process; its all-reduce goes on without it."""
+        if peer.process is not None and peer.process.is_alive:
+            peer.process.interrupt()
+        exchange, peer.exchange = peer.exchange, None
+        if exchange is not None and exchange.process is not None and exchange.process.is_alive:
+            exchange.dead.append(peer.index)
+            exchange.process.interrupt()
+
+    def _churn(self) -> Events:
+        for event in self.config.events:
+            while self.newest < event.at_epoch:
+                yield self.epoch_changed
+            target = self.peers[event.node]
+            if event.during:
+                self.armed = (event, event.during)
+                while self.armed is not None:
+                    yield self.epoch_changed
+                continue
+            self._fire(event, target)
+
+    def _fire(self, event: ChurnEvent, target: _Peer) -> None:
+        if event.action == "start":
+            self._start(target)
+        elif event.action in ("kill", "stop"):
+            self._kill(target, graceful=event.action == "stop")
+        elif event.action == "pause":
+            target.paused = True
+            target.record_expires = self.env.now + self.record_ttl
+            self._halt(target)
+        else:  # resume: stale, it catches up by state sync
+            target.paused = False
+            target.process = self.env.process(self._life(target, restarted=True))
+        self.fired.append({"event": event.describe(), "time": self.env.now})
+        self._advanced()
+
+    def _fire_armed(self, peer: _Peer, phase: str) -> None:
+        if self.armed is not None and self.armed[0].node == peer.index and self.armed[1] == phase:
+            event, self.armed = self.armed[0], None
+            self.env.process(self._fire_soon(event, peer))
+
+    def _fire_soon(self, event: ChurnEvent, peer: _Peer) -> Events:
+        yield self.env.timeout(0)
+        self._fire(event, peer)
+
+    # -- the summary ----------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """The same schema as the real processes' summary (``simulations/summary.py``); the
+        loss fields are None: the model does not train."""
+        finals = [p for p in self.peers if p.sessions]
+        ok = all(p.epoch >= self.config.rounds for p in finals if p.alive)
+        by_epoch: dict[int, list[dict[str, Any]]] = {}
+        for peer in finals:
+            for entry in peer.history:
+                if entry["outcome"] in ("averaged", "partial"):
+                    by_epoch.setdefault(entry["epoch"], []).append(entry)
+        seq_len = self.config.spec.model.seq_len
+        peers = []
+        for p in finals:
+            busy = p.compute_seconds + p.communication_seconds
+            alive_for = max(self.env.now, 1e-9)
+            peers.append(
+                {
+                    "peer_id": p.peer_id,
+                    "epoch": p.epoch,
+                    "samples": p.samples,
+                    "tokens_per_second": p.samples * seq_len / alive_for,
+                    "bytes_sent": p.bytes_sent,
+                    "bytes_received": p.bytes_received,
+                    "compute_seconds": p.compute_seconds,
+                    "communication_seconds": p.communication_seconds,
+                    "utilization": p.compute_seconds / busy if busy else 0.0,
+                    "outcomes": dict(p.outcomes),
+                    "checksum": None,
+                }
+            )
+        total = sum(p["samples"] for p in peers) or 1
+        for row in peers:
+            row["contribution"] = row["samples"] / total
+        spec = self.config.spec
+        summary: dict[str, Any] = {
+            "engine": "des",
+            "ok": ok and not self._capped(),
+            "run": spec.run.id,
+            "spec_hash": spec.short_hash,
+            "algorithm": spec.algorithm.name,
+            "codec": spec.averaging.codec,
+            "nodes": len(finals),
+            "rounds": self.config.rounds,
+            "wall_seconds": self.env.now,
+            "initial_val_loss": None,
+            "final_val_loss": None,
+            "replicas_identical": None,
+            "parameters": self.params,
+            "loss_curve": [
+                {
+                    "epoch": epoch,
+                    "val_loss": None,
+                    "samples": sum(e["samples"] for e in entries),
+                    "bytes_sent_per_peer": statistics.fmean(e["bytes_sent"] for e in entries),
+                }
+                for epoch, entries in sorted(by_epoch.items())
+            ],
+            "round_seconds": [
+                {
+                    "epoch": epoch,
+                    "median": statistics.median(e["round_seconds"] for e in entries),
+                    "max": max(e["round_seconds"] for e in entries),
+                }
+                for epoch, entries in sorted(by_epoch.items())
+            ],
+            "peers": peers,
+            "totals": totals(peers),
+        }
+        if self.config.events or any(p.profile.session_seconds for p in self.peers):
+            summary["churn"] = {
+                "events": self.fired,
+                "rejoin_seconds": {
+                    f"node-{i}": seconds for i, seconds in sorted(self.rejoin_seconds.items())
+                },
+                "finished": [f"node-{p.index}" for p in finals if p.finished],
+            }
+        return summary
+
+    def _capped(self) -> bool:
+        return not self.done.triggered
+
+
+def totals(peers: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Swarm-wide figures: mean utilization, rounds lost and partial, bytes per peer."""
+    outcomes: Counter[str] = Counter()
+    for p in peers:
+        outcomes.update(p["outcomes"])
+    return {
+        "utilization": statistics.fmean(p["utilization"] for p in peers) if peers else 0.0,
+        "rounds_lost": outcomes["no group"] + outcomes["aborted"],
+        "rounds_partial": outcomes["partial"],
+        "rounds_averaged": outcomes["averaged"],
+        "resyncs": outcomes["resynced"],
+        "bytes_sent_per_peer": statistics.fmean(p["bytes_sent"] for p in peers) if peers else 0,
+    }
+
+
+def simulate(config: ModelConfig) -> dict[str, Any]:
+    """Run the model once; its summary."""
+    return SwarmModel(config).run()
