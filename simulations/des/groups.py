@@ -33,6 +33,13 @@ class Candidates:
             self.ids.add(peer_id)
             bisect.insort(self._order, (group_order(self.round, peer_id), peer_id))
 
+    def remove(self, peer_id: str) -> None:
+        if peer_id in self.ids:
+            self.ids.discard(peer_id)
+            del self._order[
+                bisect.bisect_left(self._order, (group_order(self.round, peer_id), peer_id))
+            ]
+
     def group_of(self, peer_id: str) -> tuple[str, ...] | None:
         """``peer_id``'s group among the candidates now (sorted ids), as ``assign_groups`` would
         cut it; None if it is not a candidate or would be alone."""

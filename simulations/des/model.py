@@ -36,7 +36,7 @@ import math
 import random
 import statistics
 from collections import Counter
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,8 +44,13 @@ import simpy
 import torch
 
 from swarmgrad.node.averaging.group import Group, Member
-from swarmgrad.node.averaging.matchmaking import EXPECTED_REFRESH_SECONDS, POLL_SECONDS
+from swarmgrad.node.averaging.matchmaking import (
+    EXPECTED_REFRESH_SECONDS,
+    POLL_SECONDS,
+    READY_MARGIN_SECONDS,
+)
 from swarmgrad.node.averaging.plan import AllReduceConfig
+from swarmgrad.node.averaging.rounds import WITHDRAW_MARGIN_SECONDS
 from swarmgrad.node.discovery.directory import DirectoryConfig
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.state.sync import StateSyncConfig
@@ -159,11 +164,20 @@ class _Board:
         #: The groups whose exchange waits for a peer's decision, by peer.
         self.watchers: dict[str, list[tuple[str, ...]]] = {}
         self.exchanges: dict[tuple[str, ...], _Exchange] = {}
+        #: Each peer's latest readiness record (a number per announcement).
+        self.records: dict[str, int] = {}
 
-    def show(self, peer_id: str) -> None:
-        self.visible.add(peer_id)
-        changed, self.changed = self.changed, self.env.event()
-        changed.succeed()
+    def show(self, peer_id: str, record: int) -> None:
+        if self.records.get(peer_id) == record:
+            self.visible.add(peer_id)
+            changed, self.changed = self.changed, self.env.event()
+            changed.succeed()
+
+    def withdraw(self, peer_id: str, record: int) -> None:
+        """Withdraw (or let expire) ``peer_id``'s record, if it is still that announcement."""
+        if self.records.get(peer_id) == record:
+            del self.records[peer_id]
+            self.visible.remove(peer_id)
 
 
 class SwarmModel:
@@ -199,6 +213,8 @@ class SwarmModel:
         self.armed: tuple[ChurnEvent, str] | None = None
         self.done = self.env.event()
         self.rejoin_seconds: dict[int, list[float]] = {}
+        self.stalled = False
+        self._records = 0
 
     # -- the run --------------------------------------------------------------------------------
 
@@ -207,17 +223,37 @@ class SwarmModel:
             self._start(peer)
         self.env.process(self._churn())
         self.env.process(self._watch())
+        self.env.process(self._stall_guard())
         self.env.run(until=simpy.AnyOf(self.env, [self.done, self._cap()]))
         return self.summary()
 
     def _cap(self) -> simpy.Event:
         return self.env.timeout(self.config.max_simulated_seconds)
 
+    def _stall_guard(self) -> Events:
+        """Ends a run in which no peer has reached a new epoch for a long while (a swarm that
+        cannot form groups any more): the summary says it stalled."""
+        slowest = max(p.slowdown for p in self.config.profiles)
+        patience = 10 * (
+            self.inner_steps * self.config.step_seconds * slowest
+            + self.matchmaking_timeout
+            + self.allreduce.round_timeout_seconds
+            + max(p.offline_seconds for p in self.config.profiles)
+        )
+        seen = -1
+        while not self.done.triggered:
+            if self.newest == seen:
+                self.stalled = True
+                self.done.succeed()
+                return
+            seen = self.newest
+            yield self.env.timeout(patience)
+
     def _watch(self) -> Events:
         """Ends the run once every live peer has finished and the schedule is spent."""
         while True:
             yield self.epoch_changed
-            if self._all_done():
+            if self._all_done() and not self.done.triggered:
                 self.done.succeed()
                 return
 
@@ -254,6 +290,7 @@ class SwarmModel:
         try:
             if self.newest > peer.epoch:
                 yield from self._resync(peer)
+                self._record(peer, "resynced", started, 0)
                 if restarted:
                     self.rejoin_seconds.setdefault(peer.index, []).append(env.now - started)
             while peer.epoch < self.config.rounds:
@@ -325,8 +362,15 @@ class SwarmModel:
         """Matchmaking, then the all-reduce: (outcome, group size)."""
         env, board, me = self.env, self._board(peer.epoch), peer.peer_id
         peer.phase = "match"
-        announced = self.config.dht_seconds + peer.latency_seconds
-        env.process(self._announce(board, me, announced))
+        board.decided.pop(me, None)  # an earlier attempt's
+        record = self._records = self._records + 1
+        board.records[me] = record
+        board.visible.remove(me)
+        delay = self.config.dht_seconds + peer.latency_seconds
+        env.process(self._after(delay, board.show, me, record))
+        # It lapses unless withdrawn sooner (a crashed peer's stays until then).
+        lapse = delay + self.matchmaking_timeout + READY_MARGIN_SECONDS
+        env.process(self._after(lapse, board.withdraw, me, record))
         deadline = env.now + self.matchmaking_timeout
         while env.now < deadline:
             seen = len(board.visible)
@@ -341,7 +385,17 @@ class SwarmModel:
         board.decided[me] = (group, env.now)
         self._settled(board, me)
         if group is None:
+            board.withdraw(me, record)
             return "no group", 1
+        early = MATCHMAKING_SETTLE_SECONDS + WITHDRAW_MARGIN_SECONDS
+        env.process(self._after(early, board.withdraw, me, record))
+        try:
+            return (yield from self._average(peer, board, group))
+        finally:
+            if peer.alive and not peer.paused:
+                board.withdraw(me, record)
+
+    def _average(self, peer: _Peer, board: _Board, group: tuple[str, ...]) -> Events:
         exchange = yield from self._exchange(board, group)
         peer.phase = "round"
         self._fire_armed(peer, "round")
@@ -359,9 +413,9 @@ class SwarmModel:
         complete = len(exchange.members) == len(group) and not exchange.dead
         return ("averaged" if complete else "partial"), len(group)
 
-    def _announce(self, board: _Board, peer_id: str, delay: float) -> Events:
+    def _after(self, delay: float, action: Callable[[str, int], None], *args: Any) -> Events:
         yield self.env.timeout(delay)
-        board.show(peer_id)
+        action(*args)
 
     def _awaited(self, peer: _Peer, board: _Board) -> bool:
         """Whether a peer this one expects in the round (census rule) is not visible yet."""
@@ -397,7 +451,7 @@ class SwarmModel:
             )
             exchange = _Exchange(group=group, members=agreed, done=self.env.event())
             board.exchanges[group] = exchange
-            exchange.process = self.env.process(self._transfer(exchange))
+            exchange.process = self.env.process(self._transfer(exchange, board))
         return exchange
 
     def _all_decided(self, board: _Board, group: tuple[str, ...]) -> bool:
@@ -406,11 +460,11 @@ class SwarmModel:
     def _settled(self, board: _Board, peer_id: str) -> None:
         """``peer_id`` decided (or died): wake the exchanges that were waiting for it."""
         for group in board.watchers.pop(peer_id, []):
-            waiting = board.waiting[group]
-            if not waiting.triggered and self._all_decided(board, group):
+            waiting = board.waiting.get(group)
+            if waiting is not None and not waiting.triggered and self._all_decided(board, group):
                 waiting.succeed()
 
-    def _transfer(self, exchange: _Exchange) -> Events:
+    def _transfer(self, exchange: _Exchange, board: _Board) -> Events:
         env = self.env
         seconds = self._transfer_seconds(exchange)
         end = env.now + seconds
@@ -420,6 +474,9 @@ class SwarmModel:
             except simpy.Interrupt:  # a member died: the others drop it after the sender timeout
                 end = max(end, env.now + self.allreduce.sender_timeout_seconds)
         exchange.done.succeed()
+        # A later attempt at this round that computes the same group is a new exchange.
+        del board.exchanges[exchange.group]
+        board.waiting.pop(exchange.group, None)
 
     def _transfer_seconds(self, exchange: _Exchange) -> float:
         members = [self.by_id[p] for p in exchange.group]
@@ -554,7 +611,8 @@ class SwarmModel:
         spec = self.config.spec
         summary: dict[str, Any] = {
             "engine": "des",
-            "ok": ok and not self._capped(),
+            "ok": ok and not self._capped() and not self.stalled,
+            "stalled": self.stalled,
             "run": spec.run.id,
             "spec_hash": spec.short_hash,
             "algorithm": spec.algorithm.name,

@@ -1,0 +1,159 @@
+"""The discrete-event model (no sockets): it applies the node's own rules, is deterministic, and
+shows what a user asks it about (rounds lost to churn, slow links, relays)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from swarmgrad.node.averaging.group import Group, Member
+from swarmgrad.node.averaging.matchmaking import assign_groups
+from swarmgrad.node.cli import app
+from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.swarm_config import allreduce_config
+from swarmgrad.simulations.churn import ChurnEvent
+from swarmgrad.simulations.des.groups import Candidates
+from swarmgrad.simulations.des.model import ModelConfig, parameter_count, simulate
+from swarmgrad.simulations.des.traffic import part_bytes, round_traffic
+from swarmgrad.simulations.profiles import PeerProfile, SimulationError, load_profile
+from swarmgrad.simulations.swarm import DEMO_SPEC
+
+SPEC = RunSpec.from_toml(DEMO_SPEC)
+
+
+def model(
+    nodes: int, rounds: int = 6, *, profiles: list[PeerProfile] | None = None, **options: Any
+) -> dict[str, Any]:
+    profiles = profiles or [PeerProfile(upload_bytes_per_second=5e6) for _ in range(nodes)]
+    return simulate(
+        ModelConfig(
+            spec=options.pop("spec", SPEC),
+            nodes=nodes,
+            rounds=rounds,
+            profiles=tuple(profiles),
+            step_seconds=0.05,
+            **options,
+        )
+    )
+
+
+@pytest.mark.parametrize("group_size", [2, 3, 4, 5])
+def test_incremental_groups_are_the_nodes_assign_groups(group_size: int) -> None:
+    rng = random.Random(group_size)
+    ids = [f"peer-{rng.randrange(10**6):06d}" for _ in range(40)]
+    candidates = Candidates(7, group_size)
+    for count, peer_id in enumerate(ids, start=1):
+        candidates.add(peer_id)
+        expected = {p: tuple(g) for g in assign_groups(7, ids[:count], group_size) for p in g}
+        for p in ids[:count]:
+            assert candidates.group_of(p) == expected.get(p), (count, p)
+
+
+def test_traffic_is_the_butterflys_bytes_from_the_real_codec() -> None:
+    config = allreduce_config(SPEC)
+    members = tuple(
+        Member(peer_id=f"p{i}", endpoint="e", bandwidth=b) for i, b in enumerate([1, 1, 2, 0])
+    )
+    group = Group(round=0, members=members)
+    total = parameter_count(SPEC)
+    traffic = round_traffic(group, total, config)
+    parts = group.partition(total)
+    chunks = [part_bytes(config, end - start) for start, end in parts]
+    # Every byte one member sends, another receives; int8 is ~1 byte per value plus scales.
+    assert sum(t.sent for t in traffic.values()) == sum(t.received for t in traffic.values())
+    assert total < sum(chunks) < 1.1 * total
+    # The peer that owns nothing (bandwidth 0) sends every part and gets every result.
+    assert traffic[3].sent == sum(chunks) and traffic[3].received == sum(chunks)
+    assert traffic[2].sent == sum(chunks) - chunks[2] + 3 * chunks[2]
+
+
+def test_same_seed_same_swarm_and_seeds_differ(tmp_path: Path) -> None:
+    profile = tmp_path / "peers.toml"
+    profile.write_text(
+        "[[peer]]\n"
+        'slowdown = { dist = "lognormal", median = 1.0, sigma = 0.4 }\n'
+        'upload_bytes_per_second = { dist = "choice", values = [1e6, 1e7] }\n'
+        'latency_ms = { dist = "uniform", low = 5, high = 80 }\n'
+    )
+    runs = [model(8, profiles=load_profile(profile, 8, seed=s)) for s in (1, 1, 2)]
+    assert json.dumps(runs[0]) == json.dumps(runs[1])
+    assert runs[0]["wall_seconds"] != runs[2]["wall_seconds"]
+
+
+def test_profile_distributions_are_checked(tmp_path: Path) -> None:
+    path = tmp_path / "peers.toml"
+    for text, message in [
+        ('slowdown = { dist = "gamma", k = 2 }', "dist must be one of"),
+        ('slowdown = { dist = "uniform", low = 3, high = 1 }', "low <= high"),
+        ('slowdown = { dist = "normal", mean = -1, std = 0 }', "slowdown must be positive"),
+        ('nat = "symmetric"', "nat must be one of"),
+    ]:
+        path.write_text(f"[[peer]]\n{text}\n")
+        with pytest.raises(SimulationError, match=message):
+            load_profile(path, 2)
+
+
+def test_a_kill_mid_round_leaves_partial_rounds_and_the_node_rejoins_by_state_sync() -> None:
+    events = (
+        ChurnEvent(at_epoch=2, action="kill", node=1, during="round"),
+        ChurnEvent(at_epoch=4, action="start", node=1),
+    )
+    summary = model(4, 8, events=events)
+    assert summary["ok"]
+    outcomes = {p["peer_id"]: p["outcomes"] for p in summary["peers"]}
+    assert outcomes["peer-000001"]["resynced"] == 1  # a restart catches up before it trains
+    assert summary["churn"]["rejoin_seconds"]["node-1"]
+    assert any(o.get("partial") for pid, o in outcomes.items() if pid != "peer-000001")
+    assert all(p["epoch"] == 8 for p in summary["peers"])
+
+
+def test_slower_links_make_longer_rounds_and_relays_cost_their_relay() -> None:
+    fast = model(4, profiles=[PeerProfile(upload_bytes_per_second=1e7)] * 4)
+    slow = model(4, profiles=[PeerProfile(upload_bytes_per_second=1e6)] * 4)
+    # Same bytes, 10x slower uplinks: each round is longer by its bytes over the lost rate.
+    per_round = slow["peers"][0]["bytes_sent"] / 6
+    assert per_round == fast["peers"][0]["bytes_sent"] / 6
+    longer = slow["round_seconds"][-1]["median"] - fast["round_seconds"][-1]["median"]
+    assert longer == pytest.approx(per_round * (1 / 1e6 - 1 / 1e7), rel=0.1)
+    assert slow["totals"]["utilization"] < fast["totals"]["utilization"]
+    relayed = [PeerProfile(upload_bytes_per_second=1e6, nat="relayed")] * 2
+    mixed = model(4, profiles=[PeerProfile(upload_bytes_per_second=1e6)] * 2 + relayed)
+    sent = {p["peer_id"]: p["bytes_sent"] for p in mixed["peers"]}
+    # Relayed peers own no part, so they send only their chunks, never results.
+    assert sent["peer-000002"] < sent["peer-000000"]
+    assert mixed["round_seconds"][-1]["median"] > slow["round_seconds"][-1]["median"]
+
+
+def test_random_sessions_cost_rounds_and_resyncs() -> None:
+    stable = model(8, 10)
+    churned = model(
+        8, 10, profiles=[PeerProfile(upload_bytes_per_second=5e6, session_seconds=15.0, offline_seconds=5.0)] * 8
+    )
+    assert stable["totals"]["rounds_lost"] + stable["totals"]["rounds_partial"] == 0
+    lost = churned["totals"]["rounds_lost"] + churned["totals"]["rounds_partial"]
+    assert lost > 0 and churned["totals"]["resyncs"] + len(churned["churn"]["rejoin_seconds"]) > 0
+
+
+def test_cli_des_writes_the_summary_schema_of_real_processes(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app,
+        ["simulate", "--engine", "des", "--nodes", "5", "--rounds", "3", "--out", str(tmp_path),
+         "--step-seconds", "0.02"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    real_keys = {
+        "ok", "run", "spec_hash", "algorithm", "codec", "nodes", "rounds", "wall_seconds",
+        "initial_val_loss", "final_val_loss", "replicas_identical", "loss_curve",
+        "round_seconds", "peers", "profiles",
+    }  # fmt: skip
+    assert real_keys <= set(summary)
+    assert summary["engine"] == "des" and summary["nodes"] == 5
+    assert {p["epoch"] for p in summary["peers"]} == {3}
+    bad = CliRunner().invoke(app, ["simulate", "--engine", "ray"])
+    assert bad.exit_code != 0 and "--engine" in bad.output
