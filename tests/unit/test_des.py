@@ -68,7 +68,8 @@ def test_traffic_is_the_butterflys_bytes_from_the_real_codec() -> None:
     assert sum(t.sent for t in traffic.values()) == sum(t.received for t in traffic.values())
     assert total < sum(chunks) < 1.1 * total
     # The peer that owns nothing (bandwidth 0) sends every part and gets every result.
-    assert traffic[3].sent == sum(chunks) and traffic[3].received == sum(chunks)
+    assert traffic[3].sent == sum(chunks)
+    assert traffic[3].received == sum(chunks)
     assert traffic[2].sent == sum(chunks) - chunks[2] + 3 * chunks[2]
 
 
@@ -132,11 +133,17 @@ def test_slower_links_make_longer_rounds_and_relays_cost_their_relay() -> None:
 def test_random_sessions_cost_rounds_and_resyncs() -> None:
     stable = model(8, 10)
     churned = model(
-        8, 10, profiles=[PeerProfile(upload_bytes_per_second=5e6, session_seconds=15.0, offline_seconds=5.0)] * 8
+        8,
+        10,
+        profiles=[
+            PeerProfile(upload_bytes_per_second=5e6, session_seconds=15.0, offline_seconds=5.0)
+        ]
+        * 8,
     )
     assert stable["totals"]["rounds_lost"] + stable["totals"]["rounds_partial"] == 0
     lost = churned["totals"]["rounds_lost"] + churned["totals"]["rounds_partial"]
-    assert lost > 0 and churned["totals"]["resyncs"] + len(churned["churn"]["rejoin_seconds"]) > 0
+    assert lost > 0
+    assert churned["totals"]["resyncs"] + len(churned["churn"]["rejoin_seconds"]) > 0
 
 
 def test_cli_des_writes_the_summary_schema_of_real_processes(tmp_path: Path) -> None:
@@ -153,7 +160,9 @@ def test_cli_des_writes_the_summary_schema_of_real_processes(tmp_path: Path) -> 
         "round_seconds", "peers", "profiles",
     }  # fmt: skip
     assert real_keys <= set(summary)
-    assert summary["engine"] == "des" and summary["nodes"] == 5
+    assert summary["engine"] == "des"
+    assert summary["nodes"] == 5
     assert {p["epoch"] for p in summary["peers"]} == {3}
     bad = CliRunner().invoke(app, ["simulate", "--engine", "ray"])
-    assert bad.exit_code != 0 and "--engine" in bad.output
+    assert bad.exit_code != 0
+    assert "--engine" in bad.output
