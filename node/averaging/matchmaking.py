@@ -1,16 +1,25 @@
 """Matchmaking without a leader: peers ready for round r form groups through the DHT.
 
 Each peer announces a signed readiness record under ``round/<r>`` (its endpoint, bandwidth and
-weight), then reads the topic until it sees ``group_size`` peers, or every peer whose peer record
-says it is at epoch r or r - 1 (a swarm smaller than a group, or one that lost a member a round
-ago, need not wait out the timeout), or its matchmaking timeout passes; then it waits
-``settle_seconds`` for stragglers' records to spread, and reads once more. The candidates are
-then ordered by a hash of (round, peer id), a fresh shuffle each round that every peer computes
-alike, and cut into groups of ``group_size`` (a short last group joins the one before it). Peers
-that saw the same candidates form the same groups; a peer that saw a different set (a record that
-arrived between two peers' reads) ends up in a group whose id its mates do not share, its
-all-reduce streams are refused as UNKNOWN_ROUND, and the round counts as failed for it: nothing
-hangs and nothing mixes. A peer that finds nobody returns None and trains on.
+weight). The peers it expects in the round are those whose peer records say they are at epoch r or
+r - 1 (a peer that just finished the last round may not have announced it yet). A swarm of many
+groups is split into **buckets** by a hash of (round, peer id): a power of two of them, so each
+expects two to four groups' worth of the round's peers (:func:`bucket_count`); a peer only waits
+for, and only groups with, the peers of its own bucket. It reads the topic until every expected
+peer of its bucket is a candidate (at least two), or its matchmaking timeout passes; then it waits
+``settle_seconds`` for stragglers' records to spread, and reads once more. Its bucket's
+candidates are ordered by a hash of (round, peer id), a fresh shuffle each round that every peer
+computes alike, and cut into groups of ``group_size`` (a short last group joins the one before
+it).
+
+Peers that saw the same candidates form the same groups. Waiting for the whole bucket, not for
+the first ``group_size`` candidates, is what keeps them the same in a large swarm: peers that
+become ready at different times would otherwise each cut a different prefix of the arrivals
+(``simulate --engine des`` showed most rounds lost that way at 32 peers). A peer that still saw
+a different set (a record that arrived between two peers' reads, or a census that put the
+bucket count on the other side of a power of two) ends up in a group whose id its mates do not
+share, its all-reduce streams are refused as UNKNOWN_ROUND, and the round counts as failed for
+it: nothing hangs and nothing mixes. A peer that finds nobody returns None and trains on.
 """
 
 from __future__ import annotations
@@ -18,7 +27,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Collection
 
 from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.discovery.base import Discovery, dht_time
@@ -40,6 +50,29 @@ EXPECTED_REFRESH_SECONDS = 1.0
 def group_order(round_: int, peer_id: str) -> bytes:
     """Where ``peer_id`` falls in round ``round_``'s shuffle of the candidates."""
     return hashlib.blake2b(f"{round_}:{peer_id}".encode(), digest_size=16).digest()
+
+
+def bucket_count(round_: int, peers: Collection[str], group_size: int) -> int:
+    """Buckets round ``round_``'s ``peers`` are split into: the largest power of two that leaves
+    each at least two groups' worth of them on average (1 under four groups), halved while a
+    bucket would hold fewer than two (a peer alone in its bucket would wait for nobody). Every
+    peer with the same census computes the same count; a power of two, so that peers whose
+    censuses differ by a few mostly agree, and when they do not, one's buckets split the
+    other's in two."""
+    buckets = 1
+    while len(peers) >= 4 * buckets * group_size:
+        buckets *= 2
+    while buckets > 1:
+        sizes = Counter(bucket_of(round_, p, buckets) for p in peers)
+        if len(sizes) == buckets and min(sizes.values()) >= 2:
+            break
+        buckets //= 2
+    return buckets
+
+
+def bucket_of(round_: int, peer_id: str, buckets: int) -> int:
+    """Which of ``buckets`` buckets ``peer_id`` is in for ``round_``."""
+    return int.from_bytes(group_order(round_, peer_id)[-8:], "big") % buckets
 
 
 def assign_groups(round_: int, peer_ids: list[str], group_size: int) -> list[list[str]]:
@@ -103,11 +136,14 @@ class Matchmaker:
         deadline = loop.time() + self.timeout_seconds
         me = self._identity.peer_id
         candidates = await self._candidates(round_)
-        expected, ahead = await self._census(round_)
+        expected, ahead, taking_part = await self._census(round_)
         checked = loop.time()
-        while len(candidates) < self.group_size and loop.time() < deadline:
-            seen = {r.peer_id for r in candidates}
-            if len(seen) >= 2 and expected <= seen:
+        while loop.time() < deadline:
+            buckets = bucket_count(round_, taking_part, self.group_size)
+            mine = bucket_of(round_, me, buckets)
+            seen = {r.peer_id for r in candidates if bucket_of(round_, r.peer_id, buckets) == mine}
+            wanted = {p for p in expected if bucket_of(round_, p, buckets) == mine}
+            if len(seen) >= 2 and wanted <= seen:
                 break
             if ahead and expected == {me} and seen <= {me}:
                 # Everyone else has moved past this round (this node lost one): nobody will
@@ -118,10 +154,12 @@ class Matchmaker:
             await asyncio.sleep(POLL_SECONDS)
             candidates = await self._candidates(round_)
             if loop.time() - checked > EXPECTED_REFRESH_SECONDS:
-                (expected, ahead), checked = await self._census(round_), loop.time()
+                (expected, ahead, taking_part), checked = await self._census(round_), loop.time()
         await asyncio.sleep(self.settle_seconds)
         candidates = await self._candidates(round_)
-        by_id = {r.peer_id: r for r in candidates}
+        buckets = bucket_count(round_, taking_part, self.group_size)
+        mine = bucket_of(round_, me, buckets)
+        by_id = {r.peer_id: r for r in candidates if bucket_of(round_, r.peer_id, buckets) == mine}
         for members in assign_groups(round_, list(by_id), self.group_size):
             if self._identity.peer_id in members:
                 if not any(by_id[p].bandwidth > 0 for p in members):
@@ -142,17 +180,21 @@ class Matchmaker:
         log.info("round %d: no group (%d candidates)", round_, len(candidates))
         return None
 
-    async def _census(self, round_: int) -> tuple[set[str], bool]:
-        """Peers who should be ready for ``round_``, and whether any other peer is past it.
+    async def _census(self, round_: int) -> tuple[set[str], bool, set[str]]:
+        """Peers who should be ready for ``round_``, whether any other peer is past it, and how
+        many take part in the round (the bucket count's input).
 
         Expected are those whose records say they are at it, or one behind (a peer that just
         finished the last round may not have announced it yet; a peer that died in it is waited
-        for once, then its record falls two behind)."""
+        for once, then its record falls two behind). Those who already finished it count too
+        for the buckets: a slow peer must cut the round into as many buckets as the fast ones
+        did, or it would wait in a bucket of its own for peers that are in others."""
         peers = [p for p in await self._peers() if not self._excluded(p.peer_id)]
         me = self._identity.peer_id
         expected = {p.peer_id for p in peers if p.epoch in (round_ - 1, round_)}
         ahead = any(p.epoch > round_ for p in peers if p.peer_id != me)
-        return expected | {me}, ahead
+        taking_part = {p.peer_id for p in peers if p.epoch >= round_ - 1} | {me}
+        return expected | {me}, ahead, taking_part
 
     async def _candidates(self, round_: int) -> list[ReadyRecord]:
         return [

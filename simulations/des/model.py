@@ -9,14 +9,15 @@ What each peer does, and whose rule it is:
   donor's upload and its own download shared, as ``node/state`` does; a (re)started peer does it
   first.
 - **Match** (``node/averaging/matchmaking.py``): announce readiness (visible to others after a
-  DHT write), then wait until ``group_size`` candidates are visible, or every expected peer
-  (records at epoch r or r - 1, a dead peer's until its record expires), or the matchmaking
-  timeout; notice at the next poll, wait the settle time, read once more and cut the visible
-  candidates into groups in the node's own order (``groups.py``). Peers that read different
-  candidate sets can compute different groups: only members that computed the same group
-  average together (a group with dissenters is partial, a peer alone in its view aborts and
-  tries the round again after more training), as on the wire, where streams with another group
-  id are refused.
+  DHT write); from the census (peer records at epoch r or r - 1, a dead peer's until its record
+  lapses) take the node's bucket count and this peer's bucket; wait until every expected peer of
+  the bucket is visible, or the matchmaking timeout; notice at the next poll, wait the settle
+  time, read once more and cut the bucket's visible candidates into groups in the node's own
+  order (``groups.py``). Readiness records are withdrawn and lapse as the node's do. Peers
+  that read different candidate sets can compute different groups: only members that computed
+  the same group average together (a group with dissenters is partial, a peer alone in its view
+  aborts and tries the round again after more training), as on the wire, where streams with
+  another group id are refused.
 - **Average** (``node/averaging``): the butterfly over the node's partition by bandwidth and its
   codecs (``traffic.py``); it lasts as long as the member whose link is the bottleneck needs for
   its bytes up or down (a relayed member's bytes also cross its relay's link), plus three
@@ -32,7 +33,6 @@ checks, and contention between different groups on one relay.
 
 from __future__ import annotations
 
-import math
 import random
 import statistics
 from collections import Counter
@@ -48,6 +48,8 @@ from swarmgrad.node.averaging.matchmaking import (
     EXPECTED_REFRESH_SECONDS,
     POLL_SECONDS,
     READY_MARGIN_SECONDS,
+    bucket_count,
+    bucket_of,
 )
 from swarmgrad.node.averaging.plan import AllReduceConfig
 from swarmgrad.node.averaging.rounds import WITHDRAW_MARGIN_SECONDS
@@ -112,8 +114,8 @@ class _Peer:
     paused: bool = False
     finished: bool = False
     epoch: int = 0
-    record_epoch: int = -1  # what its DHT record says (-1: none)
-    record_expires: float = math.inf  # a dead or frozen peer's record lapses then
+    record_epoch: int = -1  # what its live DHT peer record says (-1: none)
+    record_token: int = 0  # which announcement that record is (a lapse checks it)
     phase: str = ""  # "train", "sync", "match", "round"
     process: simpy.Process | None = None
     relay: int | None = None  # a relayed peer's relay (a direct peer's index)
@@ -152,13 +154,24 @@ class _Exchange:
     traffic: dict[int, Traffic] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class _Bucket:
+    visible: Candidates
+    changed: simpy.Event
+
+
 class _Board:
-    """Round r's readiness records: who is visible, who decided which group, the exchanges."""
+    """Round r's readiness records: who is visible (in each bucket of each bucket count in
+    use), who decided which group, the exchanges."""
 
     def __init__(self, env: simpy.Environment, round_: int, group_size: int) -> None:
         self.env = env
-        self.visible = Candidates(round_, group_size)
-        self.changed = env.event()
+        self.round = round_
+        self.group_size = group_size
+        self.visible: set[str] = set()
+        self.buckets: dict[int, dict[int, _Bucket]] = {}
+        self.expected: dict[int, tuple[float, dict[int, list[_Peer]]]] = {}
+        self.bucket_count: tuple[int, int] | None = None  # (census version, count)
         self.decided: dict[str, tuple[tuple[str, ...] | None, float]] = {}
         self.waiting: dict[tuple[str, ...], simpy.Event] = {}
         #: The groups whose exchange waits for a peer's decision, by peer.
@@ -167,17 +180,42 @@ class _Board:
         #: Each peer's latest readiness record (a number per announcement).
         self.records: dict[str, int] = {}
 
+    def bucket(self, buckets: int, index: int) -> _Bucket:
+        partition = self.buckets.get(buckets)
+        if partition is None:
+            partition = self.buckets[buckets] = {}
+        bucket = partition.get(index)
+        if bucket is None:
+            bucket = partition[index] = _Bucket(
+                Candidates(self.round, self.group_size), self.env.event()
+            )
+            for peer_id in self.visible:
+                if bucket_of(self.round, peer_id, buckets) == index:
+                    bucket.visible.add(peer_id)
+        return bucket
+
+    def _buckets_of(self, peer_id: str) -> list[_Bucket]:
+        return [
+            bucket
+            for count, partition in self.buckets.items()
+            if (bucket := partition.get(bucket_of(self.round, peer_id, count))) is not None
+        ]
+
     def show(self, peer_id: str, record: int) -> None:
         if self.records.get(peer_id) == record:
             self.visible.add(peer_id)
-            changed, self.changed = self.changed, self.env.event()
-            changed.succeed()
+            for bucket in self._buckets_of(peer_id):
+                bucket.visible.add(peer_id)
+                changed, bucket.changed = bucket.changed, self.env.event()
+                changed.succeed()
 
     def withdraw(self, peer_id: str, record: int) -> None:
         """Withdraw (or let expire) ``peer_id``'s record, if it is still that announcement."""
         if self.records.get(peer_id) == record:
             del self.records[peer_id]
-            self.visible.remove(peer_id)
+            self.visible.discard(peer_id)
+            for bucket in self._buckets_of(peer_id):
+                bucket.visible.remove(peer_id)
 
 
 class SwarmModel:
@@ -215,6 +253,9 @@ class SwarmModel:
         self.rejoin_seconds: dict[int, list[float]] = {}
         self.stalled = False
         self._records = 0
+        #: The live peer records, by the epoch they announce (the matchmaking census).
+        self.census: dict[int, set[int]] = {}
+        self.census_version = 0
 
     # -- the run --------------------------------------------------------------------------------
 
@@ -270,7 +311,7 @@ class SwarmModel:
 
     def _start(self, peer: _Peer) -> None:
         peer.alive, peer.paused, peer.finished = True, False, False
-        peer.record_epoch, peer.record_expires = peer.epoch, math.inf
+        self._announce(peer, peer.epoch)
         peer.sessions += 1
         peer.process = self.env.process(self._life(peer, restarted=peer.sessions > 1))
         if peer.profile.session_seconds is not None:
@@ -308,7 +349,7 @@ class SwarmModel:
                 outcome, size = yield from self._round(peer)
                 if outcome in ("averaged", "partial"):
                     peer.epoch += 1
-                    peer.record_epoch = peer.epoch
+                    self._announce(peer, peer.epoch)
                     if peer.epoch > self.newest:
                         self.newest = peer.epoch
                 self._record(peer, outcome, round_started, size)
@@ -347,7 +388,60 @@ class SwarmModel:
         latency = max(peer.latency_seconds + d.latency_seconds for d in donors)
         yield self.env.timeout(self.config.dht_seconds + 2 * latency + self.state_bytes / rate)
         peer.epoch = max(d.epoch for d in donors)
-        peer.record_epoch = peer.epoch
+        self._announce(peer, peer.epoch)
+
+    # -- peer records (the census) --------------------------------------------------------------
+
+    def _announce(self, peer: _Peer, epoch: int) -> None:
+        self._unlist(peer)
+        peer.record_epoch = epoch
+        peer.record_token += 1
+        self.census.setdefault(epoch, set()).add(peer.index)
+        self.census_version += 1
+
+    def _unlist(self, peer: _Peer) -> None:
+        if peer.record_epoch >= 0:
+            self.census[peer.record_epoch].discard(peer.index)
+            self.census_version += 1
+        peer.record_epoch = -1
+
+    def _lapse(self, peer: _Peer) -> Events:
+        """A peer that stopped announcing: its record is gone once its time to live passes."""
+        token = peer.record_token
+        yield self.env.timeout(self.record_ttl)
+        if peer.record_token == token:
+            self._unlist(peer)
+
+    def _bucket_count(self, board: _Board) -> int:
+        """The node's bucket count for ``board``'s round from the live peer records at its epoch
+        - 1 or later (recomputed when the census changes)."""
+        cached = board.bucket_count
+        if cached is None or cached[0] != self.census_version:
+            peers = [
+                self.peers[i].peer_id
+                for epoch, ids in self.census.items()
+                if epoch >= board.round - 1
+                for i in ids
+            ]
+            cached = board.bucket_count = (
+                self.census_version,
+                bucket_count(board.round, peers, self.group_size),
+            )
+        return cached[1]
+
+    def _expected(self, board: _Board, buckets: int, index: int) -> list[_Peer]:
+        """The census of ``board``'s round in one bucket, re-read as often as the node does."""
+        read = board.expected.get(buckets)
+        if read is None or self.env.now - read[0] > EXPECTED_REFRESH_SECONDS:
+            by_bucket: dict[int, list[_Peer]] = {}
+            for epoch in (board.round - 1, board.round):
+                for i in self.census.get(epoch, ()):
+                    peer = self.peers[i]
+                    by_bucket.setdefault(bucket_of(board.round, peer.peer_id, buckets), []).append(
+                        peer
+                    )
+            read = board.expected[buckets] = (self.env.now, by_bucket)
+        return read[1].get(index, [])
 
     # -- matchmaking and the all-reduce ---------------------------------------------------------
 
@@ -364,24 +458,31 @@ class SwarmModel:
         peer.phase = "match"
         board.decided.pop(me, None)  # an earlier attempt's
         record = self._records = self._records + 1
+        earlier = board.records.get(me)
+        if earlier is not None:
+            board.withdraw(me, earlier)
         board.records[me] = record
-        board.visible.remove(me)
         delay = self.config.dht_seconds + peer.latency_seconds
         env.process(self._after(delay, board.show, me, record))
         # It lapses unless withdrawn sooner (a crashed peer's stays until then).
         lapse = delay + self.matchmaking_timeout + READY_MARGIN_SECONDS
         env.process(self._after(lapse, board.withdraw, me, record))
         deadline = env.now + self.matchmaking_timeout
-        while env.now < deadline:
-            seen = len(board.visible)
-            if seen >= self.group_size:
+        while True:
+            r = peer.epoch
+            buckets = self._bucket_count(board)
+            bucket = board.bucket(buckets, bucket_of(r, me, buckets))
+            if env.now >= deadline:
                 break
-            if me in board.visible.ids and seen >= 2 and not self._awaited(peer, board):
-                break
+            seen = bucket.visible.ids
+            if len(seen) >= 2 and me in seen:
+                expected = self._expected(board, buckets, bucket_of(r, me, buckets))
+                if all(p.peer_id in seen or p.record_epoch not in (r - 1, r) for p in expected):
+                    break
             refresh = min(deadline - env.now, EXPECTED_REFRESH_SECONDS)
-            yield env.any_of([board.changed, env.timeout(refresh)])
+            yield env.any_of([bucket.changed, env.timeout(refresh)])
         yield env.timeout(POLL_SECONDS / 2 + MATCHMAKING_SETTLE_SECONDS)
-        group = board.visible.group_of(me)
+        group = bucket.visible.group_of(me)
         board.decided[me] = (group, env.now)
         self._settled(board, me)
         if group is None:
@@ -416,16 +517,6 @@ class SwarmModel:
     def _after(self, delay: float, action: Callable[[str, int], None], *args: Any) -> Events:
         yield self.env.timeout(delay)
         action(*args)
-
-    def _awaited(self, peer: _Peer, board: _Board) -> bool:
-        """Whether a peer this one expects in the round (census rule) is not visible yet."""
-        r, now = peer.epoch, self.env.now
-        for other in self.peers:
-            if other is peer or other.peer_id in board.visible.ids:
-                continue
-            if other.record_epoch in (r - 1, r) and other.record_expires > now:
-                return True
-        return False
 
     def _exchange(self, board: _Board, group: tuple[str, ...]) -> Events:
         """The exchange of ``group``: once every member has decided (or a sender timeout has
@@ -523,7 +614,10 @@ class SwarmModel:
 
     def _kill(self, peer: _Peer, *, graceful: bool = False) -> None:
         peer.alive = False
-        peer.record_expires = self.env.now if graceful else self.env.now + self.record_ttl
+        if graceful:
+            self._unlist(peer)
+        else:
+            self.env.process(self._lapse(peer))
         self._halt(peer)
         for board in self.boards.values():
             self._settled(board, peer.peer_id)
@@ -556,10 +650,11 @@ class SwarmModel:
             self._kill(target, graceful=event.action == "stop")
         elif event.action == "pause":
             target.paused = True
-            target.record_expires = self.env.now + self.record_ttl
+            self.env.process(self._lapse(target))
             self._halt(target)
         else:  # resume: stale, it catches up by state sync
             target.paused = False
+            self._announce(target, target.epoch)
             target.process = self.env.process(self._life(target, restarted=True))
         self.fired.append({"event": event.describe(), "time": self.env.now})
         self._advanced()
