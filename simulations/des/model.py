@@ -121,6 +121,8 @@ class _Peer:
     relay: int | None = None  # a relayed peer's relay (a direct peer's index)
     exchange: _Exchange | None = None  # the all-reduce it is in now
     samples: int = 0
+    unaveraged: int = 0  # samples since its last averaged round
+    dropped: int = 0  # samples a resync threw away (its state replaced by the swarm's)
     compute_seconds: float = 0.0
     communication_seconds: float = 0.0
     bytes_sent: int = 0
@@ -340,6 +342,7 @@ class SwarmModel:
                 yield env.timeout(compute)
                 peer.compute_seconds += compute
                 peer.samples += self.inner_steps * self.batch
+                peer.unaveraged += self.inner_steps * self.batch
                 round_started = env.now
                 if self.newest > peer.epoch:
                     yield from self._resync(peer)
@@ -348,6 +351,7 @@ class SwarmModel:
                 yield env.timeout(self.config.dht_seconds)  # the donors' records, read
                 outcome, size = yield from self._round(peer)
                 if outcome in ("averaged", "partial"):
+                    peer.unaveraged = 0
                     peer.epoch += 1
                     self._announce(peer, peer.epoch)
                     if peer.epoch > self.newest:
@@ -388,6 +392,8 @@ class SwarmModel:
         latency = max(peer.latency_seconds + d.latency_seconds for d in donors)
         yield self.env.timeout(self.config.dht_seconds + 2 * latency + self.state_bytes / rate)
         peer.epoch = max(d.epoch for d in donors)
+        peer.dropped += peer.unaveraged
+        peer.unaveraged = 0
         self._announce(peer, peer.epoch)
 
     # -- peer records (the census) --------------------------------------------------------------
@@ -483,6 +489,8 @@ class SwarmModel:
             yield env.any_of([bucket.changed, env.timeout(refresh)])
         yield env.timeout(POLL_SECONDS / 2 + MATCHMAKING_SETTLE_SECONDS)
         group = bucket.visible.group_of(me)
+        if group is not None and all(self.by_id[p].relay is not None for p in group):
+            group = None  # the node's "no member of the group can be dialed"
         board.decided[me] = (group, env.now)
         self._settled(board, me)
         if group is None:
@@ -690,6 +698,7 @@ class SwarmModel:
                     "peer_id": p.peer_id,
                     "epoch": p.epoch,
                     "samples": p.samples,
+                    "samples_dropped": p.dropped,
                     "tokens_per_second": p.samples * seq_len / alive_for,
                     "bytes_sent": p.bytes_sent,
                     "bytes_received": p.bytes_received,
@@ -764,6 +773,9 @@ def totals(peers: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "rounds_partial": outcomes["partial"],
         "rounds_averaged": outcomes["averaged"],
         "resyncs": outcomes["resynced"],
+        # The share of the samples trained that reached the model (not thrown away by a resync).
+        "samples_kept": 1
+        - sum(p["samples_dropped"] for p in peers) / max(sum(p["samples"] for p in peers), 1),
         "bytes_sent_per_peer": statistics.fmean(p["bytes_sent"] for p in peers) if peers else 0,
     }
 
