@@ -25,6 +25,7 @@ it: nothing hangs and nothing mixes. A peer that finds nobody returns None and t
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 from collections import Counter
@@ -47,6 +48,7 @@ POLL_SECONDS = 0.1
 EXPECTED_REFRESH_SECONDS = 1.0
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the census re-hashes every peer each second
 def group_order(round_: int, peer_id: str) -> bytes:
     """Where ``peer_id`` falls in round ``round_``'s shuffle of the candidates."""
     return hashlib.blake2b(f"{round_}:{peer_id}".encode(), digest_size=16).digest()

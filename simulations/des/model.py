@@ -173,7 +173,7 @@ class _Board:
         self.visible: set[str] = set()
         self.buckets: dict[int, dict[int, _Bucket]] = {}
         self.expected: dict[int, tuple[float, dict[int, list[_Peer]]]] = {}
-        self.bucket_count: tuple[int, int] | None = None  # (census version, count)
+        self.bucket_count: tuple[float, int] | None = None  # (read at, count)
         self.decided: dict[str, tuple[tuple[str, ...] | None, float]] = {}
         self.waiting: dict[tuple[str, ...], simpy.Event] = {}
         #: The groups whose exchange waits for a peer's decision, by peer.
@@ -254,10 +254,11 @@ class SwarmModel:
         self.done = self.env.event()
         self.rejoin_seconds: dict[int, list[float]] = {}
         self.stalled = False
+        self.live = 0  # peers alive (finished or not)
+        self.training: set[int] = set()  # alive and not finished
         self._records = 0
         #: The live peer records, by the epoch they announce (the matchmaking census).
         self.census: dict[int, set[int]] = {}
-        self.census_version = 0
 
     # -- the run --------------------------------------------------------------------------------
 
@@ -302,8 +303,7 @@ class SwarmModel:
 
     def _all_done(self) -> bool:
         scheduled = len(self.fired) == len(self.config.events) and self.armed is None
-        live = [p for p in self.peers if p.alive]
-        return scheduled and bool(live) and all(p.finished for p in live)
+        return scheduled and self.live > 0 and not self.training
 
     def _advanced(self) -> None:
         changed, self.epoch_changed = self.epoch_changed, self.env.event()
@@ -313,6 +313,8 @@ class SwarmModel:
 
     def _start(self, peer: _Peer) -> None:
         peer.alive, peer.paused, peer.finished = True, False, False
+        self.live += 1
+        self.training.add(peer.index)
         self._announce(peer, peer.epoch)
         peer.sessions += 1
         peer.process = self.env.process(self._life(peer, restarted=peer.sessions > 1))
@@ -358,6 +360,7 @@ class SwarmModel:
                         self.newest = peer.epoch
                 self._record(peer, outcome, round_started, size)
             peer.finished = True
+            self.training.discard(peer.index)
             peer.phase = ""
             self._advanced()
         except simpy.Interrupt:
@@ -403,12 +406,10 @@ class SwarmModel:
         peer.record_epoch = epoch
         peer.record_token += 1
         self.census.setdefault(epoch, set()).add(peer.index)
-        self.census_version += 1
 
     def _unlist(self, peer: _Peer) -> None:
         if peer.record_epoch >= 0:
             self.census[peer.record_epoch].discard(peer.index)
-            self.census_version += 1
         peer.record_epoch = -1
 
     def _lapse(self, peer: _Peer) -> Events:
@@ -420,9 +421,9 @@ class SwarmModel:
 
     def _bucket_count(self, board: _Board) -> int:
         """The node's bucket count for ``board``'s round from the live peer records at its epoch
-        - 1 or later (recomputed when the census changes)."""
+        - 1 or later, re-read as often as the node reads its census."""
         cached = board.bucket_count
-        if cached is None or cached[0] != self.census_version:
+        if cached is None or self.env.now - cached[0] > EXPECTED_REFRESH_SECONDS:
             peers = [
                 self.peers[i].peer_id
                 for epoch, ids in self.census.items()
@@ -430,7 +431,7 @@ class SwarmModel:
                 for i in ids
             ]
             cached = board.bucket_count = (
-                self.census_version,
+                self.env.now,
                 bucket_count(board.round, peers, self.group_size),
             )
         return cached[1]
@@ -622,6 +623,8 @@ class SwarmModel:
 
     def _kill(self, peer: _Peer, *, graceful: bool = False) -> None:
         peer.alive = False
+        self.live -= 1
+        self.training.discard(peer.index)
         if graceful:
             self._unlist(peer)
         else:
