@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any, cast
 
-from swarmgrad.node.averaging.matchmaking import Matchmaker
+from swarmgrad.node.averaging.matchmaking import Matchmaker, bucket_count, bucket_of
 from swarmgrad.node.discovery.base import dht_time
 from swarmgrad.node.discovery.records import PeerRecord, ReadyRecord
 from swarmgrad.node.identity import Identity
@@ -83,3 +84,20 @@ async def test_banned_peers_are_neither_candidates_nor_waited_for() -> None:
     )
     assert group is not None
     assert sorted(m.peer_id for m in group.members) == sorted([me.peer_id, "friend"])
+
+
+def test_buckets_keep_every_group_whole_in_a_large_swarm() -> None:
+    assert bucket_count(3, [f"p{i}" for i in range(15)], 4) == 1  # under four groups: one bucket
+    for size in (16, 64, 1000, 5000):
+        peers = [f"peer-{i}" for i in range(size)]
+        buckets = bucket_count(3, peers, 4)
+        assert buckets & (buckets - 1) == 0  # a power of two
+        sizes = Counter(bucket_of(3, p, buckets) for p in peers)
+        assert len(sizes) == buckets
+        assert min(sizes.values()) >= 2  # nobody alone in its bucket
+        assert 4 <= size / buckets < 32  # two to four groups' worth, more if halved
+        # A census a few peers off mostly gives the same count; when not, one splits the other.
+        other = bucket_count(3, peers[:-3], 4)
+        assert other in (buckets, buckets // 2)
+        if other != buckets:
+            assert all(bucket_of(3, p, buckets) % other == bucket_of(3, p, other) for p in peers)
