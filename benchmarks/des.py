@@ -1,5 +1,8 @@
 """The discrete-event model: how fast it runs, and what it says (what-if tables).
 
+0. Calibration: the demo spec with every uplink capped (1 MB/s; 4 MB/s for 8 nodes) through the
+   real ``simulate`` (N node processes on loopback) and through the model, given the real run's
+   own seconds per inner step: predicted vs measured median round time and bytes sent per peer.
 1. Speed: N peers x R rounds with heterogeneity (compute speeds log-normal sigma 0.25; links of
    10, 50, 100 and 1000 Mbit/s; 30% relayed) and churn (sessions of about 20 rounds, back five
    rounds later), timed in process CPU seconds; reported as peers x rounds per second (targets:
@@ -20,15 +23,17 @@ import argparse
 import json
 import random
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from swarmgrad.node.runspec import RunSpec
-from swarmgrad.simulations.des import calibrate, whatif
+from swarmgrad.simulations.des import calibrate, driver, whatif
 from swarmgrad.simulations.des.model import ModelConfig, parameter_count, simulate
 from swarmgrad.simulations.profiles import PeerProfile
-from swarmgrad.simulations.swarm import DEMO_SPEC
+from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig
+from swarmgrad.simulations.swarm import simulate as run_processes
 
 ONE_B_SPEC = """\
 [run]
@@ -102,6 +107,49 @@ def speed(peers: int, rounds: int, spec: RunSpec, step_seconds: float, seed: int
     }
 
 
+def calibration(nodes: int, upload: float, work: Path, seed: int) -> dict[str, Any]:
+    """One real shaped run and the model's prediction of it."""
+    work.mkdir(parents=True, exist_ok=True)
+    spec_path, profile = work / "run.toml", work / "peers.toml"
+    spec_path.write_text(DEMO_SPEC)
+    profile.write_text(f"[[peer]]\nupload_bytes_per_second = {upload}\n")
+    rounds = 8
+    real = run_processes(
+        SimulationConfig(
+            nodes=nodes, rounds=rounds, spec_path=spec_path, profile_path=profile,
+            out_dir=work / "real", seed=seed,
+        )
+    )  # fmt: skip
+    spec = RunSpec.load(spec_path)
+    steps = sum(p["samples"] for p in real["peers"]) / spec.data.batch_size
+    step_seconds = sum(p["compute_seconds"] for p in real["peers"]) / steps
+    model = driver.run(
+        driver.DesConfig(
+            nodes=nodes, rounds=rounds, out_dir=work / "model", spec_path=spec_path,
+            profile_path=profile, step_seconds=step_seconds, seed=seed,
+        )
+    )  # fmt: skip
+
+    def median_round(summary: dict[str, Any]) -> float:
+        return statistics.median(r["median"] for r in summary["round_seconds"])
+
+    def sent(summary: dict[str, Any]) -> float:
+        return statistics.fmean(p["bytes_sent"] for p in summary["peers"])
+
+    return {
+        "nodes": nodes,
+        "upload_mb_s": upload / 1e6,
+        "real_round_s": median_round(real),
+        "model_round_s": median_round(model),
+        "round_ratio": median_round(model) / median_round(real),
+        "real_mib_sent": sent(real) / 2**20,
+        "model_mib_sent": sent(model) / 2**20,
+        "bytes_ratio": sent(model) / sent(real),
+        "real_utilization": statistics.fmean(p["utilization"] for p in real["peers"]),
+        "model_utilization": model["totals"]["utilization"],
+    }
+
+
 def tables(name: str, scenario: whatif.Scenario) -> dict[str, list[dict[str, Any]]]:
     out = {
         "bandwidth_by_group_size": whatif.bandwidth_by_group_size(scenario),
@@ -122,6 +170,7 @@ def main() -> None:
     parser.add_argument("--gpu-tflops", type=float, default=165.0)
     parser.add_argument("--mfu", type=float, default=0.4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-calibration", action="store_true", help="skip the real runs")
     parser.add_argument("--out", type=Path, default=Path("des-results.json"))
     args = parser.parse_args()
 
@@ -134,11 +183,20 @@ def main() -> None:
     print(f"demo: {parameter_count(demo):,} params, one inner step {demo_step * 1e3:.1f} ms here")
     print(f"1B: {params:,} params, one inner step {big_step:.2f} s on the assumed GPU")
 
+    results: dict[str, Any] = {}
+    if not args.no_calibration:
+        work = Path(tempfile.mkdtemp(prefix="des-calibration-"))
+        results["calibration"] = [
+            calibration(4, 1e6, work / "n4", args.seed),
+            calibration(8, 4e6, work / "n8", args.seed),
+        ]
+        whatif.print_table("calibration: real processes vs the model", results["calibration"])
+
     runs = [(1000, 100)] + ([(10_000, 100)] if args.big else [])
     speeds = [speed(n, r, demo, demo_step, args.seed) for n, r in runs]
     whatif.print_table("model speed (CPU seconds, heterogeneity and churn)", speeds)
 
-    results: dict[str, Any] = {"speed": speeds, "demo_step_seconds": demo_step}
+    results |= {"speed": speeds, "demo_step_seconds": demo_step}
     results["demo"] = tables(
         "demo model", whatif.Scenario(spec=demo, step_seconds=demo_step, peers=args.peers,
                                       rounds=args.rounds, seed=args.seed),
