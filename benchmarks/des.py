@@ -145,8 +145,8 @@ def calibration(nodes: int, upload: float, work: Path, seed: int) -> dict[str, A
         "real_mib_sent": sent(real) / 2**20,
         "model_mib_sent": sent(model) / 2**20,
         "bytes_ratio": sent(model) / sent(real),
-        "real_utilization": statistics.fmean(p["utilization"] for p in real["peers"]),
-        "model_utilization": model["totals"]["utilization"],
+        "real_resyncs": sum(p["outcomes"].get("resynced", 0) for p in real["peers"]),
+        "model_resyncs": model["totals"]["resyncs"],
     }
 
 

@@ -34,6 +34,9 @@ epoch any running node reports) reaches ``at_epoch``::
     at_epoch = 8
     action = "resume"        # SIGCONT: it comes back, stale, and must catch up
     node = 3
+
+With ``--netem`` (nodes in network namespaces) there are also ``partition`` (every packet to or
+from the node dropped: it trains on, alone) and ``heal``.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-ACTIONS = ("kill", "stop", "start", "pause", "resume")
+ACTIONS = ("kill", "stop", "start", "pause", "resume", "partition", "heal")
+#: Actions that cut a node off for a while, and the action that ends each.
+UNTIL = {"pause": "resume", "partition": "heal"}
 #: What a node logs when it enters each phase an event can wait for.
 MARKERS = {"round": "averaging in a group of", "state_download": "downloading state"}
 
@@ -94,18 +99,20 @@ def load_schedule(path: Path, *, nodes: int) -> list[ChurnEvent]:
     if [e.at_epoch for e in events] != sorted(e.at_epoch for e in events):
         raise ScheduleError(f"{path}: list the events in the order of their at_epoch")
     running = set(range(nodes))
-    ever, paused = set(running), set()
+    ever = set(running)
+    cut: dict[int, str] = {}  # node -> the action that cut it off (pause or partition)
     for i, event in enumerate(events):
-        if event.action == "resume":
-            if event.node not in paused:
-                raise ScheduleError(f"{path}: event {i}: node {event.node} is not paused then")
-            paused.discard(event.node)
-        elif event.node in paused:
-            raise ScheduleError(f"{path}: event {i}: node {event.node} is paused then")
-        elif event.action == "pause":
+        ends = [k for k, v in UNTIL.items() if v == event.action]
+        if ends:
+            if cut.get(event.node) != ends[0]:
+                raise ScheduleError(f"{path}: event {i}: node {event.node} is not {_past(ends[0])}")
+            del cut[event.node]
+        elif event.node in cut:
+            raise ScheduleError(f"{path}: event {i}: node {event.node} is {_past(cut[event.node])}")
+        elif event.action in UNTIL:
             if event.node not in running:
                 raise ScheduleError(f"{path}: event {i}: node {event.node} is not running then")
-            paused.add(event.node)
+            cut[event.node] = event.action
         elif event.action == "start":
             if event.node in running:
                 raise ScheduleError(f"{path}: event {i}: node {event.node} is already running")
@@ -119,8 +126,14 @@ def load_schedule(path: Path, *, nodes: int) -> list[ChurnEvent]:
             if event.node not in running:
                 raise ScheduleError(f"{path}: event {i}: node {event.node} is not running then")
             running.discard(event.node)
-    if not running - paused:
+    if not running - set(cut):
         raise ScheduleError(f"{path}: no node is left running at the end")
-    if paused:
-        raise ScheduleError(f"{path}: node(s) {sorted(paused)} are never resumed")
+    if cut:
+        ending = {"resume": "resumed", "heal": "healed"}
+        never = " or ".join(sorted({ending[UNTIL[a]] for a in cut.values()}))
+        raise ScheduleError(f"{path}: node(s) {sorted(cut)} are never {never}")
     return events
+
+
+def _past(action: str) -> str:
+    return {"pause": "paused then", "partition": "partitioned then"}[action]

@@ -101,6 +101,7 @@ class NatLab:
         self.hosts: list[Host] = []
         self.routers: list[Router] = []
         self._namespaces: list[str] = []
+        self._ports: dict[str, str] = {}  # namespace -> its port on the bridge (in the wan)
         self._public_count = 0
         self._home_count = 0
         self._workdir = Path(tempfile.mkdtemp(prefix=f"{self.token}-"))
@@ -133,9 +134,19 @@ class NatLab:
         _run("ip", "link", "set", outside, "netns", self.wan)
         _run("ip", "link", "set", outside, "master", "br0", namespace=self.wan)
         _run("ip", "link", "set", outside, "up", namespace=self.wan)
+        self._ports[namespace] = outside
         _run("ip", "link", "set", inside, "name", "wan0", namespace=namespace)
         _run("ip", "addr", "add", f"{address}/24", "dev", "wan0", namespace=namespace)
         _run("ip", "link", "set", "wan0", "up", namespace=namespace)
+
+    def port_of(self, host: Host) -> str:
+        """The bridge port (in the ``wan`` namespace) that leads to a public ``host``."""
+        return self._ports[host.namespace]
+
+    @staticmethod
+    def run_in(namespace: str, *argv: str, stdin: str | None = None) -> None:
+        """Run ``argv`` in ``namespace``; LabError with its stderr if it fails."""
+        _run(*argv, namespace=namespace, stdin=stdin)
 
     def public(self) -> Host:
         """A host on the public segment: reachable by everyone."""

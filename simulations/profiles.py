@@ -35,6 +35,7 @@ class PeerProfile:
     download_bytes_per_second: float | None = None
     bandwidth: float = 1.0  # relative share of each vector this peer owns
     latency_ms: float = 0.0  # one way, from the peer to the internet's core
+    loss: float = 0.0  # share of the packets it receives that are lost
     nat: str = "direct"  # "relayed": unreachable, its streams go through a relay
     session_seconds: float | None = None  # online this long, then it crashes (None: stays)
     offline_seconds: float = 60.0  # and comes back (with its checkpoints) this much later
@@ -53,6 +54,8 @@ class PeerProfile:
         for name in ("bandwidth", "latency_ms", "offline_seconds"):
             if not getattr(self, name) >= 0:
                 raise SimulationError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.loss < 1:
+            raise SimulationError(f"loss must be in [0, 1), got {self.loss}")
         if self.nat not in NATS:
             raise SimulationError(f"nat must be one of {', '.join(NATS)}, got {self.nat!r}")
 
@@ -62,6 +65,7 @@ class PeerProfile:
         return (
             self.download_bytes_per_second is None
             and self.latency_ms == 0
+            and self.loss == 0
             and self.nat == "direct"
             and self.session_seconds is None
         )

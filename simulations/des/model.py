@@ -28,15 +28,18 @@ What each peer does, and whose rule it is:
   (``session_seconds``: mean of exponential sessions, then ``offline_seconds`` away).
 
 Not modelled: the loss (the model predicts time, bytes and rounds, not convergence), open runs'
-checks, and contention between different groups on one relay.
+checks, contention between different groups on one relay, and a partition's local training (a
+partitioned peer is modelled as paused).
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import random
 import statistics
 from collections import Counter
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +119,8 @@ class _Peer:
     epoch: int = 0
     record_epoch: int = -1  # what its live DHT peer record says (-1: none)
     record_token: int = 0  # which announcement that record is (a lapse checks it)
+    state: Hashable = "init"  # which replica state it holds (its checksum, in the node)
+    record_state: Hashable = "init"  # the state its live record announces
     phase: str = ""  # "train", "sync", "match", "round"
     process: simpy.Process | None = None
     relay: int | None = None  # a relayed peer's relay (a direct peer's index)
@@ -137,7 +142,11 @@ class _Peer:
 
     @property
     def down(self) -> float:
-        return self.profile.download_bytes_per_second or UNCAPPED_BYTES_PER_SECOND
+        link = self.profile.download_bytes_per_second or UNCAPPED_BYTES_PER_SECOND
+        if self.profile.loss > 0:  # TCP under random loss (Mathis et al.): MSS / (RTT sqrt(p))
+            rtt = max(2 * self.latency_seconds, 0.001)
+            return min(link, 1.22 * 1460 / (rtt * math.sqrt(self.profile.loss)))
+        return link
 
     @property
     def latency_seconds(self) -> float:
@@ -259,6 +268,9 @@ class SwarmModel:
         self._records = 0
         #: The live peer records, by the epoch they announce (the matchmaking census).
         self.census: dict[int, set[int]] = {}
+        #: The states the live records announce, by epoch, and who holds each.
+        self.votes: dict[int, Counter[Hashable]] = {}
+        self.holders: dict[tuple[int, Hashable], set[int]] = {}
 
     # -- the run --------------------------------------------------------------------------------
 
@@ -333,7 +345,7 @@ class SwarmModel:
     def _life(self, peer: _Peer, *, restarted: bool) -> Events:
         env, started = self.env, self.env.now
         try:
-            if self.newest > peer.epoch:
+            if self._behind(peer):
                 yield from self._resync(peer)
                 self._record(peer, "resynced", started, 0)
                 if restarted:
@@ -346,14 +358,15 @@ class SwarmModel:
                 peer.samples += self.inner_steps * self.batch
                 peer.unaveraged += self.inner_steps * self.batch
                 round_started = env.now
-                if self.newest > peer.epoch:
+                yield env.timeout(self.config.dht_seconds)  # the donors' records, read
+                if self._behind(peer):
                     yield from self._resync(peer)
                     self._record(peer, "resynced", round_started, 0)
                     continue
-                yield env.timeout(self.config.dht_seconds)  # the donors' records, read
-                outcome, size = yield from self._round(peer)
+                outcome, size, state = yield from self._round(peer)
                 if outcome in ("averaged", "partial"):
                     peer.unaveraged = 0
+                    peer.state = state
                     peer.epoch += 1
                     self._announce(peer, peer.epoch)
                     if peer.epoch > self.newest:
@@ -384,17 +397,38 @@ class SwarmModel:
         )
         self._advanced()
 
+    def _best(self, epoch: int) -> Hashable | None:
+        """The state most live records at ``epoch`` announce (ties: the smallest checksum)."""
+        votes = self.votes.get(epoch)
+        if not votes:
+            return None
+        return min(votes, key=lambda state: (-votes[state], _checksum(state)))
+
+    def _behind(self, peer: _Peer) -> bool:
+        """The node's resync rule (``pick_donors``): the swarm is at a newer epoch, or most peers
+        at this one hold another state (a group that averaged apart from the majority's)."""
+        if self.newest > peer.epoch:
+            return True
+        best = self._best(peer.epoch)
+        return best is not None and best != peer.state
+
     def _resync(self, peer: _Peer) -> Events:
         peer.phase = "sync"
         self._fire_armed(peer, "state_download")
-        donors = [p for p in self.peers if p.alive and not p.paused and p.epoch == self.newest]
-        donors = donors[: self.max_donors]
+        target = (self.newest, self._best(self.newest))
+        donors = []
+        for i in self.holders.get(target, ()):
+            donor = self.peers[i]
+            if donor.alive and not donor.paused and donor is not peer:
+                donors.append(donor)
+                if len(donors) == self.max_donors:
+                    break
         if not donors:
             return
         rate = min(peer.down, sum(d.up for d in donors))
         latency = max(peer.latency_seconds + d.latency_seconds for d in donors)
         yield self.env.timeout(self.config.dht_seconds + 2 * latency + self.state_bytes / rate)
-        peer.epoch = max(d.epoch for d in donors)
+        peer.epoch, peer.state = target[0], target[1]
         peer.dropped += peer.unaveraged
         peer.unaveraged = 0
         self._announce(peer, peer.epoch)
@@ -403,13 +437,20 @@ class SwarmModel:
 
     def _announce(self, peer: _Peer, epoch: int) -> None:
         self._unlist(peer)
-        peer.record_epoch = epoch
+        peer.record_epoch, peer.record_state = epoch, peer.state
         peer.record_token += 1
         self.census.setdefault(epoch, set()).add(peer.index)
+        self.votes.setdefault(epoch, Counter())[peer.state] += 1
+        self.holders.setdefault((epoch, peer.state), set()).add(peer.index)
 
     def _unlist(self, peer: _Peer) -> None:
         if peer.record_epoch >= 0:
             self.census[peer.record_epoch].discard(peer.index)
+            votes = self.votes[peer.record_epoch]
+            votes[peer.record_state] -= 1
+            if not votes[peer.record_state]:
+                del votes[peer.record_state]
+            self.holders[(peer.record_epoch, peer.record_state)].discard(peer.index)
         peer.record_epoch = -1
 
     def _lapse(self, peer: _Peer) -> Events:
@@ -460,7 +501,7 @@ class SwarmModel:
         return board
 
     def _round(self, peer: _Peer) -> Events:
-        """Matchmaking, then the all-reduce: (outcome, group size)."""
+        """Matchmaking, then the all-reduce: (outcome, group size, the state it leaves)."""
         env, board, me = self.env, self._board(peer.epoch), peer.peer_id
         peer.phase = "match"
         board.decided.pop(me, None)  # an earlier attempt's
@@ -496,7 +537,7 @@ class SwarmModel:
         self._settled(board, me)
         if group is None:
             board.withdraw(me, record)
-            return "no group", 1
+            return "no group", 1, None
         early = MATCHMAKING_SETTLE_SECONDS + WITHDRAW_MARGIN_SECONDS
         env.process(self._after(early, board.withdraw, me, record))
         try:
@@ -510,7 +551,7 @@ class SwarmModel:
         peer.phase = "round"
         self._fire_armed(peer, "round")
         if peer.index not in exchange.members:
-            return "aborted", len(group)
+            return "aborted", len(group), None
         peer.exchange = exchange
         yield exchange.done
         peer.exchange = None
@@ -519,9 +560,11 @@ class SwarmModel:
             peer.bytes_sent += traffic.sent
             peer.bytes_received += traffic.received
         if len(exchange.members) < 2:
-            return "aborted", len(group)
+            return "aborted", len(group), None
         complete = len(exchange.members) == len(group) and not exchange.dead
-        return ("averaged" if complete else "partial"), len(group)
+        # Every member of one exchange ends with the same values; other groups with others.
+        state = (peer.epoch, exchange.group, exchange.members, tuple(exchange.dead))
+        return ("averaged" if complete else "partial"), len(group), state
 
     def _after(self, delay: float, action: Callable[[str, int], None], *args: Any) -> Events:
         yield self.env.timeout(delay)
@@ -659,11 +702,11 @@ class SwarmModel:
             self._start(target)
         elif event.action in ("kill", "stop"):
             self._kill(target, graceful=event.action == "stop")
-        elif event.action == "pause":
+        elif event.action in ("pause", "partition"):
             target.paused = True
             self.env.process(self._lapse(target))
             self._halt(target)
-        else:  # resume: stale, it catches up by state sync
+        else:  # resume or heal: stale, it catches up by state sync
             target.paused = False
             self._announce(target, target.epoch)
             target.process = self.env.process(self._life(target, restarted=True))
@@ -786,3 +829,7 @@ def totals(peers: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def simulate(config: ModelConfig) -> dict[str, Any]:
     """Run the model once; its summary."""
     return SwarmModel(config).run()
+
+
+def _checksum(state: Hashable) -> bytes:
+    return hashlib.blake2b(repr(state).encode(), digest_size=8).digest()

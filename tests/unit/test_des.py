@@ -166,3 +166,18 @@ def test_cli_des_writes_the_summary_schema_of_real_processes(tmp_path: Path) -> 
     bad = CliRunner().invoke(app, ["simulate", "--engine", "ray"])
     assert bad.exit_code != 0
     assert "--engine" in bad.output
+
+
+def test_groups_smaller_than_the_swarm_average_apart_and_the_minority_resyncs() -> None:
+    # Two groups of 4 end each round with two states; the node keeps the majority's (ties: the
+    # smaller checksum) and the other group downloads it, throwing its round away.
+    apart = model(
+        8, 6, spec=RunSpec.from_toml(DEMO_SPEC.replace("group_size = 4", "group_size = 4"))
+    )
+    whole = model(
+        8, 6, spec=RunSpec.from_toml(DEMO_SPEC.replace("group_size = 4", "group_size = 8"))
+    )
+    assert whole["totals"]["resyncs"] == 0
+    assert whole["totals"]["samples_kept"] == 1.0
+    assert apart["totals"]["resyncs"] >= 4 * 4  # half the swarm, most rounds
+    assert apart["totals"]["samples_kept"] < 0.75
