@@ -353,6 +353,13 @@ def simulate(
             "(thousands of peers in seconds, no training: times, bytes and rounds)."
         ),
     ] = "processes",
+    netem: Annotated[
+        bool,
+        typer.Option(
+            help="processes: each node in its own network namespace, links shaped by tbf and "
+            "nftables from its profile, partition/heal in the churn schedule (root)."
+        ),
+    ] = False,
     step_seconds: Annotated[
         float | None,
         typer.Option(
@@ -401,6 +408,7 @@ def simulate(
                 churn_path=churn,
                 discovery=discovery,
                 seed=seed,
+                netem=netem,
             )
         )
     except (SetupError, SimulationError) as error:

@@ -70,8 +70,8 @@ class Wan:
             per_mille = round(profile.loss * 1000)
             self._nft(
                 host.namespace,
-                f"table inet {_LOSS_TABLE} {{ chain input {{ type filter hook input priority 0; "
-                f'iifname "wan0" numgen random mod 1000 < {per_mille} drop; }} }}',
+                f"table inet {_LOSS_TABLE} {{\n  chain input {{ type filter hook input priority 0; "
+                f'iifname "wan0" numgen random mod 1000 < {per_mille} drop; }}\n}}\n',
             )
         if profile.latency_ms:
             log.warning(
@@ -85,9 +85,10 @@ class Wan:
         """Cut ``host`` off the segment (every packet in or out dropped)."""
         self._nft(
             host.namespace,
-            f"table inet {_PARTITION_TABLE} {{ "
-            f'chain input {{ type filter hook input priority -10; iifname "wan0" drop; }} '
-            f'chain output {{ type filter hook output priority -10; oifname "wan0" drop; }} }}',
+            f"table inet {_PARTITION_TABLE} {{\n"
+            f'  chain input {{ type filter hook input priority -10; iifname "wan0" drop; }}\n'
+            f'  chain output {{ type filter hook output priority -10; oifname "wan0" drop; }}\n'
+            "}\n",
         )
         self.partitioned.add(host.namespace)
 

@@ -34,6 +34,10 @@ from swarmgrad.node.discovery.base import BACKENDS
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.simulations.churn import MARKERS, ChurnEvent, ScheduleError, load_schedule
+from swarmgrad.simulations.lab_nodes import prepare_corpus
+from swarmgrad.simulations.natlab import Host
+from swarmgrad.simulations.netem import Wan
+from swarmgrad.simulations.netem import unavailable as netem_unavailable
 from swarmgrad.simulations.processes import adversary_command, node_command, stop_gracefully
 from swarmgrad.simulations.profiles import PeerProfile, SimulationError, load_profile
 from swarmgrad.simulations.summary import summarize
@@ -80,10 +84,21 @@ def simulation_identity(seed: int, index: int) -> Identity:
 
 
 class _Process:
-    def __init__(self, name: str, command: list[str], log_path: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        name: str,
+        command: list[str],
+        log_path: Path,
+        env: dict[str, str],
+        host: Host | None = None,
+    ) -> None:
+        """``host``: run in that network namespace (``--netem``); ``ip netns exec`` execs the
+        command, so the process is the node itself (a kill reaches it)."""
         self.name = name
         self.log_path = log_path
         self._log = log_path.open("ab")  # a restarted node's log goes on in the same file
+        if host is not None:
+            command = ["ip", "netns", "exec", host.namespace, *command]
         self.popen = subprocess.Popen(
             command, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
@@ -130,6 +145,7 @@ class _Node:
     rejoin_seconds: list[float] = field(default_factory=list)
     waiting_rejoin: bool = False
     attack: str = ""  # a malicious peer's attack (profiles.py)
+    host: Host | None = None  # its namespace, with --netem
 
     def command(self) -> list[str]:
         if self.attack:
@@ -167,6 +183,9 @@ class SimulationConfig:
     timeout_seconds: float = 600.0
     extra_node_args: tuple[str, ...] = ()
     discovery: str = "hivemind"
+    #: Each node in its own network namespace, its links shaped by tbf and nftables from its
+    #: profile (``netem.py``; root). Without the means it says so and uses the token bucket.
+    netem: bool = False
     #: Node i's identity derived from (seed, i) instead of drawn at random, so its peer id,
     #: and with it its data stream, is the same in every run with that seed: settings
     #: compared side by side see the same data.
@@ -188,8 +207,21 @@ def simulate(config: SimulationConfig) -> dict[str, Any]:
         raise SimulationError(str(error)) from None
     slots = max([config.nodes - 1, *(e.node for e in events)]) + 1
     profiles = load_profile(config.profile_path, slots, seed=config.seed or 0)
+    netem = config.netem
+    if netem and netem_unavailable():
+        log.warning(
+            "--netem needs %s: falling back to processes on loopback with a token bucket on "
+            "each upload",
+            ", ".join(netem_unavailable()),
+        )
+        netem = False
+    cuts = [e for e in events if e.action in ("partition", "heal")]
+    if cuts and not netem:
+        raise SimulationError(
+            f"{cuts[0].describe()}: partitions need --netem (nodes in network namespaces)"
+        )
     unapplied = [i for i, p in enumerate(profiles) if not p.applied_by_processes]
-    if unapplied:
+    if unapplied and not netem:
         log.warning(
             "node(s) %s: latency, download caps, relayed NATs and session lengths are not applied "
             "to processes on loopback (only slowdown, upload cap and bandwidth are); the "
@@ -203,10 +235,16 @@ def simulate(config: SimulationConfig) -> dict[str, Any]:
         spec_path.write_text(DEMO_SPEC)
     spec = RunSpec.load(spec_path)
     run = _SwarmRun(config, events)
+    wan = Wan() if netem else None
     try:
+        if wan is not None:
+            wan.__enter__()
+            prepare_corpus(spec_path)  # the nodes' namespaces reach nothing outside
+        run.wan = wan
         maddrs = run.start_bootstrap()
         run.swarm = [
-            _node_slot(config, i, profile, spec_path, maddrs) for i, profile in enumerate(profiles)
+            _node_slot(config, i, profile, spec_path, maddrs, wan)
+            for i, profile in enumerate(profiles)
         ]
         for node in run.swarm[: config.nodes]:
             run.start(node)
@@ -217,11 +255,14 @@ def simulate(config: SimulationConfig) -> dict[str, Any]:
     finally:
         for process in reversed(run.processes):
             process.stop()
+        if wan is not None:
+            wan.__exit__(None, None, None)
     wall_seconds = time.time() - run.started
     summary = summarize(
         statuses, spec=spec, wall_seconds=wall_seconds, rounds=config.rounds, attacks=attacks
     )
     summary["profiles"] = [asdict(p) for p in profiles]
+    summary["netem"] = netem
     if events:
         summary["churn"] = {
             "events": run.fired,
@@ -235,7 +276,12 @@ def simulate(config: SimulationConfig) -> dict[str, Any]:
 
 
 def _node_slot(
-    config: SimulationConfig, i: int, profile: PeerProfile, spec_path: Path, maddrs: list[str]
+    config: SimulationConfig,
+    i: int,
+    profile: PeerProfile,
+    spec_path: Path,
+    maddrs: list[str],
+    wan: Wan | None,
 ) -> _Node:
     """Node slot ``i``: its files cleared (a new simulation starts fresh), its command line."""
     out_dir = config.out_dir
@@ -265,10 +311,14 @@ def _node_slot(
         "--discovery", config.discovery,
         *config.extra_node_args,
     ]  # fmt: skip
-    if profile.upload_bytes_per_second is not None:
+    host = None
+    if wan is not None:  # its links are shaped by its namespace, not by a token bucket
+        host = wan.host(profile)
+        args += ["--host", host.address]
+    elif profile.upload_bytes_per_second is not None:
         args += ["--upload-limit", str(profile.upload_bytes_per_second)]
     attack = "" if profile.attack is None else str(profile.attack)
-    return _Node(index=i, args=args, status=status, log=log_path, attack=attack)
+    return _Node(index=i, args=args, status=status, log=log_path, attack=attack, host=host)
 
 
 class _SwarmRun:
@@ -286,6 +336,7 @@ class _SwarmRun:
         self.swarm: list[_Node] = []
         self.started = time.time()
         self.fired: list[dict[str, Any]] = []
+        self.wan: Wan | None = None
 
     def start_bootstrap(self) -> list[str]:
         maddrs_file = self.config.out_dir / "bootstrap.json"
@@ -293,13 +344,17 @@ class _SwarmRun:
         command = node_command(
             "bootstrap", "--maddrs-file", str(maddrs_file), "--discovery", self.config.discovery
         )
-        boot = _Process("bootstrap", command, self.config.out_dir / "bootstrap.log", self.env)
+        host = self.wan.host() if self.wan is not None else None
+        if host is not None:
+            command += ["--host", host.address]
+        log_path = self.config.out_dir / "bootstrap.log"
+        boot = _Process("bootstrap", command, log_path, self.env, host)
         self.processes.append(boot)
         return list(_wait_for_file(maddrs_file, boot, self.deadline)["maddrs"])
 
     def start(self, node: _Node) -> None:
         node.log_offset = node.log_size()
-        node.process = _Process(f"node-{node.index}", node.command(), node.log, self.env)
+        node.process = _Process(f"node-{node.index}", node.command(), node.log, self.env, node.host)
         self.processes.append(node.process)
         node.running, node.started_at = True, time.monotonic()
         node.waiting_rejoin = bool(self.fired)  # a node (re)joining a run under way
@@ -354,6 +409,15 @@ class _SwarmRun:
             elif event.during:  # wait for the node to enter that phase
                 self.armed, self.armed_offset = event, target.log_size()
                 continue
+            elif event.action in ("partition", "heal"):
+                assert self.wan is not None  # checked before the run
+                assert target.host is not None
+                if event.action == "partition":
+                    self.wan.partition(target.host)
+                else:
+                    self.wan.heal(target.host)
+                    target.waiting_rejoin = True
+                    target.started_at, target.log_offset = time.monotonic(), target.log_size()
             elif event.action in ("pause", "resume"):
                 assert target.process is not None
                 target.process.popen.send_signal(
