@@ -5,7 +5,8 @@ Every row is a full model run of the same seeded swarm with one thing changed. T
 whose compute speed varies a little (log-normal, sigma 0.1: GPUs of one class), symmetric links
 at the row's speed, 20-60 ms of latency, all direct unless the row says otherwise. "Churn p"
 means each peer's sessions last on average 1/p of a churn-free round (so about p of the peers
-leave in each round) and it comes back, with its checkpoints, five rounds' time later.
+leave in each round) and it comes back, with its checkpoints, five rounds' time later. Unless a
+row sets the group size, the whole swarm is one group (see ``Scenario.group_size``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from swarmgrad.simulations.profiles import PeerProfile
 
 MBIT = 1e6 / 8  # bytes per second in a megabit per second
 BANDWIDTHS_MBIT = (10, 30, 100, 300, 1000)
-GROUP_SIZES = (2, 4, 8, 16)
+GROUP_SIZES = (4, 16, 64)
 CHURN = (0.0, 0.1, 0.3)
 RELAYED = (0.0, 0.5)
 INNER_STEPS = (10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
@@ -40,6 +41,9 @@ class Scenario:
     codec_values_per_second: float | None = None
     #: Spread of compute speeds: fast peers wait for a bucket's slowest at every round.
     speed_sigma: float = 0.1
+    #: None: one group of the whole swarm (smaller groups average apart and all but the
+    #: majority's throw their round away: ``bandwidth_by_group_size`` shows it).
+    group_size: int | None = None
 
     def profiles(
         self, *, bandwidth_mbit: float | None = None, relayed: float = 0.0, churn: float = 0.0,
@@ -64,9 +68,11 @@ class Scenario:
         )
 
     def run(self, spec: RunSpec | None = None, **profile: Any) -> dict[str, Any]:
+        if spec is None:
+            spec = with_averaging(self.spec, group_size=self.group_size or self.peers)
         return simulate(
             ModelConfig(
-                spec=spec or self.spec,
+                spec=spec,
                 nodes=self.peers,
                 rounds=self.rounds,
                 profiles=self.profiles(**profile),
@@ -109,7 +115,7 @@ def bandwidth_by_group_size(
 ) -> list[dict[str, Any]]:
     rows = []
     for group_size in group_sizes:
-        spec = with_averaging(scenario.spec, group_size=group_size)
+        spec = with_averaging(scenario.spec, group_size=min(group_size, scenario.peers))
         for mbit in bandwidths:
             summary = scenario.run(spec, bandwidth_mbit=mbit)
             rows.append(_row(summary, group_size=group_size, mbit=mbit))
@@ -130,7 +136,11 @@ def inner_steps_for(
     for mbit in bandwidths:
         found: dict[str, Any] = {"mbit": mbit, "inner_steps": None, "utilization": None}
         for steps in choices:
-            summary = scenario.run(with_inner_steps(scenario.spec, steps), bandwidth_mbit=mbit)
+            spec = with_averaging(
+                with_inner_steps(scenario.spec, steps),
+                group_size=scenario.group_size or scenario.peers,
+            )
+            summary = scenario.run(spec, bandwidth_mbit=mbit)
             utilization = summary["totals"]["utilization"]
             if utilization >= target:
                 found = {"mbit": mbit, "inner_steps": steps, "utilization": utilization}
