@@ -121,6 +121,7 @@ class _Peer:
     record_token: int = 0  # which announcement that record is (a lapse checks it)
     state: Hashable = "init"  # which replica state it holds (its checksum, in the node)
     record_state: Hashable = "init"  # the state its live record announces
+    record_lapses_at: float = math.inf  # when its record goes, once it stopped announcing
     phase: str = ""  # "train", "sync", "match", "round"
     process: simpy.Process | None = None
     relay: int | None = None  # a relayed peer's relay (a direct peer's index)
@@ -438,6 +439,7 @@ class SwarmModel:
     def _announce(self, peer: _Peer, epoch: int) -> None:
         self._unlist(peer)
         peer.record_epoch, peer.record_state = epoch, peer.state
+        peer.record_lapses_at = math.inf
         peer.record_token += 1
         self.census.setdefault(epoch, set()).add(peer.index)
         self.votes.setdefault(epoch, Counter())[peer.state] += 1
@@ -456,6 +458,7 @@ class SwarmModel:
     def _lapse(self, peer: _Peer) -> Events:
         """A peer that stopped announcing: its record is gone once its time to live passes."""
         token = peer.record_token
+        peer.record_lapses_at = self.env.now + self.record_ttl
         yield self.env.timeout(self.record_ttl)
         if peer.record_token == token:
             self._unlist(peer)
@@ -523,12 +526,21 @@ class SwarmModel:
             if env.now >= deadline:
                 break
             seen = bucket.visible.ids
+            wake = deadline
             if len(seen) >= 2 and me in seen:
                 expected = self._expected(board, buckets, bucket_of(r, me, buckets))
-                if all(p.peer_id in seen or p.record_epoch not in (r - 1, r) for p in expected):
+                awaited = [
+                    p for p in expected if p.peer_id not in seen and p.record_epoch in (r - 1, r)
+                ]
+                if not awaited:
                     break
-            refresh = min(deadline - env.now, EXPECTED_REFRESH_SECONDS)
-            yield env.any_of([bucket.changed, env.timeout(refresh)])
+                # Nothing changes for this peer until one of them shows up (bucket.changed) or
+                # the record of one that stopped announcing lapses: no need to poll till then.
+                wake = min(wake, *(p.record_lapses_at for p in awaited))
+            else:
+                wake = min(wake, env.now + EXPECTED_REFRESH_SECONDS)
+            wake = max(wake, env.now + POLL_SECONDS)
+            yield env.any_of([bucket.changed, env.timeout(wake - env.now)])
         yield env.timeout(POLL_SECONDS / 2 + MATCHMAKING_SETTLE_SECONDS)
         group = bucket.visible.group_of(me)
         if group is not None and all(self.by_id[p].relay is not None for p in group):
