@@ -2,6 +2,10 @@
 
 ``tests/unit/`` needs no sockets; ``tests/integration/`` starts real servers, DHT nodes and
 processes. Waiting helpers are in ``tests/helpers.py``.
+
+``scripts/test.sh`` runs the suite on two pytest-xdist workers. The modules that run whole swarms
+of node processes (:data:`SWARMS`) share one group, so they run one at a time on one worker, as
+their deadlines assume; everything else runs on the other worker meanwhile.
 """
 
 from __future__ import annotations
@@ -17,6 +21,19 @@ import pytest_asyncio
 from swarmgrad.node.config import home
 from swarmgrad.node.training.data import load_demo
 from swarmgrad.simulations.allreduce_peer import PeerProcess
+
+#: Modules whose tests run swarms of node processes: one at a time (one xdist group).
+SWARMS = {
+    "test_churn.py", "test_des_calibration.py", "test_hostile.py", "test_nat.py",
+    "test_netem.py", "test_observing.py", "test_open_swarm.py", "test_published.py",
+    "test_restarts.py", "test_swarm.py",
+}  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SWARMS:
+            item.add_marker(pytest.mark.xdist_group("swarms"))
 
 
 class Peers:

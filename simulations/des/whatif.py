@@ -2,11 +2,11 @@
 link speed, group size, inner steps, churn and relayed peers, for one run spec.
 
 Every row is a full model run of the same seeded swarm with one thing changed. The swarm: peers
-whose compute speed varies a little (log-normal, sigma 0.1: GPUs of one class), symmetric links
-at the row's speed, 20-60 ms of latency, all direct unless the row says otherwise. "Churn p"
-means each peer's sessions last on average 1/p of a churn-free round (so about p of the peers
-leave in each round) and it comes back, with its checkpoints, five rounds' time later. Unless a
-row sets the group size, the whole swarm is one group (see ``Scenario.group_size``).
+of one compute speed (``speed_spread`` varies it), symmetric links at the row's speed, 20-60 ms
+of latency, all direct unless the row says otherwise. "Churn p" means each peer's sessions last
+on average 1/p of a churn-free round (so about p of the peers leave in each round) and it comes
+back, with its checkpoints, five rounds' time later. Unless a row sets the group size, the whole
+swarm is one group (see ``Scenario.group_size``).
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ class Scenario:
     bandwidth_mbit: float = 100.0
     seed: int = 0
     codec_values_per_second: float | None = None
-    #: Spread of compute speeds: fast peers wait for a bucket's slowest at every round.
-    speed_sigma: float = 0.1
+    #: Spread of compute speeds (log-normal sigma): fast peers wait for a bucket's slowest at
+    #: every round, at most the matchmaking timeout (``speed_spread`` shows what it costs).
+    speed_sigma: float = 0.0
     #: None: one group of the whole swarm (smaller groups average apart and all but the
     #: majority's throw their round away: ``bandwidth_by_group_size`` shows it).
     group_size: int | None = None
@@ -128,10 +129,9 @@ def inner_steps_for(
     bandwidths: Sequence[float] = BANDWIDTHS_MBIT,
     choices: Sequence[int] = INNER_STEPS,
 ) -> list[dict[str, Any]]:
-    """Per link speed, the fewest inner steps (of ``choices``) with utilization >= ``target``,
-    for peers of one speed (with a spread of speeds, waiting for a bucket's slowest caps
-    utilization whatever the link: :func:`speed_spread`)."""
-    scenario = replace(scenario, speed_sigma=0.0)
+    """Per link speed, the fewest inner steps (of ``choices``) with utilization >= ``target``
+    (with a spread of speeds, waiting for a bucket's slowest caps utilization whatever the
+    link: :func:`speed_spread`)."""
     rows = []
     for mbit in bandwidths:
         found: dict[str, Any] = {"mbit": mbit, "inner_steps": None, "utilization": None}
