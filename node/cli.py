@@ -376,10 +376,10 @@ def simulate(
     _logging(False)
     if engine not in ("processes", "des"):
         raise _fail(EXIT_CONFIG, f"--engine must be processes or des, got {engine!r}")
-    if engine == "des":
-        from swarmgrad.simulations.des import driver
+    try:
+        if engine == "des":
+            from swarmgrad.simulations.des import driver
 
-        try:
             summary = driver.run(
                 driver.DesConfig(
                     nodes=nodes,
@@ -392,25 +392,21 @@ def simulate(
                     step_seconds=step_seconds,
                 )
             )
-        except (SetupError, SimulationError) as error:
-            raise _fail(EXIT_CONFIG, str(error)) from None
-        print_summary(summary)
-        raise typer.Exit(0 if summary["ok"] else 1)
-    try:
-        summary = swarm.simulate(
-            swarm.SimulationConfig(
-                nodes=nodes,
-                rounds=rounds,
-                spec_path=spec,
-                profile_path=profile,
-                out_dir=out,
-                timeout_seconds=timeout,
-                churn_path=churn,
-                discovery=discovery,
-                seed=seed,
-                netem=netem,
+        else:
+            summary = swarm.simulate(
+                swarm.SimulationConfig(
+                    nodes=nodes,
+                    rounds=rounds,
+                    spec_path=spec,
+                    profile_path=profile,
+                    out_dir=out,
+                    timeout_seconds=timeout,
+                    churn_path=churn,
+                    discovery=discovery,
+                    seed=seed,
+                    netem=netem,
+                )
             )
-        )
     except (SetupError, SimulationError) as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
     print_summary(summary)

@@ -9,7 +9,7 @@ peers', and ``trust`` says who banned whom, when and why.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from swarmgrad.node.runspec import RunSpec
@@ -26,11 +26,6 @@ def summarize(
     """One summary from the nodes' final status files (``attacks``: each node's, "" if honest)."""
     attacks = list(attacks) or [""] * len(statuses)
     everyone, statuses = statuses, [s for s, a in zip(statuses, attacks, strict=True) if not a]
-    by_epoch: dict[int, list[dict[str, Any]]] = {}
-    for status in statuses:
-        for entry in status["history"]:
-            if entry["outcome"] in ("averaged", "partial"):
-                by_epoch.setdefault(entry["epoch"], []).append(entry)
     peers = []
     for status in statuses:
         busy = status["compute_seconds"] + status["communication_seconds"]
@@ -67,16 +62,37 @@ def summarize(
         "initial_val_loss": initial,
         "final_val_loss": final,
         "replicas_identical": len(checksums) == 1,
-        # Per epoch, over the peers that reached it: mean validation loss, total samples so
-        # far, mean bytes each peer had sent so far, and round times.
+        **epoch_curves(status["history"] for status in statuses),
+        "peers": peers,
+    }
+    if spec.trust.open or any(attacks):
+        summary["trust"] = _trust(everyone, attacks)
+    return summary
+
+
+def epoch_curves(histories: Iterable[list[dict[str, Any]]]) -> dict[str, Any]:
+    """``loss_curve`` and ``round_seconds`` from the peers' round histories: per epoch, over the
+    peers that reached it, the mean validation loss (None where nothing trained: the model),
+    total samples so far, mean bytes each peer had sent so far, and round times."""
+    by_epoch: dict[int, list[dict[str, Any]]] = {}
+    for history in histories:
+        for entry in history:
+            if entry["outcome"] in ("averaged", "partial"):
+                by_epoch.setdefault(entry["epoch"], []).append(entry)
+    epochs = sorted(by_epoch.items())
+    return {
         "loss_curve": [
             {
                 "epoch": epoch,
-                "val_loss": statistics.fmean(e["val_loss"] for e in entries),
+                "val_loss": (
+                    statistics.fmean(e["val_loss"] for e in entries)
+                    if all("val_loss" in e for e in entries)
+                    else None
+                ),
                 "samples": sum(e["samples"] for e in entries),
                 "bytes_sent_per_peer": statistics.fmean(e["bytes_sent"] for e in entries),
             }
-            for epoch, entries in sorted(by_epoch.items())
+            for epoch, entries in epochs
         ],
         "round_seconds": [
             {
@@ -84,13 +100,9 @@ def summarize(
                 "median": statistics.median(e["round_seconds"] for e in entries),
                 "max": max(e["round_seconds"] for e in entries),
             }
-            for epoch, entries in sorted(by_epoch.items())
+            for epoch, entries in epochs
         ],
-        "peers": peers,
     }
-    if spec.trust.open or any(attacks):
-        summary["trust"] = _trust(everyone, attacks)
-    return summary
 
 
 def _trust(statuses: list[dict[str, Any]], attacks: list[str]) -> dict[str, Any]:

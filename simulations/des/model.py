@@ -65,6 +65,7 @@ from swarmgrad.simulations.churn import ChurnEvent
 from swarmgrad.simulations.des.groups import Candidates
 from swarmgrad.simulations.des.traffic import Traffic, round_traffic
 from swarmgrad.simulations.profiles import PeerProfile, SimulationError
+from swarmgrad.simulations.summary import epoch_curves
 
 Events = Generator[simpy.Event, Any, Any]
 #: A link with no cap in the profile (loopback, or a datacentre): 10 Gbit/s.
@@ -741,11 +742,6 @@ class SwarmModel:
         loss fields are None: the model does not train."""
         finals = [p for p in self.peers if p.sessions]
         ok = all(p.epoch >= self.config.rounds for p in finals if p.alive)
-        by_epoch: dict[int, list[dict[str, Any]]] = {}
-        for peer in finals:
-            for entry in peer.history:
-                if entry["outcome"] in ("averaged", "partial"):
-                    by_epoch.setdefault(entry["epoch"], []).append(entry)
         seq_len = self.config.spec.model.seq_len
         peers = []
         for p in finals:
@@ -786,23 +782,7 @@ class SwarmModel:
             "final_val_loss": None,
             "replicas_identical": None,
             "parameters": self.params,
-            "loss_curve": [
-                {
-                    "epoch": epoch,
-                    "val_loss": None,
-                    "samples": sum(e["samples"] for e in entries),
-                    "bytes_sent_per_peer": statistics.fmean(e["bytes_sent"] for e in entries),
-                }
-                for epoch, entries in sorted(by_epoch.items())
-            ],
-            "round_seconds": [
-                {
-                    "epoch": epoch,
-                    "median": statistics.median(e["round_seconds"] for e in entries),
-                    "max": max(e["round_seconds"] for e in entries),
-                }
-                for epoch, entries in sorted(by_epoch.items())
-            ],
+            **epoch_curves(p.history for p in finals),
             "peers": peers,
             "totals": totals(peers),
         }
