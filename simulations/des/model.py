@@ -743,7 +743,7 @@ class SwarmModel:
         finals = [p for p in self.peers if p.sessions]
         ok = all(p.epoch >= self.config.rounds for p in finals if p.alive)
         seq_len = self.config.spec.model.seq_len
-        peers = []
+        peers: list[dict[str, Any]] = []
         for p in finals:
             busy = p.compute_seconds + p.communication_seconds
             alive_for = max(self.env.now, 1e-9)

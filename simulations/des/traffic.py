@@ -37,8 +37,9 @@ def payload_nbytes(codec: str, options: tuple[tuple[str, float], ...], numel: in
 def part_bytes(config: AllReduceConfig, numel: int, *, result: bool = False) -> int:
     """Payload bytes of a part of ``numel`` values, as members send it or (``result``) as its
     owner sends the result back."""
+    options: tuple[tuple[str, float], ...] = ()
     if result and config.result_codec:
-        codec, options = config.result_codec, ()
+        codec = config.result_codec
     else:
         codec, options = config.codec, tuple(sorted(config.codec_options.items()))
     return sum(payload_nbytes(codec, options, n) for n in chunk_sizes(numel, config.chunk_values))
