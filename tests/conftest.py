@@ -4,7 +4,7 @@
 processes. Waiting helpers are in ``tests/helpers.py``.
 
 ``scripts/test.sh`` runs the suite on two pytest-xdist workers. The modules that run whole swarms
-of node processes (:data:`SWARMS`) share one group, so they run one at a time on one worker, as
+of node processes (:data:`SWARMS`) are one scope, so they run one at a time on one worker, as
 their deadlines assume; everything else runs on the other worker meanwhile.
 """
 
@@ -14,6 +14,7 @@ import os
 import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -22,7 +23,7 @@ from swarmgrad.node.config import home
 from swarmgrad.node.training.data import load_demo
 from swarmgrad.simulations.allreduce_peer import PeerProcess
 
-#: Modules whose tests run swarms of node processes: one at a time (one xdist group).
+#: Modules whose tests run swarms of node processes: one at a time (one xdist scope).
 SWARMS = {
     "test_churn.py", "test_des_calibration.py", "test_hostile.py", "test_nat.py",
     "test_netem.py", "test_observing.py", "test_open_swarm.py", "test_published.py",
@@ -30,10 +31,17 @@ SWARMS = {
 }  # fmt: skip
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.path.name in SWARMS:
-            item.add_marker(pytest.mark.xdist_group("swarms"))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scope scheduling with every swarm module in one scope (one worker, one test at a
+    time) and every other test a scope of its own. (pytest 9 keeps the ``@group`` suffix that
+    ``--dist loadgroup`` relies on out of the node ids, so that mode no longer groups.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SwarmsTogether(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return "swarms" if Path(nodeid.split("::")[0]).name in SWARMS else nodeid
+
+    return SwarmsTogether(config, log)
 
 
 class Peers:
