@@ -6,7 +6,12 @@ import time
 from collections import Counter
 from typing import Any, cast
 
-from swarmgrad.node.averaging.matchmaking import Matchmaker, bucket_count, bucket_of
+from swarmgrad.node.averaging.matchmaking import (
+    Matchmaker,
+    assign_groups,
+    bucket_count,
+    bucket_of,
+)
 from swarmgrad.node.discovery.base import dht_time
 from swarmgrad.node.discovery.records import PeerRecord, ReadyRecord
 from swarmgrad.node.identity import Identity
@@ -101,3 +106,37 @@ def test_buckets_keep_every_group_whole_in_a_large_swarm() -> None:
         assert other in (buckets, buckets // 2)
         if other != buckets:
             assert all(bucket_of(3, p, buckets) % other == bucket_of(3, p, other) for p in peers)
+
+
+async def test_in_a_large_swarm_a_peer_waits_for_its_bucket_and_groups_within_it() -> None:
+    # 40 peers at round 5: the round is cut into buckets; every peer of this one's bucket is
+    # ready, and so are half the others (the rest still train). It must not wait for the rest,
+    # and its group must hold only peers of its bucket, the group they compute too (cut from
+    # all the candidates it sees, it would depend on who else happened to be ready).
+    me = Identity.from_seed("mm-rules/me")
+    names = [f"peer-{i:02d}" for i in range(39)]
+    everyone = [me.peer_id, *names]
+    buckets = bucket_count(5, everyone, 4)
+    assert buckets > 1
+    mine = bucket_of(5, me.peer_id, buckets)
+    bucket = [p for p in everyone if bucket_of(5, p, buckets) == mine]
+    board = Board()
+    now = dht_time()
+    others = [p for p in everyone if p not in bucket]
+    for name in bucket + others[::2]:
+        if name != me.peer_id:
+            await board.announce_ready(
+                ReadyRecord(peer_id=name, run_id=RUN, spec_hash=SPEC.hex(), endpoint=f"{name}:1",
+                            round=5, bandwidth=1.0, weight=1.0, issued_at=now,
+                            expires_at=now + 60)
+            )  # fmt: skip
+    mm = maker(board, me, [peer(p, 5) for p in everyone])
+    started = time.monotonic()
+    group = await mm.form_group(5, endpoint="me:1")
+    assert time.monotonic() - started < 3.0  # not the 10 s timeout: its bucket was all there
+    assert group is not None
+    members = [m.peer_id for m in group.members]
+    assert me.peer_id in members
+    assert set(members) <= set(bucket)
+    expected = next(g for g in assign_groups(5, bucket, 4) if me.peer_id in g)
+    assert members == expected
