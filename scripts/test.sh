@@ -11,5 +11,4 @@ links=.venv/mypy-path/swarmgrad
 rm -rf "$links" && mkdir -p "$links"
 for pkg in node protocol compression simulations; do ln -s "$PWD/$pkg" "$links/$pkg"; done
 echo "== mypy" && "$bin/mypy"
-# Two workers: the swarm tests one after another on one, the rest on the other (tests/conftest.py).
-echo "== pytest" && "$bin/python" -m pytest -n 2 "$@"
+echo "== pytest" && "$bin/python" -m pytest "$@"

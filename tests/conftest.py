@@ -2,10 +2,6 @@
 
 ``tests/unit/`` needs no sockets; ``tests/integration/`` starts real servers, DHT nodes and
 processes. Waiting helpers are in ``tests/helpers.py``.
-
-``scripts/test.sh`` runs the suite on two pytest-xdist workers. The modules that run whole swarms
-of node processes (:data:`SWARMS`) are one scope, so they run one at a time on one worker, as
-their deadlines assume; everything else runs on the other worker meanwhile.
 """
 
 from __future__ import annotations
@@ -14,7 +10,6 @@ import os
 import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -22,26 +17,6 @@ import pytest_asyncio
 from swarmgrad.node.config import home
 from swarmgrad.node.training.data import load_demo
 from swarmgrad.simulations.allreduce_peer import PeerProcess
-
-#: Modules whose tests run swarms of node processes: one at a time (one xdist scope).
-SWARMS = {
-    "test_churn.py", "test_des_calibration.py", "test_hostile.py", "test_nat.py",
-    "test_netem.py", "test_observing.py", "test_open_swarm.py", "test_published.py",
-    "test_restarts.py", "test_swarm.py",
-}  # fmt: skip
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """xdist's scope scheduling with every swarm module in one scope (one worker, one test at a
-    time) and every other test a scope of its own. (pytest 9 keeps the ``@group`` suffix that
-    ``--dist loadgroup`` relies on out of the node ids, so that mode no longer groups.)"""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class SwarmsTogether(LoadScopeScheduling):  # type: ignore[misc]
-        def _split_scope(self, nodeid: str) -> str:
-            return "swarms" if Path(nodeid.split("::")[0]).name in SWARMS else nodeid
-
-    return SwarmsTogether(config, log)
 
 
 class Peers:
