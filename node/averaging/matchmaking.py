@@ -30,6 +30,7 @@ import hashlib
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
 
 from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.discovery.base import Discovery, dht_time
@@ -89,6 +90,21 @@ def assign_groups(round_: int, peer_ids: list[str], group_size: int) -> list[lis
     return [sorted(g) for g in groups if len(g) >= 2]
 
 
+@dataclass(frozen=True, slots=True)
+class _Census:
+    """One read of the run's peer records for a round, as matchmaking uses it."""
+
+    round: int
+    expected: set[str]  # at the round or one behind (and this peer)
+    ahead: bool  # another peer is past the round
+    buckets: int
+    mine: int  # this peer's bucket
+    wanted: set[str]  # the expected peers of this peer's bucket
+
+    def in_bucket(self, peer_id: str) -> bool:
+        return bucket_of(self.round, peer_id, self.buckets) == self.mine
+
+
 class Matchmaker:
     def __init__(
         self,
@@ -138,16 +154,13 @@ class Matchmaker:
         deadline = loop.time() + self.timeout_seconds
         me = self._identity.peer_id
         candidates = await self._candidates(round_)
-        expected, ahead, taking_part = await self._census(round_)
+        census = await self._census(round_)
         checked = loop.time()
         while loop.time() < deadline:
-            buckets = bucket_count(round_, taking_part, self.group_size)
-            mine = bucket_of(round_, me, buckets)
-            seen = {r.peer_id for r in candidates if bucket_of(round_, r.peer_id, buckets) == mine}
-            wanted = {p for p in expected if bucket_of(round_, p, buckets) == mine}
-            if len(seen) >= 2 and wanted <= seen:
+            seen = {r.peer_id for r in candidates if census.in_bucket(r.peer_id)}
+            if len(seen) >= 2 and census.wanted <= seen:
                 break
-            if ahead and expected == {me} and seen <= {me}:
+            if census.ahead and census.expected == {me} and seen <= {me}:
                 # Everyone else has moved past this round (this node lost one): nobody will
                 # come, and the sooner it says so the sooner it catches up by state sync
                 # (while they wait for it, one round behind, as "expected").
@@ -156,12 +169,10 @@ class Matchmaker:
             await asyncio.sleep(POLL_SECONDS)
             candidates = await self._candidates(round_)
             if loop.time() - checked > EXPECTED_REFRESH_SECONDS:
-                (expected, ahead, taking_part), checked = await self._census(round_), loop.time()
+                census, checked = await self._census(round_), loop.time()
         await asyncio.sleep(self.settle_seconds)
         candidates = await self._candidates(round_)
-        buckets = bucket_count(round_, taking_part, self.group_size)
-        mine = bucket_of(round_, me, buckets)
-        by_id = {r.peer_id: r for r in candidates if bucket_of(round_, r.peer_id, buckets) == mine}
+        by_id = {r.peer_id: r for r in candidates if census.in_bucket(r.peer_id)}
         for members in assign_groups(round_, list(by_id), self.group_size):
             if self._identity.peer_id in members:
                 if not any(by_id[p].bandwidth > 0 for p in members):
@@ -182,9 +193,9 @@ class Matchmaker:
         log.info("round %d: no group (%d candidates)", round_, len(candidates))
         return None
 
-    async def _census(self, round_: int) -> tuple[set[str], bool, set[str]]:
-        """Peers who should be ready for ``round_``, whether any other peer is past it, and how
-        many take part in the round (the bucket count's input).
+    async def _census(self, round_: int) -> _Census:
+        """Who should be ready for ``round_`` in this peer's bucket, and whether any other peer
+        is past the round.
 
         Expected are those whose records say they are at it, or one behind (a peer that just
         finished the last round may not have announced it yet; a peer that died in it is waited
@@ -193,10 +204,13 @@ class Matchmaker:
         did, or it would wait in a bucket of its own for peers that are in others."""
         peers = [p for p in await self._peers() if not self._excluded(p.peer_id)]
         me = self._identity.peer_id
-        expected = {p.peer_id for p in peers if p.epoch in (round_ - 1, round_)}
+        expected = {p.peer_id for p in peers if p.epoch in (round_ - 1, round_)} | {me}
         ahead = any(p.epoch > round_ for p in peers if p.peer_id != me)
         taking_part = {p.peer_id for p in peers if p.epoch >= round_ - 1} | {me}
-        return expected | {me}, ahead, taking_part
+        buckets = bucket_count(round_, taking_part, self.group_size)
+        mine = bucket_of(round_, me, buckets)
+        wanted = {p for p in expected if bucket_of(round_, p, buckets) == mine}
+        return _Census(round_, expected, ahead, buckets, mine, wanted)
 
     async def _candidates(self, round_: int) -> list[ReadyRecord]:
         return [
