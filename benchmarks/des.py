@@ -121,8 +121,7 @@ def calibration(nodes: int, upload: float, work: Path, seed: int) -> dict[str, A
         )
     )  # fmt: skip
     spec = RunSpec.load(spec_path)
-    steps = sum(p["samples"] for p in real["peers"]) / spec.data.batch_size
-    step_seconds = sum(p["compute_seconds"] for p in real["peers"]) / steps
+    step_seconds = calibrate.step_seconds_of(real, spec)
     model = driver.run(
         driver.DesConfig(
             nodes=nodes, rounds=rounds, out_dir=work / "model", spec_path=spec_path,

@@ -48,6 +48,7 @@ from pathlib import Path
 ACTIONS = ("kill", "stop", "start", "pause", "resume", "partition", "heal")
 #: Actions that cut a node off for a while, and the action that ends each.
 UNTIL = {"pause": "resume", "partition": "heal"}
+ENDS = {end: cut for cut, end in UNTIL.items()}
 #: What a node logs when it enters each phase an event can wait for.
 MARKERS = {"round": "averaging in a group of", "state_download": "downloading state"}
 
@@ -102,10 +103,11 @@ def load_schedule(path: Path, *, nodes: int) -> list[ChurnEvent]:
     ever = set(running)
     cut: dict[int, str] = {}  # node -> the action that cut it off (pause or partition)
     for i, event in enumerate(events):
-        ends = [k for k, v in UNTIL.items() if v == event.action]
-        if ends:
-            if cut.get(event.node) != ends[0]:
-                raise ScheduleError(f"{path}: event {i}: node {event.node} is not {_past(ends[0])}")
+        if event.action in ENDS:
+            if cut.get(event.node) != ENDS[event.action]:
+                raise ScheduleError(
+                    f"{path}: event {i}: node {event.node} is not {_past(ENDS[event.action])}"
+                )
             del cut[event.node]
         elif event.node in cut:
             raise ScheduleError(f"{path}: event {i}: node {event.node} is {_past(cut[event.node])}")

@@ -16,7 +16,7 @@ import logging
 import shutil
 from types import TracebackType
 
-from swarmgrad.simulations.natlab import Host, LabError, NatLab, missing_tools
+from swarmgrad.simulations.natlab import Host, NatLab, missing_tools
 from swarmgrad.simulations.profiles import PeerProfile
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,6 @@ class Wan:
 
     def __init__(self, token: str | None = None) -> None:
         self.lab = NatLab(token)
-        self.partitioned: set[str] = set()
 
     def __enter__(self) -> Wan:
         self.lab.__enter__()
@@ -90,13 +89,9 @@ class Wan:
             f'  chain output {{ type filter hook output priority -10; oifname "wan0" drop; }}\n'
             "}\n",
         )
-        self.partitioned.add(host.namespace)
 
     def heal(self, host: Host) -> None:
-        done = host.run(["nft", "delete", "table", "inet", _PARTITION_TABLE])
-        if done.returncode != 0:
-            raise LabError(f"could not heal {host.namespace}: {done.stderr.strip()}")
-        self.partitioned.discard(host.namespace)
+        NatLab.run_in(host.namespace, "nft", "delete", "table", "inet", _PARTITION_TABLE)
 
     @staticmethod
     def _tc(namespace: str, device: str, rate: float) -> None:

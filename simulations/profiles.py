@@ -4,9 +4,8 @@ an attack the peer makes (``simulations/attacks.py``).
 
 Any value may be a distribution instead of a number (``simulations/distributions.py``); each node
 draws its own from its table, from the simulation's seed. The real-process ``simulate`` applies
-``slowdown``, ``upload_bytes_per_second``, ``bandwidth`` and ``attack`` itself; the others need
-``--netem`` (latency, download caps) or the discrete-event model (``--engine des``), which uses
-them all.
+``slowdown``, ``upload_bytes_per_second``, ``bandwidth`` and ``attack`` itself; ``--netem`` adds
+download caps and loss (``netem.py``); the discrete-event model (``--engine des``) uses them all.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ A profile is TOML with one ``[[peer]]`` table per node (reused in turn if there 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -152,6 +153,11 @@ class _Node:
             return adversary_command(self.attack, *self.args)
         return node_command(*self.args)
 
+    def watch_rejoin(self) -> None:
+        """From now (a resume, a heal), time how long the node takes to take part again."""
+        self.waiting_rejoin = True
+        self.started_at, self.log_offset = time.monotonic(), self.log_size()
+
     def log_size(self) -> int:
         return self.log.stat().st_size if self.log.exists() else 0
 
@@ -207,14 +213,14 @@ def simulate(config: SimulationConfig) -> dict[str, Any]:
         raise SimulationError(str(error)) from None
     slots = max([config.nodes - 1, *(e.node for e in events)]) + 1
     profiles = load_profile(config.profile_path, slots, seed=config.seed or 0)
-    netem = config.netem
-    if netem and netem_unavailable():
+    missing = netem_unavailable() if config.netem else []
+    if missing:
         log.warning(
             "--netem needs %s: falling back to processes on loopback with a token bucket on "
             "each upload",
-            ", ".join(netem_unavailable()),
+            ", ".join(missing),
         )
-        netem = False
+    netem = config.netem and not missing
     cuts = [e for e in events if e.action in ("partition", "heal")]
     if cuts and not netem:
         raise SimulationError(
@@ -223,8 +229,8 @@ def simulate(config: SimulationConfig) -> dict[str, Any]:
     unapplied = [i for i, p in enumerate(profiles) if not p.applied_by_processes]
     if unapplied and not netem:
         log.warning(
-            "node(s) %s: latency, download caps, relayed NATs and session lengths are not applied "
-            "to processes on loopback (only slowdown, upload cap and bandwidth are); the "
+            "node(s) %s: latency, download caps, loss, relayed NATs and session lengths are not "
+            "applied to processes on loopback (only slowdown, upload cap and bandwidth are); the "
             "discrete-event model (--engine des) uses them",
             ", ".join(map(str, unapplied)),
         )
@@ -235,28 +241,25 @@ def simulate(config: SimulationConfig) -> dict[str, Any]:
         spec_path.write_text(DEMO_SPEC)
     spec = RunSpec.load(spec_path)
     run = _SwarmRun(config, events)
-    wan = Wan() if netem else None
-    try:
-        if wan is not None:
-            wan.__enter__()
+    with contextlib.ExitStack() as stack:  # the namespaces go after the processes stopped
+        if netem:
+            run.wan = stack.enter_context(Wan())
             prepare_corpus(spec_path)  # the nodes' namespaces reach nothing outside
-        run.wan = wan
-        maddrs = run.start_bootstrap()
-        run.swarm = [
-            _node_slot(config, i, profile, spec_path, maddrs, wan)
-            for i, profile in enumerate(profiles)
-        ]
-        for node in run.swarm[: config.nodes]:
-            run.start(node)
-        run.until_finished()
-        finals = [n for n in run.swarm if n.finished]
-        statuses = [json.loads(n.status.read_text()) for n in finals]
-        attacks = [n.attack for n in finals]
-    finally:
-        for process in reversed(run.processes):
-            process.stop()
-        if wan is not None:
-            wan.__exit__(None, None, None)
+        try:
+            maddrs = run.start_bootstrap()
+            run.swarm = [
+                _node_slot(config, i, profile, spec_path, maddrs, run.wan)
+                for i, profile in enumerate(profiles)
+            ]
+            for node in run.swarm[: config.nodes]:
+                run.start(node)
+            run.until_finished()
+            finals = [n for n in run.swarm if n.finished]
+            statuses = [json.loads(n.status.read_text()) for n in finals]
+            attacks = [n.attack for n in finals]
+        finally:
+            for process in reversed(run.processes):
+                process.stop()
     wall_seconds = time.time() - run.started
     summary = summarize(
         statuses, spec=spec, wall_seconds=wall_seconds, rounds=config.rounds, attacks=attacks
@@ -416,16 +419,16 @@ class _SwarmRun:
                     self.wan.partition(target.host)
                 else:
                     self.wan.heal(target.host)
-                    target.waiting_rejoin = True
-                    target.started_at, target.log_offset = time.monotonic(), target.log_size()
+                    target.watch_rejoin()
             elif event.action in ("pause", "resume"):
                 assert target.process is not None
                 target.process.popen.send_signal(
                     signal.SIGSTOP if event.action == "pause" else signal.SIGCONT
                 )
-                target.waiting_rejoin = event.action == "resume"
-                if target.waiting_rejoin:
-                    target.started_at, target.log_offset = time.monotonic(), target.log_size()
+                if event.action == "resume":
+                    target.watch_rejoin()
+                else:
+                    target.waiting_rejoin = False
             elif event.action == "stop":
                 assert target.process is not None
                 target.process.stop()

@@ -3,8 +3,11 @@ measured the way ``simulate``'s nodes run (the real model and codec, one torch t
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -17,10 +20,15 @@ from swarmgrad.simulations.profiles import SimulationError
 MAX_MEASURED_PARAMETERS = 50_000_000
 
 
-def _one_thread() -> int:
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Torch on one thread meanwhile, as ``simulate``'s nodes run (``--threads 1``)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    return threads
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def step_seconds(spec: RunSpec, *, steps: int = 6) -> float:
@@ -35,31 +43,31 @@ def step_seconds(spec: RunSpec, *, steps: int = 6) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     shape = (spec.data.batch_size, spec.model.seq_len)
     tokens = torch.randint(0, spec.model.vocab_size, shape, generator=torch.Generator())
-    threads = _one_thread()
-    try:
-        times = []
+    times = []
+    with _one_thread():
         for _ in range(steps + 1):
             started = time.perf_counter()
             model.loss(tokens, tokens).backward()  # type: ignore[no-untyped-call]
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             times.append(time.perf_counter() - started)
-    finally:
-        torch.set_num_threads(threads)
     return statistics.median(times[1:])  # the first step pays for allocation
+
+
+def step_seconds_of(summary: dict[str, Any], spec: RunSpec) -> float:
+    """Seconds per inner step in a real run, from its summary (compute time over steps)."""
+    steps = sum(p["samples"] for p in summary["peers"]) / spec.data.batch_size
+    return float(sum(p["compute_seconds"] for p in summary["peers"]) / steps)
 
 
 def codec_values_per_second(spec: RunSpec, *, numel: int = 1 << 18, repeats: int = 5) -> float:
     """Values per second the run's codec encodes and decodes (each counted once)."""
     codec = get_codec(spec.averaging.codec)
     values = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-    threads = _one_thread()
-    try:
-        times = []
+    times = []
+    with _one_thread():
         for _ in range(repeats):
             started = time.perf_counter()
             codec.decode(*codec.encode(values))
             times.append(time.perf_counter() - started)
-    finally:
-        torch.set_num_threads(threads)
     return 2 * numel / statistics.median(times)

@@ -123,7 +123,6 @@ class _Peer:
     state: Hashable = "init"  # which replica state it holds (its checksum, in the node)
     record_state: Hashable = "init"  # the state its live record announces
     record_lapses_at: float = math.inf  # when its record goes, once it stopped announcing
-    phase: str = ""  # "train", "sync", "match", "round"
     process: simpy.Process | None = None
     relay: int | None = None  # a relayed peer's relay (a direct peer's index)
     exchange: _Exchange | None = None  # the all-reduce it is in now
@@ -261,7 +260,7 @@ class SwarmModel:
         self.newest = 0
         self.epoch_changed = self.env.event()
         self.fired: list[dict[str, Any]] = []
-        self.armed: tuple[ChurnEvent, str] | None = None
+        self.armed: ChurnEvent | None = None  # a kill waiting for its node to enter a phase
         self.done = self.env.event()
         self.rejoin_seconds: dict[int, list[float]] = {}
         self.stalled = False
@@ -353,7 +352,6 @@ class SwarmModel:
                 if restarted:
                     self.rejoin_seconds.setdefault(peer.index, []).append(env.now - started)
             while peer.epoch < self.config.rounds:
-                peer.phase = "train"
                 compute = self.inner_steps * self.config.step_seconds * peer.profile.slowdown
                 yield env.timeout(compute)
                 peer.compute_seconds += compute
@@ -376,7 +374,6 @@ class SwarmModel:
                 self._record(peer, outcome, round_started, size)
             peer.finished = True
             self.training.discard(peer.index)
-            peer.phase = ""
             self._advanced()
         except simpy.Interrupt:
             pass  # killed, stopped or paused: the churn that did it set the state
@@ -415,7 +412,6 @@ class SwarmModel:
         return best is not None and best != peer.state
 
     def _resync(self, peer: _Peer) -> Events:
-        peer.phase = "sync"
         self._fire_armed(peer, "state_download")
         target = (self.newest, self._best(self.newest))
         donors = []
@@ -507,7 +503,6 @@ class SwarmModel:
     def _round(self, peer: _Peer) -> Events:
         """Matchmaking, then the all-reduce: (outcome, group size, the state it leaves)."""
         env, board, me = self.env, self._board(peer.epoch), peer.peer_id
-        peer.phase = "match"
         board.decided.pop(me, None)  # an earlier attempt's
         record = self._records = self._records + 1
         earlier = board.records.get(me)
@@ -523,13 +518,14 @@ class SwarmModel:
         while True:
             r = peer.epoch
             buckets = self._bucket_count(board)
-            bucket = board.bucket(buckets, bucket_of(r, me, buckets))
+            index = bucket_of(r, me, buckets)
+            bucket = board.bucket(buckets, index)
             if env.now >= deadline:
                 break
             seen = bucket.visible.ids
             wake = deadline
             if len(seen) >= 2 and me in seen:
-                expected = self._expected(board, buckets, bucket_of(r, me, buckets))
+                expected = self._expected(board, buckets, index)
                 awaited = [
                     p for p in expected if p.peer_id not in seen and p.record_epoch in (r - 1, r)
                 ]
@@ -561,7 +557,6 @@ class SwarmModel:
 
     def _average(self, peer: _Peer, board: _Board, group: tuple[str, ...]) -> Events:
         exchange = yield from self._exchange(board, group)
-        peer.phase = "round"
         self._fire_armed(peer, "round")
         if peer.index not in exchange.members:
             return "aborted", len(group), None
@@ -704,7 +699,7 @@ class SwarmModel:
                 yield self.epoch_changed
             target = self.peers[event.node]
             if event.during:
-                self.armed = (event, event.during)
+                self.armed = event
                 while self.armed is not None:
                     yield self.epoch_changed
                 continue
@@ -727,8 +722,9 @@ class SwarmModel:
         self._advanced()
 
     def _fire_armed(self, peer: _Peer, phase: str) -> None:
-        if self.armed is not None and self.armed[0].node == peer.index and self.armed[1] == phase:
-            event, self.armed = self.armed[0], None
+        event = self.armed
+        if event is not None and event.node == peer.index and event.during == phase:
+            self.armed = None
             self.env.process(self._fire_soon(event, peer))
 
     def _fire_soon(self, event: ChurnEvent, peer: _Peer) -> Events:

@@ -68,9 +68,16 @@ class Scenario:
             for i in range(self.peers)
         )
 
-    def run(self, spec: RunSpec | None = None, **profile: Any) -> dict[str, Any]:
-        if spec is None:
-            spec = with_averaging(self.spec, group_size=self.group_size or self.peers)
+    def run(
+        self, *, group_size: int | None = None, inner_steps: int | None = None, **profile: Any
+    ) -> dict[str, Any]:
+        """One model run of this swarm, the spec's group size (default: the scenario's) and
+        inner steps changed if given, ``profile`` passed to :meth:`profiles`."""
+        spec = self.spec
+        if inner_steps is not None:
+            spec = replace(spec, algorithm=replace(spec.algorithm, inner_steps=inner_steps))
+        size = min(group_size or self.group_size or self.peers, self.peers)
+        spec = replace(spec, averaging=replace(spec.averaging, group_size=size))
         return simulate(
             ModelConfig(
                 spec=spec,
@@ -82,14 +89,6 @@ class Scenario:
                 codec_values_per_second=self.codec_values_per_second,
             )
         )
-
-
-def with_averaging(spec: RunSpec, **changes: Any) -> RunSpec:
-    return replace(spec, averaging=replace(spec.averaging, **changes))
-
-
-def with_inner_steps(spec: RunSpec, inner_steps: int) -> RunSpec:
-    return replace(spec, algorithm=replace(spec.algorithm, inner_steps=inner_steps))
 
 
 def _row(summary: dict[str, Any], **key: Any) -> dict[str, Any]:
@@ -116,9 +115,8 @@ def bandwidth_by_group_size(
 ) -> list[dict[str, Any]]:
     rows = []
     for group_size in group_sizes:
-        spec = with_averaging(scenario.spec, group_size=min(group_size, scenario.peers))
         for mbit in bandwidths:
-            summary = scenario.run(spec, bandwidth_mbit=mbit)
+            summary = scenario.run(group_size=group_size, bandwidth_mbit=mbit)
             rows.append(_row(summary, group_size=group_size, mbit=mbit))
     return rows
 
@@ -136,11 +134,7 @@ def inner_steps_for(
     for mbit in bandwidths:
         found: dict[str, Any] = {"mbit": mbit, "inner_steps": None, "utilization": None}
         for steps in choices:
-            spec = with_averaging(
-                with_inner_steps(scenario.spec, steps),
-                group_size=scenario.group_size or scenario.peers,
-            )
-            summary = scenario.run(spec, bandwidth_mbit=mbit)
+            summary = scenario.run(inner_steps=steps, bandwidth_mbit=mbit)
             utilization = summary["totals"]["utilization"]
             if utilization >= target:
                 found = {"mbit": mbit, "inner_steps": steps, "utilization": utilization}
@@ -164,7 +158,10 @@ def churn_and_relays(
     rows = []
     for share in relayed:
         for rate in churn:
-            summary = scenario.run(relayed=share, churn=rate, round_seconds=round_seconds)
+            if not share and not rate:  # the calm run itself
+                summary = calm
+            else:
+                summary = scenario.run(relayed=share, churn=rate, round_seconds=round_seconds)
             rows.append(_row(summary, churn=rate, relayed=share))
     return rows
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from swarmgrad.node.runspec import RunSpec
-from swarmgrad.simulations.des import driver
+from swarmgrad.simulations.des import calibrate, driver
 from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
 
 ROUNDS = 6
@@ -37,8 +37,7 @@ def test_the_model_predicts_a_real_shaped_run(tmp_path: Path) -> None:
     )
     assert real["ok"]
     # What the model is told of the real run: how long an inner step took there.
-    steps = sum(p["samples"] for p in real["peers"]) / spec.data.batch_size
-    step_seconds = sum(p["compute_seconds"] for p in real["peers"]) / steps
+    step_seconds = calibrate.step_seconds_of(real, spec)
     modelled = driver.run(
         driver.DesConfig(
             nodes=4,
