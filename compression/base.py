@@ -9,6 +9,12 @@ it checks scales and values for NaN/Inf, raising :class:`CodecError` (a ``ValueE
 returning a garbage tensor.
 
 Payloads are little-endian; the byte layout of each codec is documented in its class.
+
+On a GPU: the dense codecs (``none``, ``fp16``, ``bf16``, ``int8``, ``int4``) encode a CUDA tensor
+on its device and copy only the payload to the host; :func:`decode` into a CUDA ``out`` (or with
+``device=``) copies only the payload to the device and decodes there. The values are the same
+bits as on the CPU: every step is one correctly rounded IEEE operation. The sparse and low-rank
+codecs work on the CPU and move tensors across.
 """
 
 from __future__ import annotations
@@ -97,6 +103,9 @@ class Codec(ABC):
     version: ClassVar[int]
     #: Whether decode(encode(x)) == x exactly.
     lossless: ClassVar[bool] = False
+    #: Whether ``_decode_into`` also takes the payload as a uint8 tensor on a GPU (and decodes
+    #: there); otherwise a GPU ``out`` gets the CPU decoding copied in.
+    device_decode: ClassVar[bool] = False
 
     @abstractmethod
     def encode(self, tensor: torch.Tensor) -> tuple[bytes, Meta]:
@@ -107,15 +116,18 @@ class Codec(ABC):
     # much as the decoding.
 
     @classmethod
-    def _decode(cls, data: bytes, meta: Meta) -> torch.Tensor:
+    def _decode(cls, data: bytes | memoryview, meta: Meta) -> torch.Tensor:
         """Decode a payload whose ``meta`` passed the generic checks in :func:`decode`."""
         out = torch.empty(meta.numel, dtype=DTYPES[meta.dtype])
         cls._decode_into(data, meta, out)
         return out.reshape(meta.shape)
 
     @classmethod
-    def _decode_into(cls, data: bytes, meta: Meta, out: torch.Tensor) -> None:
-        """Decode into the flat, contiguous ``out`` of ``meta``'s dtype and size."""
+    def _decode_into(cls, data: Wire, meta: Meta, out: torch.Tensor) -> None:
+        """Decode into the flat, contiguous ``out`` of ``meta``'s dtype and size (on ``data``'s
+        device: ``data`` is a uint8 tensor only for codecs with ``device_decode``)."""
+        if isinstance(data, torch.Tensor):  # pragma: no cover - decode() never does this
+            raise TypeError(f"{cls.name} decodes host bytes only")
         out.copy_(cls._decode(data, meta).reshape(-1))
 
     @classmethod
@@ -127,9 +139,10 @@ class Codec(ABC):
         return decode(data, meta)
 
     def encode_view(self, tensor: torch.Tensor) -> tuple[bytes | memoryview, Meta]:
-        """Like :meth:`encode`, but a codec may return a view of ``tensor``'s memory instead of
-        a copy (the identity codec does). The caller must keep ``tensor`` alive and unchanged
-        until the payload has been consumed."""
+        """Like :meth:`encode`, but a codec may return a view of memory instead of a new bytes
+        object: of ``tensor``'s own (the identity codec on a CPU tensor), or of the page-locked
+        host buffer a GPU's payload was copied into. The caller must keep ``tensor`` alive and
+        unchanged until the payload has been consumed."""
         return self.encode(tensor)
 
     def _meta(self, tensor: torch.Tensor, **params: int) -> Meta:
@@ -140,6 +153,30 @@ class Codec(ABC):
             dtype=dtype_name(tensor.dtype),
             params=params,
         )
+
+
+class DevicePayloadCodec(Codec):
+    """A codec that builds its payload as a uint8 tensor where the input lives (a GPU's tensor
+    on its GPU): ``encode`` copies it into bytes, ``encode_view`` of a GPU tensor hands out the
+    pinned host copy itself (one copy across PCIe, none on the host)."""
+
+    device_decode = True
+
+    @abstractmethod
+    def _payload(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Meta]:
+        """The payload as a uint8 tensor on ``tensor``'s device (it may be a reused buffer)."""
+
+    def encode(self, tensor: torch.Tensor) -> tuple[bytes, Meta]:
+        payload, meta = self._payload(tensor)
+        return to_bytes(payload), meta
+
+    def encode_view(self, tensor: torch.Tensor) -> tuple[bytes | memoryview, Meta]:
+        payload, meta = self._payload(tensor)
+        if payload.device.type == "cpu" or payload.numel() == 0:
+            return to_bytes(payload), meta
+        host = torch.empty(payload.numel(), dtype=torch.uint8, pin_memory=True)
+        host.copy_(payload)
+        return host.numpy().data.cast("B"), meta  # the array, and so the buffer, stay alive
 
 
 _REGISTRY: dict[tuple[str, int], type[Codec]] = {}
@@ -177,6 +214,7 @@ def decode(
     *,
     max_numel: int = MAX_NUMEL,
     out: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Decode any registered codec's payload, validating ``meta`` and ``data`` first.
 
@@ -184,7 +222,8 @@ def decode(
     while their decoded tensors are not, so a receiver passes the size its run spec allows.
     ``out`` (contiguous, ``meta``'s dtype and number of elements) receives the values instead of
     a new tensor: a fresh multi-MiB allocation costs about as much as decoding it. On error,
-    ``out`` may hold partial values.
+    ``out`` may hold partial values. ``out`` may live on a GPU; without ``out``, the result is
+    made on ``device`` (the CPU by default).
     """
     cls = _REGISTRY.get((meta.codec, meta.version))
     if cls is None:
@@ -205,29 +244,40 @@ def decode(
     for key, value in meta.params.items():
         if not isinstance(value, int) or isinstance(value, bool):
             raise CodecError(f"parameter {key!r} must be an integer, got {value!r}")
+    # Views (a pinned GPU payload, a received buffer) are read in place: no copy of the payload.
+    payload: bytes | memoryview = data if isinstance(data, bytes) else memoryview(data).cast("B")
     # Decoding needs no codec options: they travel in meta.params.
     expected = cls.payload_nbytes(meta)
-    if len(data) != expected:
+    if len(payload) != expected:
         raise CodecError(
-            f"{meta.codec} payload for shape {meta.shape} must be {expected} bytes, got {len(data)}"
+            f"{meta.codec} payload for shape {meta.shape} must be {expected} bytes, "
+            f"got {len(payload)}"
         )
-    payload = bytes(data) if not isinstance(data, bytes) else data
     if out is not None:
-        if (
-            not out.is_contiguous()
-            or out.dtype != DTYPES[meta.dtype]
-            or out.numel() != meta.numel
-            or out.device.type != "cpu"
-        ):
-            raise ValueError(
-                f"out must be a contiguous CPU {meta.dtype} tensor of {meta.numel} values"
-            )
-        cls._decode_into(payload, meta, out.view(-1))
+        if not out.is_contiguous() or out.dtype != DTYPES[meta.dtype] or out.numel() != meta.numel:
+            raise ValueError(f"out must be a contiguous {meta.dtype} tensor of {meta.numel} values")
+        _decode_on(cls, payload, meta, out.view(-1))
         return out
+    if device is not None and torch.device(device).type != "cpu":
+        result = torch.empty(meta.numel, dtype=DTYPES[meta.dtype], device=device)
+        _decode_on(cls, payload, meta, result)
+        return result.reshape(meta.shape)
     result = cls._decode(payload, meta)
     if result.shape != torch.Size(meta.shape):  # pragma: no cover - a codec bug, not bad input
         raise AssertionError(f"{meta.codec} decoded shape {tuple(result.shape)} != {meta.shape}")
     return result
+
+
+def _decode_on(
+    cls: type[Codec], payload: bytes | memoryview, meta: Meta, out: torch.Tensor
+) -> None:
+    """Decode into the flat ``out`` on its device: on a GPU, only the payload crosses."""
+    if out.device.type == "cpu":
+        cls._decode_into(payload, meta, out)
+    elif cls.device_decode:
+        cls._decode_into(to_device(payload, out.device), meta, out)
+    else:
+        out.copy_(cls._decode(payload, meta).reshape(-1))
 
 
 def expect_params(meta: Meta, *names: str) -> dict[str, int]:
@@ -248,14 +298,24 @@ def dtype_name(dtype: torch.dtype) -> str:
         ) from None
 
 
+#: A payload as a decoder reads it: host bytes, or (``device_decode`` codecs) a uint8 tensor
+#: on the device that decodes it.
+Wire = bytes | memoryview | torch.Tensor
+
+
 def cpu_flat(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor as 1-D on the CPU (payloads are host bytes; decode returns CPU tensors)."""
+    """The tensor as 1-D on the CPU (for the codecs that compute on the host)."""
+    return device_flat(tensor).cpu()
+
+
+def device_flat(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as 1-D where it lives (a view when it can be), after checking its dtype."""
     dtype_name(tensor.dtype)
-    return tensor.detach().reshape(-1).cpu()
+    return tensor.detach().reshape(-1)
 
 
 def flat_float32(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor as a contiguous 1-D float32 view or copy (no copy for contiguous fp32)."""
+    """The tensor as a contiguous 1-D float32 CPU view or copy (no copy for contiguous fp32)."""
     flat = cpu_flat(tensor)
     if flat.dtype != torch.float32:
         flat = flat.float()
@@ -263,15 +323,35 @@ def flat_float32(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def to_bytes(tensor: torch.Tensor) -> bytes:
-    """Raw little-endian bytes of a tensor (any dtype, bf16 included)."""
+    """Raw little-endian bytes of a tensor (any dtype, bf16 included; a GPU tensor's through a
+    pinned host buffer)."""
     flat = tensor.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
         return b""
-    return flat.view(torch.uint8).numpy().tobytes()
+    flat = flat.view(torch.uint8)
+    if flat.device.type != "cpu":
+        host = _pinned(flat.numel())
+        host.copy_(flat)
+        flat = host
+    return flat.numpy().tobytes()
 
 
-def from_bytes(data: bytes, dtype: torch.dtype, offset: int = 0, count: int = -1) -> torch.Tensor:
-    """A read-only 1-D view of ``data`` as ``dtype``; callers must not write into it."""
+def to_device(data: bytes | memoryview, device: torch.device) -> torch.Tensor:
+    """``data`` as a uint8 tensor on ``device`` (through a pinned host buffer)."""
+    if not data:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    host = _pinned(len(data))
+    host.copy_(from_bytes(data, torch.uint8))
+    return host.to(device)
+
+
+def from_bytes(data: Wire, dtype: torch.dtype, offset: int = 0, count: int = -1) -> torch.Tensor:
+    """A read-only 1-D view of ``data`` (bytes, or a uint8 tensor) as ``dtype``; callers must not
+    write into it."""
+    if isinstance(data, torch.Tensor):
+        size = dtype.itemsize
+        stop = data.numel() if count < 0 else offset + count * size
+        return data[offset:stop].view(dtype)
     if count == 0 or (count < 0 and len(data) == offset):
         return torch.empty(0, dtype=dtype)
     with warnings.catch_warnings():
@@ -283,18 +363,30 @@ def from_bytes(data: bytes, dtype: torch.dtype, offset: int = 0, count: int = -1
 _scratch = threading.local()
 
 
-def scratch_bytes(nbytes: int) -> torch.Tensor:
+def scratch_bytes(nbytes: int, device: torch.device | None = None) -> torch.Tensor:
     """A reusable uint8 buffer of at least ``nbytes``, private to the calling thread.
 
     Encoders build their payload here and copy it once into the returned ``bytes``; reusing the
     buffer spares the page faults of a fresh large allocation on every call (about as costly as
     the encoding itself). Its contents are garbage between uses; it holds the largest payload the
-    thread has built.
+    thread has built. On a GPU the caching allocator already reuses memory: a fresh tensor.
     """
+    if device is not None and device.type != "cpu":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
     buffer: torch.Tensor | None = getattr(_scratch, "buffer", None)
     if buffer is None or buffer.numel() < nbytes:
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         _scratch.buffer = buffer
+    return buffer[:nbytes]
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    """A reusable page-locked host buffer of ``nbytes``, private to the calling thread (copies
+    between it and a GPU run at full PCIe speed)."""
+    buffer: torch.Tensor | None = getattr(_scratch, "pinned", None)
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+        _scratch.pinned = buffer
     return buffer[:nbytes]
 
 

@@ -6,35 +6,40 @@ import torch
 
 from swarmgrad.compression.base import (
     DTYPES,
-    Codec,
+    DevicePayloadCodec,
     Meta,
+    Wire,
     check_finite,
-    cpu_flat,
+    device_flat,
     expect_params,
     from_bytes,
     register,
     scratch_bytes,
-    to_bytes,
 )
 
 _FP16_MAX = torch.finfo(torch.float16).max
 
 
 @register
-class NoCompression(Codec):
+class NoCompression(DevicePayloadCodec):
     """Identity: the raw bytes of the tensor in its own dtype (``numel * itemsize`` bytes)."""
 
     name = "none"
     version = 1
     lossless = True
 
-    def encode(self, tensor: torch.Tensor) -> tuple[bytes, Meta]:
-        return to_bytes(cpu_flat(tensor)), self._meta(tensor)
+    def _payload(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Meta]:
+        return device_flat(tensor).contiguous().view(torch.uint8), self._meta(tensor)
 
     def encode_view(self, tensor: torch.Tensor) -> tuple[bytes | memoryview, Meta]:
-        flat = cpu_flat(tensor)
-        if not flat.is_contiguous() or flat.dtype == torch.bfloat16 or flat.numel() == 0:
-            return self.encode(tensor)  # numpy has no bfloat16; empty views are not worth it
+        flat = device_flat(tensor)
+        if (
+            flat.device.type != "cpu"
+            or not flat.is_contiguous()
+            or flat.dtype == torch.bfloat16
+            or flat.numel() == 0
+        ):
+            return super().encode_view(tensor)  # numpy has no bfloat16; GPU: a pinned copy
         return flat.detach().numpy().data.cast("B"), self._meta(tensor)
 
     @classmethod
@@ -43,23 +48,24 @@ class NoCompression(Codec):
         return meta.raw_nbytes
 
     @classmethod
-    def _decode_into(cls, data: bytes, meta: Meta, out: torch.Tensor) -> None:
+    def _decode_into(cls, data: Wire, meta: Meta, out: torch.Tensor) -> None:
         wire = from_bytes(data, DTYPES[meta.dtype])
         check_finite(wire, "none payload")
         out.copy_(wire)
 
 
-class _CastCodec(Codec):
+class _CastCodec(DevicePayloadCodec):
     """Cast to a 16-bit float on the wire, back to the original dtype on decode."""
 
     wire_dtype: torch.dtype
 
-    def encode(self, tensor: torch.Tensor) -> tuple[bytes, Meta]:
-        flat = cpu_flat(tensor)
-        wire = scratch_bytes(flat.numel() * self.wire_dtype.itemsize).view(self.wire_dtype)
+    def _payload(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Meta]:
+        flat = device_flat(tensor)
+        nbytes = flat.numel() * self.wire_dtype.itemsize
+        wire = scratch_bytes(nbytes, flat.device).view(self.wire_dtype)
         wire.copy_(flat)
         self._fix_range(wire)
-        return to_bytes(wire), self._meta(tensor)
+        return wire.view(torch.uint8), self._meta(tensor)
 
     def _fix_range(self, wire: torch.Tensor) -> None:
         """Adjust the cast values in place (bf16 has fp32's range: nothing to do)."""
@@ -70,7 +76,7 @@ class _CastCodec(Codec):
         return meta.numel * cls.wire_dtype.itemsize
 
     @classmethod
-    def _decode_into(cls, data: bytes, meta: Meta, out: torch.Tensor) -> None:
+    def _decode_into(cls, data: Wire, meta: Meta, out: torch.Tensor) -> None:
         wire = from_bytes(data, cls.wire_dtype)
         check_finite(wire, f"{cls.name} payload")  # on the 16-bit values: half the bytes to read
         out.copy_(wire)

@@ -85,7 +85,7 @@ class PowerSGD(Codec):
         return 4 * rank * (rows + cols)
 
     @classmethod
-    def _decode(cls, data: bytes, meta: Meta) -> torch.Tensor:
+    def _decode(cls, data: bytes | memoryview, meta: Meta) -> torch.Tensor:
         rows, cols, rank = cls._params(meta)
         n = meta.numel
         if rank == 0:

@@ -12,7 +12,9 @@ Payload layout (little-endian), ``nb = ceil(numel / block_size)``:
 
 Speed: the work runs over chunks of ~1 Mi values so that the temporaries of each eager op stay in
 cache; fused this way an 8-bit encode + decode of 16 Mi fp32 values takes ~45 ms on two cores
-(benchmarks/codecs.py), instead of ~85 ms for the same ops over the whole tensor.
+(benchmarks/codecs.py), instead of ~85 ms for the same ops over the whole tensor. A CUDA tensor is
+encoded on its GPU in chunks of 16 Mi values (bounded temporaries, few launches), and only the
+payload crosses to the host; decoding into a GPU tensor likewise.
 """
 
 from __future__ import annotations
@@ -20,24 +22,25 @@ from __future__ import annotations
 import torch
 
 from swarmgrad.compression.base import (
-    Codec,
     CodecError,
+    DevicePayloadCodec,
     Meta,
     NonFiniteError,
+    Wire,
+    device_flat,
     expect_params,
-    flat_float32,
     from_bytes,
     register,
     scratch_bytes,
-    to_bytes,
 )
 
 _CHUNK_VALUES = 1 << 20
+_DEVICE_CHUNK_VALUES = 1 << 24
 _MAX_BLOCK = 1 << 20
 _F32_MAX = torch.finfo(torch.float32).max
 
 
-class _BlockwiseAbsmax(Codec):
+class _BlockwiseAbsmax(DevicePayloadCodec):
     bits: int
     default_block_size: int
 
@@ -52,31 +55,34 @@ class _BlockwiseAbsmax(Codec):
 
     # -- encode -------------------------------------------------------------------------------
 
-    def encode(self, tensor: torch.Tensor) -> tuple[bytes, Meta]:
+    def _payload(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Meta]:
         meta = self._meta(tensor, block_size=self.block_size)
-        flat = flat_float32(tensor)
+        flat = device_flat(tensor)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
+        device = flat.device
         n, block = flat.numel(), self.block_size
         nb = -(-n // block)
         # One buffer holds the whole payload: scales and codes are written in place, and the
         # only copy is the final one into the returned bytes.
-        payload = scratch_bytes(4 * nb + self._codes_len(n))
+        payload = scratch_bytes(4 * nb + self._codes_len(n), device)
         scales = payload[: 4 * nb].view(torch.float32)
         codes = payload[4 * nb :].view(self._code_dtype())
         full = (n // block) * block
-        chunk = max(block, (_CHUNK_VALUES // block) * block)
-        tmp = torch.empty(min(chunk, max(full, block)), dtype=torch.float32)
+        chunk = max(block, (_chunk_values(device) // block) * block)
+        tmp = torch.empty(min(chunk, max(full, block)), dtype=torch.float32, device=device)
         for start in range(0, full, chunk):
             stop = min(start + chunk, full)
             rounded = self._quantize(flat[start:stop], start, scales, tmp)
             self._store(rounded, codes[self._codes_len(start) : self._codes_len(stop)])
         if full < n:  # the last, partial block: pad with zeros to a whole block
-            tail = torch.zeros(block, dtype=torch.float32)
+            tail = torch.zeros(block, dtype=torch.float32, device=device)
             tail[: n - full] = flat[full:]
             rounded = self._quantize(tail, full, scales, tmp)
-            packed = torch.empty(self._codes_len(block), dtype=self._code_dtype())
+            packed = torch.empty(self._codes_len(block), dtype=self._code_dtype(), device=device)
             self._store(rounded, packed)
             codes[self._codes_len(full) :] = packed[: self._codes_len(n) - self._codes_len(full)]
-        return to_bytes(payload), meta
+        return payload, meta
 
     def _quantize(
         self, values: torch.Tensor, start: int, scales: torch.Tensor, tmp: torch.Tensor
@@ -91,7 +97,10 @@ class _BlockwiseAbsmax(Codec):
         if not torch.isfinite(absmax).all():
             raise ValueError("cannot quantize a tensor that contains NaN or Inf")
         first = start // block
-        torch.div(absmax, levels, out=scales[first : first + rows.shape[0]])
+        # Divide by a tensor, not a Python number: a GPU divides by a host scalar as a multiply
+        # by its reciprocal, whose rounding differs from the CPU's division.
+        divisor = torch.full((), levels, dtype=torch.float32, device=values.device)
+        torch.div(absmax, divisor, out=scales[first : first + rows.shape[0]])
         inv = torch.where(absmax > 0, absmax.reciprocal_().mul_(levels), 0.0)
         return torch.mul(rows, inv[:, None], out=scaled).round_().view(-1)
 
@@ -105,8 +114,9 @@ class _BlockwiseAbsmax(Codec):
         return 4 * nb + cls._codes_len(meta.numel)
 
     @classmethod
-    def _decode_into(cls, data: bytes, meta: Meta, out: torch.Tensor) -> None:
+    def _decode_into(cls, data: Wire, meta: Meta, out: torch.Tensor) -> None:
         n, block = meta.numel, meta.params["block_size"]
+        device = out.device
         nb = -(-n // block)
         scales = from_bytes(data, torch.float32, 0, nb)
         if nb and not (
@@ -114,16 +124,18 @@ class _BlockwiseAbsmax(Codec):
         ):
             raise NonFiniteError(f"{cls.name} payload has a NaN, Inf, negative or absurd scale")
         codes = from_bytes(data, cls._code_dtype(), 4 * nb, cls._codes_len(n))
-        values = out if out.dtype == torch.float32 else torch.empty(n, dtype=torch.float32)
+        values = out
+        if out.dtype != torch.float32:
+            values = torch.empty(n, dtype=torch.float32, device=device)
         full = (n // block) * block
-        chunk = max(block, (_CHUNK_VALUES // block) * block)
+        chunk = max(block, (_chunk_values(device) // block) * block)
         for start in range(0, full, chunk):
             stop = min(start + chunk, full)
             part = values[start:stop]
             cls._load(codes, start, part, n)
             part.view(-1, block).mul_(scales[start // block : stop // block, None])
         if full < n:  # the last, partial block: decode a whole (padded) block, keep its head
-            tail = torch.empty(block, dtype=torch.float32)
+            tail = torch.empty(block, dtype=torch.float32, device=device)
             cls._load(codes, full, tail, n)
             values[full:] = tail[: n - full].mul_(scales[-1])
         if values is not out:
@@ -208,6 +220,11 @@ class Int4Blockwise(_BlockwiseAbsmax):
         pairs[:have, 1].copy_(packed >> 4)
         pairs[have:].fill_(8)
         out.sub_(8)
+
+
+def _chunk_values(device: torch.device) -> int:
+    """Values per pass: cache-sized on a CPU, large on a GPU (each pass is a few launches)."""
+    return _CHUNK_VALUES if device.type == "cpu" else _DEVICE_CHUNK_VALUES
 
 
 def _check_block_size(block: int, error: type[Exception]) -> None:

@@ -71,7 +71,7 @@ class TopK(Codec):
         return Int8Blockwise.payload_nbytes(_values_meta(k)) + -(-k * bits // 8)
 
     @classmethod
-    def _decode(cls, data: bytes, meta: Meta) -> torch.Tensor:
+    def _decode(cls, data: bytes | memoryview, meta: Meta) -> torch.Tensor:
         k, bits = cls._params(meta)
         n = meta.numel
         values_meta = _values_meta(k)

@@ -72,6 +72,14 @@ def node(
     threads: Annotated[
         int | None, typer.Option(help="Torch CPU threads (0: torch's default) [0].")
     ] = None,
+    compile: Annotated[
+        str | None,
+        typer.Option(help="on: torch.compile the training step (faster on GPUs, slow start) [off]"),
+    ] = None,
+    peak_tflops: Annotated[
+        int | None,
+        typer.Option(help="The device's dense bf16 TFLOP/s for MFU (0: known GPUs' figure) [0]."),
+    ] = None,
     metrics_address: Annotated[
         str | None,
         typer.Option(help="Serve Prometheus metrics on host:port, or 'off' [127.0.0.1:9464]."),
@@ -136,6 +144,8 @@ def node(
                 "dht_secret": dht_secret,
                 "device": device,
                 "threads": threads,
+                "compile": compile,
+                "peak_tflops": peak_tflops,
                 "metrics_address": metrics_address,
                 "checkpoint_every_rounds": checkpoint_every_rounds,
                 "keep_checkpoints": keep_checkpoints,

@@ -35,6 +35,7 @@ def render(progress: Progress, *, endpoint: str, run: str) -> Table:
         ("round (epoch)", str(progress.epoch)),
         ("loss (train / val)", f"{_loss(progress.loss)} / {_loss(progress.val_loss)}"),
         ("tokens/s", f"{progress.tokens_per_second:,.0f}"),
+        ("MFU", "-" if math.isnan(progress.mfu) else f"{progress.mfu:.1%}"),
         ("inner lr", "-" if math.isnan(progress.lr) else f"{progress.lr:.3g}"),
         ("peers / group size", f"{progress.peers} / {progress.group_size}"),
         ("sent / received", f"{_bytes(progress.bytes_sent)} / {_bytes(progress.bytes_received)}"),

@@ -250,6 +250,12 @@ class NodeMetrics:
             "Training tokens per second since the node started.",
             registry=registry,
         )
+        self.mfu = Gauge(
+            "swarmgrad_mfu",
+            "Model FLOPs utilization: 6 x parameters x tokens/s over the device's dense bf16 "
+            "peak (NaN where the peak is unknown, e.g. on a CPU).",
+            registry=registry,
+        )
         self.train_loss = Gauge(
             "swarmgrad_train_loss", "Moving average of the training loss.", registry=registry
         )

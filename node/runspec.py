@@ -312,6 +312,8 @@ class NodeSection:
     public_host: str = ""  # the address peers dial, if not host (a container's name)
     device: str = "auto"  # auto, cpu or cuda
     threads: int = 0  # torch CPU threads; 0: torch's default
+    compile: str = "off"  # on: torch.compile the model's training step (minutes of start-up)
+    peak_tflops: int = 0  # the device's dense bf16 peak for MFU; 0: known GPUs' datasheet figure
     metrics_address: str = "127.0.0.1:9464"  # Prometheus endpoint, host:port, or "off"
     checkpoint_every_rounds: int = 10
     keep_checkpoints: int = 3
@@ -336,6 +338,10 @@ class NodeSection:
             )
         if self.dht_secret and self.discovery != "libp2p":
             raise RunSpecError('node.dht_secret needs node.discovery = "libp2p"')
+        if self.compile not in ("off", "on"):
+            raise RunSpecError(f"node.compile must be off or on, got {self.compile!r}")
+        if self.peak_tflops < 0:
+            raise RunSpecError(f"node.peak_tflops must be >= 0, got {self.peak_tflops}")
         if self.threads < 0:
             raise RunSpecError(f"node.threads must be 0 (torch's default) or more: {self.threads}")
         if self.metrics_address != "off":

@@ -8,6 +8,7 @@ peers', and ``trust`` says who banned whom, when and why.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -35,6 +36,8 @@ def summarize(
                 "epoch": status["epoch"],
                 "samples": status["samples"],
                 "tokens_per_second": status["tokens_per_second"],
+                "device": status.get("device", ""),
+                "mfu": status.get("mfu", math.nan),
                 "bytes_sent": status["bytes_sent"],
                 "bytes_received": status["bytes_received"],
                 "compute_seconds": status["compute_seconds"],

@@ -174,8 +174,8 @@ async def _reduce_own_part(state: _Round, values: torch.Tensor, out: torch.Tenso
     assert reducer is not None  # a member with a part has a reducer for it
     offsets = _offsets(reducer.chunk_numels)
     if not reducer.rules.owner_abstains:
-        for index, (start, end) in enumerate(offsets):
-            await reducer.accept(state.me, index, values[start:end])
+        for index, (start, end) in enumerate(offsets):  # owners reduce on the CPU
+            await reducer.accept(state.me, index, values[start:end].cpu())
     for index, (start, end) in enumerate(offsets):
         result = await reducer.result(index)
         decoded = reducer.decoded[index]

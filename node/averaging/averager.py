@@ -175,21 +175,28 @@ class Averager:
         out: torch.Tensor | None = None,
         keep_sent: bool = False,
     ) -> RoundResult:
-        """Average ``vector`` (1-D fp32 on the CPU) with ``group`` (``allreduce.py`` says how).
+        """Average ``vector`` (1-D fp32) with ``group`` (``allreduce.py`` says how).
 
         The result is a new tensor, or ``out`` when given (a buffer the caller reuses from
         round to round; its contents are undefined if the round is aborted). ``vector`` itself
-        is never modified.
+        is never modified. A GPU ``vector`` is encoded and its results decoded on the GPU (only
+        payloads cross to the host), except in open runs, whose checks work on the CPU: there
+        the vector is copied across and the result is a CPU tensor.
         """
-        if vector.dim() != 1 or vector.dtype != torch.float32 or vector.device.type != "cpu":
-            raise ValueError("all_reduce takes a 1-D float32 CPU tensor")
+        if vector.dim() != 1 or vector.dtype != torch.float32:
+            raise ValueError("all_reduce takes a 1-D float32 tensor")
+        if vector.device.type != "cpu" and self.config.observe:
+            vector, out = vector.cpu(), None
         if out is not None and (
             out.shape != vector.shape
             or out.dtype != torch.float32
+            or out.device != vector.device
             or not out.is_contiguous()
             or out.data_ptr() == vector.data_ptr()
         ):
-            raise ValueError("out must be a distinct contiguous float32 tensor shaped like vector")
+            raise ValueError(
+                "out must be a distinct contiguous float32 tensor shaped like vector, on its device"
+            )
         me = group.index(self.peer_id)
         key = (group.round, group.group_id)
         if key in self._rounds or key in self._finished:

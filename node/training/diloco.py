@@ -4,7 +4,9 @@ parameter vector (:class:`OuterOptimizer`: pseudo-gradients and the Nesterov out
 After H inner steps a trainer's pseudo-gradient is ``theta_global - theta_local`` (plus what the
 last rounds could not send). The group averages it; every member then applies the *same* outer
 step to the *same* global parameters, so replicas stay bit-identical without ever sending weights:
-the step is a fixed sequence of fp32 element-wise ops, deterministic on every CPU and GPU.
+the step is a fixed sequence of fp32 element-wise ops, each one correctly rounded (no fused
+multiply-add, whose single rounding differs from a multiply then an add), so it gives the same bits
+on every CPU and GPU: the outer state lives on the model's device.
 
 Ranges a round could not average (a dead owner's part, ``RoundResult.missing``) get no update:
 each member's own delta there is carried into the next round's pseudo-gradient, so no training
@@ -47,6 +49,10 @@ class OuterOptimizer:
             raise ValueError(f"theta_local has shape {tuple(theta_local.shape)}")
         return (self.theta - theta_local.detach().float()).add_(self.carry)
 
+    @property
+    def device(self) -> torch.device:
+        return self.theta.device
+
     def step(
         self,
         averaged: torch.Tensor,
@@ -57,42 +63,48 @@ class OuterOptimizer:
         """Apply the averaged pseudo-gradient; returns the new ``theta_global``.
 
         ``own`` is the pseudo-gradient this member contributed; in ``missing`` ranges it is kept
-        as carry and nothing moves, elsewhere the carry is spent.
+        as carry and nothing moves, elsewhere the carry is spent. Either may live on another
+        device than theta (they are copied to it).
         """
         if averaged.shape != self.theta.shape or own.shape != self.theta.shape:
             raise ValueError("averaged and own must have the shape of theta")
-        gradient = averaged.detach().clone()
+        gradient = averaged.detach().to(self.device, copy=True)
         self.carry.zero_()
         for start, end in missing:
             self.carry[start:end] = own[start:end]
             gradient[start:end] = 0.0
-        velocity = self.momentum_buffer.mul(self.momentum).add_(gradient)
-        update = gradient.add_(velocity, alpha=self.momentum)  # Nesterov: g + mu * v
+        # One rounding per operation (see the module docstring): no alpha= arguments, which a
+        # device may compute as a fused multiply-add.
+        velocity = torch.mul(self.momentum_buffer, self.momentum).add_(gradient)
+        update = torch.mul(velocity, self.momentum).add_(gradient)  # Nesterov: g + mu * v
         for start, end in missing:  # no movement, and no momentum drift, where nothing arrived
             velocity[start:end] = self.momentum_buffer[start:end]
             update[start:end] = 0.0
         self.momentum_buffer = velocity
-        self.theta.sub_(update, alpha=self.lr)
+        self.theta.sub_(update.mul_(self.lr))
         return self.theta
 
     def checksum(self) -> str:
         """A cheap fingerprint of ``theta_global`` for replicas to compare (in peer records)."""
-        return hashlib.blake2b(self.theta.numpy().tobytes(), digest_size=8).hexdigest()
+        return hashlib.blake2b(self.theta.cpu().numpy().tobytes(), digest_size=8).hexdigest()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """The state on the CPU (for checkpoints and peers)."""
         return {
-            "theta": self.theta.clone(),
-            "momentum_buffer": self.momentum_buffer.clone(),
-            "carry": self.carry.clone(),
+            "theta": self.theta.cpu().clone(),
+            "momentum_buffer": self.momentum_buffer.cpu().clone(),
+            "carry": self.carry.cpu().clone(),
         }
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Take ``state`` (on any device) onto this optimizer's device."""
         for name in ("theta", "momentum_buffer", "carry"):
             if state[name].shape != self.theta.shape or state[name].dtype != torch.float32:
                 raise ValueError(f"{name} in the state does not match the model")
-        self.theta = state["theta"].clone()
-        self.momentum_buffer = state["momentum_buffer"].clone()
-        self.carry = state["carry"].clone()
+        device = self.device
+        self.theta = state["theta"].to(device, copy=True)
+        self.momentum_buffer = state["momentum_buffer"].to(device, copy=True)
+        self.carry = state["carry"].to(device, copy=True)
 
 
 class DiLoCo(Replica):
@@ -127,15 +139,16 @@ class DiLoCo(Replica):
     def load_state_vector(self, values: torch.Tensor) -> None:
         theta, momentum = values[: self.numel], values[self.numel :]
         self.outer.load_state_dict(
-            {"theta": theta, "momentum_buffer": momentum, "carry": torch.zeros(self.numel)}
+            {"theta": theta, "momentum_buffer": momentum, "carry": torch.zeros_like(theta)}
         )
         unflatten(self.outer.theta, self.params)
 
     def _state_tensors(self) -> dict[str, torch.Tensor]:
+        outer = self.outer.state_dict()
         return (
-            self._named("model", self.outer.theta)  # the swarm's parameters
+            self._named("model", outer["theta"])  # the swarm's parameters
             | self._named("local", flatten(self.params))  # this replica's, mid-round
-            | {"outer.momentum_buffer": self.outer.momentum_buffer, "outer.carry": self.outer.carry}
+            | {"outer.momentum_buffer": outer["momentum_buffer"], "outer.carry": outer["carry"]}
         )
 
     def _load_state_tensors(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:

@@ -142,8 +142,8 @@ def build_model(config: ModelSection, *, seed: int) -> GPT:
 
 
 def flatten(parameters: list[nn.Parameter]) -> torch.Tensor:
-    """All parameters as one new flat fp32 CPU vector."""
-    return torch.cat([p.detach().reshape(-1).float().cpu() for p in parameters])
+    """All parameters as one new flat fp32 vector, on their device."""
+    return torch.cat([p.detach().reshape(-1).float() for p in parameters])
 
 
 def unflatten(vector: torch.Tensor, parameters: list[nn.Parameter]) -> None:

@@ -46,9 +46,11 @@ class Replica:
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.numel = sum(p.numel() for p in self.params)
+        #: Where the replica's vectors live: the model's device (rounds encode and decode there).
+        self.device = self.params[0].device if self.params else torch.device("cpu")
         self.epoch = 0
         self.samples = 0  # since the last round: this replica's weight in it
-        self._residual = torch.zeros(self.numel)
+        self._residual = torch.zeros(self.numel, device=self.device)
         self._started = time.monotonic()
         self._samples_total = 0
 
@@ -70,8 +72,9 @@ class Replica:
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Everything needed to continue exactly from here: tensors (the replicated state as
-        ``model.<parameter name>`` and the rest) and JSON-able counters."""
+        ``model.<parameter name>`` and the rest) and JSON-able counters, on the CPU."""
         tensors = self._state_tensors() | {"residual": self._residual}
+        tensors = {name: t.cpu() for name, t in tensors.items()}
         meta = {"epoch": self.epoch, "samples": self.samples, "samples_total": self._samples_total}
         return tensors, meta
 
@@ -81,7 +84,7 @@ class Replica:
         if residual is None or residual.shape != (self.numel,):
             raise ValueError("the state's residual does not match the model")
         self._load_state_tensors(tensors, meta)
-        self._residual = residual.float().clone()
+        self._residual = residual.to(self.device, torch.float32, copy=True)
         self.epoch, self.samples = int(meta["epoch"]), int(meta["samples"])
         self._samples_total = int(meta["samples_total"])
         self.publish()
@@ -100,7 +103,7 @@ class Replica:
             if t is None or t.shape != p.shape:
                 raise ValueError(f"{prefix}.{name} is missing from the state or has another shape")
             parts.append(t.reshape(-1).float())
-        return torch.cat(parts)
+        return torch.cat(parts).to(self.device)
 
     def catch_up(self) -> RoundReport | None:
         """Download the swarm's state now if this replica is behind it or diverged (a node that
@@ -135,7 +138,7 @@ class Replica:
     # -- shared ---------------------------------------------------------------------------------
 
     def publish(self) -> None:
-        values = self.state_vector()
+        values = self.state_vector().cpu()  # what donors serve: host memory
         elapsed = max(time.monotonic() - self._started, 1e-9)
         self.swarm.publish(
             state.Snapshot.of(self.epoch, values), throughput=self._samples_total / elapsed
@@ -185,7 +188,7 @@ class Replica:
         )
         if averaged.outcome is Outcome.AVERAGED:
             assert averaged.sent is not None
-            self._residual = compensated - averaged.sent
+            self._residual = compensated - averaged.sent.to(self.device)
         return averaged
 
     def _report(self, averaged: Averaged, started: float) -> RoundReport:

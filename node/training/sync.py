@@ -114,7 +114,7 @@ class SyncDataParallel(Replica):
             return resynced
         gradient = torch.cat(
             [
-                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float().cpu()
+                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
                 for p in self.params
             ]
         ).div_(self._micro_batches)
@@ -122,9 +122,9 @@ class SyncDataParallel(Replica):
         if averaged.outcome is Outcome.AVERAGED:
             assert averaged.result is not None
             assert averaged.sent is not None
-            mean = averaged.result.averaged
+            mean, sent = averaged.result.averaged.to(self.device), averaged.sent.to(self.device)
             for start, end in averaged.result.missing:  # not averaged: keep it for next time
-                self._residual[start:end] += averaged.sent[start:end]
+                self._residual[start:end] += sent[start:end]
                 mean[start:end] = 0.0
             self._apply(mean)
             return self._report(averaged, started)

@@ -31,10 +31,21 @@ from swarmgrad.node.state.checkpoint import (
 from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.training.api import DiLoCo, RoundReport, SyncDataParallel
 from swarmgrad.node.training.data import Batches, load_corpus
+from swarmgrad.node.training.device import (
+    Prefetched,
+    autocast,
+    model_flops_utilization,
+    peak_flops,
+    pick_device,
+)
 from swarmgrad.node.training.model import GPT, build_model
 from swarmgrad.node.training.spot_check import LossProbe
 
 log = logging.getLogger(__name__)
+
+#: The training loss stays on the device and is read (a host sync) once per this many steps,
+#: and before every round's report.
+LOSS_READ_STEPS = 16
 
 #: At the last epoch, how long a node waits for its peers' records to reach it before it
 #: checks that it holds the majority's state (Replica.settle).
@@ -56,6 +67,10 @@ class Progress:
     val_loss: float = math.nan
     initial_val_loss: float = math.nan
     tokens_per_second: float = 0.0
+    parameters: int = 0
+    #: Model FLOPs utilization: 6 x parameters x tokens/s over the device's bf16 peak (NaN:
+    #: unknown peak, e.g. a CPU).
+    mfu: float = math.nan
     lr: float = math.nan  # the inner optimizer's learning rate at the last step
     peers: int = 0
     group_size: int = 0
@@ -78,28 +93,43 @@ class Progress:
         return asdict(self)
 
 
-def pick_device(choice: str) -> torch.device:
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda: no CUDA device is available")
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(choice)
-
-
 @torch.no_grad()
 def evaluate(model: GPT, windows: torch.Tensor, device: torch.device) -> float:
     model.eval()
     windows = windows.to(device)
-    with _autocast(device):
+    with autocast(device):
         loss = model.loss(windows[:, :-1], windows[:, 1:])
     model.train()
     return float(loss)
 
 
-def _autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+class InnerStep:
+    """One inner training step as the trainer runs it, with no host sync: bf16 autocast on a GPU,
+    the forward and loss compiled on request (the model itself stays a plain module: replicas,
+    checkpoints and evaluation see its parameters), backward, and (DiLoCo) the optimizer's step.
+    Returns the loss, detached, still on the device. ``benchmarks/gpu.py`` times this very code.
+    """
+
+    def __init__(
+        self,
+        model: GPT,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        *,
+        compile: bool = False,
+        optimizer_steps: bool = True,
+    ) -> None:
+        self.optimizer, self.device, self.optimizer_steps = optimizer, device, optimizer_steps
+        self._loss = torch.compile(model.loss) if compile else model.loss
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with autocast(self.device):
+            loss = self._loss(inputs, targets)
+        loss.backward()  # type: ignore[no-untyped-call]
+        if self.optimizer_steps:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -120,6 +150,8 @@ class Trainer:
         self.progress = Progress(peer_id=swarm.peer_id, algorithm=config.spec.algorithm.name)
         self.metrics = swarm.metrics
         self._on_progress = on_progress
+        self._losses: list[torch.Tensor] = []  # steps' losses not yet read from the device
+        self._peak = math.nan
 
     def train(self, stop: threading.Event) -> Progress:
         spec, settings, progress = self.config.spec, self.config.settings, self.progress
@@ -140,8 +172,22 @@ class Trainer:
             seq_len=spec.model.seq_len, num_windows=self.config.eval_windows
         )
         model = build_model(spec.model, seed=spec.data.seed).to(device)
+        progress.parameters = sum(p.numel() for p in model.parameters())
+        self._peak = peak_flops(device, settings.peak_tflops)
         algorithm = spec.algorithm
-        optimizer = torch.optim.AdamW(model.parameters(), lr=algorithm.inner_lr, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=algorithm.inner_lr,
+            weight_decay=0.0,
+            fused=device.type == "cuda",  # one kernel for the whole step, no host syncs
+        )
+        inner_step = InnerStep(
+            model,
+            optimizer,
+            device,
+            compile=settings.compile == "on",
+            optimizer_steps=algorithm.name == "diloco",
+        )
         replica: DiLoCo | SyncDataParallel
         if algorithm.name == "diloco":
             replica = DiLoCo(
@@ -162,6 +208,7 @@ class Trainer:
         restored = self.checkpoints.latest() if self.checkpoints is not None else None
         if restored is not None:
             self._restore(restored, replica, optimizer, batches)
+        feed = Prefetched(batches, device, cursor=batches.cursor)
         progress.val_loss = evaluate(model, validation, device)
         with contextlib.suppress(concurrent.futures.CancelledError):  # stopped while waiting
             caught_up = replica.catch_up()
@@ -174,19 +221,15 @@ class Trainer:
             step_started = time.monotonic()
             progress.lr = algorithm.lr_at(replica.schedule_step)
             set_lr(optimizer, progress.lr)
-            inputs, targets = next(batches)
-            inputs, targets = _to(inputs, device), _to(targets, device)
-            with _autocast(device):
-                loss = model.loss(inputs, targets)
-            loss.backward()  # type: ignore[no-untyped-call]
-            if algorithm.name == "diloco":
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            compute = time.monotonic() - step_started
+            inputs, targets = next(feed)
+            loss = inner_step(inputs, targets)
             if self.config.slowdown > 1:  # a slower machine, simulated
-                time.sleep(compute * (self.config.slowdown - 1))
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                time.sleep((time.monotonic() - step_started) * (self.config.slowdown - 1))
+            self._count_step(len(inputs), inputs.numel(), loss, started)  # reads losses at times
+            # On a GPU the step runs ahead of the host: its time shows when the losses are read.
             progress.compute_seconds += time.monotonic() - step_started
-            self._count_step(len(inputs), inputs.numel(), float(loss.detach()), started)
             try:
                 report = replica.step(samples=len(inputs))
             except concurrent.futures.CancelledError:  # stopping while in a round
@@ -194,9 +237,10 @@ class Trainer:
             if report is None:
                 continue
             progress.communication_seconds += report.seconds
+            self._read_losses()
             self._record_round(report, replica, evaluate(model, validation, device))
             if replica.epoch >= saved_epoch + self.config.settings.checkpoint_every_rounds:
-                self._save(replica, optimizer, batches)
+                self._save(replica, optimizer, feed)
                 saved_epoch = replica.epoch
             done = self.config.max_epochs is not None and replica.epoch >= self.config.max_epochs
         if done and not stop.is_set():
@@ -204,7 +248,8 @@ class Trainer:
                 settled = replica.settle(stop, seconds=SETTLE_SECONDS)
                 if settled is not None:
                     self._record_round(settled, replica, evaluate(model, validation, device))
-        self._save(replica, optimizer, batches)
+        self._read_losses()
+        self._save(replica, optimizer, feed)
         progress.finished = True
         self._on_progress(progress)
         return progress
@@ -212,7 +257,7 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------------
 
     def _save(
-        self, replica: DiLoCo | SyncDataParallel, optimizer: torch.optim.Optimizer, batches: Batches
+        self, replica: DiLoCo | SyncDataParallel, optimizer: torch.optim.Optimizer, feed: Prefetched
     ) -> None:
         if self.checkpoints is None:
             return
@@ -224,7 +269,7 @@ class Trainer:
         meta = {
             "replica": replica_meta,
             "optimizer": optimizer_meta,
-            "data_cursor": batches.cursor,
+            "data_cursor": feed.cursor,
             "progress": {
                 "steps": progress.steps,
                 "samples": progress.samples,
@@ -267,19 +312,37 @@ class Trainer:
         self.metrics.epoch.set(replica.epoch)
         log.info("resumed from %s (epoch %d)", checkpoint.path, replica.epoch)
 
-    def _count_step(self, samples: int, tokens: int, loss: float, started: float) -> None:
+    def _count_step(self, samples: int, tokens: int, loss: torch.Tensor, started: float) -> None:
+        """Count a step; its loss waits on the device until :meth:`_read_losses`."""
         progress = self.progress
         progress.steps += 1
         progress.samples += samples
         progress.tokens += tokens
-        progress.loss = loss if math.isnan(progress.loss) else 0.95 * progress.loss + 0.05 * loss
         progress.tokens_per_second = progress.tokens / max(time.monotonic() - started, 1e-9)
+        progress.mfu = model_flops_utilization(
+            progress.parameters, progress.tokens_per_second, self._peak
+        )
+        self._losses.append(loss)
+        if len(self._losses) >= LOSS_READ_STEPS:
+            self._read_losses()
         metrics = self.metrics
         metrics.inner_steps.inc()
         metrics.samples.inc(samples)
         metrics.tokens.inc(tokens)
-        metrics.train_loss.set(progress.loss)
         metrics.tokens_per_second.set(progress.tokens_per_second)
+        metrics.mfu.set(progress.mfu)
+
+    def _read_losses(self) -> None:
+        """Fold the steps' losses into the moving average: one host sync for all of them."""
+        if not self._losses:
+            return
+        progress = self.progress
+        for loss in torch.stack(self._losses).float().tolist():
+            progress.loss = (
+                loss if math.isnan(progress.loss) else 0.95 * progress.loss + 0.05 * loss
+            )
+        self._losses.clear()
+        self.metrics.train_loss.set(progress.loss)
 
     def _record_round(
         self, report: RoundReport, replica: DiLoCo | SyncDataParallel, val_loss: float
@@ -329,9 +392,3 @@ class Trainer:
             report.detail or "ok",
         )
         self._on_progress(progress)
-
-
-def _to(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return batch.pin_memory().to(device, non_blocking=True)
-    return batch
