@@ -85,10 +85,22 @@ class RunSection:
             )
 
 
+#: Model kinds: the built-in GPT, or a transformers causal-LM architecture built from a config.
+MODEL_KINDS = ("gpt", "hf")
+#: transformers families a run may name in ``model.config.model_type`` (others are untested).
+HF_MODEL_TYPES = ("llama", "qwen2", "gpt2", "mistral")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSection:
-    """A small GPT-style decoder."""
+    """The model: the built-in GPT-style decoder (``kind = "gpt"``, sized by d_model, n_layers
+    and n_heads), or a transformers architecture (``kind = "hf"``) from the ``[model.config]``
+    table (its ``model_type`` and that family's config keys; vocab_size and seq_len come from
+    this section)."""
 
+    kind: str = "gpt"
+    #: kind = "hf": the transformers config, e.g. {model_type = "llama", hidden_size = 256, ...}.
+    config: dict[str, Any] = field(default_factory=dict)
     vocab_size: int = 2048
     d_model: int = 128
     n_layers: int = 2
@@ -115,6 +127,25 @@ class ModelSection:
             raise RunSpecError(
                 f"model.init_sha256 must be 64 lowercase hex digits, got {self.init_sha256!r}"
             )
+        if self.kind not in MODEL_KINDS:
+            raise RunSpecError(
+                f"model.kind must be one of {', '.join(MODEL_KINDS)}, got {self.kind!r}"
+            )
+        if self.kind == "gpt" and self.config:
+            raise RunSpecError('[model.config] is for kind = "hf" (a transformers architecture)')
+        if self.kind == "hf":
+            model_type = self.config.get("model_type")
+            if model_type not in HF_MODEL_TYPES:
+                raise RunSpecError(
+                    f"model.config.model_type must be one of {', '.join(HF_MODEL_TYPES)}, got "
+                    f"{model_type!r}"
+                )
+            for key in ("vocab_size", "max_position_embeddings", "n_positions"):
+                if key in self.config:
+                    raise RunSpecError(
+                        f"model.config.{key}: set model.vocab_size / model.seq_len instead "
+                        f"(the data uses them too)"
+                    )
         if self.d_model % self.n_heads:
             raise RunSpecError(
                 f"model.d_model ({self.d_model}) must be a multiple of model.n_heads "
@@ -384,6 +415,11 @@ class RunSpec:
             if f.name not in OPERATIONAL
         }
         del sections["model"]["init"]  # where a peer keeps the file; init_sha256 pins what it is
+        if self.model.kind == "gpt":  # runs from before model.kind keep their hash
+            del sections["model"]["kind"], sections["model"]["config"]
+        else:  # the GPT's own sizes do not apply
+            for key in ("d_model", "n_layers", "n_heads"):
+                del sections["model"][key]
         if self.trust == TrustSection():  # runs from before [trust] keep their hash
             del sections["trust"]
         return json.dumps(sections, sort_keys=True, separators=(",", ":")).encode()
@@ -474,7 +510,16 @@ def _build(section: str, kind: type[Any], raw: Any) -> Any:
 
 
 def _check(name: str, kind: Any, value: Any) -> Any:
-    """``value`` as ``kind`` (int, float, str, tuple[str, ...]), or a RunSpecError."""
+    """``value`` as ``kind`` (int, float, str, tuple[str, ...], or a table of TOML scalars and
+    lists of them), or a RunSpecError."""
+    if typing.get_origin(kind) is dict:
+        if not isinstance(value, dict):
+            raise RunSpecError(f"{name} must be a table, got {value!r}")
+        for key, item in value.items():
+            items = item if isinstance(item, list) else [item]
+            if not all(isinstance(i, bool | int | float | str) for i in items):
+                raise RunSpecError(f"{name}.{key} must be a number, string, boolean or list")
+        return dict(value)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if typing.get_origin(kind) is tuple:

@@ -13,7 +13,7 @@ import torch
 
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.training.data import Corpus, load_corpus
-from swarmgrad.node.training.model import GPT, build_model, save_weights
+from swarmgrad.node.training.model import CausalLM, build_model, save_weights
 from swarmgrad.node.training.trainer import evaluate, set_lr
 
 
@@ -61,7 +61,7 @@ def warm_start(
 
 
 def _train(
-    model: GPT,
+    model: CausalLM,
     spec: RunSpec,
     corpus: Corpus,
     *,

@@ -1,11 +1,13 @@
 """``swarmgrad export``: a checkpoint's model as a Hugging Face directory for ``transformers``.
 
-The run's GPT (``model.py``) is GPT-2's architecture with exact GELU: learned positions,
-pre-norm blocks, fused q/k/v, tied embeddings. So the export is a GPT-2 directory: ``config.json``
+A ``kind = "hf"`` model is written by transformers itself (``save_pretrained``). The run's GPT
+(``model.py``) is GPT-2's architecture with exact GELU: learned positions, pre-norm blocks, fused
+q/k/v, tied embeddings. So its export is a GPT-2 directory: ``config.json``
 (``GPT2LMHeadModel``), ``model.safetensors`` with GPT-2's parameter names (its ``Conv1D`` weights
-are stored ``[in, out]``, the transpose of ``nn.Linear``'s), and the run's tokenizer
-(``tokenizer.json`` and its config). The swarm's parameters are exported (``model.<name>`` in the
-checkpoint), not a replica's mid-round ones. transformers is not needed to export, only to load.
+are stored ``[in, out]``, the transpose of ``nn.Linear``'s). Either way the run's tokenizer comes
+along (``tokenizer.json`` and its config). The swarm's parameters are exported (``model.<name>``
+in the checkpoint), not a replica's mid-round ones. transformers is not needed to export a GPT,
+only to load it.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.state.checkpoint import Checkpoint, CheckpointError, candidates, read
 from swarmgrad.node.training.data import load_corpus
-from swarmgrad.node.training.model import GPT
+from swarmgrad.node.training.hf import build_hf, save_hf
+from swarmgrad.node.training.model import skeleton
 from swarmgrad.protocol.errors import SetupError
 
 LAYER_NORM_EPSILON = 1e-5  # torch's nn.LayerNorm default, which the GPT uses
@@ -77,14 +81,41 @@ def export(checkpoint: Path, out_dir: Path, *, cache_dir: Path) -> Path:
     model = {
         k.removeprefix("model."): v for k, v in found.tensors.items() if k.startswith("model.")
     }
-    expected = {name: p.shape for name, p in GPT(spec.model).named_parameters()}
+    expected = {name: p.shape for name, p in skeleton(spec.model).named_parameters()}
     shapes = {name: t.shape for name, t in model.items()}
     if shapes != expected:
-        raise ExportError(f"{found.path}: its model is not the run spec's GPT")
+        raise ExportError(f"{found.path}: its model is not the run spec's {spec.model.kind}")
     tokenizer = load_corpus(
         spec.data, vocab_size=spec.model.vocab_size, cache_dir=cache_dir
     ).tokenizer
     out_dir.mkdir(parents=True, exist_ok=True)
+    metadata = {
+        "run_id": spec.run.id,
+        "spec_hash": spec.hash.hex(),
+        "epoch": found.epoch,
+        "checkpoint": found.path.name,
+    }
+    if spec.model.kind == "hf":
+        hf = build_hf(spec.model, seed=0)
+        with torch.no_grad():
+            for name, parameter in hf.named_parameters():  # tied weights: named once
+                parameter.copy_(model[name])
+        save_hf(hf, out_dir, metadata)
+    else:
+        _save_gpt2(spec, model, out_dir, metadata)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": spec.model.seq_len,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
+    return found.path
+
+
+def _save_gpt2(
+    spec: RunSpec, model: dict[str, torch.Tensor], out_dir: Path, metadata: dict[str, Any]
+) -> None:
     save_file(
         gpt2_tensors(model, spec.model.n_layers),
         out_dir / "model.safetensors",
@@ -106,19 +137,6 @@ def export(checkpoint: Path, out_dir: Path, *, cache_dir: Path) -> Path:
         "attn_pdrop": 0.0,
         "tie_word_embeddings": True,
         "torch_dtype": "float32",
-        "swarmgrad": {
-            "run_id": spec.run.id,
-            "spec_hash": spec.hash.hex(),
-            "epoch": found.epoch,
-            "checkpoint": found.path.name,
-        },
+        "swarmgrad": metadata,
     }
     (out_dir / "config.json").write_text(json.dumps(config, indent=1))
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": spec.model.seq_len,
-        "clean_up_tokenization_spaces": False,
-    }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
-    return found.path

@@ -1,4 +1,5 @@
-"""The demo model: a small GPT-style decoder (pre-norm, causal attention, tied embeddings).
+"""The demo model: a small GPT-style decoder (pre-norm, causal attention, tied embeddings), and
+the run's model of either kind (``build_model``; transformers architectures in ``hf.py``).
 
 Its initial weights are a function of the run spec alone: a CPU generator seeded with
 ``data.seed``, or the file ``model.init`` names, checked against ``model.init_sha256`` and the
@@ -21,6 +22,7 @@ from torch import nn
 
 from swarmgrad.node.files import atomic_write
 from swarmgrad.node.runspec import ModelSection
+from swarmgrad.node.training.hf import HFCausalLM, build_hf
 from swarmgrad.protocol.errors import SetupError
 
 
@@ -75,6 +77,17 @@ class InitWeightsError(SetupError, ValueError):
     """The weights ``model.init`` names cannot start this run; the message says why."""
 
 
+#: The run's model: the built-in GPT or a transformers architecture (``hf.py``); both give
+#: ``forward(tokens) -> logits`` and ``loss(inputs, targets)``.
+CausalLM = GPT | HFCausalLM
+
+
+def skeleton(config: ModelSection) -> CausalLM:
+    """The model's structure on the meta device: names and shapes, no memory."""
+    with torch.device("meta"):
+        return HFCausalLM(config) if config.kind == "hf" else GPT(config)
+
+
 def init_weights(config: ModelSection) -> dict[str, torch.Tensor]:
     """The tensors of ``model.init``, after checking its SHA-256 and every name and shape."""
     path = Path(config.init)
@@ -92,8 +105,7 @@ def init_weights(config: ModelSection) -> dict[str, torch.Tensor]:
         tensors = safetensors.torch.load(data)
     except safetensors.SafetensorError as error:
         raise InitWeightsError(f"model.init: {path} is not a safetensors file: {error}") from None
-    with torch.device("meta"):  # names and shapes only, no memory
-        expected = {name: t.shape for name, t in GPT(config).state_dict().items()}
+    expected = {name: t.shape for name, t in skeleton(config).state_dict().items()}
     missing, extra = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected)
     if missing or extra:
         raise InitWeightsError(
@@ -112,7 +124,7 @@ def init_weights(config: ModelSection) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def save_weights(model: GPT, path: Path) -> str:
+def save_weights(model: CausalLM, path: Path) -> str:
     """Write ``model``'s weights for ``model.init`` (atomically); returns their SHA-256 for
     ``init_sha256``."""
     data = safetensors.torch.save({k: v.contiguous() for k, v in model.state_dict().items()})
@@ -120,8 +132,13 @@ def save_weights(model: GPT, path: Path) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def build_model(config: ModelSection, *, seed: int) -> GPT:
+def build_model(config: ModelSection, *, seed: int) -> CausalLM:
     """The run's initial model: identical on every peer for the same spec."""
+    if config.kind == "hf":
+        hf = build_hf(config, seed=seed)
+        if config.init:
+            hf.load_state_dict(init_weights(config))
+        return hf
     model = GPT(config)
     if config.init:
         model.load_state_dict(init_weights(config))

@@ -38,7 +38,7 @@ from swarmgrad.node.training.device import (
     peak_flops,
     pick_device,
 )
-from swarmgrad.node.training.model import GPT, build_model
+from swarmgrad.node.training.model import CausalLM, build_model
 from swarmgrad.node.training.spot_check import LossProbe
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class Progress:
 
 
 @torch.no_grad()
-def evaluate(model: GPT, windows: torch.Tensor, device: torch.device) -> float:
+def evaluate(model: CausalLM, windows: torch.Tensor, device: torch.device) -> float:
     model.eval()
     windows = windows.to(device)
     with autocast(device):
@@ -112,7 +112,7 @@ class InnerStep:
 
     def __init__(
         self,
-        model: GPT,
+        model: CausalLM,
         optimizer: torch.optim.Optimizer,
         device: torch.device,
         *,

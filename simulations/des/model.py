@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import simpy
-import torch
 
 from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.averaging.matchmaking import (
@@ -60,7 +59,7 @@ from swarmgrad.node.discovery.directory import DirectoryConfig
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.state.sync import StateSyncConfig
 from swarmgrad.node.swarm_config import MATCHMAKING_SETTLE_SECONDS, allreduce_config
-from swarmgrad.node.training.model import GPT
+from swarmgrad.node.training.model import skeleton
 from swarmgrad.simulations.churn import ChurnEvent
 from swarmgrad.simulations.des.groups import Candidates
 from swarmgrad.simulations.des.traffic import Traffic, round_traffic
@@ -74,8 +73,7 @@ UNCAPPED_BYTES_PER_SECOND = 1.25e9
 
 def parameter_count(spec: RunSpec) -> int:
     """The run's model size, built on the meta device (no memory, any size)."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in GPT(spec.model).parameters())
+    return sum(p.numel() for p in skeleton(spec.model).parameters())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

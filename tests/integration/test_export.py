@@ -120,3 +120,47 @@ def test_a_trained_swarm_exports_and_transformers_reproduces_its_loss(
             hf(windows[:, :-1]).logits.flatten(0, 1), windows[:, 1:].flatten()
         )
     assert float(shifted) == pytest.approx(node_loss, abs=1e-4)
+
+
+LLAMA_SPEC = DEMO_SPEC.replace("group_size = 4", "group_size = 2").replace(
+    "[model]\nvocab_size = 2048\nd_model = 128\nn_layers = 2\nn_heads = 4\nseq_len = 64\n",
+    '[model]\nkind = "hf"\nvocab_size = 2048\nseq_len = 64\n\n[model.config]\n'
+    'model_type = "llama"\nhidden_size = 64\nintermediate_size = 128\nnum_hidden_layers = 2\n'
+    "num_attention_heads = 4\nnum_key_value_heads = 2\n",
+)
+
+
+def test_a_llama_swarm_trains_and_its_export_reloads_with_the_same_logits(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    spec_path = tmp_path / "run.toml"
+    spec_path.write_text(LLAMA_SPEC)
+    spec = RunSpec.load(spec_path)
+    assert spec.model.kind == "hf"
+    out = tmp_path / "sim"
+    summary = simulate(
+        SimulationConfig(nodes=2, rounds=3, spec_path=spec_path, profile_path=None, out_dir=out)
+    )
+    assert summary["ok"]
+    assert summary["replicas_identical"]
+    assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.5
+    hf_dir = tmp_path / "hf"
+    exported = export(out / "checkpoints" / "node-1", hf_dir, cache_dir=cache_dir)
+    reloaded = _hf(hf_dir)
+    assert type(reloaded).__name__ == "LlamaForCausalLM"
+    # The node's model from the same checkpoint: the swarm's parameters in our wrapper.
+    node_model = build_model(spec.model, seed=99)
+    state = Checkpointer(exported.parent, spec, keep=1).latest()
+    assert state is not None
+    node_model.load_state_dict(
+        {k.removeprefix("model."): v for k, v in state.tensors.items() if k.startswith("model.")}
+    )
+    windows = load_corpus(spec.data, vocab_size=2048, cache_dir=cache_dir).validation(
+        seq_len=64, num_windows=8
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(
+            reloaded(windows[:, :-1]).logits, node_model.eval()(windows[:, :-1])
+        )
+    status = json.loads((out / "node-1.json").read_text())
+    assert evaluate(node_model, windows, torch.device("cpu")) < status["initial_val_loss"]
