@@ -155,8 +155,14 @@ class ModelSection:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DataSection:
-    source: str = "demo"  # "demo": the bundled corpus; "files": the text files in ``paths``
+    source: str = "demo"  # "demo": the bundled corpus; "files": the shards in ``paths``
+    #: Shards: text, .jsonl/.json or .parquet files, or glob patterns (node/training/shards.py).
     paths: tuple[str, ...] = ()
+    #: A tokenizer.json to use (else a byte-level BPE is trained on the shards).
+    tokenizer: str = ""
+    #: Its SHA-256: pins the tokenizer for every peer (the path is then not part of the hash).
+    tokenizer_sha256: str = ""
+    text_field: str = "text"  # the column holding each row's text in jsonl / parquet shards
     batch_size: int = 16
     seed: int = 0
 
@@ -165,6 +171,16 @@ class DataSection:
             raise RunSpecError(f"data.source must be 'demo' or 'files', got {self.source!r}")
         if self.source == "files" and not self.paths:
             raise RunSpecError("data.paths must list at least one file when data.source = 'files'")
+        if (self.tokenizer or self.tokenizer_sha256) and self.source != "files":
+            raise RunSpecError("data.tokenizer is for data.source = 'files'")
+        if self.tokenizer_sha256 and not (
+            self.tokenizer
+            and len(self.tokenizer_sha256) == 64
+            and all(c in "0123456789abcdef" for c in self.tokenizer_sha256)
+        ):
+            raise RunSpecError(
+                "data.tokenizer_sha256 must be 64 lowercase hex digits, with data.tokenizer"
+            )
         _positive("data", batch_size=self.batch_size)
 
 
@@ -407,19 +423,33 @@ class RunSpec:
                 f"use int8, int4, fp16, bf16 or none"
             )
 
-    def canonical(self) -> bytes:
-        """Canonical JSON of everything but ``network`` and ``node``: what the hash covers."""
-        sections = {
+    def document(self) -> bytes:
+        """JSON of everything but ``network`` and ``node``, local paths included: what a
+        checkpoint keeps (``from_dict`` reads it back; its hash is this spec's)."""
+        return json.dumps(self._sections(), sort_keys=True, separators=(",", ":")).encode()
+
+    def _sections(self) -> dict[str, Any]:
+        return {
             f.name: dataclasses.asdict(getattr(self, f.name))
             for f in dataclasses.fields(self)
             if f.name not in OPERATIONAL
         }
+
+    def canonical(self) -> bytes:
+        """Canonical JSON of everything but ``network`` and ``node``: what the hash covers."""
+        sections = self._sections()
         del sections["model"]["init"]  # where a peer keeps the file; init_sha256 pins what it is
         if self.model.kind == "gpt":  # runs from before model.kind keep their hash
             del sections["model"]["kind"], sections["model"]["config"]
         else:  # the GPT's own sizes do not apply
             for key in ("d_model", "n_layers", "n_heads"):
                 del sections["model"][key]
+        data = sections["data"]
+        if data["tokenizer_sha256"]:  # pinned by its hash: where a peer keeps it is its own
+            del data["tokenizer"]
+        for key, default in (("tokenizer", ""), ("tokenizer_sha256", ""), ("text_field", "text")):
+            if data.get(key) == default:  # runs from before these keys keep their hash
+                data.pop(key)
         if self.trust == TrustSection():  # runs from before [trust] keep their hash
             del sections["trust"]
         return json.dumps(sections, sort_keys=True, separators=(",", ":")).encode()

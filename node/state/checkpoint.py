@@ -2,7 +2,7 @@
 
 One checkpoint is one directory, ``epoch-000012-step-000000650/``, holding ``state.safetensors``
 (every tensor: parameters, optimizer states, error-feedback residuals, RNG state) and
-``manifest.json`` (format, run id, spec hash and the canonical spec, epoch, step, the sha256 and
+``manifest.json`` (format, run id, spec hash and the spec, epoch, step, the sha256 and
 size of each file, and small JSON metadata such as the data cursor). A checkpoint is written into
 a ``.tmp-*`` directory, each file and the directory are fsynced, then the directory is renamed into
 place and its parent fsynced: a kill at any moment leaves either the whole checkpoint or a temp
@@ -194,7 +194,7 @@ class Checkpointer:
             "format": FORMAT,
             "run_id": self.spec.run.id,
             "spec_hash": self.spec.hash.hex(),
-            "spec": self.spec.canonical().decode(),
+            "spec": self.spec.document().decode(),  # paths too: model.init, data.tokenizer
             "epoch": epoch,
             "step": step,
             "created_at": time.time(),

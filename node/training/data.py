@@ -30,7 +30,15 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from swarmgrad.node.files import atomic_write
 from swarmgrad.node.runspec import DataSection
-from swarmgrad.protocol.errors import SetupError
+from swarmgrad.node.training.shards import (
+    DataError,
+    build_cache,
+    cache_key,
+    documents,
+    load_cache,
+    load_tokenizer,
+    shard_paths,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +47,9 @@ _FORMAT = 1
 VALIDATION_SHARE = 20  # one token in 20 is held out
 
 
-class DataError(SetupError):
-    """The corpus could not be read or prepared; the message says what to do."""
-
-
 @dataclass(frozen=True, slots=True)
 class Corpus:
-    tokens: np.ndarray  # uint16 token ids, the whole stream
+    tokens: np.ndarray  # token ids (uint16 or uint32), the whole stream; may be memory-mapped
     tokenizer: Tokenizer
 
     @property
@@ -76,12 +80,11 @@ class Batches:
     ) -> None:
         if corpus.split <= seq_len + 1:
             raise DataError(f"the corpus ({corpus.split} training tokens) is shorter than seq_len")
-        self._train = torch.from_numpy(corpus.tokens[: corpus.split].astype(np.int64))
+        self._train = corpus.tokens[: corpus.split]  # a view (of a memory map, for large data)
         self.seq_len, self.batch_size = seq_len, batch_size
         digest = hashlib.blake2b(f"{seed}:{peer_id}".encode(), digest_size=8).digest()
         self._seed = int.from_bytes(digest, "little") & ((1 << 63) - 1)
         self._generator = torch.Generator().manual_seed(self._seed)
-        self._offsets = torch.arange(seq_len + 1)
         self.cursor = 0
 
     def seek(self, cursor: int) -> None:
@@ -100,7 +103,9 @@ class Batches:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = self._train[self._starts()[:, None] + self._offsets]
+        length = self.seq_len + 1
+        rows = [self._train[start : start + length] for start in self._starts().tolist()]
+        windows = torch.from_numpy(np.stack(rows).astype(np.int64))
         return windows[:, :-1], windows[:, 1:]
 
 
@@ -179,23 +184,29 @@ def load_demo(cache_dir: Path, *, vocab_size: int, prepare: bool = True) -> Corp
     return Corpus(tokens=tokens, tokenizer=tokenizer)
 
 
-def load_files(paths: Sequence[Path], *, vocab_size: int) -> Corpus:
-    """The run's own text files, in the given order, with a BPE trained on them."""
-    texts = []
-    for path in paths:
-        try:
-            texts.append(path.read_text(encoding="utf-8", errors="replace"))
-        except OSError as error:
-            raise DataError(f"cannot read data file {path}: {error.strerror}") from None
-    tokenizer = train_tokenizer(texts, vocab_size)
-    return Corpus(tokens=_encode(tokenizer, texts), tokenizer=tokenizer)
+def load_files(data: DataSection, *, vocab_size: int, cache_dir: Path) -> Corpus:
+    """The run's own shards (``shards.py``): tokenized once into the cache, then mapped."""
+    paths = shard_paths(data)
+    if data.tokenizer:
+        tokenizer = load_tokenizer(data, vocab_size)
+    else:
+        tokenizer = train_tokenizer(documents(paths, data.text_field), vocab_size)
+    key = cache_key(paths, tokenizer, data.text_field)
+    folder = cache_dir / f"files-{key}"
+    tokens = load_cache(folder, key)
+    if tokens is None:
+        build_cache(folder, paths, tokenizer, data.text_field, key)
+        tokens = load_cache(folder, key)
+        if tokens is None:  # pragma: no cover - written just now
+            raise DataError(f"the data cache in {folder} could not be read back")
+    return Corpus(tokens=tokens, tokenizer=tokenizer)
 
 
 def load_corpus(data: DataSection, *, vocab_size: int, cache_dir: Path) -> Corpus:
-    """The corpus a run spec's ``[data]`` names: the demo corpus, or its own text files."""
+    """The corpus a run spec's ``[data]`` names: the demo corpus, or its own shards."""
     if data.source == "demo":
         return load_demo(cache_dir, vocab_size=vocab_size)
-    return load_files([Path(p) for p in data.paths], vocab_size=vocab_size)
+    return load_files(data, vocab_size=vocab_size, cache_dir=cache_dir)
 
 
 def _store(folder: Path, tokens: np.ndarray, tokenizer: Tokenizer) -> None:

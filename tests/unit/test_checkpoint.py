@@ -189,3 +189,23 @@ def test_sync_replica_keeps_gradients_accumulated_toward_the_next_step() -> None
     assert torch.equal(twin_model.weight.grad, model.weight.grad)
     assert torch.equal(twin_model.weight, model.weight)
     assert (twin.samples, twin._micro_batches) == (16, 1)
+
+
+def test_a_run_started_from_init_weights_reads_its_own_checkpoints(tmp_path: Path) -> None:
+    """The manifest keeps the spec with its local paths (model.init), so it parses back; the
+    hash alone leaves them out. (A manifest of the canonical form did not parse: every restart
+    of such a run rejected its own checkpoints.)"""
+    from swarmgrad.node.training.model import save_weights
+
+    section = ModelSection(vocab_size=64, d_model=16, n_layers=1, n_heads=2, seq_len=8)
+    digest = save_weights(build_model(section, seed=1), tmp_path / "init.safetensors")
+    spec = RunSpec.from_toml(
+        f'[run]\nid = "r"\n[model]\nvocab_size = 64\nd_model = 16\nn_layers = 1\nn_heads = 2\n'
+        f'seq_len = 8\ninit = "{tmp_path}/init.safetensors"\ninit_sha256 = "{digest}"\n'
+    )
+    with Checkpointer(tmp_path / "checkpoints", spec, keep=2) as checkpoints:
+        checkpoints.save(epoch=1, step=10, tensors={"x": torch.ones(3)}, meta={})
+        latest = checkpoints.latest()
+        assert latest is not None
+        assert (latest.epoch, latest.spec.hash) == (1, spec.hash)
+        assert not checkpoints.rejected
