@@ -199,8 +199,13 @@ class AlgorithmSection:
     warmup_steps: int = 0
     decay_steps: int = 0
     min_lr_ratio: float = 0.1
+    #: diloco: overlap each round's all-reduce with the next round's inner steps (its outer
+    #: update lands one round late, the local progress made meanwhile carried onto it).
+    overlap: bool = False
 
     def __post_init__(self) -> None:
+        if self.overlap and self.name != "diloco":
+            raise RunSpecError("algorithm.overlap is for algorithm.name = 'diloco'")
         if self.name not in ("diloco", "sync"):
             raise RunSpecError(f"algorithm.name must be 'diloco' or 'sync', got {self.name!r}")
         _positive(
@@ -450,6 +455,8 @@ class RunSpec:
         for key, default in (("tokenizer", ""), ("tokenizer_sha256", ""), ("text_field", "text")):
             if data.get(key) == default:  # runs from before these keys keep their hash
                 data.pop(key)
+        if not sections["algorithm"]["overlap"]:  # runs from before overlap keep their hash
+            del sections["algorithm"]["overlap"]
         if self.trust == TrustSection():  # runs from before [trust] keep their hash
             del sections["trust"]
         return json.dumps(sections, sort_keys=True, separators=(",", ":")).encode()
@@ -550,6 +557,10 @@ def _check(name: str, kind: Any, value: Any) -> Any:
             if not all(isinstance(i, bool | int | float | str) for i in items):
                 raise RunSpecError(f"{name}.{key} must be a number, string, boolean or list")
         return dict(value)
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise RunSpecError(f"{name} must be true or false, got {value!r}")
+        return value
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if typing.get_origin(kind) is tuple:

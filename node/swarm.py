@@ -20,6 +20,7 @@ runs on the loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 from collections import Counter
@@ -400,3 +401,8 @@ class Swarm:
         Raises ``concurrent.futures.CancelledError`` once the node is stopping.
         """
         return self._bridge.call(coroutine)
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coroutine`` on the node's loop from a trainer thread; wait later (its future
+        is cancelled once the node is stopping)."""
+        return self._bridge.submit(coroutine)

@@ -99,6 +99,10 @@ class LoopBridge:
 
         Raises ``concurrent.futures.CancelledError`` once released.
         """
+        return self.submit(coroutine).result()  # CancelledError once released
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coroutine`` on the loop; its future (cancelled once released)."""
         if self._loop is None or self._closing:
             coroutine.close()
             if self._loop is None:
@@ -106,7 +110,5 @@ class LoopBridge:
             raise concurrent.futures.CancelledError()
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         self._pending.add(future)
-        try:
-            return future.result()  # concurrent.futures.CancelledError once released
-        finally:
-            self._pending.discard(future)
+        future.add_done_callback(self._pending.discard)
+        return future

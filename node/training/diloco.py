@@ -26,7 +26,7 @@ from torch import nn
 from swarmgrad.node.averaging.rounds import Outcome
 from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.training.model import flatten, unflatten
-from swarmgrad.node.training.replica import Replica, RoundReport
+from swarmgrad.node.training.replica import PendingRound, Replica, RoundReport
 
 
 class OuterOptimizer:
@@ -114,6 +114,14 @@ class DiLoCo(Replica):
     parameters) is averaged with a group, weighted by samples; every member applies the same
     Nesterov outer step and continues from the new global parameters. A replica that finds no
     group keeps training and tries again after the next ``inner_steps``.
+
+    With ``overlap`` (Streaming DiLoCo's overlapped communication, with a delay of one round),
+    a round's all-reduce runs on the node's loop while the next round's inner steps proceed. At
+    the next boundary the replica waits for it (usually done by then), applies the outer step to
+    the global parameters exactly as without overlap (so replicas stay bit-identical), and
+    carries the progress made meanwhile onto them: local = new global + (local - local at the
+    round's start). Then it starts the round of that progress. A round that fails changes
+    nothing: its progress stays in the local parameters and goes with the next round's.
     """
 
     def __init__(
@@ -124,13 +132,18 @@ class DiLoCo(Replica):
         inner_steps: int,
         outer_lr: float,
         outer_momentum: float,
+        overlap: bool = False,
     ) -> None:
         super().__init__(swarm, model)
         if inner_steps < 1:
             raise ValueError("inner_steps must be at least 1")
         self.inner_steps = inner_steps
+        self.overlap = overlap
         self.outer = OuterOptimizer(flatten(self.params), lr=outer_lr, momentum=outer_momentum)
         self._steps = 0
+        #: overlap: the round in flight, and the local parameters when it started.
+        self._in_flight: PendingRound | None = None
+        self._boundary: torch.Tensor | None = None
         self.publish()
 
     def state_vector(self) -> torch.Tensor:
@@ -163,14 +176,20 @@ class DiLoCo(Replica):
         self._steps = int(meta["steps"])
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """As the base's; a round in flight is named (``in_flight``: its epoch) but not kept: a
+        restart cannot collect it, and its progress is still in the local parameters, so the
+        next round sends it (or a resync drops it, if the swarm has moved on meanwhile)."""
         tensors, meta = super().state_dict()
-        return tensors, meta | {"steps": self._steps}
+        in_flight = self._in_flight.epoch if self._in_flight is not None else None
+        return tensors, meta | {"steps": self._steps, "in_flight": in_flight}
 
     @property
     def schedule_step(self) -> int:
         """The next inner step's place in the run, for the learning-rate schedule: the same on
-        every member (epoch x inner_steps + steps into this round), resumed or resynced."""
-        return self.epoch * self.inner_steps + self._steps % self.inner_steps
+        every member (epoch x inner_steps + steps into this round, counting a round in flight),
+        resumed or resynced."""
+        rounds = self.epoch + (self._in_flight is not None)
+        return rounds * self.inner_steps + self._steps % self.inner_steps
 
     def step(self, samples: int) -> RoundReport | None:
         """Count one inner step of ``samples``; run an outer round when one is due."""
@@ -179,7 +198,47 @@ class DiLoCo(Replica):
         self._samples_total += samples
         if self._steps % self.inner_steps:
             return None
-        return self.outer_round()
+        return self.overlapped_round() if self.overlap else self.outer_round()
+
+    def overlapped_round(self) -> RoundReport | None:
+        """Land the round in flight (if any), then start the next; the report of the landed
+        round (None at the first boundary: nothing was in flight)."""
+        started = time.monotonic()
+        report = self._land(started) if self._in_flight is not None else None
+        resynced = self._resync_if_needed()
+        if resynced is not None:
+            return resynced
+        self._boundary = flatten(self.params)
+        delta = self.outer.pseudo_gradient(self._boundary)
+        self._in_flight = self._start_average(delta, weight=self.samples)
+        self.samples = 0  # they are in flight: a failed round gives them back
+        return report
+
+    def _land(self, started: float) -> RoundReport:
+        pending, boundary = self._in_flight, self._boundary
+        assert pending is not None
+        assert boundary is not None
+        self._in_flight = self._boundary = None
+        averaged = self._finish_average(pending)  # usually done by now
+        if averaged.outcome is Outcome.AVERAGED:
+            assert averaged.result is not None
+            assert averaged.sent is not None
+            theta = self.outer.step(
+                averaged.result.averaged, own=averaged.sent, missing=averaged.result.missing
+            )
+            progress = flatten(self.params).sub_(boundary)  # this round's, not yet sent
+            unflatten(theta + progress, self.params)
+            self.epoch += 1
+            self.publish()
+        else:
+            self.samples += int(pending.weight)  # their progress goes with the next round
+        return self._report(averaged, started)
+
+    def drain(self) -> RoundReport | None:
+        """Land the round in flight, if any, starting none (the run's last round)."""
+        if self._in_flight is None:
+            return None
+        return self._land(time.monotonic())
 
     def outer_round(self) -> RoundReport:
         started = time.monotonic()

@@ -7,10 +7,11 @@ catches up from peers when it falls behind, averages through the swarm, and repo
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +36,17 @@ class RoundReport:
     missing_values: int = 0
     detail: str = ""
     allreduce_seconds: float = 0.0  # the all-reduce alone (no matchmaking), when there was one
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PendingRound:
+    """A round started on the node's loop and not yet waited for."""
+
+    epoch: int
+    weight: float
+    compensated: torch.Tensor  # what was sent: the vector plus the residual
+    future: concurrent.futures.Future[Averaged]
+    started: float = field(default_factory=time.monotonic)
 
 
 class Replica:
@@ -179,16 +191,24 @@ class Replica:
         if the round applied what was sent (a round that fails, or a stop mid-round, leaves the
         state as it was before): it becomes what the codec lost of what was sent (and, whatever
         the codec, values a round could not average are carried by the caller)."""
+        return self._finish_average(self._start_average(vector, weight=self.samples))
+
+    def _start_average(self, vector: torch.Tensor, *, weight: float) -> PendingRound:
+        """Start :meth:`_average`'s round on the node's loop; :meth:`_finish_average` waits."""
         compensated = vector + self._residual
         lossless = self.swarm.codec_is_lossless
-        averaged = self.swarm.call(
-            self.swarm.average(
-                compensated, epoch=self.epoch, weight=self.samples, keep_sent=not lossless
-            )
+        future = self.swarm.submit(
+            self.swarm.average(compensated, epoch=self.epoch, weight=weight, keep_sent=not lossless)
         )
+        return PendingRound(epoch=self.epoch, weight=weight, compensated=compensated, future=future)
+
+    def _finish_average(self, pending: PendingRound) -> Averaged:
+        """Wait for a started round (``concurrent.futures.CancelledError`` once the node is
+        stopping); move the residual on if it averaged."""
+        averaged = pending.future.result()
         if averaged.outcome is Outcome.AVERAGED:
             assert averaged.sent is not None
-            self._residual = compensated - averaged.sent.to(self.device)
+            self._residual = pending.compensated - averaged.sent.to(self.device)
         return averaged
 
     def _report(self, averaged: Averaged, started: float) -> RoundReport:

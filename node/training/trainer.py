@@ -196,6 +196,7 @@ class Trainer:
                 inner_steps=algorithm.inner_steps,
                 outer_lr=algorithm.outer_lr,
                 outer_momentum=algorithm.outer_momentum,
+                overlap=algorithm.overlap,
             )
         else:
             replica = SyncDataParallel(
@@ -245,6 +246,10 @@ class Trainer:
             done = self.config.max_epochs is not None and replica.epoch >= self.config.max_epochs
         if done and not stop.is_set():
             with contextlib.suppress(concurrent.futures.CancelledError):
+                if isinstance(replica, DiLoCo):  # overlap: the last round, still in flight
+                    drained = replica.drain()
+                    if drained is not None:
+                        self._record_round(drained, replica, evaluate(model, validation, device))
                 settled = replica.settle(stop, seconds=SETTLE_SECONDS)
                 if settled is not None:
                     self._record_round(settled, replica, evaluate(model, validation, device))

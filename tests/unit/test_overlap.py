@@ -1,0 +1,158 @@
+"""Overlapped DiLoCo rounds (``algorithm.overlap``): each round's average lands one round late,
+every replica applies the same outer step (bit-identical global parameters), the progress made
+meanwhile is carried onto it, and a failed round loses nothing. Replicas in one thread, a fake
+group that averages once every member has started the round."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from swarmgrad.node.averaging.plan import RoundResult
+from swarmgrad.node.averaging.rounds import Averaged, Outcome
+from swarmgrad.node.training.diloco import DiLoCo
+from swarmgrad.node.training.model import flatten
+
+H = 3
+
+
+class Hub:
+    """A group of every replica: a round's future resolves when all members started it."""
+
+    def __init__(self, members: int, failing: tuple[int, ...] = ()) -> None:
+        self.members, self.failing = members, set(failing)
+        self.joined: dict[int, list[tuple[str, torch.Tensor, float, Any]]] = {}
+
+    def join(self, peer: str, epoch: int, vector: torch.Tensor, weight: float) -> Any:
+        future: concurrent.futures.Future[Averaged] = concurrent.futures.Future()
+        entries = self.joined.setdefault(epoch, [])
+        entries.append((peer, vector.clone(), weight, future))
+        if len(entries) == self.members:  # a retry of this epoch is a new round
+            del self.joined[epoch]
+            failing = epoch in self.failing
+            self.failing.discard(epoch)
+            total = sum(w for _, _, w, _ in entries)
+            mean = sum(v * (w / total) for _, v, w, _ in entries)
+            for name, vector_sent, _, f in entries:
+                if failing:
+                    f.set_result(Averaged(outcome=Outcome.ABORTED, error="failed on purpose"))
+                    continue
+                result = RoundResult(
+                    averaged=mean.clone(),
+                    contributors=tuple(n for n, *_ in entries),
+                    partial=(),
+                    missing=(),
+                    failures={},
+                )
+                group = SimpleNamespace(members=entries)
+                f.set_result(
+                    Averaged(outcome=Outcome.AVERAGED, result=result, group=group, sent=vector_sent)
+                )
+        return future
+
+
+def fake_swarm(hub: Hub, name: str) -> Any:
+    swarm = SimpleNamespace(peer_id=name, codec_is_lossless=True, snapshot=None)
+    swarm.publish = lambda snapshot, throughput: setattr(swarm, "snapshot", snapshot)
+    swarm.average = lambda vector, *, epoch, weight, keep_sent: hub.join(
+        name, epoch, vector, weight
+    )
+    swarm.submit = lambda started: started  # the "coroutine" is already the future
+    swarm.call = lambda value: value
+    swarm.find_donors = lambda epoch, checksum: []
+    return swarm
+
+
+def replicas(hub: Hub, count: int) -> list[tuple[torch.nn.Linear, DiLoCo]]:
+    made = []
+    for i in range(count):
+        model = torch.nn.Linear(4, 2)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.arange(p.numel(), dtype=torch.float32).view_as(p) / 10)
+        replica = DiLoCo(
+            fake_swarm(hub, f"peer-{i}"),
+            model,
+            inner_steps=H,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            overlap=True,
+        )
+        made.append((model, replica))
+    return made
+
+
+def train_round(made: list[tuple[torch.nn.Linear, DiLoCo]], round_: int) -> list[Any]:
+    """H inner "steps" on every replica (each moves its parameters its own way); the reports."""
+    reports = []
+    for step in range(H):
+        for i, (model, replica) in enumerate(made):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01 * (i + 1) * (round_ + 1) + 0.001 * step)
+            report = replica.step(samples=1 + i)
+            if step == H - 1:
+                reports.append(report)
+    return reports
+
+
+def test_rounds_land_one_round_late_with_the_progress_carried_and_replicas_identical() -> None:
+    hub = Hub(members=3)
+    made = replicas(hub, 3)
+    theta0 = made[0][1].outer.theta.clone()
+    assert train_round(made, 0) == [None, None, None]  # launched, nothing to land yet
+    first = [flatten(r.params) for _, r in made]  # local parameters when round 0 started
+    weights = torch.tensor([1.0, 2.0, 3.0]) * H
+    expected = sum((w / weights.sum()) * x for w, x in zip(weights, first, strict=True))
+    reports = train_round(made, 1)  # lands round 0 at this boundary
+    assert {report.outcome for report in reports} == {Outcome.AVERAGED}
+    assert {r.epoch for _, r in made} == {1}
+    assert len({r.outer.checksum() for _, r in made}) == 1  # bit-identical global parameters
+    # outer lr 1, no momentum: the new global is the samples-weighted mean of round 0's locals
+    torch.testing.assert_close(made[0][1].outer.theta, expected)
+    assert not torch.equal(made[0][1].outer.theta, theta0)
+    for (model, replica), start in zip(made, first, strict=True):
+        # round 1's progress, carried onto the new global, is what round 1 sends
+        progress = replica._in_flight.compensated.neg()  # type: ignore[union-attr]
+        torch.testing.assert_close(flatten(replica.params), replica.outer.theta + progress)
+    for round_ in range(2, 5):
+        train_round(made, round_)
+    drained = [r.drain() for _, r in made]
+    assert {d.outcome for d in drained if d is not None} == {Outcome.AVERAGED}
+    assert {r.epoch for _, r in made} == {5}
+    assert len({r.outer.checksum() for _, r in made}) == 1
+    assert all(r._in_flight is None for _, r in made)
+
+
+def test_a_failed_round_changes_nothing_and_its_progress_goes_with_the_next() -> None:
+    hub = Hub(members=2, failing=(0,))
+    made = replicas(hub, 2)
+    train_round(made, 0)
+    before = [flatten(r.params) for _, r in made]
+    theta = made[0][1].outer.theta.clone()
+    reports = train_round(made, 1)  # round 0 fails when it lands
+    assert {report.outcome for report in reports} == {Outcome.ABORTED}
+    assert {r.epoch for _, r in made} == {0}
+    assert torch.equal(made[0][1].outer.theta, theta)
+    for (_, replica), was in zip(made, before, strict=True):
+        sent = replica._in_flight.compensated  # type: ignore[union-attr]
+        # the next round carries both rounds' progress, and both rounds' samples
+        torch.testing.assert_close(sent, theta - flatten(replica.params))
+        assert not torch.equal(flatten(replica.params), was)
+    assert [replica._in_flight.weight for _, replica in made] == [2 * H, 4 * H]  # type: ignore[union-attr]
+    train_round(made, 2)
+    assert {r.epoch for _, r in made} == {1}
+    assert len({r.outer.checksum() for _, r in made}) == 1
+
+
+def test_the_schedule_position_counts_the_round_in_flight() -> None:
+    made = replicas(Hub(members=1), 1)
+    replica = made[0][1]
+    train_round(made, 0)
+    assert replica.epoch == 0
+    assert replica.schedule_step == H  # round 1's first step, though round 0 has not landed
+    tensors, meta = replica.state_dict()
+    assert meta["in_flight"] == 0
