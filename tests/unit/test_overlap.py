@@ -36,7 +36,7 @@ class Hub:
             self.failing.discard(epoch)
             total = sum(w for _, _, w, _ in entries)
             mean = sum(v * (w / total) for _, v, w, _ in entries)
-            for name, vector_sent, _, f in entries:
+            for _, vector_sent, _, f in entries:
                 if failing:
                     f.set_result(Averaged(outcome=Outcome.ABORTED, error="failed on purpose"))
                     continue
@@ -114,10 +114,12 @@ def test_rounds_land_one_round_late_with_the_progress_carried_and_replicas_ident
     # outer lr 1, no momentum: the new global is the samples-weighted mean of round 0's locals
     torch.testing.assert_close(made[0][1].outer.theta, expected)
     assert not torch.equal(made[0][1].outer.theta, theta0)
-    for (model, replica), start in zip(made, first, strict=True):
-        # round 1's progress, carried onto the new global, is what round 1 sends
-        progress = replica._in_flight.compensated.neg()  # type: ignore[union-attr]
+    for i, (_, replica) in enumerate(made):
+        # round 1's own progress (train_round's moves), carried onto the new global
+        progress = sum(0.01 * (i + 1) * 2 + 0.001 * step for step in range(H))
         torch.testing.assert_close(flatten(replica.params), replica.outer.theta + progress)
+        sent = replica._in_flight.compensated  # type: ignore[union-attr]
+        torch.testing.assert_close(sent, torch.full_like(sent, -progress))  # what round 1 sends
     for round_ in range(2, 5):
         train_round(made, round_)
     drained = [r.drain() for _, r in made]
@@ -154,5 +156,5 @@ def test_the_schedule_position_counts_the_round_in_flight() -> None:
     train_round(made, 0)
     assert replica.epoch == 0
     assert replica.schedule_step == H  # round 1's first step, though round 0 has not landed
-    tensors, meta = replica.state_dict()
+    _, meta = replica.state_dict()
     assert meta["in_flight"] == 0
