@@ -133,12 +133,15 @@ class DiLoCo(Replica):
         outer_lr: float,
         outer_momentum: float,
         overlap: bool = False,
+        max_epochs: int | None = None,
     ) -> None:
         super().__init__(swarm, model)
         if inner_steps < 1:
             raise ValueError("inner_steps must be at least 1")
         self.inner_steps = inner_steps
         self.overlap = overlap
+        #: overlap: no round is started once the replica has reached this epoch (the run's end).
+        self.max_epochs = max_epochs
         self.outer = OuterOptimizer(flatten(self.params), lr=outer_lr, momentum=outer_momentum)
         self._steps = 0
         #: overlap: the round in flight, and the local parameters when it started.
@@ -208,6 +211,8 @@ class DiLoCo(Replica):
         resynced = self._resync_if_needed()
         if resynced is not None:
             return resynced
+        if self.max_epochs is not None and self.epoch >= self.max_epochs:
+            return report  # the run's last round has landed
         self._boundary = flatten(self.params)
         delta = self.outer.pseudo_gradient(self._boundary)
         self._in_flight = self._start_average(delta, weight=self.samples)

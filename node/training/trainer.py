@@ -197,6 +197,7 @@ class Trainer:
                 outer_lr=algorithm.outer_lr,
                 outer_momentum=algorithm.outer_momentum,
                 overlap=algorithm.overlap,
+                max_epochs=self.config.max_epochs,
             )
         else:
             replica = SyncDataParallel(
