@@ -24,8 +24,10 @@ from swarmgrad.node.display import Display
 from swarmgrad.node.files import atomic_write
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.metrics import MetricsServer, NodeMetrics
+from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.state.checkpoint import Checkpointer
 from swarmgrad.node.swarm import Swarm
+from swarmgrad.node.tracking import Tracker
 from swarmgrad.node.training.trainer import Progress, Trainer
 
 log = logging.getLogger(__name__)
@@ -84,8 +86,6 @@ async def _train(
     server: MetricsServer | None,
     stop: asyncio.Event,
 ) -> int:
-    trainer_stop = threading.Event()
-
     def on_progress(progress: Progress) -> None:
         if config.status_file is not None:
             status = (
@@ -102,7 +102,49 @@ async def _train(
             )
             write_status(config.status_file, status)
 
-    trainer = Trainer(config, swarm, checkpoints=checkpoints, on_progress=on_progress)
+    with contextlib.ExitStack() as cleanup:
+        tracker = None
+        if config.spec.tracking.backends:
+            tracker = await asyncio.to_thread(  # imports and files: off the loop
+                Tracker,
+                config.spec.tracking,
+                run_id=config.spec.run.id,
+                peer_id=swarm.peer_id,
+                folder=config.checkpoint_dir,
+                params=tracked_params(config.spec, swarm.peer_id),
+            )
+            cleanup.callback(tracker.close)
+        trainer = Trainer(
+            config, swarm, checkpoints=checkpoints, on_progress=on_progress, tracker=tracker
+        )
+        return await _run_trainer(config, swarm, trainer, stop)
+
+
+def tracked_params(spec: RunSpec, peer_id: str) -> dict[str, object]:
+    """What a tracker run records about the node's run."""
+    model = spec.model
+    return {
+        "run_id": spec.run.id,
+        "spec_hash": spec.short_hash,
+        "peer_id": peer_id,
+        "algorithm": spec.algorithm.name,
+        "overlap": spec.algorithm.overlap,
+        "inner_steps": spec.algorithm.inner_steps,
+        "codec": spec.averaging.codec,
+        "group_size": spec.averaging.group_size,
+        "model_kind": model.kind,
+        "model": model.config.get("model_type", "gpt")
+        if model.kind == "hf"
+        else f"d{model.d_model}x{model.n_layers}",
+        "batch_size": spec.data.batch_size,
+        "seq_len": model.seq_len,
+    }
+
+
+async def _run_trainer(
+    config: NodeConfig, swarm: Swarm, trainer: Trainer, stop: asyncio.Event
+) -> int:
+    trainer_stop = threading.Event()
     display = Display(config.display, endpoint=swarm.endpoint, run=config.spec.run.id)
 
     def train() -> None:

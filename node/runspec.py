@@ -55,7 +55,7 @@ from swarmgrad.protocol.errors import SetupError
 
 DEVICES = ("auto", "cpu", "cuda")
 #: Sections that say how a node takes part, not what the run is: outside the hash.
-OPERATIONAL = frozenset({"network", "node"})
+OPERATIONAL = frozenset({"network", "node", "tracking"})
 
 
 class RunSpecError(SetupError, ValueError):
@@ -354,6 +354,28 @@ class NetworkSection:
     bootstrap: tuple[str, ...] = ()
 
 
+#: Experiment trackers a node can report its rounds to (each needs its package installed).
+TRACKERS = ("mlflow", "wandb", "trackio")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrackingSection:
+    """Where each node reports its rounds (loss, tokens/s, bytes, utilization). Operational:
+    not part of the spec hash. Off (no backends) by default."""
+
+    backends: tuple[str, ...] = ()  # any of mlflow, wandb, trackio
+    #: MLflow's tracking URI; "": a file store in the node's checkpoint folder (mlruns/).
+    uri: str = ""
+    project: str = ""  # the experiment / project name; "": the run id
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.backends) - set(TRACKERS))
+        if unknown:
+            raise RunSpecError(
+                f"tracking.backends: unknown {', '.join(unknown)} (known: {', '.join(TRACKERS)})"
+            )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NodeSection:
     """Defaults for this run's nodes, which each node may override (``SWARMGRAD_*`` variables,
@@ -419,6 +441,7 @@ class RunSpec:
     trust: TrustSection = field(default_factory=TrustSection)
     network: NetworkSection = field(default_factory=NetworkSection)
     node: NodeSection = field(default_factory=NodeSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
 
     def __post_init__(self) -> None:
         if self.trust.open and self.averaging.codec in NOT_IN_OPEN_RUNS:

@@ -29,6 +29,7 @@ from swarmgrad.node.state.checkpoint import (
     optimizer_state,
 )
 from swarmgrad.node.swarm import Swarm
+from swarmgrad.node.tracking import Tracker
 from swarmgrad.node.training.api import DiLoCo, RoundReport, SyncDataParallel
 from swarmgrad.node.training.data import Batches, load_corpus
 from swarmgrad.node.training.device import (
@@ -145,8 +146,10 @@ class Trainer:
         *,
         checkpoints: Checkpointer | None = None,
         on_progress: Callable[[Progress], None] = lambda progress: None,
+        tracker: Tracker | None = None,
     ) -> None:
         self.config, self.swarm, self.checkpoints = config, swarm, checkpoints
+        self.tracker = tracker
         self.progress = Progress(peer_id=swarm.peer_id, algorithm=config.spec.algorithm.name)
         self.metrics = swarm.metrics
         self._on_progress = on_progress
@@ -372,6 +375,22 @@ class Trainer:
         metrics.epoch.set(report.epoch)
         metrics.validation_loss.set(val_loss)
         metrics.group_size.set(report.group_size)
+        if self.tracker is not None:
+            busy = progress.compute_seconds + progress.communication_seconds
+            self.tracker.log_round(
+                report.epoch,
+                {
+                    "val_loss": val_loss,
+                    "train_loss": progress.loss,
+                    "tokens_per_second": progress.tokens_per_second,
+                    "mfu": progress.mfu,
+                    "bytes_sent": progress.bytes_sent,
+                    "bytes_received": progress.bytes_received,
+                    "utilization": progress.compute_seconds / busy if busy else math.nan,
+                    "round_seconds": report.seconds,
+                    "group_size": report.group_size,
+                },
+            )
         progress.history.append(
             {
                 "epoch": report.epoch,
