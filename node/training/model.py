@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarmgrad.node.files import atomic_write
+from swarmgrad.node.files import atomic_write, read_pinned
 from swarmgrad.node.runspec import ModelSection
 from swarmgrad.node.training.hf import HFCausalLM, build_hf
 from swarmgrad.protocol.errors import SetupError
@@ -91,16 +91,13 @@ def skeleton(config: ModelSection) -> CausalLM:
 def init_weights(config: ModelSection) -> dict[str, torch.Tensor]:
     """The tensors of ``model.init``, after checking its SHA-256 and every name and shape."""
     path = Path(config.init)
-    try:
-        data = path.read_bytes()
-    except OSError as error:
-        raise InitWeightsError(f"model.init: cannot read {path}: {error.strerror}") from None
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != config.init_sha256:
-        raise InitWeightsError(
-            f"model.init: {path} has SHA-256 {digest}, but model.init_sha256 is "
-            f"{config.init_sha256}: these are not the weights the run starts from"
-        )
+    data = read_pinned(
+        path,
+        config.init_sha256,
+        key="model.init",
+        what="the weights the run starts from",
+        error=InitWeightsError,
+    )
     try:
         tensors = safetensors.torch.load(data)
     except safetensors.SafetensorError as error:

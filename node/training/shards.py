@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from swarmgrad.node.files import atomic_write
+from swarmgrad.node.files import atomic_write, read_pinned
 from swarmgrad.node.runspec import DataSection
 from swarmgrad.protocol.errors import SetupError
 
@@ -104,16 +104,13 @@ def _stream(kind: str, path: Path) -> Iterator[dict[str, Any]]:
 def load_tokenizer(data: DataSection, vocab_size: int) -> Tokenizer:
     """``data.tokenizer``, after checking its hash (if pinned) and that its ids fit the model."""
     path = Path(data.tokenizer)
-    try:
-        raw = path.read_bytes()
-    except OSError as error:
-        raise DataError(f"data.tokenizer: cannot read {path}: {error.strerror}") from None
-    digest = hashlib.sha256(raw).hexdigest()
-    if data.tokenizer_sha256 and digest != data.tokenizer_sha256:
-        raise DataError(
-            f"data.tokenizer: {path} has SHA-256 {digest}, but data.tokenizer_sha256 is "
-            f"{data.tokenizer_sha256}: not the tokenizer this run uses"
-        )
+    raw = read_pinned(
+        path,
+        data.tokenizer_sha256,
+        key="data.tokenizer",
+        what="the tokenizer this run uses",
+        error=DataError,
+    )
     try:
         tokenizer = Tokenizer.from_str(raw.decode())
     except Exception as error:  # tokenizers raises a plain Exception for a bad file
