@@ -202,10 +202,19 @@ class AlgorithmSection:
     #: diloco: overlap each round's all-reduce with the next round's inner steps (its outer
     #: update lands one round late, the local progress made meanwhile carried onto it).
     overlap: bool = False
+    #: diloco: sync the model in this many fragments, one every inner_steps / fragments steps.
+    fragments: int = 1
 
     def __post_init__(self) -> None:
         if self.overlap and self.name != "diloco":
             raise RunSpecError("algorithm.overlap is for algorithm.name = 'diloco'")
+        if self.fragments != 1 and self.name != "diloco":
+            raise RunSpecError("algorithm.fragments is for algorithm.name = 'diloco'")
+        if self.fragments < 1 or self.inner_steps % self.fragments:
+            raise RunSpecError(
+                f"algorithm.fragments ({self.fragments}) must be at least 1 and divide "
+                f"algorithm.inner_steps ({self.inner_steps})"
+            )
         if self.name not in ("diloco", "sync"):
             raise RunSpecError(f"algorithm.name must be 'diloco' or 'sync', got {self.name!r}")
         _positive(
@@ -480,6 +489,8 @@ class RunSpec:
                 data.pop(key)
         if not sections["algorithm"]["overlap"]:  # runs from before overlap keep their hash
             del sections["algorithm"]["overlap"]
+        if sections["algorithm"]["fragments"] == 1:  # ... and from before fragments
+            del sections["algorithm"]["fragments"]
         if self.trust == TrustSection():  # runs from before [trust] keep their hash
             del sections["trust"]
         return json.dumps(sections, sort_keys=True, separators=(",", ":")).encode()

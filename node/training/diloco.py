@@ -43,11 +43,18 @@ class OuterOptimizer:
         #: What earlier rounds could not average, added to the next pseudo-gradient.
         self.carry = torch.zeros_like(self.theta)
 
-    def pseudo_gradient(self, theta_local: torch.Tensor) -> torch.Tensor:
-        """``theta_global - theta_local + carry``: this member's contribution to the round."""
-        if theta_local.shape != self.theta.shape:
+    def pseudo_gradient(self, theta_local: torch.Tensor, offset: int | None = None) -> torch.Tensor:
+        """``theta_global - theta_local + carry``: this member's contribution to the round (with
+        ``offset``: of the range of theta from there that ``theta_local`` covers, a fragment)."""
+        whole = offset is None
+        offset = offset or 0
+        end = offset + theta_local.numel()
+        if (whole and theta_local.shape != self.theta.shape) or not (
+            theta_local.dim() == 1 and offset >= 0 and end <= self.theta.numel()
+        ):
             raise ValueError(f"theta_local has shape {tuple(theta_local.shape)}")
-        return (self.theta - theta_local.detach().float()).add_(self.carry)
+        theta = self.theta[offset:end]
+        return (theta - theta_local.detach().float()).add_(self.carry[offset:end])
 
     @property
     def device(self) -> torch.device:
@@ -59,29 +66,39 @@ class OuterOptimizer:
         *,
         own: torch.Tensor,
         missing: Sequence[tuple[int, int]] = (),
+        offset: int | None = None,
     ) -> torch.Tensor:
         """Apply the averaged pseudo-gradient; returns the new ``theta_global``.
 
         ``own`` is the pseudo-gradient this member contributed; in ``missing`` ranges it is kept
         as carry and nothing moves, elsewhere the carry is spent. Either may live on another
-        device than theta (they are copied to it).
+        device than theta (they are copied to it). With ``offset``, both cover the range of
+        theta from there (a fragment), and only that range moves; ``missing`` is relative to it.
         """
-        if averaged.shape != self.theta.shape or own.shape != self.theta.shape:
-            raise ValueError("averaged and own must have the shape of theta")
+        whole = offset is None
+        offset = offset or 0
+        end = offset + averaged.numel()
+        if (
+            averaged.shape != own.shape
+            or (whole and averaged.shape != self.theta.shape)
+            or not (averaged.dim() == 1 and offset >= 0 and end <= self.theta.numel())
+        ):
+            raise ValueError("averaged and own must have the shape of theta (or of a fragment)")
         gradient = averaged.detach().to(self.device, copy=True)
-        self.carry.zero_()
-        for start, end in missing:
-            self.carry[start:end] = own[start:end]
-            gradient[start:end] = 0.0
+        carry, momentum_buffer = self.carry[offset:end], self.momentum_buffer[offset:end]
+        carry.zero_()
+        for start, stop in missing:
+            carry[start:stop] = own[start:stop]
+            gradient[start:stop] = 0.0
         # One rounding per operation (see the module docstring): no alpha= arguments, which a
         # device may compute as a fused multiply-add.
-        velocity = torch.mul(self.momentum_buffer, self.momentum).add_(gradient)
+        velocity = torch.mul(momentum_buffer, self.momentum).add_(gradient)
         update = torch.mul(velocity, self.momentum).add_(gradient)  # Nesterov: g + mu * v
-        for start, end in missing:  # no movement, and no momentum drift, where nothing arrived
-            velocity[start:end] = self.momentum_buffer[start:end]
-            update[start:end] = 0.0
-        self.momentum_buffer = velocity
-        self.theta.sub_(update.mul_(self.lr))
+        for start, stop in missing:  # no movement, and no momentum drift, where nothing arrived
+            velocity[start:stop] = momentum_buffer[start:stop]
+            update[start:stop] = 0.0
+        momentum_buffer.copy_(velocity)
+        self.theta[offset:end].sub_(update.mul_(self.lr))
         return self.theta
 
     def checksum(self) -> str:
@@ -122,6 +139,13 @@ class DiLoCo(Replica):
     carries the progress made meanwhile onto them: local = new global + (local - local at the
     round's start). Then it starts the round of that progress. A round that fails changes
     nothing: its progress stays in the local parameters and goes with the next round's.
+
+    With ``fragments`` = K > 1 (Streaming DiLoCo's fragments), the flat parameter vector is cut
+    into K equal ranges, and every ``inner_steps / K`` steps one of them, in turn (fragment
+    ``epoch % K``), has its round: its pseudo-gradient alone is averaged and its range alone
+    takes the outer step. Each range still syncs every ``inner_steps``, but a round carries
+    1/K of the bytes, spreading the traffic evenly. The epoch counts fragment rounds.
+    Overlap applies per fragment round alike.
     """
 
     def __init__(
@@ -134,11 +158,24 @@ class DiLoCo(Replica):
         outer_momentum: float,
         overlap: bool = False,
         max_epochs: int | None = None,
+        fragments: int = 1,
     ) -> None:
         super().__init__(swarm, model)
         if inner_steps < 1:
             raise ValueError("inner_steps must be at least 1")
+        if fragments < 1 or inner_steps % fragments:
+            raise ValueError(f"fragments ({fragments}) must divide inner_steps ({inner_steps})")
         self.inner_steps = inner_steps
+        self.fragments = fragments
+        #: A round every this many steps (a fragment's, with fragments).
+        self.sync_every = inner_steps // fragments
+        self.bounds = [
+            (self.numel * j // fragments, self.numel * (j + 1) // fragments)
+            for j in range(fragments)
+        ]
+        #: fragments: samples since each fragment's last round (its weight in the next).
+        self._fragment_samples = [0] * fragments
+        self._in_flight_fragment: int | None = None
         self.overlap = overlap
         #: overlap: no round is started once the replica has reached this epoch (the run's end).
         self.max_epochs = max_epochs
@@ -177,6 +214,9 @@ class DiLoCo(Replica):
         )
         unflatten(self._unnamed("local", tensors), self.params)
         self._steps = int(meta["steps"])
+        counts = meta.get("fragment_samples") or [0] * self.fragments
+        self._fragment_samples = [int(c) for c in counts][: self.fragments]
+        self._fragment_samples += [0] * (self.fragments - len(self._fragment_samples))
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """As the base's; a round in flight is named (``in_flight``: its epoch) but not kept: a
@@ -184,7 +224,11 @@ class DiLoCo(Replica):
         next round sends it (or a resync drops it, if the swarm has moved on meanwhile)."""
         tensors, meta = super().state_dict()
         in_flight = self._in_flight.epoch if self._in_flight is not None else None
-        return tensors, meta | {"steps": self._steps, "in_flight": in_flight}
+        return tensors, meta | {
+            "steps": self._steps,
+            "in_flight": in_flight,
+            "fragment_samples": list(self._fragment_samples),
+        }
 
     @property
     def schedule_step(self) -> int:
@@ -192,16 +236,43 @@ class DiLoCo(Replica):
         every member (epoch x inner_steps + steps into this round, counting a round in flight),
         resumed or resynced."""
         rounds = self.epoch + (self._in_flight is not None)
-        return rounds * self.inner_steps + self._steps % self.inner_steps
+        return rounds * self.sync_every + self._steps % self.sync_every
 
     def step(self, samples: int) -> RoundReport | None:
         """Count one inner step of ``samples``; run an outer round when one is due."""
         self._steps += 1
         self.samples += samples
         self._samples_total += samples
-        if self._steps % self.inner_steps:
+        if self.fragments > 1:
+            self._fragment_samples = [c + samples for c in self._fragment_samples]
+        if self._steps % self.sync_every:
             return None
+        if self.fragments > 1:
+            return self.fragment_round()
         return self.overlapped_round() if self.overlap else self.outer_round()
+
+    def fragment_round(self) -> RoundReport | None:
+        """Fragments: land the fragment round in flight (overlap), then start the round of
+        fragment ``epoch % K`` (and, without overlap, land it at once)."""
+        started = time.monotonic()
+        report = self._land(started) if self._in_flight is not None else None
+        resynced = self._resync_if_needed()
+        if resynced is not None:
+            self._fragment_samples = [0] * self.fragments
+            return resynced
+        if self.max_epochs is not None and self.epoch >= self.max_epochs:
+            return report
+        fragment = self.epoch % self.fragments
+        start, end = self.bounds[fragment]
+        self._boundary = flatten(self.params)[start:end]
+        delta = self.outer.pseudo_gradient(self._boundary, start)
+        weight, self._fragment_samples[fragment] = self._fragment_samples[fragment], 0
+        self.samples = 0
+        self._in_flight = self._start_average(delta, weight=weight, offset=start)
+        self._in_flight_fragment = fragment
+        if self.overlap:
+            return report
+        return self._land(started)  # blocking: nothing moved meanwhile
 
     def overlapped_round(self) -> RoundReport | None:
         """Land the round in flight (if any), then start the next; the report of the landed
@@ -220,23 +291,31 @@ class DiLoCo(Replica):
         return report
 
     def _land(self, started: float) -> RoundReport:
-        pending, boundary = self._in_flight, self._boundary
+        pending, boundary, fragment = self._in_flight, self._boundary, self._in_flight_fragment
         assert pending is not None
         assert boundary is not None
-        self._in_flight = self._boundary = None
+        self._in_flight = self._boundary = self._in_flight_fragment = None
         averaged = self._finish_average(pending)  # usually done by now
         if averaged.outcome is Outcome.AVERAGED:
             assert averaged.result is not None
             assert averaged.sent is not None
+            start, end = pending.offset, pending.offset + boundary.numel()
             theta = self.outer.step(
-                averaged.result.averaged, own=averaged.sent, missing=averaged.result.missing
+                averaged.result.averaged,
+                own=averaged.sent,
+                missing=averaged.result.missing,
+                offset=None if fragment is None else start,
             )
-            progress = flatten(self.params).sub_(boundary)  # this round's, not yet sent
-            unflatten(theta + progress, self.params)
+            local = flatten(self.params)
+            # the progress made since the round started, not yet sent, onto the new global
+            local[start:end] = theta[start:end] + (local[start:end] - boundary)
+            unflatten(local, self.params)
             self.epoch += 1
             self.publish()
-        else:
+        elif fragment is None:
             self.samples += int(pending.weight)  # their progress goes with the next round
+        else:
+            self._fragment_samples[fragment] += int(pending.weight)
         return self._report(averaged, started)
 
     def drain(self) -> RoundReport | None:

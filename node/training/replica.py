@@ -46,6 +46,7 @@ class PendingRound:
     weight: float
     compensated: torch.Tensor  # what was sent: the vector plus the residual
     future: concurrent.futures.Future[Averaged]
+    offset: int = 0  # where the vector starts in the whole (a fragment's range)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -193,22 +194,29 @@ class Replica:
         the codec, values a round could not average are carried by the caller)."""
         return self._finish_average(self._start_average(vector, weight=self.samples))
 
-    def _start_average(self, vector: torch.Tensor, *, weight: float) -> PendingRound:
-        """Start :meth:`_average`'s round on the node's loop; :meth:`_finish_average` waits."""
-        compensated = vector + self._residual
+    def _start_average(
+        self, vector: torch.Tensor, *, weight: float, offset: int = 0
+    ) -> PendingRound:
+        """Start :meth:`_average`'s round on the node's loop; :meth:`_finish_average` waits.
+        ``vector`` may be a range of the whole from ``offset`` (a fragment): the residual of
+        that range goes with it."""
+        compensated = vector + self._residual[offset : offset + vector.numel()]
         lossless = self.swarm.codec_is_lossless
         future = self.swarm.submit(
             self.swarm.average(compensated, epoch=self.epoch, weight=weight, keep_sent=not lossless)
         )
-        return PendingRound(epoch=self.epoch, weight=weight, compensated=compensated, future=future)
+        return PendingRound(
+            epoch=self.epoch, weight=weight, compensated=compensated, future=future, offset=offset
+        )
 
     def _finish_average(self, pending: PendingRound) -> Averaged:
         """Wait for a started round (``concurrent.futures.CancelledError`` once the node is
-        stopping); move the residual on if it averaged."""
+        stopping); move the residual (of its range) on if it averaged."""
         averaged = pending.future.result()
         if averaged.outcome is Outcome.AVERAGED:
             assert averaged.sent is not None
-            self._residual = pending.compensated - averaged.sent.to(self.device)
+            start, sent = pending.offset, averaged.sent.to(self.device)
+            self._residual[start : start + sent.numel()] = pending.compensated - sent
         return averaged
 
     def _report(self, averaged: Averaged, started: float) -> RoundReport:

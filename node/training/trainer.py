@@ -201,6 +201,7 @@ class Trainer:
                 outer_momentum=algorithm.outer_momentum,
                 overlap=algorithm.overlap,
                 max_epochs=self.config.max_epochs,
+                fragments=algorithm.fragments,
             )
         else:
             replica = SyncDataParallel(

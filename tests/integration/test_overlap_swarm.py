@@ -1,5 +1,6 @@
 """Overlapped rounds in a real swarm: node processes that average while they train end with
-identical global parameters and a falling loss, also when a member is killed mid-round."""
+identical global parameters and a falling loss, also when a member is killed mid-round; and
+rounds of one fragment of the model at a time."""
 
 from __future__ import annotations
 
@@ -55,3 +56,23 @@ def test_an_overlapped_swarm_stays_identical_and_survives_a_kill_mid_round(
     logs = "".join((out / f"node-{i}.log").read_text() for i in range(3))
     assert "node-3" not in summary["churn"]["finished"]
     assert "averaging in a group of 4" in logs
+
+
+def test_a_swarm_syncing_in_fragments_stays_identical(tmp_path: Path) -> None:
+    spec_path = tmp_path / "run.toml"
+    spec_path.write_text(
+        DEMO_SPEC.replace("group_size = 4", "group_size = 2").replace(
+            "outer_momentum = 0.0", "outer_momentum = 0.0\noverlap = true\nfragments = 2"
+        )
+    )
+    spec = RunSpec.load(spec_path)
+    assert spec.algorithm.fragments == 2
+    out = tmp_path / "sim"
+    summary = simulate(
+        SimulationConfig(nodes=2, rounds=6, spec_path=spec_path, profile_path=None, out_dir=out)
+    )
+    assert summary["ok"]
+    assert summary["replicas_identical"]
+    assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.5
+    history = json.loads((out / "node-0.json").read_text())["history"]
+    assert [entry["outcome"] for entry in history].count("averaged") == 6

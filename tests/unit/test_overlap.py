@@ -6,6 +6,7 @@ group that averages once every member has started the round."""
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,9 +25,14 @@ class Hub:
 
     def __init__(self, members: int, failing: tuple[int, ...] = ()) -> None:
         self.members, self.failing = members, set(failing)
+        self.lock = threading.Lock()
         self.joined: dict[int, list[tuple[str, torch.Tensor, float, Any]]] = {}
 
     def join(self, peer: str, epoch: int, vector: torch.Tensor, weight: float) -> Any:
+        with self.lock:  # blocking replicas join from their own threads
+            return self._join(peer, epoch, vector, weight)
+
+    def _join(self, peer: str, epoch: int, vector: torch.Tensor, weight: float) -> Any:
         future: concurrent.futures.Future[Averaged] = concurrent.futures.Future()
         entries = self.joined.setdefault(epoch, [])
         entries.append((peer, vector.clone(), weight, future))
@@ -66,7 +72,9 @@ def fake_swarm(hub: Hub, name: str) -> Any:
     return swarm
 
 
-def replicas(hub: Hub, count: int) -> list[tuple[torch.nn.Linear, DiLoCo]]:
+def replicas(
+    hub: Hub, count: int, *, overlap: bool = True, fragments: int = 1, inner_steps: int = H
+) -> list[tuple[torch.nn.Linear, DiLoCo]]:
     made = []
     for i in range(count):
         model = torch.nn.Linear(4, 2)
@@ -76,10 +84,11 @@ def replicas(hub: Hub, count: int) -> list[tuple[torch.nn.Linear, DiLoCo]]:
         replica = DiLoCo(
             fake_swarm(hub, f"peer-{i}"),
             model,
-            inner_steps=H,
+            inner_steps=inner_steps,
             outer_lr=1.0,
             outer_momentum=0.0,
-            overlap=True,
+            overlap=overlap,
+            fragments=fragments,
         )
         made.append((model, replica))
     return made
@@ -158,3 +167,61 @@ def test_the_schedule_position_counts_the_round_in_flight() -> None:
     assert replica.schedule_step == H  # round 1's first step, though round 0 has not landed
     _, meta = replica.state_dict()
     assert meta["in_flight"] == 0
+
+
+def move(made: list[tuple[torch.nn.Linear, DiLoCo]], steps: int, salt: float) -> list[Any]:
+    """``steps`` inner "steps" on every replica, each in its own thread (a blocking round waits
+    for the others); the reports of the last step."""
+
+    def run(i: int) -> Any:
+        model, replica = made[i]
+        report = None
+        for step in range(steps):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01 * (i + 1) * salt + 0.001 * step)
+            report = replica.step(samples=1)
+        return report
+
+    with concurrent.futures.ThreadPoolExecutor(len(made)) as pool:
+        return list(pool.map(run, range(len(made)), timeout=20))
+
+
+def test_fragments_sync_one_range_each_turn_and_leave_the_others_alone() -> None:
+    made = replicas(Hub(members=2), 2, overlap=False, fragments=3, inner_steps=6)
+    first = made[0][1]
+    assert first.sync_every == 2
+    assert [end - start for start, end in first.bounds] == [3, 3, 4]  # 10 values, 3 ranges
+    for turn in range(6):
+        fragment = turn % 3
+        start, end = first.bounds[fragment]
+        theta_before = first.outer.theta.clone()
+        locals_before = [flatten(r.params) for _, r in made]
+        reports = move(made, 2, salt=turn + 1)  # the second step runs the fragment's round
+        assert {report.outcome for report in reports} == {Outcome.AVERAGED}
+        assert {r.epoch for _, r in made} == {turn + 1}
+        theta = first.outer.theta
+        assert torch.equal(theta[:start], theta_before[:start])
+        assert torch.equal(theta[end:], theta_before[end:])
+        assert not torch.equal(theta[start:end], theta_before[start:end])
+        assert len({r.outer.checksum() for _, r in made}) == 1
+        for i, ((_, replica), before) in enumerate(zip(made, locals_before, strict=True)):
+            local = flatten(replica.params)
+            # blocking: the fragment's local values are the new global ones; the other ranges
+            # kept their own two steps' moves
+            assert torch.equal(local[start:end], theta[start:end])
+            moved = 2 * 0.01 * (i + 1) * (turn + 1) + 0.001
+            outside = torch.cat([local[:start] - before[:start], local[end:] - before[end:]])
+            torch.testing.assert_close(outside, torch.full_like(outside, moved))
+
+
+def test_fragments_with_overlap_keep_replicas_identical() -> None:
+    made = replicas(Hub(members=3), 3, overlap=True, fragments=2, inner_steps=4)
+    for turn in range(7):
+        move(made, 2, salt=turn + 1)
+    drained = [r.drain() for _, r in made]
+    assert {d.outcome for d in drained if d is not None} == {Outcome.AVERAGED}
+    assert {r.epoch for _, r in made} == {7}
+    assert len({r.outer.checksum() for _, r in made}) == 1
+    _, meta = made[0][1].state_dict()
+    assert len(meta["fragment_samples"]) == 2
