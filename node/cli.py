@@ -370,6 +370,20 @@ def simulate(
             "nftables from its profile, partition/heal in the churn schedule (root)."
         ),
     ] = False,
+    launcher: Annotated[
+        str,
+        typer.Option(
+            help="processes: local (children of this one) or ray (actors on a Ray cluster; "
+            "the output folder on storage every machine sees)."
+        ),
+    ] = "local",
+    ray_address: Annotated[
+        str,
+        typer.Option(
+            help="--launcher ray: the cluster to join (ray://... or host:port); "
+            "empty: a local Ray head."
+        ),
+    ] = "",
     step_seconds: Annotated[
         float | None,
         typer.Option(
@@ -415,6 +429,8 @@ def simulate(
                     discovery=discovery,
                     seed=seed,
                     netem=netem,
+                    launcher=launcher,
+                    ray_address=ray_address,
                 )
             )
     except (SetupError, SimulationError) as error:

@@ -24,7 +24,6 @@ import re
 import shutil
 import signal
 import statistics
-import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,10 +35,17 @@ from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.simulations.churn import MARKERS, ChurnEvent, ScheduleError, load_schedule
 from swarmgrad.simulations.lab_nodes import prepare_corpus
+from swarmgrad.simulations.launchers import (
+    LAUNCHERS,
+    LocalProcess,
+    Process,
+    RayProcess,
+    ray_cluster,
+)
 from swarmgrad.simulations.natlab import Host
 from swarmgrad.simulations.netem import Wan
 from swarmgrad.simulations.netem import unavailable as netem_unavailable
-from swarmgrad.simulations.processes import adversary_command, node_command, stop_gracefully
+from swarmgrad.simulations.processes import adversary_command, node_command
 from swarmgrad.simulations.profiles import PeerProfile, SimulationError, load_profile
 from swarmgrad.simulations.summary import summarize
 
@@ -84,47 +90,11 @@ def simulation_identity(seed: int, index: int) -> Identity:
     return Identity.from_seed(f"swarmgrad-simulation:{seed}:{index}")
 
 
-class _Process:
-    def __init__(
-        self,
-        name: str,
-        command: list[str],
-        log_path: Path,
-        env: dict[str, str],
-        host: Host | None = None,
-    ) -> None:
-        """``host``: run in that network namespace (``--netem``); ``ip netns exec`` execs the
-        command, so the process is the node itself (a kill reaches it)."""
-        self.name = name
-        self.log_path = log_path
-        self._log = log_path.open("ab")  # a restarted node's log goes on in the same file
-        if host is not None:
-            command = ["ip", "netns", "exec", host.namespace, *command]
-        self.popen = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-
-    def stop(self, timeout_seconds: float = 15.0) -> None:
-        stop_gracefully(self.popen, timeout_seconds)
-        self._log.close()
-
-    def kill(self) -> None:
-        """SIGKILL the node alone: what a crash does (its DHT process notices and exits)."""
-        if self.popen.poll() is None:
-            self.popen.kill()
-            self.popen.wait()
-        self._log.close()
-
-    def tail(self, lines: int = 15) -> str:
-        text = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(text[-lines:])
-
-
-def _wait_for_file(path: Path, process: _Process, deadline: float) -> dict[str, Any]:
+def _wait_for_file(path: Path, process: Process, deadline: float) -> dict[str, Any]:
     while time.monotonic() < deadline:
         if path.exists():
             return dict(json.loads(path.read_text()))
-        if process.popen.poll() is not None:
+        if process.poll() is not None:
             raise SimulationError(f"{process.name} exited early:\n{process.tail()}")
         time.sleep(0.1)
     raise SimulationError(f"{process.name} did not come up in time:\n{process.tail()}")
@@ -138,7 +108,7 @@ class _Node:
     args: list[str]
     status: Path
     log: Path
-    process: _Process | None = None
+    process: Process | None = None
     running: bool = False  # started and neither finished, stopped nor killed
     finished: bool = False  # reached the last epoch (and was stopped once all had)
     started_at: float = 0.0  # monotonic, of the current process
@@ -192,6 +162,10 @@ class SimulationConfig:
     #: Each node in its own network namespace, its links shaped by tbf and nftables from its
     #: profile (``netem.py``; root). Without the means it says so and uses the token bucket.
     netem: bool = False
+    #: Where the processes run: "local" (children of this one) or "ray" (actors on a Ray
+    #: cluster: ``ray_address``, or a local head when empty; ``launchers.py``).
+    launcher: str = "local"
+    ray_address: str = ""
     #: Node i's identity derived from (seed, i) instead of drawn at random, so its peer id,
     #: and with it its data stream, is the same in every run with that seed: settings
     #: compared side by side see the same data.
@@ -202,6 +176,12 @@ class SimulationConfig:
             raise SimulationError("--nodes and --rounds must be at least 1")
         if self.discovery not in BACKENDS:
             raise SimulationError(f"--discovery must be one of {', '.join(BACKENDS)}")
+        if self.launcher not in LAUNCHERS:
+            raise SimulationError(f"--launcher must be one of {', '.join(LAUNCHERS)}")
+        if self.ray_address and self.launcher != "ray":
+            raise SimulationError("--ray-address goes with --launcher ray")
+        if self.netem and self.launcher == "ray":
+            raise SimulationError("--netem shapes this machine's namespaces: use --launcher local")
 
 
 def simulate(config: SimulationConfig) -> dict[str, Any]:
@@ -242,6 +222,8 @@ def simulate(config: SimulationConfig) -> dict[str, Any]:
     spec = RunSpec.load(spec_path)
     run = _SwarmRun(config, events)
     with contextlib.ExitStack() as stack:  # the namespaces go after the processes stopped
+        if config.launcher == "ray":
+            stack.enter_context(ray_cluster(config.ray_address))
         if netem:
             run.wan = stack.enter_context(Wan())
             prepare_corpus(spec_path)  # the nodes' namespaces reach nothing outside
@@ -335,11 +317,17 @@ class _SwarmRun:
         self.armed_offset = 0
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMGRAD_")}
         self.deadline = time.monotonic() + config.timeout_seconds
-        self.processes: list[_Process] = []
+        self.processes: list[Process] = []
         self.swarm: list[_Node] = []
         self.started = time.time()
         self.fired: list[dict[str, Any]] = []
         self.wan: Wan | None = None
+
+    def spawn(self, name: str, command: list[str], log_path: Path, host: Host | None) -> Process:
+        """A process here, or (``--launcher ray``) on the Ray cluster."""
+        if self.config.launcher == "ray":
+            return RayProcess(name, command, log_path, self.env)
+        return LocalProcess(name, command, log_path, self.env, host)
 
     def start_bootstrap(self) -> list[str]:
         maddrs_file = self.config.out_dir / "bootstrap.json"
@@ -351,13 +339,13 @@ class _SwarmRun:
         if host is not None:
             command += ["--host", host.address]
         log_path = self.config.out_dir / "bootstrap.log"
-        boot = _Process("bootstrap", command, log_path, self.env, host)
+        boot = self.spawn("bootstrap", command, log_path, host)
         self.processes.append(boot)
         return list(_wait_for_file(maddrs_file, boot, self.deadline)["maddrs"])
 
     def start(self, node: _Node) -> None:
         node.log_offset = node.log_size()
-        node.process = _Process(f"node-{node.index}", node.command(), node.log, self.env, node.host)
+        node.process = self.spawn(f"node-{node.index}", node.command(), node.log, node.host)
         self.processes.append(node.process)
         node.running, node.started_at = True, time.monotonic()
         node.waiting_rejoin = bool(self.fired)  # a node (re)joining a run under way
@@ -392,7 +380,7 @@ class _SwarmRun:
             tails = "\n".join(f"node-{n.index}: {n.process.tail(5)}" for n in late if n.process)
             raise SimulationError(f"the swarm did not finish in time:\n{tails}")
         for node in self.swarm:
-            code = node.process.popen.poll() if node.running and node.process else None
+            code = node.process.poll() if node.running and node.process else None
             if code is not None:
                 assert node.process is not None
                 raise SimulationError(f"node-{node.index} exited ({code}):\n{node.process.tail()}")
@@ -422,9 +410,7 @@ class _SwarmRun:
                     target.watch_rejoin()
             elif event.action in ("pause", "resume"):
                 assert target.process is not None
-                target.process.popen.send_signal(
-                    signal.SIGSTOP if event.action == "pause" else signal.SIGCONT
-                )
+                target.process.signal(signal.SIGSTOP if event.action == "pause" else signal.SIGCONT)
                 if event.action == "resume":
                     target.watch_rejoin()
                 else:

@@ -1,0 +1,190 @@
+"""Where a simulation's processes run: here (``local``: child processes), or on a Ray cluster
+(``ray``: each process started and watched by a Ray actor, so a swarm spreads over machines).
+
+Both give the swarm loop (``swarm.py``) the same handle: ``poll``, ``signal``, ``stop``,
+``kill`` and ``tail``. A process's command line, environment and outputs are the same either way:
+the node writes its log, status file and checkpoints under the simulation's output folder, so on
+a cluster that folder must be on storage every machine sees (a shared filesystem), and every
+machine must have the project installed at the same path (one image). A local Ray head (no
+``--ray-address``) shares this machine's. Ray is imported only for ``--launcher ray``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from swarmgrad.simulations.natlab import Host
+from swarmgrad.simulations.processes import stop_gracefully
+from swarmgrad.simulations.profiles import SimulationError
+
+LAUNCHERS = ("local", "ray")
+#: How long a Ray call to a process's actor may take (they answer at once; the cluster may not).
+RAY_CALL_SECONDS = 30.0
+
+
+class Process(Protocol):
+    name: str
+    log_path: Path
+
+    def poll(self) -> int | None: ...
+
+    def signal(self, sig: int) -> None: ...
+
+    def stop(self, timeout_seconds: float = 15.0) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def tail(self, lines: int = 15) -> str: ...
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(text[-lines:])
+
+
+class LocalProcess:
+    """A child process of this one, its output appended to ``log_path``."""
+
+    def __init__(
+        self,
+        name: str,
+        command: list[str],
+        log_path: Path,
+        env: dict[str, str],
+        host: Host | None = None,
+    ) -> None:
+        """``host``: run in that network namespace (``--netem``); ``ip netns exec`` execs the
+        command, so the process is the node itself (a kill reaches it)."""
+        self.name, self.log_path = name, log_path
+        self._log = log_path.open("ab")  # a restarted node's log goes on in the same file
+        if host is not None:
+            command = ["ip", "netns", "exec", host.namespace, *command]
+        self.popen = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def signal(self, sig: int) -> None:
+        self.popen.send_signal(sig)
+
+    def stop(self, timeout_seconds: float = 15.0) -> None:
+        stop_gracefully(self.popen, timeout_seconds)
+        self._log.close()
+
+    def kill(self) -> None:
+        """SIGKILL the node alone: what a crash does (its DHT process notices and exits)."""
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+        self._log.close()
+
+    def tail(self, lines: int = 15) -> str:
+        return _tail(self.log_path, lines)
+
+
+class _ProcessActor:
+    """Runs on a Ray worker: one process, started and watched where the actor lives."""
+
+    def __init__(self) -> None:
+        self._process: LocalProcess | None = None
+
+    def start(self, name: str, command: list[str], log_path: str, env: dict[str, str]) -> str:
+        import socket
+
+        self._process = LocalProcess(name, command, Path(log_path), env)
+        return socket.gethostname()
+
+    def poll(self) -> int | None:
+        assert self._process is not None
+        return self._process.poll()
+
+    def signal(self, sig: int) -> None:
+        assert self._process is not None
+        self._process.signal(sig)
+
+    def stop(self, timeout_seconds: float) -> None:
+        assert self._process is not None
+        self._process.stop(timeout_seconds)
+
+    def kill(self) -> None:
+        assert self._process is not None
+        self._process.kill()
+
+
+class RayProcess:
+    """A process run by a Ray actor (no CPUs reserved: the node uses what it needs)."""
+
+    def __init__(self, name: str, command: list[str], log_path: Path, env: dict[str, str]):
+        import ray
+
+        self._ray: Any = ray
+        self.name, self.log_path = name, log_path
+        actor: Any = ray.remote(num_cpus=0, max_restarts=0)(_ProcessActor)
+        self._actor: Any = actor.options(scheduling_strategy="SPREAD").remote()
+        self.machine = self._get(self._actor.start.remote(name, command, str(log_path), env))
+
+    def _get(self, ref: Any) -> Any:
+        try:
+            return self._ray.get(ref, timeout=RAY_CALL_SECONDS)
+        except self._ray.exceptions.GetTimeoutError:
+            raise SimulationError(
+                f"{self.name}: its Ray actor did not answer in {RAY_CALL_SECONDS:g} s"
+            ) from None
+        except self._ray.exceptions.RayActorError as error:
+            raise SimulationError(f"{self.name}: its Ray actor died: {error}") from None
+
+    def poll(self) -> int | None:
+        code: int | None = self._get(self._actor.poll.remote())
+        return code
+
+    def signal(self, sig: int) -> None:
+        self._get(self._actor.signal.remote(sig))
+
+    def stop(self, timeout_seconds: float = 15.0) -> None:
+        with contextlib.suppress(SimulationError):  # stopping: a dead actor's process is gone
+            self._get(self._actor.stop.remote(timeout_seconds))
+        self._ray.kill(self._actor)
+
+    def kill(self) -> None:
+        with contextlib.suppress(SimulationError):
+            self._get(self._actor.kill.remote())
+        self._ray.kill(self._actor)
+
+    def tail(self, lines: int = 15) -> str:
+        return _tail(self.log_path, lines)
+
+
+@contextlib.contextmanager
+def ray_cluster(address: str) -> Iterator[None]:
+    """Connected to the Ray cluster at ``address`` ("": a local head, started and stopped
+    here) for the duration."""
+    try:
+        import ray
+    except ImportError as error:
+        raise SimulationError(
+            f'--launcher ray needs Ray ({error}); pip install "swarmgrad[ray]"'
+        ) from None
+    try:
+        ray.init(
+            address=address or None,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        raise SimulationError(
+            f"--ray-address {address}: cannot join the cluster: {error}"
+        ) from None
+    try:
+        yield
+    finally:
+        ray.shutdown()
