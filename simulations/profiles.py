@@ -34,6 +34,7 @@ class PeerProfile:
     download_bytes_per_second: float | None = None
     bandwidth: float = 1.0  # relative share of each vector this peer owns
     latency_ms: float = 0.0  # one way, from the peer to the internet's core
+    jitter_ms: float = 0.0  # +- this much, uniformly, on each chunk's delay (--netem)
     loss: float = 0.0  # share of the packets it receives that are lost
     nat: str = "direct"  # "relayed": unreachable, its streams go through a relay
     session_seconds: float | None = None  # online this long, then it crashes (None: stays)
@@ -50,7 +51,7 @@ class PeerProfile:
         for name, value in positive.items():
             if value is not None and not value > 0:
                 raise SimulationError(f"{name} must be positive, got {value}")
-        for name in ("bandwidth", "latency_ms", "offline_seconds"):
+        for name in ("bandwidth", "latency_ms", "jitter_ms", "offline_seconds"):
             if not getattr(self, name) >= 0:
                 raise SimulationError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.loss < 1:
@@ -64,6 +65,7 @@ class PeerProfile:
         return (
             self.download_bytes_per_second is None
             and self.latency_ms == 0
+            and self.jitter_ms == 0
             and self.loss == 0
             and self.nat == "direct"
             and self.session_seconds is None

@@ -43,7 +43,7 @@ from swarmgrad.simulations.launchers import (
     ray_cluster,
 )
 from swarmgrad.simulations.natlab import Host
-from swarmgrad.simulations.netem import Wan
+from swarmgrad.simulations.netem import GRPC_PORT, Wan
 from swarmgrad.simulations.netem import unavailable as netem_unavailable
 from swarmgrad.simulations.processes import adversary_command, node_command
 from swarmgrad.simulations.profiles import PeerProfile, SimulationError, load_profile
@@ -225,7 +225,8 @@ def simulate(config: SimulationConfig) -> dict[str, Any]:
         if config.launcher == "ray":
             stack.enter_context(ray_cluster(config.ray_address))
         if netem:
-            run.wan = stack.enter_context(Wan())
+            delays = any(p.latency_ms or p.jitter_ms for p in profiles)
+            run.wan = stack.enter_context(Wan(delays=delays))
             prepare_corpus(spec_path)  # the nodes' namespaces reach nothing outside
         try:
             maddrs = run.start_bootstrap()
@@ -300,6 +301,8 @@ def _node_slot(
     if wan is not None:  # its links are shaped by its namespace, not by a token bucket
         host = wan.host(profile)
         args += ["--host", host.address]
+        if wan.delays:  # the port its delay proxy stands in front of
+            args += ["--port", str(GRPC_PORT)]
     elif profile.upload_bytes_per_second is not None:
         args += ["--upload-limit", str(profile.upload_bytes_per_second)]
     attack = "" if profile.attack is None else str(profile.attack)

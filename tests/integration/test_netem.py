@@ -69,3 +69,63 @@ def test_a_partitioned_node_rejoins_by_state_sync_and_replicas_end_identical(
     resynced = [int(m) for m in re.findall(r"resynced from \d+ donor\(s\): epoch (\d+)", log)]
     assert resynced, log[-3000:]
     assert "node-3" in summary["churn"]["rejoin_seconds"]
+
+
+ECHO = """
+import socket, sys
+server = socket.create_server((sys.argv[1], int(sys.argv[2])))
+while True:
+    connection, _ = server.accept()
+    while data := connection.recv(65536):
+        connection.sendall(data)
+    connection.close()
+"""
+
+PING = """
+import socket, sys, time
+deadline = time.monotonic() + 10
+while True:
+    try:
+        connection = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
+rtts = []
+for _ in range(5):
+    started = time.perf_counter()
+    connection.sendall(b"ping")
+    assert connection.recv(4) == b"ping"
+    rtts.append(time.perf_counter() - started)
+print(min(rtts))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_delay_proxy_gives_a_grpc_port_both_ends_latency() -> None:
+    import subprocess
+    import sys
+
+    from swarmgrad.simulations.netem import GRPC_PORT, Wan
+    from swarmgrad.simulations.profiles import PeerProfile
+
+    with Wan(delays=True) as wan:
+        caller = wan.host(PeerProfile(latency_ms=30.0))
+        node = wan.host(PeerProfile(latency_ms=20.0, jitter_ms=2.0))
+        for port in (GRPC_PORT, GRPC_PORT + 10):  # its gRPC port, and one not redirected
+            node.popen([sys.executable, "-c", ECHO, node.address, str(port)],
+                       stdout=subprocess.DEVNULL)  # fmt: skip
+
+        def ping(port: int) -> float:
+            done = subprocess.run(
+                ["ip", "netns", "exec", caller.namespace, sys.executable, "-c", PING,
+                 node.address, str(port)],
+                capture_output=True, text=True, timeout=60, check=True,
+            )  # fmt: skip
+            return float(done.stdout)
+
+        delayed, direct = ping(GRPC_PORT), ping(GRPC_PORT + 10)
+    # 2 x (30 + 20) ms, less the jitter; the port the proxy does not stand in front of: none
+    assert 0.096 <= delayed < 0.2, delayed
+    assert direct < 0.02, direct
