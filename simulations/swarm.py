@@ -209,9 +209,10 @@ def simulate(config: SimulationConfig) -> dict[str, Any]:
     unapplied = [i for i, p in enumerate(profiles) if not p.applied_by_processes]
     if unapplied and not netem:
         log.warning(
-            "node(s) %s: latency, download caps, loss, relayed NATs and session lengths are not "
-            "applied to processes on loopback (only slowdown, upload cap and bandwidth are); the "
-            "discrete-event model (--engine des) uses them",
+            "node(s) %s: latency, jitter, download caps, loss, relayed NATs and session lengths "
+            "are not applied to processes on loopback (only slowdown, upload cap and bandwidth "
+            "are; --netem applies latency, jitter, download caps and loss); the discrete-event "
+            "model (--engine des) uses them",
             ", ".join(map(str, unapplied)),
         )
     config.out_dir.mkdir(parents=True, exist_ok=True)
