@@ -295,6 +295,8 @@ batch_size = {batch}
 
 [algorithm]
 inner_steps = 50
+overlap = {overlap}
+fragments = {fragments}
 
 [averaging]
 codec = "int8"
@@ -306,7 +308,14 @@ device = "{device}"
 
 
 def bench_swarm(
-    device: torch.device, size: str, nodes: int, rounds: int, timeout: float
+    device: torch.device,
+    size: str,
+    nodes: int,
+    rounds: int,
+    timeout: float,
+    *,
+    overlap: bool = False,
+    fragments: int = 1,
 ) -> dict[str, Any]:
     d_model, n_layers, n_heads, seq_len, batch, _ = SIZES[size]
     with tempfile.TemporaryDirectory() as folder:
@@ -320,6 +329,8 @@ def bench_swarm(
                 batch=batch,
                 nodes=nodes,
                 device=device.type,
+                overlap=str(overlap).lower(),
+                fragments=fragments,
             )
         )
         out = Path(folder) / "out"
@@ -386,6 +397,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--nodes", type=int, default=3, help="swarm: processes on the one GPU")
     parser.add_argument("--swarm-size", default="20m", help="swarm: the model (vocab 2048)")
+    parser.add_argument("--overlap", action="store_true", help="swarm: overlapped rounds")
+    parser.add_argument("--fragments", type=int, default=1, help="swarm: fragments per sync")
     parser.add_argument("--rounds", type=int, default=4, help="swarm: outer rounds")
     parser.add_argument("--swarm-timeout", type=float, default=240.0)
     parser.add_argument("--out", type=Path, default=Path("gpu-results.json"))
@@ -414,7 +427,13 @@ def main() -> None:
                 results["outer"] = bench_outer(device, args.size_mib * 2**18)
             elif section == "swarm":
                 results["swarm"] = bench_swarm(
-                    device, args.swarm_size, args.nodes, args.rounds, args.swarm_timeout
+                    device,
+                    args.swarm_size,
+                    args.nodes,
+                    args.rounds,
+                    args.swarm_timeout,
+                    overlap=args.overlap,
+                    fragments=args.fragments,
                 )
                 swarm = results["swarm"]
                 print(json.dumps({k: v for k, v in swarm.items() if k != "summary"}, indent=1))
