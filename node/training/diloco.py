@@ -247,13 +247,15 @@ class DiLoCo(Replica):
             self._fragment_samples = [c + samples for c in self._fragment_samples]
         if self._steps % self.sync_every:
             return None
-        if self.fragments > 1:
-            return self.fragment_round()
-        return self.overlapped_round() if self.overlap else self.outer_round()
+        if self.fragments > 1 or self.overlap:
+            return self.streaming_round()
+        return self.outer_round()
 
-    def fragment_round(self) -> RoundReport | None:
-        """Fragments: land the fragment round in flight (overlap), then start the round of
-        fragment ``epoch % K`` (and, without overlap, land it at once)."""
+    def streaming_round(self) -> RoundReport | None:
+        """Overlap and/or fragments: land the round in flight (if any), then start the next (of
+        the whole vector, or of fragment ``epoch % K``), and without overlap land it at once.
+        The report of the round landed (None at an overlapped first boundary: nothing was in
+        flight)."""
         started = time.monotonic()
         report = self._land(started) if self._in_flight is not None else None
         resynced = self._resync_if_needed()
@@ -261,34 +263,21 @@ class DiLoCo(Replica):
             self._fragment_samples = [0] * self.fragments
             return resynced
         if self.max_epochs is not None and self.epoch >= self.max_epochs:
-            return report
-        fragment = self.epoch % self.fragments
-        start, end = self.bounds[fragment]
+            return report  # the run's last round has landed
+        fragment = self.epoch % self.fragments if self.fragments > 1 else None
+        start, end = self.bounds[fragment or 0]
         self._boundary = flatten(self.params)[start:end]
-        delta = self.outer.pseudo_gradient(self._boundary, start)
-        weight, self._fragment_samples[fragment] = self._fragment_samples[fragment], 0
-        self.samples = 0
+        delta = self.outer.pseudo_gradient(self._boundary, None if fragment is None else start)
+        if fragment is None:
+            weight = self.samples
+        else:
+            weight, self._fragment_samples[fragment] = self._fragment_samples[fragment], 0
+        self.samples = 0  # they are in flight: a failed round gives them back
         self._in_flight = self._start_average(delta, weight=weight, offset=start)
         self._in_flight_fragment = fragment
         if self.overlap:
             return report
         return self._land(started)  # blocking: nothing moved meanwhile
-
-    def overlapped_round(self) -> RoundReport | None:
-        """Land the round in flight (if any), then start the next; the report of the landed
-        round (None at the first boundary: nothing was in flight)."""
-        started = time.monotonic()
-        report = self._land(started) if self._in_flight is not None else None
-        resynced = self._resync_if_needed()
-        if resynced is not None:
-            return resynced
-        if self.max_epochs is not None and self.epoch >= self.max_epochs:
-            return report  # the run's last round has landed
-        self._boundary = flatten(self.params)
-        delta = self.outer.pseudo_gradient(self._boundary)
-        self._in_flight = self._start_average(delta, weight=self.samples)
-        self.samples = 0  # they are in flight: a failed round gives them back
-        return report
 
     def _land(self, started: float) -> RoundReport:
         pending, boundary, fragment = self._in_flight, self._boundary, self._in_flight_fragment
