@@ -243,7 +243,6 @@ class Trainer:
             if report is None:
                 continue
             progress.communication_seconds += report.seconds
-            self._read_losses()
             self._record_round(report, replica, evaluate(model, validation, device))
             if replica.epoch >= saved_epoch + self.config.settings.checkpoint_every_rounds:
                 self._save(replica, optimizer, feed)
@@ -358,6 +357,7 @@ class Trainer:
         self, report: RoundReport, replica: DiLoCo | SyncDataParallel, val_loss: float
     ) -> None:
         progress, swarm = self.progress, self.swarm
+        self._read_losses()  # the training loss this report shows, as of now
         progress.epoch = report.epoch
         progress.val_loss = val_loss
         progress.group_size = report.group_size
