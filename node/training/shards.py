@@ -21,7 +21,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -176,9 +176,14 @@ def build_cache(
     log.info("data: %d documents, %d tokens, cached in %s", docs, count, folder)
 
 
+def encode(tokenizer: Tokenizer, texts: Sequence[str], dtype: np.dtype[Any]) -> np.ndarray:
+    """``texts`` tokenized and concatenated, as ``dtype`` ids."""
+    ids = [np.asarray(e.ids, dtype=dtype) for e in tokenizer.encode_batch(list(texts))]
+    return np.concatenate(ids) if ids else np.empty(0, dtype=dtype)
+
+
 def _write(out: Any, tokenizer: Tokenizer, batch: list[str], dtype: np.dtype[Any]) -> int:
-    ids = [np.asarray(e.ids, dtype=dtype) for e in tokenizer.encode_batch(batch)]
-    tokens = np.concatenate(ids) if ids else np.empty(0, dtype=dtype)
+    tokens = encode(tokenizer, batch, dtype)
     out.write(tokens.tobytes())
     return len(tokens)
 
