@@ -117,9 +117,23 @@ def node(
             "validation loss and take longer."
         ),
     ] = 32,
+    stage: Annotated[
+        int | None,
+        typer.Option(help="A pipeline run: serve this stage's layers (0..stages-1)."),
+    ] = None,
+    role: Annotated[
+        str | None,
+        typer.Option(help="A pipeline run: 'trainer' owns the data and routes microbatches."),
+    ] = None,
+    max_steps: Annotated[
+        int | None, typer.Option(help="A pipeline trainer: stop after this many steps.")
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Train with the run's peers: join, average every round, leave gracefully on Ctrl-C.
+
+    A pipeline run ([pipeline] stages > 1) has two kinds of node: stage servers (--stage K)
+    hold one span of the model's layers, trainers (--role trainer) own the data.
 
     Settings in [brackets] can also come from the run spec's [node] table and from
     SWARMGRAD_<SETTING> variables; the command line wins, then the environment, then the spec.
@@ -156,13 +170,16 @@ def node(
             status_file=status_file,
             display=display,
             eval_windows=eval_windows,
+            role=role or ("stage" if stage is not None else "node"),
+            stage=stage,
+            max_steps=max_steps,
         )
         config = node_config.node_config(spec_path=spec, cli=command_line)
     except SetupError as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
     code, message = 0, ""
     try:  # the node's errors may arrive grouped by its TaskGroup
-        code = tasks.run(lambda stop: main.node(config, stop))
+        code = tasks.run(lambda stop: main.run(config, stop))
     except* SpecMismatch as group:
         code, message = EXIT_SPEC_MISMATCH, str(group.exceptions[0])
     except* PeerUnavailable as group:

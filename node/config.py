@@ -38,6 +38,8 @@ KNOWN_ENVIRONMENT = frozenset(
     {"SWARMGRAD_HOME", "SWARMGRAD_BOOTSTRAP", *(f"SWARMGRAD_{k.upper()}" for k in SETTINGS)}
 )
 DISPLAYS = ("auto", "live", "log", "none")
+#: A node's part in its run (see NodeConfig.role).
+ROLES = ("node", "stage", "trainer")
 
 
 class ConfigError(SetupError, ValueError):
@@ -62,8 +64,15 @@ class NodeConfig:
     status_file: Path | None = None
     display: str = "auto"
     eval_windows: int = 32
+    #: A pipeline run's part: "stage" (serve ``stage``'s layers) or "trainer" (own the data);
+    #: "node" holds the whole model (a run without [pipeline]).
+    role: str = "node"
+    stage: int | None = None
+    #: A pipeline trainer stops after this many steps (None: when stopped).
+    max_steps: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_role()
         if self.display not in DISPLAYS:
             raise ConfigError(f"--display must be one of {', '.join(DISPLAYS)}")
         if self.max_epochs is not None and self.max_epochs < 1:
@@ -74,6 +83,27 @@ class NodeConfig:
             )
         if self.eval_windows < 1:
             raise ConfigError("--eval-windows must be at least 1")
+
+    def _check_role(self) -> None:
+        stages = self.spec.pipeline.stages
+        if self.role not in ROLES:
+            raise ConfigError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.stage is not None and self.role != "stage":
+            raise ConfigError("--stage K makes this node a stage server (role stage)")
+        if self.spec.pipeline.enabled and self.role == "node":
+            raise ConfigError(
+                f"run {self.spec.run.id!r} is a pipeline of {stages} stages: serve one with "
+                f"--stage K (0..{stages - 1}), or train with --role trainer"
+            )
+        if not self.spec.pipeline.enabled and self.role != "node":
+            raise ConfigError(
+                f"--role {self.role} is for pipeline runs ([pipeline] stages > 1); run "
+                f"{self.spec.run.id!r} has one stage"
+            )
+        if self.role == "stage" and not (self.stage is not None and 0 <= self.stage < stages):
+            raise ConfigError(f"--stage must be one of 0..{stages - 1}, got {self.stage}")
+        if self.max_steps is not None and (self.role != "trainer" or self.max_steps < 1):
+            raise ConfigError("--max-steps (at least 1) is for pipeline trainers")
 
     @property
     def settings(self) -> NodeSection:
@@ -177,6 +207,9 @@ class CommandLine:
     status_file: Path | None = None
     display: str = "auto"
     eval_windows: int = 32
+    role: str = "node"
+    stage: int | None = None
+    max_steps: int | None = None
 
 
 def node_config(
@@ -228,6 +261,9 @@ def node_config(
         status_file=cli.status_file,
         display=cli.display,
         eval_windows=cli.eval_windows,
+        role=cli.role,
+        stage=cli.stage,
+        max_steps=cli.max_steps,
     )
 
 

@@ -24,6 +24,8 @@ from swarmgrad.node.display import Display
 from swarmgrad.node.files import atomic_write
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.metrics import MetricsServer, NodeMetrics
+from swarmgrad.node.pipeline.server import serve_stage
+from swarmgrad.node.pipeline.trainer import train_pipeline
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.state.checkpoint import Checkpointer
 from swarmgrad.node.swarm import Swarm
@@ -53,6 +55,15 @@ def serving(metrics: NodeMetrics, address: str) -> Iterator[MetricsServer | None
         yield server
     finally:
         server.close()
+
+
+async def run(config: NodeConfig, stop: asyncio.Event) -> int:
+    """The node's part in its run: the whole model, a pipeline stage, or a pipeline trainer."""
+    if config.role == "stage":
+        return await serve_stage(config, stop)
+    if config.role == "trainer":
+        return await train_pipeline(config, stop)
+    return await node(config, stop)
 
 
 async def node(config: NodeConfig, stop: asyncio.Event) -> int:

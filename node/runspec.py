@@ -291,6 +291,64 @@ class AveragingSection:
             )
 
 
+#: What may cross a pipeline boundary: fp32 ("none"), bf16, or blockwise 8-bit absmax (int8).
+PIPELINE_CODECS = ("none", "bf16", "int8")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineSection:
+    """Pipeline stages across peers (``node/pipeline/``): the model's layers cut into ``stages``
+    spans, each served by stage replicas; trainers own the data and no parameters. One stage
+    (the default) is a plain run: every node holds the whole model."""
+
+    stages: int = 1
+    #: The first layer of each stage after the first (S - 1 increasing layer indices); empty:
+    #: an even split (the first stages take one layer more when it does not divide).
+    boundaries: tuple[int, ...] = ()
+    #: Microbatches per trainer step (``data.batch_size`` is the step's samples).
+    microbatches: int = 4
+    #: Codec of the activations sent forward, and of their gradients sent back. fp16 is refused
+    #: for gradients: most activation-gradient values lie below its smallest normal number.
+    activations: str = "bf16"
+    gradients: str = "int8"
+
+    def __post_init__(self) -> None:
+        _positive("pipeline", stages=self.stages, microbatches=self.microbatches)
+        if self.gradients == "fp16":
+            raise RunSpecError(
+                "pipeline.gradients = 'fp16' is refused: activation gradients underflow fp16 "
+                "(most lie below its smallest normal number); use int8, bf16 or none (fp32)"
+            )
+        for key in ("activations", "gradients"):
+            if getattr(self, key) not in PIPELINE_CODECS:
+                raise RunSpecError(
+                    f"pipeline.{key} must be one of {', '.join(PIPELINE_CODECS)}, got "
+                    f"{getattr(self, key)!r}"
+                )
+        if self.boundaries and len(self.boundaries) != self.stages - 1:
+            raise RunSpecError(
+                f"pipeline.boundaries needs {self.stages - 1} layer indices (where stages 2.."
+                f"{self.stages} start), got {len(self.boundaries)}"
+            )
+        if any(b <= a for a, b in zip((0, *self.boundaries), self.boundaries, strict=False)):
+            raise RunSpecError(
+                f"pipeline.boundaries must increase from above 0, got {list(self.boundaries)}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.stages > 1
+
+    def spans(self, n_layers: int) -> list[tuple[int, int]]:
+        """Each stage's layers ``[start, end)``."""
+        if self.boundaries:
+            starts = [0, *self.boundaries]
+        else:
+            base, extra = divmod(n_layers, self.stages)
+            starts = [k * base + min(k, extra) for k in range(self.stages)]
+        return list(zip(starts, [*starts[1:], n_layers], strict=True))
+
+
 TRUST_MODES = ("trusted", "private", "open")
 AGGREGATORS = ("mean", "centered_clip", "median")
 #: Codecs an open run refuses: low-rank factors and per-member top-k indices cannot be screened
@@ -451,14 +509,51 @@ class RunSpec:
     network: NetworkSection = field(default_factory=NetworkSection)
     node: NodeSection = field(default_factory=NodeSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
 
     def __post_init__(self) -> None:
+        if self.pipeline.enabled:
+            self._check_pipeline()
         if self.trust.open and self.averaging.codec in NOT_IN_OPEN_RUNS:
             raise RunSpecError(
                 f"averaging.codec {self.averaging.codec!r} is refused when trust.mode = "
                 f'"open": its values cannot be checked or robustly aggregated per coordinate; '
                 f"use int8, int4, fp16, bf16 or none"
             )
+
+    def _check_pipeline(self) -> None:
+        pipeline, model = self.pipeline, self.model
+        if model.kind != "gpt":
+            raise RunSpecError('[pipeline] stages > 1 needs model.kind = "gpt" (for now)')
+        if model.init:
+            raise RunSpecError("[pipeline] stages > 1 starts from seeded weights (no model.init)")
+        if pipeline.stages > model.n_layers:
+            raise RunSpecError(
+                f"pipeline.stages ({pipeline.stages}) must be at most model.n_layers "
+                f"({model.n_layers}): every stage holds at least one layer"
+            )
+        if pipeline.boundaries and pipeline.boundaries[-1] >= model.n_layers:
+            raise RunSpecError(
+                f"pipeline.boundaries must be below model.n_layers ({model.n_layers}), got "
+                f"{list(pipeline.boundaries)}"
+            )
+        if self.data.batch_size % pipeline.microbatches:
+            raise RunSpecError(
+                f"data.batch_size ({self.data.batch_size}) must be a multiple of "
+                f"pipeline.microbatches ({pipeline.microbatches})"
+            )
+        if self.algorithm.name != "diloco" or self.trust.mode != "trusted":
+            raise RunSpecError(
+                "[pipeline] stages > 1 runs algorithm.name = 'diloco' in trusted runs (for now)"
+            )
+
+    def stage_spec(self, index: int) -> RunSpec:
+        """The spec stage ``index``'s replicas share as one DiLoCo group: this one with its run
+        id suffixed ``.stage<index>``, so the stage has its own DHT keys, rounds and state."""
+        if not 0 <= index < self.pipeline.stages:
+            raise RunSpecError(f"stage {index} is not one of 0..{self.pipeline.stages - 1}")
+        run = dataclasses.replace(self.run, id=f"{self.run.id}.stage{index}")
+        return dataclasses.replace(self, run=run)
 
     def document(self) -> bytes:
         """JSON of everything but ``network`` and ``node``, local paths included: what a
@@ -493,6 +588,8 @@ class RunSpec:
             del sections["algorithm"]["fragments"]
         if self.trust == TrustSection():  # runs from before [trust] keep their hash
             del sections["trust"]
+        if not self.pipeline.enabled:  # ... and from before [pipeline]
+            del sections["pipeline"]
         return json.dumps(sections, sort_keys=True, separators=(",", ":")).encode()
 
     @property
@@ -598,8 +695,12 @@ def _check(name: str, kind: Any, value: Any) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if typing.get_origin(kind) is tuple:
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise RunSpecError(f"{name} must be a list of strings, got {value!r}")
+        item = typing.get_args(kind)[0]
+        if not isinstance(value, list) or not all(
+            isinstance(v, item) and not isinstance(v, bool) for v in value
+        ):
+            what = "integers" if item is int else "strings"
+            raise RunSpecError(f"{name} must be a list of {what}, got {value!r}")
         return tuple(value)
     if (
         isinstance(kind, type)

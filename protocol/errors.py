@@ -50,6 +50,10 @@ STATUS_OF: dict[int, grpc.StatusCode] = {
     ResultCode.CANNOT_PUNCH: grpc.StatusCode.FAILED_PRECONDITION,
     ResultCode.BANNED: grpc.StatusCode.PERMISSION_DENIED,
     ResultCode.NOT_ALLOWED: grpc.StatusCode.PERMISSION_DENIED,
+    ResultCode.NEED_INPUTS: grpc.StatusCode.FAILED_PRECONDITION,
+    ResultCode.STALE_VERSION: grpc.StatusCode.ABORTED,
+    ResultCode.DRAINING: grpc.StatusCode.UNAVAILABLE,
+    ResultCode.WRONG_STAGE: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 _REJECTION_NAMES = frozenset(ResultCode.Name(code) for code in STATUS_OF)

@@ -26,7 +26,7 @@ from swarmgrad.node.training.hf import HFCausalLM, build_hf
 from swarmgrad.protocol.errors import SetupError
 
 
-class _Block(nn.Module):
+class Block(nn.Module):
     def __init__(self, d_model: int, n_heads: int) -> None:
         super().__init__()
         self.n_heads = n_heads
@@ -55,7 +55,7 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.position = nn.Embedding(config.seq_len, config.d_model)
         self.blocks = nn.ModuleList(
-            _Block(config.d_model, config.n_heads) for _ in range(config.n_layers)
+            Block(config.d_model, config.n_heads) for _ in range(config.n_layers)
         )
         self.norm = nn.LayerNorm(config.d_model)
 

@@ -31,6 +31,10 @@ class ResultCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CANNOT_PUNCH: _ClassVar[ResultCode]
     BANNED: _ClassVar[ResultCode]
     NOT_ALLOWED: _ClassVar[ResultCode]
+    NEED_INPUTS: _ClassVar[ResultCode]
+    STALE_VERSION: _ClassVar[ResultCode]
+    DRAINING: _ClassVar[ResultCode]
+    WRONG_STAGE: _ClassVar[ResultCode]
 RESULT_CODE_UNSPECIFIED: ResultCode
 OK: ResultCode
 WRONG_RUN: ResultCode
@@ -51,6 +55,10 @@ WRONG_ADDRESS: ResultCode
 CANNOT_PUNCH: ResultCode
 BANNED: ResultCode
 NOT_ALLOWED: ResultCode
+NEED_INPUTS: ResultCode
+STALE_VERSION: ResultCode
+DRAINING: ResultCode
+WRONG_STAGE: ResultCode
 
 class Signed(_message.Message):
     __slots__ = ("body", "auth")

@@ -1,0 +1,430 @@
+"""A stage server: one replica of one pipeline stage (``swarmgrad node run.toml --stage K``).
+
+It holds only its stage's layer span (:mod:`swarmgrad.node.pipeline.model`) and serves the
+Stage service (:mod:`swarmgrad.protocol.stage`) to the run's trainers. Its compute runs on one
+worker thread, in arrival order (the event loop only does I/O and codecs):
+
+- Forward runs the span without autograd and keeps the microbatch's inputs (an LRU cache bounded
+  in bytes) for its backward; ForwardLoss (the last stage) runs forward, loss and backward at once.
+- Backward recomputes the forward from the kept inputs, or from inputs the trainer resends (after
+  a replica died, or when this one evicted them: NEED_INPUTS), and accumulates the parameters'
+  gradients. Backward is stateless in that sense: any replica of the stage can run it.
+- A microbatch's gradient counts once: a retried backward of one already accumulated (its first
+  reply was lost) returns the inputs' gradient without adding to the parameters' again.
+- Once ``data.batch_size`` samples have accumulated, the replica takes an inner AdamW step (its
+  version); every ``algorithm.inner_steps`` of them its DiLoCo group (the stage's replicas,
+  found under :meth:`RunSpec.stage_spec`) averages and takes the outer step, as whole-model
+  nodes do.
+
+The server announces itself in the stage group's DHT records (its endpoint, its throughput);
+its status file says what it served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from swarmgrad.node.config import NodeConfig
+from swarmgrad.node.files import atomic_write
+from swarmgrad.node.identity import Identity
+from swarmgrad.node.pipeline.model import Stage, build_stage, parameter_bytes
+from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.swarm import Swarm
+from swarmgrad.node.training.diloco import DiLoCo
+from swarmgrad.node.training.trainer import set_lr
+from swarmgrad.protocol import stage as stage_protocol
+from swarmgrad.protocol.errors import ProtocolViolation
+from swarmgrad.protocol.stage import Microbatch, StageSchema, StageServicer
+from swarmgrad.protocol.v1 import stage_pb2
+from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: Inputs kept for backwards, at most (the oldest go first; a trainer resends what is gone).
+CACHE_BYTES = 256 * 1024 * 1024
+#: A backward from inputs kept at a forward this many inner steps old, or older, is refused
+#: (STALE_VERSION): its gradient would belong to parameters long gone.
+MAX_STALE_STEPS = 4
+#: Microbatches remembered as accumulated (for de-duplication).
+DEDUP_MEMORY = 4096
+#: Weight of the newest measurement in the seconds-per-sample average.
+EMA_ALPHA = 0.3
+
+
+def schema_of(spec: RunSpec, index: int) -> StageSchema:
+    """What stage ``index`` of ``spec``'s pipeline accepts."""
+    pipeline, model = spec.pipeline, spec.model
+    return StageSchema(
+        run_id=spec.run.id,
+        spec_hash=spec.hash,
+        stage=index,
+        stages=pipeline.stages,
+        seq_len=model.seq_len,
+        d_model=model.d_model,
+        vocab_size=model.vocab_size,
+        max_batch=spec.data.batch_size,
+        activations=pipeline.activations,
+        gradients=pipeline.gradients,
+    )
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """What a stage replica did."""
+
+    forwards: int = 0
+    backwards: int = 0
+    recomputed: int = 0  # backwards from inputs the trainer resent
+    duplicates: int = 0  # backwards of microbatches already accumulated
+    need_inputs: int = 0
+    samples: int = 0  # accumulated into inner steps
+    evicted: int = 0
+    rounds: dict[str, int] = field(default_factory=dict)  # outer rounds by outcome
+
+
+class StageWorker:
+    """The replica's compute (a :class:`swarmgrad.protocol.stage.StageBackend`): its span, its
+    inner optimizer, the inputs kept for backwards, one worker thread."""
+
+    def __init__(
+        self,
+        module: Stage,
+        spec: RunSpec,
+        *,
+        peer_id: str,
+        slowdown: float = 1.0,
+        cache_bytes: int = CACHE_BYTES,
+    ) -> None:
+        self.module, self.spec, self.peer_id = module, spec, peer_id
+        self.index = module_index(module, spec)
+        self.algorithm = spec.algorithm
+        self.batch_size = spec.data.batch_size
+        self.slowdown = slowdown
+        self.optimizer = torch.optim.AdamW(
+            module.parameters(), lr=spec.algorithm.inner_lr, weight_decay=0.0
+        )
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage")
+        self._cache: OrderedDict[tuple[str, int, int], tuple[torch.Tensor, int]] = OrderedDict()
+        self._cache_bytes, self._max_cache_bytes = 0, cache_bytes
+        self._accumulated: OrderedDict[tuple[str, int, int], None] = OrderedDict()
+        #: Inner steps taken: the version each reply names.
+        self.version = 0
+        #: Samples accumulated towards the next inner step.
+        self.pending_samples = 0
+        self.queue_depth = 0
+        self.seconds_per_sample: float | None = None
+        self.replica: DiLoCo | None = None
+        self.state = "joining"
+        self.stats = WorkerStats()
+        self.on_step: Callable[[], None] = lambda: None
+
+    # -- StageBackend -------------------------------------------------------------------------
+
+    @property
+    def serving(self) -> bool:
+        return self.state == "serving"
+
+    def info(self) -> stage_pb2.StageInfo:
+        start, end = self.module.span
+        return stage_pb2.StageInfo(
+            peer_id=self.peer_id,
+            stage=self.index,
+            layer_start=start,
+            layer_end=end,
+            version=self.version,
+            epoch=self.replica.epoch if self.replica is not None else 0,
+            state=self.state,
+            samples_per_second=self.samples_per_second,
+            queue_depth=self.queue_depth,
+            parameter_bytes=parameter_bytes(self.module),
+            activations=self.spec.pipeline.activations,
+            gradients=self.spec.pipeline.gradients,
+        )
+
+    async def forward(self, mb: Microbatch, inputs: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return await self._run(self._forward, mb, inputs)
+
+    async def forward_loss(
+        self, mb: Microbatch, inputs: torch.Tensor, labels: torch.Tensor, scale: float
+    ) -> tuple[float, torch.Tensor | None, int, int]:
+        return await self._run(self._forward_loss, mb, inputs, labels, scale)
+
+    async def backward(
+        self, mb: Microbatch, version: int, grad_outputs: torch.Tensor, inputs: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, int, int]:
+        return await self._run(self._backward, mb, version, grad_outputs, inputs)
+
+    # -- the worker thread --------------------------------------------------------------------
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        self.queue_depth += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        finally:
+            self.queue_depth -= 1
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn`` on the worker thread (from another thread) and wait for it."""
+        return self._executor.submit(fn, *args).result()
+
+    def _forward(self, mb: Microbatch, inputs: torch.Tensor) -> tuple[torch.Tensor, int]:
+        started = time.monotonic()
+        with torch.no_grad():
+            outputs = self.module(inputs)
+        self._keep(mb, inputs)
+        self.stats.forwards += 1
+        self._slow(started)
+        return outputs, self.version
+
+    def _forward_loss(
+        self, mb: Microbatch, inputs: torch.Tensor, labels: torch.Tensor, scale: float
+    ) -> tuple[float, torch.Tensor | None, int, int]:
+        started = time.monotonic()
+        x = inputs if self.module.first else inputs.detach().requires_grad_()
+        loss = self.module.loss(x, labels)
+        grad = self._backpropagate(mb, loss * scale, x, None)
+        version = self.version
+        self._count(mb, len(inputs), started)
+        return float(loss.detach()), grad, version, self.pending_samples
+
+    def _backward(
+        self, mb: Microbatch, version: int, grad_outputs: torch.Tensor, inputs: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, int, int]:
+        started = time.monotonic()
+        kept = self._cache.pop(mb.key, None)
+        if kept is not None:
+            self._cache_bytes -= kept[0].nbytes
+        if inputs is None:
+            if kept is None:
+                self.stats.need_inputs += 1
+                raise ProtocolViolation(
+                    ResultCode.NEED_INPUTS, f"microbatch {mb.key[1:]} is not held here: resend"
+                )
+            inputs, kept_version = kept
+            if self.version - kept_version >= MAX_STALE_STEPS:
+                raise ProtocolViolation(
+                    ResultCode.STALE_VERSION,
+                    f"the forward ran at step {kept_version}, this replica is at {self.version}",
+                )
+        else:
+            self.stats.recomputed += 1
+        if len(grad_outputs) != len(inputs):
+            raise ProtocolViolation(
+                ResultCode.BAD_SHAPE,
+                f"gradients for {len(grad_outputs)} sequences, inputs of {len(inputs)}",
+            )
+        x = inputs if self.module.first else inputs.detach().requires_grad_()
+        outputs = self.module(x)  # recomputed: the forward kept no activations
+        grad = self._backpropagate(mb, outputs, x, grad_outputs)
+        version = self.version
+        self._count(mb, len(inputs), started)
+        return grad, version, self.pending_samples
+
+    def _backpropagate(
+        self,
+        mb: Microbatch,
+        outputs: torch.Tensor,
+        x: torch.Tensor,
+        grad_outputs: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """The inputs' gradient (None on stage 0); the parameters' gradients accumulate once
+        per microbatch."""
+        self.stats.backwards += 1
+        if mb.key in self._accumulated:
+            self.stats.duplicates += 1
+            if self.module.first:
+                return None
+            (grad,) = torch.autograd.grad(outputs, [x], grad_outputs)
+            return grad
+        outputs.backward(grad_outputs)  # type: ignore[no-untyped-call]
+        self._accumulated[mb.key] = None
+        while len(self._accumulated) > DEDUP_MEMORY:
+            self._accumulated.popitem(last=False)
+        return None if self.module.first else x.grad
+
+    def _keep(self, mb: Microbatch, inputs: torch.Tensor) -> None:
+        old = self._cache.pop(mb.key, None)
+        if old is not None:
+            self._cache_bytes -= old[0].nbytes
+        self._cache[mb.key] = (inputs, self.version)
+        self._cache_bytes += inputs.nbytes
+        while self._cache_bytes > self._max_cache_bytes and self._cache:
+            _, (dropped, _) = self._cache.popitem(last=False)
+            self._cache_bytes -= dropped.nbytes
+            self.stats.evicted += 1
+
+    def _slow(self, started: float) -> None:
+        if self.slowdown > 1:  # a slower machine, simulated
+            time.sleep((time.monotonic() - started) * (self.slowdown - 1))
+
+    def _count(self, mb: Microbatch, samples: int, started: float) -> None:
+        """One microbatch's backward done: measure it, and step once a batch has accumulated."""
+        self._slow(started)
+        per_sample = (time.monotonic() - started) / samples
+        ema = self.seconds_per_sample
+        self.seconds_per_sample = (
+            per_sample if ema is None else EMA_ALPHA * per_sample + (1 - EMA_ALPHA) * ema
+        )
+        self.pending_samples += samples
+        if self.pending_samples >= self.batch_size:
+            self._inner_step()
+
+    def _inner_step(self) -> None:
+        schedule = self.replica.schedule_step if self.replica is not None else self.version
+        set_lr(self.optimizer, self.algorithm.lr_at(schedule))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        samples, self.pending_samples = self.pending_samples, 0
+        self.stats.samples += samples
+        self.version += 1
+        if self.replica is not None:
+            report = self.replica.step(samples)
+            if report is not None:
+                outcome = report.outcome.value
+                self.stats.rounds[outcome] = self.stats.rounds.get(outcome, 0) + 1
+                log.info(
+                    "stage %d round: %s, epoch %d, group of %d",
+                    self.index,
+                    outcome,
+                    report.epoch,
+                    report.group_size,
+                )
+        self.on_step()
+
+    @property
+    def samples_per_second(self) -> float:
+        spp = self.seconds_per_sample
+        return 1.0 / spp if spp else 0.0
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def module_index(module: Stage, spec: RunSpec) -> int:
+    return spec.pipeline.spans(spec.model.n_layers).index(module.span)
+
+
+def status(worker: StageWorker, servicer: StageServicer, swarm: Swarm) -> dict[str, Any]:
+    """The stage server's status file."""
+    info = worker.info()
+    return {
+        "peer_id": worker.peer_id,
+        "role": "stage",
+        "stage": worker.index,
+        "span": list(worker.module.span),
+        "state": worker.state,
+        "version": worker.version,
+        "epoch": info.epoch,
+        "endpoint": swarm.endpoint,
+        "parameter_bytes": info.parameter_bytes,
+        "samples_per_second": worker.samples_per_second,
+        "stats": {
+            "forwards": worker.stats.forwards,
+            "backwards": worker.stats.backwards,
+            "recomputed": worker.stats.recomputed,
+            "duplicates": worker.stats.duplicates,
+            "need_inputs": worker.stats.need_inputs,
+            "samples": worker.stats.samples,
+            "evicted": worker.stats.evicted,
+            "rounds": dict(worker.stats.rounds),
+        },
+        "bytes_in": dict(servicer.bytes_in),
+        "bytes_out": dict(servicer.bytes_out),
+        "rejections": {f"{s}/{c}": n for (s, c), n in servicer.rejections.counts.items()},
+        "checksum": worker.replica.outer.checksum() if worker.replica is not None else "",
+    }
+
+
+async def serve_stage(config: NodeConfig, stop: asyncio.Event) -> int:
+    """Serve stage ``config.stage`` until stopped."""
+    assert config.stage is not None
+    spec, index = config.spec, config.stage
+    identity = Identity.load_or_create(config.identity_path)
+    if config.settings.threads:
+        torch.set_num_threads(config.settings.threads)
+    module = build_stage(spec.model, spec.pipeline, index, seed=spec.data.seed)
+    worker = StageWorker(module, spec, peer_id=identity.peer_id, slowdown=config.slowdown)
+    swarm = Swarm(spec.stage_spec(index), identity, config.swarm)
+    servicer = StageServicer(
+        schema_of(spec, index),
+        worker,
+        verifier=swarm.verifier,
+        rejections=swarm.rejections,
+        pace=swarm.transport.pace if swarm.transport.paced else None,
+    )
+    swarm.transport.register(lambda server: stage_protocol.add_to_server(servicer, server))
+    try:
+        async with swarm:
+            start, end = module.span
+            log.info(
+                "stage %d of %d (layers %d..%d, %.1f MB of parameters) on %s, peer %s",
+                index,
+                spec.pipeline.stages,
+                start,
+                end - 1,
+                parameter_bytes(module) / 1e6,
+                swarm.endpoint,
+                identity.peer_id,
+            )
+            replica = await asyncio.to_thread(worker.call, _attach, worker, swarm)
+            worker.state = "serving"
+
+            def publish() -> None:
+                swarm.throughput = worker.samples_per_second
+
+            worker.on_step = publish
+            await _report_until(stop, config.status_file, lambda: status(worker, servicer, swarm))
+            worker.state = "draining"
+            log.info(
+                "stage %d leaving at version %d (epoch %d)", index, worker.version, replica.epoch
+            )
+    finally:
+        worker.close()
+        if config.status_file is not None:
+            with contextlib.suppress(OSError):
+                _write(config.status_file, status(worker, servicer, swarm))
+    return 0
+
+
+def _attach(worker: StageWorker, swarm: Swarm) -> DiLoCo:
+    """On the worker thread: the stage group's DiLoCo replica, caught up with the group."""
+    algorithm = worker.algorithm
+    replica = DiLoCo(
+        swarm,
+        worker.module,
+        inner_steps=algorithm.inner_steps,
+        outer_lr=algorithm.outer_lr,
+        outer_momentum=algorithm.outer_momentum,
+    )
+    with contextlib.suppress(concurrent.futures.CancelledError):
+        replica.catch_up()
+    worker.replica = replica
+    return replica
+
+
+async def _report_until(
+    stop: asyncio.Event, path: Path | None, read: Callable[[], dict[str, Any]]
+) -> None:
+    """Rewrite the status file every second until ``stop``."""
+    while not stop.is_set():
+        if path is not None:
+            _write(path, read())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 1.0)
+
+
+def _write(path: Path, status: dict[str, Any]) -> None:
+    atomic_write(path, json.dumps(status).encode())

@@ -1,0 +1,570 @@
+"""A pipeline trainer (``swarmgrad node run.toml --role trainer``): it owns the data and the
+labels and no parameters, and routes every microbatch through one replica of each stage.
+
+One step: the step's batch (``data.batch_size`` sequences) is cut into ``pipeline.microbatches``
+microbatches, all in flight at once. Each goes forward through stages 0..S-2 (Forward), takes
+its loss and backward in one hop on the last stage (ForwardLoss, the loss weighted by the
+microbatch's share of the batch), and its gradient goes back through stages S-2..0 (Backward).
+The step ends when every microbatch's backward has reached stage 0: the stages step their inner
+optimizers by accumulated samples, so a step's microbatches never mix parameter versions when
+each stage has one replica (then a pipeline trains exactly like the whole model in one process).
+
+Tensors pass through the trainer as they arrive (a stage's encoded outputs become the next
+stage's inputs, bytes untouched). The trainer keeps what it sent each stage until that stage's
+backward succeeds, for failover:
+
+- Forward fails on a replica (UNAVAILABLE, DRAINING, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED):
+  the same inputs go to another replica of that stage; upstream work is not redone.
+- Backward fails on the replica that ran the forward: another replica recomputes the forward
+  from the resent inputs (stateless backward); NEED_INPUTS (a restarted replica, an evicted
+  input) or STALE_VERSION: the same replica gets the inputs resent.
+- No live replica for a stage: the trainer waits for one (watching the stage's DHT records) up
+  to ``STAGE_WAIT_SECONDS``, then fails the step with :class:`StageUnavailable`, which says which
+  stage; the next step tries again. It never hangs: every call has a deadline.
+
+The :class:`Router` picks, per microbatch per stage, the replica with the earliest projected
+finish (its queue and an EMA of its seconds per sample); UNAVAILABLE bans a replica with
+exponential backoff, DEADLINE_EXCEEDED doubles its EMA, RESOURCE_EXHAUSTED only retries elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+import grpc
+import torch
+
+from swarmgrad.node.config import NodeConfig
+from swarmgrad.node.discovery.records import PeerRecord
+from swarmgrad.node.discovery.start import start_discovery
+from swarmgrad.node.files import atomic_write
+from swarmgrad.node.identity import Identity
+from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.training.data import load_corpus
+from swarmgrad.node.transport.transport import Transport
+from swarmgrad.protocol import stage as stage_protocol
+from swarmgrad.protocol.auth import Signer
+from swarmgrad.protocol.errors import (
+    PeerUnavailable,
+    ProtocolViolation,
+    SwarmgradError,
+    from_rpc_error,
+)
+from swarmgrad.protocol.server import ServerLimits
+from swarmgrad.protocol.v1 import stage_pb2
+from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
+
+log = logging.getLogger(__name__)
+
+#: How long a step waits for a stage with no live replica before it fails.
+STAGE_WAIT_SECONDS = 30.0
+#: Deadline of one Stage call.
+CALL_TIMEOUT_SECONDS = 20.0
+#: First ban of a replica that was unreachable; doubled at each further failure.
+BAN_SECONDS = 15.0
+#: Weight of the newest measurement in a replica's seconds-per-sample average.
+EMA_ALPHA = 0.3
+#: How often the trainer re-reads the stages' records from the DHT.
+REFRESH_SECONDS = 2.0
+
+
+class StageUnavailable(PeerUnavailable):
+    """A stage had no live replica within the deadline; the step did not happen."""
+
+    def __init__(self, stage: int, waited: float) -> None:
+        super().__init__(f"no live replica of stage {stage} for {waited:.0f} s")
+        self.stage = stage
+
+
+@dataclass(slots=True)
+class StageReplica:
+    """What the trainer knows of one replica of one stage."""
+
+    peer_id: str
+    endpoint: str
+    stage: int
+    seconds_per_sample: float | None = None
+    busy_until: float = 0.0
+    banned_until: float = 0.0
+    ban_seconds: float = BAN_SECONDS
+    calls: int = 0
+    samples: int = 0
+    failures: int = 0
+
+
+class Router:
+    """Per stage, the replicas known and how fast they answer."""
+
+    def __init__(self, stages: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.replicas: list[dict[str, StageReplica]] = [{} for _ in range(stages)]
+        self._clock = clock
+
+    def update(self, stage: int, records: list[tuple[str, str]]) -> None:
+        """The stage's replicas as its DHT records say (peer id, endpoint): new ones are added,
+        ones whose records are gone dropped (a banned one keeps its ban if it comes back)."""
+        known = self.replicas[stage]
+        live = dict(records)
+        for peer_id in list(known):
+            if peer_id not in live and known[peer_id].banned_until <= self._clock():
+                del known[peer_id]
+        for peer_id, endpoint in live.items():
+            if not endpoint:
+                continue
+            replica = known.get(peer_id)
+            if replica is None:
+                known[peer_id] = StageReplica(peer_id, endpoint, stage)
+            else:
+                replica.endpoint = endpoint
+
+    def live(self, stage: int) -> list[StageReplica]:
+        now = self._clock()
+        return [r for r in self.replicas[stage].values() if r.banned_until <= now]
+
+    def pick(
+        self, stage: int, samples: int, *, exclude: frozenset[str] = frozenset()
+    ) -> StageReplica | None:
+        """The replica with the earliest projected finish (its queue, then ``samples`` at its
+        pace), its queue lengthened by them; None if the stage has none live."""
+        candidates = [r for r in self.live(stage) if r.peer_id not in exclude]
+        if not candidates:
+            return None
+        known = [r.seconds_per_sample for r in candidates if r.seconds_per_sample is not None]
+        fastest = min(known) if known else 0.0  # a new replica is tried as if it were fastest
+        now = self._clock()
+
+        def finish(replica: StageReplica) -> float:
+            pace = replica.seconds_per_sample
+            return max(now, replica.busy_until) + samples * (fastest if pace is None else pace)
+
+        best = min(candidates, key=finish)
+        best.busy_until = finish(best)
+        return best
+
+    def done(self, replica: StageReplica, seconds: float, samples: int) -> None:
+        per_sample = seconds / max(samples, 1)
+        ema = replica.seconds_per_sample
+        replica.seconds_per_sample = (
+            per_sample if ema is None else EMA_ALPHA * per_sample + (1 - EMA_ALPHA) * ema
+        )
+        replica.calls += 1
+        replica.samples += samples
+        replica.ban_seconds = BAN_SECONDS
+        replica.busy_until = min(replica.busy_until, self._clock())
+
+    def penalize(self, replica: StageReplica) -> None:
+        """It missed a deadline: route less to it, but keep it."""
+        replica.failures += 1
+        replica.seconds_per_sample = 2 * (replica.seconds_per_sample or CALL_TIMEOUT_SECONDS)
+        replica.busy_until = self._clock()
+
+    def ban(self, replica: StageReplica) -> None:
+        """It is unreachable or leaving: none of its work for a while (longer each time)."""
+        replica.failures += 1
+        replica.banned_until = self._clock() + replica.ban_seconds
+        replica.ban_seconds *= 2
+        replica.busy_until = self._clock()
+
+
+@dataclass(slots=True)
+class StageCounters:
+    """What one stage's traffic and failures were, seen from the trainer."""
+
+    calls: int = 0
+    retries: int = 0  # calls repeated on another replica
+    resends: int = 0  # inputs sent again for a backward
+    failures: dict[str, int] = field(default_factory=dict)
+    bytes_up: int = 0  # payload bytes the trainer sent the stage
+    bytes_down: int = 0  # ... and received from it
+    wait_seconds: float = 0.0  # waiting for a live replica
+
+    def as_dict(self, samples: int) -> dict[str, Any]:
+        return {
+            "calls": self.calls,
+            "retries": self.retries,
+            "resends": self.resends,
+            "failures": dict(self.failures),
+            "bytes_up_per_sample": self.bytes_up / max(samples, 1),
+            "bytes_down_per_sample": self.bytes_down / max(samples, 1),
+            "wait_seconds": self.wait_seconds,
+        }
+
+
+class _Retry(Exception):
+    """This replica cannot do it; try another."""
+
+
+class _Resend(Exception):
+    """This replica needs the inputs again."""
+
+
+Request = stage_pb2.ForwardRequest | stage_pb2.ForwardLossRequest | stage_pb2.BackwardRequest
+
+
+class PipelineClient:
+    """Runs trainer steps through the stages' replicas."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        signer: Signer,
+        transport: Transport,
+        *,
+        refresh: Callable[[int], Awaitable[list[tuple[str, str]]]],
+        stage_wait_seconds: float = STAGE_WAIT_SECONDS,
+        call_timeout_seconds: float = CALL_TIMEOUT_SECONDS,
+    ) -> None:
+        self.spec, self.signer, self.transport = spec, signer, transport
+        self.stages = spec.pipeline.stages
+        self.router = Router(self.stages)
+        self.counters = [StageCounters() for _ in range(self.stages)]
+        self._refresh = refresh
+        self._wait = stage_wait_seconds
+        self._timeout = call_timeout_seconds
+        self._last_refresh = [-math.inf] * self.stages
+        self.samples = 0
+
+    async def refresh(self, stage: int) -> None:
+        self.router.update(stage, await self._refresh(stage))
+        self._last_refresh[stage] = time.monotonic()
+
+    async def step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """One trainer step on a batch: its mean loss. Raises :class:`StageUnavailable` when a
+        stage stays without a replica (the stages may hold part of its gradient then)."""
+        now = time.monotonic()
+        await asyncio.gather(
+            *(
+                self.refresh(k)
+                for k in range(self.stages)
+                if now - self._last_refresh[k] > REFRESH_SECONDS
+            )
+        )
+        parts = self.spec.pipeline.microbatches
+        batch = len(inputs)
+        losses = await asyncio.gather(
+            *(
+                self._microbatch(step, index, x, y, len(x) / batch)
+                for index, (x, y) in enumerate(
+                    zip(inputs.chunk(parts), targets.chunk(parts), strict=True)
+                )
+            )
+        )
+        self.samples += batch
+        return statistics.fmean(losses)
+
+    async def _microbatch(
+        self, step: int, index: int, tokens: torch.Tensor, labels: torch.Tensor, scale: float
+    ) -> float:
+        samples = len(tokens)
+        first = stage_pb2.StageInputs(tokens=stage_protocol.token_bytes(tokens), batch=samples)
+        sent: list[tuple[stage_pb2.StageInputs, str, int]] = []  # per stage: inputs, peer, version
+        inputs = first
+        for stage in range(self.stages - 1):
+            request = stage_pb2.ForwardRequest(inputs=inputs)
+            reply, peer = await self._call(stage, step, index, samples, "Forward", request)
+            assert isinstance(reply, stage_pb2.ForwardReply)
+            sent.append((inputs, peer, reply.version))
+            inputs = stage_pb2.StageInputs(activations=reply.outputs)
+        last = stage_pb2.ForwardLossRequest(
+            inputs=inputs, labels=stage_protocol.token_bytes(labels), loss_scale=scale
+        )
+        reply, _ = await self._call(self.stages - 1, step, index, samples, "ForwardLoss", last)
+        assert isinstance(reply, stage_pb2.ForwardLossReply)
+        loss, grad = reply.loss, reply.grad_inputs
+        for stage in reversed(range(self.stages - 1)):
+            kept, peer, version = sent[stage]
+            back = stage_pb2.BackwardRequest(version=version, grad_outputs=grad)
+            reply, _ = await self._call(
+                stage, step, index, samples, "Backward", back, prefer=peer, inputs=kept
+            )
+            assert isinstance(reply, stage_pb2.BackwardReply)
+            grad = reply.grad_inputs
+        return loss
+
+    async def _call(
+        self,
+        stage: int,
+        step: int,
+        index: int,
+        samples: int,
+        method: str,
+        request: Request,
+        *,
+        prefer: str = "",
+        inputs: stage_pb2.StageInputs | None = None,
+    ) -> tuple[Any, str]:
+        """``request`` answered by a replica of ``stage``, failing over to others; the reply and
+        who answered. A Backward (``inputs``: what the forward was given) goes to ``prefer``
+        (the forward's replica) without the inputs first; anywhere else with them."""
+        counters = self.counters[stage]
+        waited_since: float | None = None
+        excluded: set[str] = set()
+        attempt = 0
+        resend = False
+        while True:
+            replica = self._pick(stage, samples, prefer, excluded, resend)
+            if replica is None:
+                now = time.monotonic()
+                waited_since = now if waited_since is None else waited_since
+                if now - waited_since > self._wait:
+                    raise StageUnavailable(stage, now - waited_since)
+                if excluded and not self.router.live(stage):
+                    excluded.clear()  # every one failed once: they may be back
+                await asyncio.sleep(0.2)
+                counters.wait_seconds += time.monotonic() - now
+                await self.refresh(stage)
+                continue
+            if waited_since is not None:
+                log.info("stage %d has a replica again (%s)", stage, replica.peer_id)
+                waited_since = None
+            with_inputs = inputs is not None and (resend or replica.peer_id != prefer)
+            message = _prepare(self.spec, stage, request, inputs, with_inputs)
+            message.header.id.CopyFrom(
+                stage_pb2.MicrobatchId(
+                    trainer=self.signer.peer_id, step=step, index=index, attempt=attempt
+                )
+            )
+            if with_inputs:
+                counters.resends += 1
+            attempt += 1
+            if attempt > 1:
+                counters.retries += 1
+            started = time.monotonic()
+            try:
+                reply = await self._send(replica, method, message, counters)
+            except _Resend:
+                resend = True
+                continue
+            except _Retry:
+                excluded.add(replica.peer_id)
+                prefer = ""
+                continue
+            self.router.done(replica, time.monotonic() - started, samples)
+            return reply, replica.peer_id
+
+    def _pick(
+        self, stage: int, samples: int, prefer: str, excluded: set[str], resend: bool
+    ) -> StageReplica | None:
+        if prefer and prefer not in excluded:
+            replica = self.router.replicas[stage].get(prefer)
+            if replica is not None and replica in self.router.live(stage):
+                return replica
+        return self.router.pick(stage, samples, exclude=frozenset(excluded))
+
+    async def _send(
+        self, replica: StageReplica, method: str, message: Request, counters: StageCounters
+    ) -> Any:
+        stage_protocol.sign(
+            self.signer, f"/{stage_protocol.SERVICE}/{method}", replica.peer_id, message
+        )
+        payload = message.SerializeToString()
+        counters.bytes_up += _payload_bytes(message)
+        await self.transport.pace(len(payload))
+        channel = self.transport.channel(replica.endpoint)
+        reply_type = _REPLIES[method]
+        call = channel.unary_unary(
+            f"/{stage_protocol.SERVICE}/{method}",
+            request_serializer=lambda m: m,
+            response_deserializer=reply_type.FromString,
+        )
+        counters.calls += 1
+        try:
+            reply = await call(payload, timeout=self._timeout)
+        except grpc.aio.AioRpcError as error:
+            self._failed(replica, error, counters)
+        counters.bytes_down += _reply_bytes(reply)
+        return reply
+
+    def _failed(
+        self, replica: StageReplica, error: grpc.aio.AioRpcError, counters: StageCounters
+    ) -> NoReturn:
+        """Sort a failed call: raise _Resend, _Retry, or the error if no replica can help."""
+        failure = from_rpc_error(error, replica.peer_id)
+        name = failure.code_name if isinstance(failure, ProtocolViolation) else error.code().name
+        counters.failures[name] = counters.failures.get(name, 0) + 1
+        if isinstance(failure, ProtocolViolation):
+            if failure.code in (ResultCode.NEED_INPUTS, ResultCode.STALE_VERSION):
+                raise _Resend from None
+            if failure.code == ResultCode.OVERLOADED:
+                raise _Retry from None
+            if failure.code == ResultCode.DRAINING:
+                self.router.ban(replica)
+                raise _Retry from None
+            raise failure from None  # our request was refused: retrying elsewhere cannot help
+        if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            self.router.penalize(replica)
+        else:
+            self.router.ban(replica)
+        log.info("stage %d replica %s failed: %s", replica.stage, replica.peer_id, failure)
+        raise _Retry from None
+
+
+_REPLIES: dict[str, Any] = {
+    "Forward": stage_pb2.ForwardReply,
+    "ForwardLoss": stage_pb2.ForwardLossReply,
+    "Backward": stage_pb2.BackwardReply,
+}
+
+
+def _prepare(
+    spec: RunSpec,
+    stage: int,
+    request: Request,
+    inputs: stage_pb2.StageInputs | None,
+    with_inputs: bool,
+) -> Request:
+    """A copy of ``request`` for ``stage`` (a Backward with or without the inputs)."""
+    message = type(request).FromString(request.SerializeToString())
+    header = message.header
+    header.run_id, header.spec_hash, header.stage = spec.run.id, spec.hash, stage
+    if isinstance(message, stage_pb2.BackwardRequest):
+        message.ClearField("inputs")
+        if with_inputs and inputs is not None:
+            message.inputs.CopyFrom(inputs)
+    return message
+
+
+def _payload_bytes(message: Request) -> int:
+    size = 0
+    if message.HasField("inputs"):
+        size += len(message.inputs.tokens) + len(message.inputs.activations.payload)
+    if isinstance(message, stage_pb2.ForwardLossRequest):
+        size += len(message.labels)
+    if isinstance(message, stage_pb2.BackwardRequest):
+        size += len(message.grad_outputs.payload)
+    return size
+
+
+def _reply_bytes(reply: Any) -> int:
+    if isinstance(reply, stage_pb2.ForwardReply):
+        return len(reply.outputs.payload)
+    return len(reply.grad_inputs.payload)
+
+
+# -- the trainer process ------------------------------------------------------------------------
+
+
+async def train_pipeline(config: NodeConfig, stop: asyncio.Event) -> int:
+    """Train through the run's stages until stopped (or ``config.max_steps``)."""
+    spec = config.spec
+    identity = Identity.load_or_create(config.identity_path)
+    discovery = await start_discovery(
+        config.swarm.discovery_config(), identity, run_id=spec.run.id, spec_hash=spec.hash
+    )
+    views = [
+        discovery.for_run(stage_spec.run.id, stage_spec.hash)
+        for stage_spec in (spec.stage_spec(k) for k in range(spec.pipeline.stages))
+    ]
+
+    async def refresh(stage: int) -> list[tuple[str, str]]:
+        try:
+            records: list[PeerRecord] = await views[stage].find()
+        except SwarmgradError as error:
+            log.warning("could not read stage %d's records: %s", stage, error)
+            return []
+        return [(r.peer_id, r.endpoint) for r in records]
+
+    limits = ServerLimits(max_message_bytes=max(16 << 20, 4 * _activation_bytes(spec)))
+    transport = Transport(config.swarm.transport(limits))
+    corpus = await asyncio.to_thread(
+        load_corpus, spec.data, vocab_size=spec.model.vocab_size, cache_dir=config.cache_dir
+    )
+    batches = corpus.batches(
+        seq_len=spec.model.seq_len,
+        batch_size=spec.data.batch_size,
+        seed=spec.data.seed,
+        peer_id=identity.peer_id,
+    )
+    try:
+        async with transport:
+            client = PipelineClient(spec, identity, transport, refresh=refresh)
+            log.info(
+                "trainer %s: %d stages, %d microbatches of %d per step",
+                identity.peer_id,
+                spec.pipeline.stages,
+                spec.pipeline.microbatches,
+                spec.data.batch_size // spec.pipeline.microbatches,
+            )
+            return await _train(config, client, iter(batches), stop, identity.peer_id)
+    finally:
+        await discovery.close()
+
+
+@dataclass(slots=True)
+class TrainerStatus:
+    peer_id: str
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    failed_steps: int = 0
+    last_error: str = ""
+
+
+async def _train(
+    config: NodeConfig,
+    client: PipelineClient,
+    batches: Any,
+    stop: asyncio.Event,
+    peer_id: str,
+) -> int:
+    status = TrainerStatus(peer_id)
+    inputs, targets = next(batches)
+    while not stop.is_set() and (config.max_steps is None or status.step < config.max_steps):
+        started = time.monotonic()
+        try:
+            loss = await client.step(status.step, inputs, targets)
+        except StageUnavailable as error:
+            status.failed_steps += 1
+            status.last_error = str(error)
+            log.warning("step %d: %s; trying again", status.step, error)
+            _write_status(config.status_file, status, client)
+            continue  # the same batch, the same step: what stages accumulated of it counts once
+        status.step_seconds.append(time.monotonic() - started)
+        status.losses.append(loss)
+        status.step += 1
+        status.last_error = ""
+        log.info("step %d loss %.4f (%.2f s)", status.step, loss, status.step_seconds[-1])
+        _write_status(config.status_file, status, client)
+        inputs, targets = next(batches)
+    _write_status(config.status_file, status, client)
+    return 0
+
+
+def _write_status(path: Path | None, status: TrainerStatus, client: PipelineClient) -> None:
+    if path is None:
+        return
+    body = {
+        "peer_id": status.peer_id,
+        "role": "trainer",
+        "step": status.step,
+        "losses": status.losses,
+        "step_seconds": status.step_seconds,
+        "failed_steps": status.failed_steps,
+        "last_error": status.last_error,
+        "samples": client.samples,
+        "stages": [
+            counters.as_dict(client.samples)
+            | {
+                "replicas": {
+                    r.peer_id: {"samples": r.samples, "calls": r.calls, "failures": r.failures}
+                    for r in client.router.replicas[k].values()
+                }
+            }
+            for k, counters in enumerate(client.counters)
+        ],
+    }
+    with contextlib.suppress(OSError):
+        atomic_write(path, json.dumps(body).encode())
+
+
+def _activation_bytes(spec: RunSpec) -> int:
+    return 4 * spec.data.batch_size * spec.model.seq_len * spec.model.d_model
