@@ -311,9 +311,19 @@ class PipelineSection:
     #: for gradients: most activation-gradient values lie below its smallest normal number.
     activations: str = "bf16"
     gradients: str = "int8"
+    #: A trainer waits this long for a stage with no live replica, then fails the step.
+    wait_seconds: float = 30.0
+    #: Deadline of one call to a stage replica.
+    call_timeout_seconds: float = 20.0
 
     def __post_init__(self) -> None:
-        _positive("pipeline", stages=self.stages, microbatches=self.microbatches)
+        _positive(
+            "pipeline",
+            stages=self.stages,
+            microbatches=self.microbatches,
+            wait_seconds=self.wait_seconds,
+            call_timeout_seconds=self.call_timeout_seconds,
+        )
         if self.gradients == "fp16":
             raise RunSpecError(
                 "pipeline.gradients = 'fp16' is refused: activation gradients underflow fp16 "

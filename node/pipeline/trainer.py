@@ -19,7 +19,7 @@ backward succeeds, for failover:
   from the resent inputs (stateless backward); NEED_INPUTS (a restarted replica, an evicted
   input) or STALE_VERSION: the same replica gets the inputs resent.
 - No live replica for a stage: the trainer waits for one (watching the stage's DHT records) up
-  to ``STAGE_WAIT_SECONDS``, then fails the step with :class:`StageUnavailable`, which says which
+  to ``pipeline.wait_seconds``, then fails the step with :class:`StageUnavailable`, which says which
   stage; the next step tries again. It never hangs: every call has a deadline.
 
 The :class:`Router` picks, per microbatch per stage, the replica with the earliest projected
@@ -66,10 +66,6 @@ from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
 log = logging.getLogger(__name__)
 
-#: How long a step waits for a stage with no live replica before it fails.
-STAGE_WAIT_SECONDS = 30.0
-#: Deadline of one Stage call.
-CALL_TIMEOUT_SECONDS = 20.0
 #: First ban of a replica that was unreachable; doubled at each further failure.
 BAN_SECONDS = 15.0
 #: Weight of the newest measurement in a replica's seconds-per-sample average.
@@ -150,21 +146,23 @@ class Router:
         best.busy_until = finish(best)
         return best
 
-    def done(self, replica: StageReplica, seconds: float, samples: int) -> None:
+    def done(self, replica: StageReplica, seconds: float, samples: int, *, forward: bool) -> None:
+        """A call of ``samples`` answered in ``seconds`` (``forward``: a microbatch's forward,
+        counted in the replica's share)."""
         per_sample = seconds / max(samples, 1)
         ema = replica.seconds_per_sample
         replica.seconds_per_sample = (
             per_sample if ema is None else EMA_ALPHA * per_sample + (1 - EMA_ALPHA) * ema
         )
         replica.calls += 1
-        replica.samples += samples
+        replica.samples += samples if forward else 0
         replica.ban_seconds = BAN_SECONDS
         replica.busy_until = min(replica.busy_until, self._clock())
 
     def penalize(self, replica: StageReplica) -> None:
         """It missed a deadline: route less to it, but keep it."""
         replica.failures += 1
-        replica.seconds_per_sample = 2 * (replica.seconds_per_sample or CALL_TIMEOUT_SECONDS)
+        replica.seconds_per_sample = 2 * (replica.seconds_per_sample or 1.0)
         replica.busy_until = self._clock()
 
     def ban(self, replica: StageReplica) -> None:
@@ -220,16 +218,14 @@ class PipelineClient:
         transport: Transport,
         *,
         refresh: Callable[[int], Awaitable[list[tuple[str, str]]]],
-        stage_wait_seconds: float = STAGE_WAIT_SECONDS,
-        call_timeout_seconds: float = CALL_TIMEOUT_SECONDS,
     ) -> None:
         self.spec, self.signer, self.transport = spec, signer, transport
         self.stages = spec.pipeline.stages
         self.router = Router(self.stages)
         self.counters = [StageCounters() for _ in range(self.stages)]
         self._refresh = refresh
-        self._wait = stage_wait_seconds
-        self._timeout = call_timeout_seconds
+        self._wait = spec.pipeline.wait_seconds
+        self._timeout = spec.pipeline.call_timeout_seconds
         self._last_refresh = [-math.inf] * self.stages
         self.samples = 0
 
@@ -348,7 +344,8 @@ class PipelineClient:
                 excluded.add(replica.peer_id)
                 prefer = ""
                 continue
-            self.router.done(replica, time.monotonic() - started, samples)
+            elapsed = time.monotonic() - started
+            self.router.done(replica, elapsed, samples, forward=method != "Backward")
             return reply, replica.peer_id
 
     def _pick(

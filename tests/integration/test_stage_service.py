@@ -1,0 +1,369 @@
+"""The Stage service on a real gRPC server: a replica restarted between a microbatch's forward
+and its backward answers NEED_INPUTS, and the resent inputs give the very gradients of an
+uninterrupted pass; thousands of malformed or impersonating requests are refused with their
+documented status, crash nothing, and leave honest microbatches' results unchanged."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+
+from swarmgrad.node.identity import Identity
+from swarmgrad.node.pipeline.model import build_stage
+from swarmgrad.node.pipeline.server import StageWorker, schema_of
+from swarmgrad.node.runspec import RunSpec
+from swarmgrad.protocol import stage as stage_protocol
+from swarmgrad.protocol.auth import Verifier
+from swarmgrad.protocol.server import open_channel, start_server
+from swarmgrad.protocol.v1 import stage_pb2
+
+pytestmark = pytest.mark.timeout(120)
+
+SPEC = RunSpec.from_toml(
+    """
+[run]
+id = "stage-service"
+[model]
+vocab_size = 256
+d_model = 32
+n_layers = 4
+n_heads = 2
+seq_len = 16
+[data]
+batch_size = 8
+[pipeline]
+stages = 2
+microbatches = 2
+activations = "none"
+gradients = "none"
+"""
+)
+BATCH = 4
+
+
+@dataclass
+class Replica:
+    identity: Identity
+    worker: StageWorker
+    servicer: stage_protocol.StageServicer
+    server: grpc.aio.Server
+    port: int
+
+    async def stop(self) -> None:
+        await self.server.stop(0)
+        self.worker.close()
+
+
+async def _replica(index: int, identity: Identity, port: int = 0) -> Replica:
+    torch.manual_seed(0)
+    module = build_stage(SPEC.model, SPEC.pipeline, index, seed=SPEC.data.seed)
+    worker = StageWorker(module, SPEC, peer_id=identity.peer_id)
+    worker.state = "serving"
+    servicer = stage_protocol.StageServicer(
+        schema_of(SPEC, index), worker, verifier=Verifier(identity.peer_id)
+    )
+    server, bound = await start_server(
+        lambda s: stage_protocol.add_to_server(servicer, s), port=port
+    )
+    return Replica(identity, worker, servicer, server, bound)
+
+
+@pytest_asyncio.fixture
+async def channels() -> AsyncIterator[dict[int, grpc.aio.Channel]]:
+    opened: dict[int, grpc.aio.Channel] = {}
+    yield opened
+    for channel in opened.values():
+        await channel.close()
+
+
+def _call(channel: grpc.aio.Channel, method: str, reply: type) -> Callable[..., object]:
+    return channel.unary_unary(
+        f"/{stage_protocol.SERVICE}/{method}",
+        request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=reply.FromString,
+    )
+
+
+def _header(trainer: Identity, stage: int, step: int, index: int = 0) -> stage_pb2.StageHeader:
+    return stage_pb2.StageHeader(
+        run_id=SPEC.run.id,
+        spec_hash=SPEC.hash,
+        stage=stage,
+        id=stage_pb2.MicrobatchId(trainer=trainer.peer_id, step=step, index=index),
+    )
+
+
+def _tokens(seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, SPEC.model.vocab_size, (BATCH, SPEC.model.seq_len), generator=generator)
+
+
+def _forward_request(trainer: Identity, receiver: str, step: int) -> stage_pb2.ForwardRequest:
+    request = stage_pb2.ForwardRequest(
+        header=_header(trainer, 0, step),
+        inputs=stage_pb2.StageInputs(tokens=stage_protocol.token_bytes(_tokens(step)), batch=BATCH),
+    )
+    stage_protocol.sign(trainer, stage_protocol.FORWARD_METHOD, receiver, request)
+    return request
+
+
+async def test_a_restarted_replica_asks_for_the_inputs_and_gives_the_same_gradients(
+    channels: dict[int, grpc.aio.Channel],
+) -> None:
+    trainer = Identity.generate()
+    head = await _replica(1, Identity.generate())  # the last stage: labels, loss, gradients
+    first = await _replica(0, Identity.generate())
+    try:
+        channels[0] = channel = open_channel(f"127.0.0.1:{first.port}")
+        channels[1] = open_channel(f"127.0.0.1:{head.port}")
+        forward = _call(channel, "Forward", stage_pb2.ForwardReply)
+        sent = _forward_request(trainer, first.identity.peer_id, step=0)
+        reply = await forward(sent, timeout=10)
+        loss_request = stage_pb2.ForwardLossRequest(
+            header=_header(trainer, 1, 0),
+            inputs=stage_pb2.StageInputs(activations=reply.outputs),
+            labels=stage_protocol.token_bytes(_tokens(99)),
+            loss_scale=0.5,
+        )
+        stage_protocol.sign(
+            trainer, stage_protocol.FORWARD_LOSS_METHOD, head.identity.peer_id, loss_request
+        )
+        loss_reply = await _call(channels[1], "ForwardLoss", stage_pb2.ForwardLossReply)(
+            loss_request, timeout=10
+        )
+        # The replica restarts: a new process, the same weights, nothing kept.
+        port = first.port
+        await first.stop()
+        first = await _replica(0, first.identity, port=port)
+        backward = _call(channel, "Backward", stage_pb2.BackwardReply)
+        request = stage_pb2.BackwardRequest(
+            header=_header(trainer, 0, 0), version=0, grad_outputs=loss_reply.grad_inputs
+        )
+        stage_protocol.sign(
+            trainer, stage_protocol.BACKWARD_METHOD, first.identity.peer_id, request
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await backward(request, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert (refused.value.details() or "").startswith("NEED_INPUTS")
+        request.inputs.CopyFrom(sent.inputs)  # the trainer kept them: resend
+        request.header.id.attempt = 1
+        stage_protocol.sign(
+            trainer, stage_protocol.BACKWARD_METHOD, first.identity.peer_id, request
+        )
+        await backward(request, timeout=10)
+        assert first.worker.stats.recomputed == 1
+        # The same gradients as one uninterrupted pass of both stages in this process.
+        stages = [build_stage(SPEC.model, SPEC.pipeline, k, seed=SPEC.data.seed) for k in (0, 1)]
+        loss = stages[1].loss(stages[0](_tokens(0)), _tokens(99)) * 0.5
+        loss.backward()  # type: ignore[no-untyped-call]
+        for (name, got), expected in zip(
+            first.worker.module.named_parameters(), stages[0].parameters(), strict=True
+        ):
+            assert got.grad is not None
+            torch.testing.assert_close(got.grad, expected.grad, rtol=1e-5, atol=1e-7, msg=name)
+        assert loss_reply.loss == pytest.approx(float(loss.detach()) / 0.5, rel=1e-6)
+    finally:
+        await first.stop()
+        await head.stop()
+
+
+def _mutations(
+    trainer: Identity, impostor: Identity, receiver: str
+) -> list[tuple[str, Callable[[int], stage_pb2.ForwardRequest | bytes]]]:
+    """Ways to spoil a Forward request to stage 0, each a function of a counter."""
+
+    def signed(
+        request: stage_pb2.ForwardRequest, by: Identity = trainer
+    ) -> stage_pb2.ForwardRequest:
+        stage_protocol.sign(by, stage_protocol.FORWARD_METHOD, receiver, request)
+        return request
+
+    def base(n: int) -> stage_pb2.ForwardRequest:
+        return stage_pb2.ForwardRequest(
+            header=_header(trainer, 0, 1000 + n),
+            inputs=stage_pb2.StageInputs(
+                tokens=stage_protocol.token_bytes(_tokens(n)), batch=BATCH
+            ),
+        )
+
+    def wrong_run(n: int) -> stage_pb2.ForwardRequest:
+        request = base(n)
+        request.header.run_id = "another-run"
+        return signed(request)
+
+    def wrong_spec(n: int) -> stage_pb2.ForwardRequest:
+        request = base(n)
+        request.header.spec_hash = bytes(32)
+        return signed(request)
+
+    def wrong_stage(n: int) -> stage_pb2.ForwardRequest:
+        request = base(n)
+        request.header.stage = 1 + n % 5
+        return signed(request)
+
+    def unsigned(n: int) -> stage_pb2.ForwardRequest:
+        return base(n)
+
+    def impersonated(n: int) -> stage_pb2.ForwardRequest:
+        return signed(base(n), by=impostor)  # names the trainer, signed by another key
+
+    def payload_swapped(n: int) -> stage_pb2.ForwardRequest:
+        request = signed(base(n))
+        request.inputs.tokens = stage_protocol.token_bytes(_tokens(n + 1))
+        return request
+
+    def for_someone_else(n: int) -> stage_pb2.ForwardRequest:
+        request = base(n)
+        stage_protocol.sign(trainer, stage_protocol.FORWARD_METHOD, impostor.peer_id, request)
+        return request
+
+    def replayed(n: int) -> stage_pb2.ForwardRequest:
+        return REPLAYS[0]
+
+    def truncated_tokens(n: int) -> stage_pb2.ForwardRequest:
+        request = base(n)
+        request.inputs.tokens = request.inputs.tokens[: -(1 + n % 7)]
+        return signed(request)
+
+    def too_many(n: int) -> stage_pb2.ForwardRequest:
+        request = base(n)
+        request.inputs.batch = SPEC.data.batch_size + 1 + n % 3
+        request.inputs.tokens = b"\0" * (4 * request.inputs.batch * SPEC.model.seq_len)
+        return signed(request)
+
+    def bad_ids(n: int) -> stage_pb2.ForwardRequest:
+        request = base(n)
+        ids = _tokens(n)
+        ids[0, n % SPEC.model.seq_len] = SPEC.model.vocab_size + n if n % 2 else -1 - n
+        request.inputs.tokens = stage_protocol.token_bytes(ids)
+        return signed(request)
+
+    def activations_to_stage0(n: int) -> stage_pb2.ForwardRequest:
+        request = base(n)
+        request.inputs.activations.CopyFrom(
+            stage_protocol.encode("none", torch.randn(BATCH, SPEC.model.seq_len, 32))
+        )
+        return signed(request)
+
+    def no_trainer(n: int) -> stage_pb2.ForwardRequest:
+        request = base(n)
+        request.header.id.trainer = ""
+        return signed(request)
+
+    def garbage(n: int) -> bytes:
+        return random.Random(n).randbytes(1 + n % 300)
+
+    REPLAYS = [signed(base(10**6))]
+    return [
+        ("FAILED_PRECONDITION", wrong_run),
+        ("FAILED_PRECONDITION", wrong_spec),
+        ("FAILED_PRECONDITION", wrong_stage),
+        ("UNAUTHENTICATED", unsigned),
+        ("UNAUTHENTICATED", impersonated),
+        ("UNAUTHENTICATED", payload_swapped),
+        ("UNAUTHENTICATED", for_someone_else),
+        ("UNAUTHENTICATED", replayed),
+        ("INVALID_ARGUMENT", truncated_tokens),
+        ("INVALID_ARGUMENT", too_many),
+        ("INVALID_ARGUMENT", bad_ids),
+        ("INVALID_ARGUMENT", activations_to_stage0),
+        ("INVALID_ARGUMENT", no_trainer),
+        ("INVALID_ARGUMENT", garbage),
+    ]
+
+
+async def test_malformed_and_impersonating_requests_are_refused_and_change_nothing(
+    channels: dict[int, grpc.aio.Channel],
+) -> None:
+    trainer, impostor = Identity.generate(), Identity.generate()
+    replica = await _replica(0, Identity.generate())
+    middle = await _replica(1, Identity.generate())  # the last stage: it takes activations
+    try:
+        channels[0] = channel = open_channel(f"127.0.0.1:{replica.port}")
+        channels[1] = middle_channel = open_channel(f"127.0.0.1:{middle.port}")
+        forward = _call(channel, "Forward", stage_pb2.ForwardReply)
+        raw = channel.unary_unary(
+            f"/{stage_protocol.SERVICE}/Forward",
+            request_serializer=lambda m: m,
+            response_deserializer=stage_pb2.ForwardReply.FromString,
+        )
+        honest = await forward(_forward_request(trainer, replica.identity.peer_id, 7), timeout=10)
+        mutations = _mutations(trainer, impostor, replica.identity.peer_id)
+        replay = dict((f.__name__, f) for _, f in mutations)["replayed"]
+        await forward(replay(0), timeout=10)  # the original of the replays: served once
+        codes: Counter[str] = Counter()
+        sent = 0
+        for round_ in range(100):
+            for expected, mutate in mutations:
+                request = mutate(round_)
+                call = raw if isinstance(request, bytes) else forward
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call(request, timeout=10)
+                assert refused.value.code().name == expected, (mutate.__name__, refused.value)
+                codes[expected] += 1
+                sent += 1
+        # Activations to the last stage: a wrong codec or shape, NaN, cut payloads and labels.
+        sent += await _spoil_middle(trainer, middle, middle_channel, codes)
+        assert sent >= 2000
+        assert not middle.worker.stats.backwards
+        assert not replica.worker.stats.backwards
+        # Still serving, and an honest microbatch gives what it gave before.
+        again = await forward(_forward_request(trainer, replica.identity.peer_id, 7), timeout=10)
+        assert again.outputs.payload == honest.outputs.payload
+        assert replica.servicer.rejections.counts  # counted, by code
+    finally:
+        await replica.stop()
+        await middle.stop()
+
+
+async def _spoil_middle(
+    trainer: Identity, middle: Replica, channel: grpc.aio.Channel, codes: Counter[str]
+) -> int:
+    call = _call(channel, "ForwardLoss", stage_pb2.ForwardLossReply)
+    seq, width = SPEC.model.seq_len, SPEC.model.d_model
+    labels = stage_protocol.token_bytes(_tokens(5))
+    sent = 0
+    for n in range(100):
+        good = torch.randn(BATCH, seq, width)
+        bad_values = good.clone()
+        bad_values[0, 0, n % width] = float("nan") if n % 2 else float("inf")
+        spoiled = [
+            ("INVALID_ARGUMENT", stage_protocol.encode("bf16", good), labels, 0.5),
+            (
+                "INVALID_ARGUMENT",
+                stage_protocol.encode("none", torch.randn(BATCH, seq + 1, width)),
+                labels,
+                0.5,
+            ),
+            ("INVALID_ARGUMENT", stage_protocol.encode("none", bad_values), labels, 0.5),
+            ("INVALID_ARGUMENT", stage_protocol.encode("none", good), labels[:-4], 0.5),
+            ("INVALID_ARGUMENT", stage_protocol.encode("none", good), labels, float("nan")),
+            ("INVALID_ARGUMENT", stage_protocol.encode("none", good), labels, 1.5),
+        ]
+        cut = stage_protocol.encode("none", good)
+        cut.payload = cut.payload[: -(1 + n)]
+        spoiled.append(("INVALID_ARGUMENT", cut, labels, 0.5))
+        for expected, activations, label_bytes, scale in spoiled:
+            request = stage_pb2.ForwardLossRequest(
+                header=_header(trainer, 1, 5000 + n),
+                inputs=stage_pb2.StageInputs(activations=activations),
+                labels=label_bytes,
+                loss_scale=scale,
+            )
+            stage_protocol.sign(
+                trainer, stage_protocol.FORWARD_LOSS_METHOD, middle.identity.peer_id, request
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call(request, timeout=10)
+            assert refused.value.code().name == expected, refused.value
+            codes[expected] += 1
+            sent += 1
+    return sent
