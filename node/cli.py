@@ -128,6 +128,12 @@ def node(
     max_steps: Annotated[
         int | None, typer.Option(help="A pipeline trainer: stop after this many steps.")
     ] = None,
+    crash_after_forwards: Annotated[
+        int | None,
+        typer.Option(
+            help="Fault injection: SIGKILL this stage server after N forwards.", hidden=True
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
 ) -> None:
     """Train with the run's peers: join, average every round, leave gracefully on Ctrl-C.
@@ -173,6 +179,7 @@ def node(
             role=role or ("stage" if stage is not None else "node"),
             stage=stage,
             max_steps=max_steps,
+            crash_after_forwards=crash_after_forwards,
         )
         config = node_config.node_config(spec_path=spec, cli=command_line)
     except SetupError as error:

@@ -108,32 +108,35 @@ class PipelineSwarm:
             self._bootstrap.stop(10.0)
 
     def _member(self, name: str, key: Identity, role_args: list[str], extra: list[str]) -> Member:
-        member = self.members.get(name)
-        if member is None:
-            status, log = self.out_dir / f"{name}.json", self.out_dir / f"{name}.log"
+        """Start (or restart: the same key, status and log files) the member ``name``."""
+        status, log = self.out_dir / f"{name}.json", self.out_dir / f"{name}.log"
+        key_path = self.out_dir / f"{name}.key"
+        checkpoints = self.out_dir / "checkpoints" / name
+        old = self.members.get(name)
+        if old is not None and old.process is not None:
+            old.process.kill()  # gone already (or killed now); its log file closed
+        if old is None:  # a new member starts with nothing
             status.unlink(missing_ok=True)
             log.unlink(missing_ok=True)
-            key_path = self.out_dir / f"{name}.key"
-            key.save(key_path)
-            checkpoints = self.out_dir / "checkpoints" / name
             shutil.rmtree(checkpoints, ignore_errors=True)
-            args = [
-                "node",
-                str(self.spec_path),
-                *(a for m in self._maddrs for a in ("--bootstrap", m)),
-                "--identity", str(key_path),
-                "--cache-dir", str(node_config.home() / "cache"),
-                "--status-file", str(status),
-                "--display", "log",
-                "--threads", "1",
-                "--checkpoint-dir", str(checkpoints),
-                "--metrics-address", "off",
-                "--discovery", self.discovery,
-                *role_args,
-                *extra,
-            ]  # fmt: skip
-            member = self.members[name] = Member(name, args, status, log)
-        member.process = LocalProcess(name, node_command(*member.args), member.log, self._env)
+            key.save(key_path)
+        args = [
+            "node",
+            str(self.spec_path),
+            *(a for m in self._maddrs for a in ("--bootstrap", m)),
+            "--identity", str(key_path),
+            "--cache-dir", str(node_config.home() / "cache"),
+            "--status-file", str(status),
+            "--display", "log",
+            "--threads", "1",
+            "--checkpoint-dir", str(checkpoints),
+            "--metrics-address", "off",
+            "--discovery", self.discovery,
+            *role_args,
+            *extra,
+        ]  # fmt: skip
+        member = self.members[name] = Member(name, args, status, log)
+        member.process = LocalProcess(name, node_command(*args), log, self._env)
         return member
 
     def start_stage(self, stage: int, replica: int = 0, *extra: str) -> Member:

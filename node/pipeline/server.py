@@ -27,6 +27,8 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import os
+import signal
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -360,7 +362,9 @@ async def serve_stage(config: NodeConfig, stop: asyncio.Event) -> int:
     swarm = Swarm(spec.stage_spec(index), identity, config.swarm)
     servicer = StageServicer(
         schema_of(spec, index),
-        worker,
+        worker
+        if config.crash_after_forwards is None
+        else _Crashing(worker, config.crash_after_forwards),
         verifier=swarm.verifier,
         rejections=swarm.rejections,
         pace=swarm.transport.pace if swarm.transport.paced else None,
@@ -397,6 +401,26 @@ async def serve_stage(config: NodeConfig, stop: asyncio.Event) -> int:
             with contextlib.suppress(OSError):
                 _write(config.status_file, status(worker, servicer, swarm))
     return 0
+
+
+class _Crashing:
+    """Fault injection: the worker, until it has answered ``forwards`` forwards; then this
+    process dies (SIGKILL) as soon as the last reply has left, holding those microbatches'
+    inputs: what a crash between a forward and its backward does."""
+
+    def __init__(self, worker: StageWorker, forwards: int) -> None:
+        self._worker, self._left = worker, forwards
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._worker, name)
+
+    async def forward(self, mb: Microbatch, inputs: torch.Tensor) -> tuple[torch.Tensor, int]:
+        result = await self._worker.forward(mb, inputs)
+        self._left -= 1
+        if self._left <= 0:
+            log.warning("fault injection: killing this stage server (SIGKILL)")
+            asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGKILL)
+        return result
 
 
 def _attach(worker: StageWorker, swarm: Swarm) -> DiLoCo:

@@ -13,6 +13,7 @@ of the model's layers each, trainers routing microbatches through them.
 from __future__ import annotations
 
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,66 @@ def test_four_stage_processes_train_like_the_whole_model_in_one_process(tmp_path
     assert last == pytest.approx(statistics.fmean(expected[-10:]), rel=0.01)
     compressed = trainer["stages"][1]
     assert compressed["bytes_up_per_sample"] < 0.4 * middle["bytes_up_per_sample"]
+
+
+def _wait_steps(swarm: PipelineSwarm, steps: int) -> None:
+    swarm.wait(lambda: swarm.members["trainer0"].read().get("step", 0) >= steps, f"step {steps}")
+
+
+def test_replicas_fail_over_and_the_router_prefers_the_fast_one(tmp_path: Path) -> None:
+    """Stage 1: a replica and one three times slower; stage 2: two replicas, one of which dies
+    (SIGKILL) right after answering forwards, holding their inputs."""
+    spec_path = _spec(tmp_path, "failover")
+    steps = 30
+    with PipelineSwarm(spec_path, tmp_path / "failover") as swarm:
+        swarm.start_stage(0)
+        swarm.start_stage(1, 0)
+        swarm.start_stage(1, 1, "--slowdown", "3")
+        swarm.start_stage(2, 0)
+        swarm.start_stage(2, 1, "--crash-after-forwards", "30")
+        swarm.start_stage(3)
+        swarm.wait_serving()
+        swarm.start_trainer(0, "--max-steps", str(steps))
+        trainer = swarm.wait_finished("trainer0")
+        assert not swarm.members["stage2-1"].alive  # it crashed mid-run
+    assert trainer["step"] == steps
+    assert trainer["failed_steps"] == 0  # the crash cost retries, not a step
+    stage2 = trainer["stages"][2]
+    assert stage2["retries"] >= 1
+    assert stage2["resends"] >= 1  # its backwards went elsewhere, with the inputs resent
+    seconds = trainer["step_seconds"]
+    assert max(seconds[5:]) < 2 * statistics.median(seconds)
+    losses = trainer["losses"]
+    assert statistics.fmean(losses[-5:]) < losses[0] - 0.5
+    # The router's share: the replica three times slower got at most a quarter.
+    shares = trainer["stages"][1]["replicas"]
+    samples = sorted(r["samples"] for r in shares.values())
+    assert len(samples) == 2
+    assert samples[1] >= 3 * samples[0], shares
+
+
+def test_a_stage_without_replicas_fails_the_step_in_time_and_training_resumes(
+    tmp_path: Path,
+) -> None:
+    spec_path = _spec(tmp_path, "only", wait=3.0)
+    with PipelineSwarm(spec_path, tmp_path / "only") as swarm:
+        for stage in range(4):
+            extra = ("--crash-after-forwards", "40") if stage == 1 else ()
+            swarm.start_stage(stage, 0, *extra)
+        swarm.wait_serving()
+        swarm.start_trainer(0, "--max-steps", "25")
+        trainer = swarm.members["trainer0"]
+        swarm.wait(lambda: not swarm.members["stage1-0"].alive, "stage 1 to crash")
+        crashed = time.monotonic()
+        swarm.wait(lambda: trainer.read().get("failed_steps", 0) >= 1, "a failed step", 30.0)
+        reported = time.monotonic() - crashed
+        status = trainer.read()
+        assert "no live replica of stage 1" in status["last_error"]
+        # Within its wait (3 s) and a call's deadline (10 s), with margin for this machine.
+        assert reported < 20.0
+        stuck_at = status["step"]
+        assert stuck_at < 25
+        swarm.start_stage(1, 0)  # a replica joins again: training goes on
+        final = swarm.wait_finished("trainer0")
+    assert final["step"] == 25
+    assert final["last_error"] == ""
