@@ -40,6 +40,7 @@ INFO_METHOD = f"/{SERVICE}/Info"
 FORWARD_METHOD = f"/{SERVICE}/Forward"
 FORWARD_LOSS_METHOD = f"/{SERVICE}/ForwardLoss"
 BACKWARD_METHOD = f"/{SERVICE}/Backward"
+SYNC_METHOD = f"/{SERVICE}/Sync"
 _MAX_ID_CHARS = 128
 
 
@@ -91,12 +92,20 @@ def _inputs_fields(inputs: stage_pb2.StageInputs) -> list[Field]:
     return [inputs.tokens, inputs.batch, *_tensor_fields(inputs.activations)]
 
 
-def payload_digest(
-    request: stage_pb2.ForwardRequest | stage_pb2.ForwardLossRequest | stage_pb2.BackwardRequest,
-) -> bytes:
+StageRequest = (
+    stage_pb2.ForwardRequest
+    | stage_pb2.ForwardLossRequest
+    | stage_pb2.BackwardRequest
+    | stage_pb2.SyncRequest
+)
+
+
+def payload_digest(request: StageRequest) -> bytes:
     """SHA-256 of everything in ``request`` but its header: what the signature binds to it."""
     fields: list[Field]
-    if isinstance(request, stage_pb2.ForwardRequest):
+    if isinstance(request, stage_pb2.SyncRequest):
+        fields = ["sync", request.round]
+    elif isinstance(request, stage_pb2.ForwardRequest):
         fields = ["forward", *_inputs_fields(request.inputs)]
     elif isinstance(request, stage_pb2.ForwardLossRequest):
         fields = [
@@ -137,12 +146,7 @@ def _header_fields(header: stage_pb2.StageHeader, digest: bytes) -> list[Field]:
     ]
 
 
-def sign(
-    signer: Signer,
-    method: str,
-    receiver: str,
-    request: stage_pb2.ForwardRequest | stage_pb2.ForwardLossRequest | stage_pb2.BackwardRequest,
-) -> None:
+def sign(signer: Signer, method: str, receiver: str, request: StageRequest) -> None:
     """Fill ``request.header``'s receiver and signature (the rest of it set already)."""
     header = request.header
     header.receiver = receiver
@@ -193,6 +197,11 @@ class StageBackend(Protocol):
     ) -> tuple[torch.Tensor | None, int, int]:
         """The inputs' gradient (None on stage 0), version, samples accumulated; raises
         ProtocolViolation(NEED_INPUTS) when ``inputs`` is None and it holds none."""
+        ...
+
+    async def sync(self, round_: int) -> tuple[int, str]:
+        """Run the stage group's outer round to reach epoch ``round_`` (at once if there):
+        the epoch then and the round's outcome."""
         ...
 
 
@@ -285,6 +294,11 @@ class StageServicer:
             reply.grad_inputs.CopyFrom(await self._encode(grad, self._gradients, "gradients"))
         return reply
 
+    async def Sync(self, request: stage_pb2.SyncRequest, context: object) -> stage_pb2.SyncReply:
+        self._admit(SYNC_METHOD, request)
+        epoch, outcome = await self.backend.sync(request.round)
+        return stage_pb2.SyncReply(epoch=epoch, outcome=outcome)
+
     # -- checks -------------------------------------------------------------------------------
 
     def _check_run(self, run_id: str, spec_hash: bytes) -> None:
@@ -295,13 +309,7 @@ class StageServicer:
                 f"{self.schema.spec_hash.hex()[:12]}",
             )
 
-    def _admit(
-        self,
-        method: str,
-        request: stage_pb2.ForwardRequest
-        | stage_pb2.ForwardLossRequest
-        | stage_pb2.BackwardRequest,
-    ) -> Microbatch:
+    def _admit(self, method: str, request: StageRequest) -> Microbatch:
         """The request's microbatch, once its header checks out; raises ProtocolViolation."""
         header = request.header
         self._check_run(header.run_id, header.spec_hash)
@@ -399,10 +407,10 @@ class StageServicer:
         return tensor_to_proto(data, meta)
 
 
-def _payload_sizes(
-    request: stage_pb2.ForwardRequest | stage_pb2.ForwardLossRequest | stage_pb2.BackwardRequest,
-) -> Sequence[tuple[str, int]]:
-    sizes = []
+def _payload_sizes(request: StageRequest) -> Sequence[tuple[str, int]]:
+    sizes: list[tuple[str, int]] = []
+    if isinstance(request, stage_pb2.SyncRequest):
+        return sizes
     if request.HasField("inputs"):
         sizes.append(("tokens", len(request.inputs.tokens)))
         sizes.append(("activations", len(request.inputs.activations.payload)))
@@ -435,5 +443,6 @@ def add_to_server(servicer: StageServicer, server: grpc.aio.Server) -> None:
         "Forward": handler(servicer.Forward, stage_pb2.ForwardRequest),
         "ForwardLoss": handler(servicer.ForwardLoss, stage_pb2.ForwardLossRequest),
         "Backward": handler(servicer.Backward, stage_pb2.BackwardRequest),
+        "Sync": handler(servicer.Sync, stage_pb2.SyncRequest),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -12,9 +12,10 @@ worker thread, in arrival order (the event loop only does I/O and codecs):
 - A microbatch's gradient counts once: a retried backward of one already accumulated (its first
   reply was lost) returns the inputs' gradient without adding to the parameters' again.
 - Once ``data.batch_size`` samples have accumulated, the replica takes an inner AdamW step (its
-  version); every ``algorithm.inner_steps`` of them its DiLoCo group (the stage's replicas,
-  found under :meth:`RunSpec.stage_spec`) averages and takes the outer step, as whole-model
-  nodes do.
+  version). Its DiLoCo group (the stage's replicas, found under :meth:`RunSpec.stage_spec`)
+  averages and takes the outer step when the trainers' round barrier says (Sync: every
+  ``algorithm.inner_steps`` trainer steps, all replicas of all stages at once), as whole-model
+  nodes do every ``inner_steps`` of their own steps.
 
 The server announces itself in the stage group's DHT records (its endpoint, its throughput);
 its status file says what it served.
@@ -293,18 +294,34 @@ class StageWorker:
         self.stats.samples += samples
         self.version += 1
         if self.replica is not None:
-            report = self.replica.step(samples)
-            if report is not None:
-                outcome = report.outcome.value
-                self.stats.rounds[outcome] = self.stats.rounds.get(outcome, 0) + 1
-                log.info(
-                    "stage %d round: %s, epoch %d, group of %d",
-                    self.index,
-                    outcome,
-                    report.epoch,
-                    report.group_size,
-                )
+            self.replica.count(samples)
         self.on_step()
+
+    async def sync(self, round_: int) -> tuple[int, str]:
+        return await self._run(self._sync, round_)
+
+    def _sync(self, round_: int) -> tuple[int, str]:
+        """The stage group's outer round, unless this replica is at ``round_`` already: what
+        has accumulated steps first (a partial batch's gradient is not left behind)."""
+        replica = self.replica
+        if replica is None:
+            raise ProtocolViolation(ResultCode.DRAINING, "this replica is still joining")
+        if replica.epoch >= round_:
+            return replica.epoch, "done"
+        if self.pending_samples:
+            self._inner_step()
+        report = replica.outer_round()
+        outcome = report.outcome.value
+        self.stats.rounds[outcome] = self.stats.rounds.get(outcome, 0) + 1
+        log.info(
+            "stage %d epoch %d: %s (group of %d, %.1f s)",
+            self.index,
+            report.epoch,
+            outcome,
+            report.group_size,
+            report.seconds,
+        )
+        return replica.epoch, outcome
 
     @property
     def samples_per_second(self) -> float:

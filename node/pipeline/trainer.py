@@ -226,6 +226,11 @@ class PipelineClient:
         self._refresh = refresh
         self._wait = spec.pipeline.wait_seconds
         self._timeout = spec.pipeline.call_timeout_seconds
+        averaging = spec.averaging
+        #: A round's deadline: matchmaking, the all-reduce, and time to finish queued work.
+        self._round_seconds = (
+            averaging.matchmaking_timeout_seconds + averaging.round_timeout_seconds + 30.0
+        )
         self._last_refresh = [-math.inf] * self.stages
         self.samples = 0
 
@@ -256,6 +261,43 @@ class PipelineClient:
         )
         self.samples += batch
         return statistics.fmean(losses)
+
+    async def sync(self, step: int, round_: int) -> dict[int, list[str]]:
+        """The round barrier, between steps: every live replica of every stage runs its stage
+        group's round ``round_`` (replicas there already answer at once); the outcomes by stage.
+        A replica that fails it is left as it is (its group averages without it)."""
+        await asyncio.gather(*(self.refresh(k) for k in range(self.stages)))
+        calls = [
+            (stage, replica) for stage in range(self.stages) for replica in self.router.live(stage)
+        ]
+        outcomes = await asyncio.gather(
+            *(self._sync(stage, replica, step, round_) for stage, replica in calls)
+        )
+        by_stage: dict[int, list[str]] = {k: [] for k in range(self.stages)}
+        for (stage, _), outcome in zip(calls, outcomes, strict=True):
+            by_stage[stage].append(outcome)
+        return by_stage
+
+    async def _sync(self, stage: int, replica: StageReplica, step: int, round_: int) -> str:
+        request = stage_pb2.SyncRequest(round=round_)
+        header = request.header
+        header.run_id, header.spec_hash, header.stage = self.spec.run.id, self.spec.hash, stage
+        header.id.CopyFrom(stage_pb2.MicrobatchId(trainer=self.signer.peer_id, step=step))
+        stage_protocol.sign(self.signer, stage_protocol.SYNC_METHOD, replica.peer_id, request)
+        call = self.transport.channel(replica.endpoint).unary_unary(
+            stage_protocol.SYNC_METHOD,
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=stage_pb2.SyncReply.FromString,
+        )
+        try:
+            reply = await call(request, timeout=self._round_seconds)
+        except grpc.aio.AioRpcError as error:
+            failure = from_rpc_error(error, replica.peer_id)
+            log.warning(
+                "stage %d replica %s: round %d failed: %s", stage, replica.peer_id, round_, failure
+            )
+            return "failed"
+        return str(reply.outcome)
 
     async def _microbatch(
         self, step: int, index: int, tokens: torch.Tensor, labels: torch.Tensor, scale: float
@@ -504,6 +546,7 @@ class TrainerStatus:
     step_seconds: list[float] = field(default_factory=list)
     failed_steps: int = 0
     last_error: str = ""
+    rounds: list[dict[str, Any]] = field(default_factory=list)
 
 
 async def _train(
@@ -530,6 +573,13 @@ async def _train(
         status.step += 1
         status.last_error = ""
         log.info("step %d loss %.4f (%.2f s)", status.step, loss, status.step_seconds[-1])
+        inner_steps = config.spec.algorithm.inner_steps
+        if status.step % inner_steps == 0:  # the round barrier: every stage syncs
+            started = time.monotonic()
+            outcomes = await client.sync(status.step, status.step // inner_steps)
+            seconds = time.monotonic() - started
+            status.rounds.append({"step": status.step, "seconds": seconds, "outcomes": outcomes})
+            log.info("round %d: %s (%.1f s)", status.step // inner_steps, outcomes, seconds)
         _write_status(config.status_file, status, client)
         inputs, targets = next(batches)
     _write_status(config.status_file, status, client)
@@ -547,6 +597,7 @@ def _write_status(path: Path | None, status: TrainerStatus, client: PipelineClie
         "step_seconds": status.step_seconds,
         "failed_steps": status.failed_steps,
         "last_error": status.last_error,
+        "rounds": status.rounds,
         "samples": client.samples,
         "stages": [
             counters.as_dict(client.samples)

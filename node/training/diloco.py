@@ -238,13 +238,18 @@ class DiLoCo(Replica):
         rounds = self.epoch + (self._in_flight is not None)
         return rounds * self.sync_every + self._steps % self.sync_every
 
-    def step(self, samples: int) -> RoundReport | None:
-        """Count one inner step of ``samples``; run an outer round when one is due."""
+    def count(self, samples: int) -> None:
+        """Count one inner step of ``samples``, running no round (a pipeline stage's rounds
+        come from its trainers' barrier: :meth:`outer_round` then)."""
         self._steps += 1
         self.samples += samples
         self._samples_total += samples
         if self.fragments > 1:
             self._fragment_samples = [c + samples for c in self._fragment_samples]
+
+    def step(self, samples: int) -> RoundReport | None:
+        """Count one inner step of ``samples``; run an outer round when one is due."""
+        self.count(samples)
         if self._steps % self.sync_every:
             return None
         if self.fragments > 1 or self.overlap:

@@ -148,3 +148,19 @@ class StageInfo(_message.Message):
     activations: str
     gradients: str
     def __init__(self, peer_id: _Optional[str] = ..., stage: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., version: _Optional[int] = ..., epoch: _Optional[int] = ..., state: _Optional[str] = ..., samples_per_second: _Optional[float] = ..., queue_depth: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., activations: _Optional[str] = ..., gradients: _Optional[str] = ...) -> None: ...
+
+class SyncRequest(_message.Message):
+    __slots__ = ("header", "round")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    header: StageHeader
+    round: int
+    def __init__(self, header: _Optional[_Union[StageHeader, _Mapping]] = ..., round: _Optional[int] = ...) -> None: ...
+
+class SyncReply(_message.Message):
+    __slots__ = ("epoch", "outcome")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    outcome: str
+    def __init__(self, epoch: _Optional[int] = ..., outcome: _Optional[str] = ...) -> None: ...

@@ -54,6 +54,11 @@ class StageStub:
                 request_serializer=swarmgrad_dot_protocol_dot_v1_dot_stage__pb2.BackwardRequest.SerializeToString,
                 response_deserializer=swarmgrad_dot_protocol_dot_v1_dot_stage__pb2.BackwardReply.FromString,
                 _registered_method=True)
+        self.Sync = channel.unary_unary(
+                '/swarmgrad.v1.Stage/Sync',
+                request_serializer=swarmgrad_dot_protocol_dot_v1_dot_stage__pb2.SyncRequest.SerializeToString,
+                response_deserializer=swarmgrad_dot_protocol_dot_v1_dot_stage__pb2.SyncReply.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -83,6 +88,12 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sync(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +116,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Backward,
                     request_deserializer=swarmgrad_dot_protocol_dot_v1_dot_stage__pb2.BackwardRequest.FromString,
                     response_serializer=swarmgrad_dot_protocol_dot_v1_dot_stage__pb2.BackwardReply.SerializeToString,
+            ),
+            'Sync': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sync,
+                    request_deserializer=swarmgrad_dot_protocol_dot_v1_dot_stage__pb2.SyncRequest.FromString,
+                    response_serializer=swarmgrad_dot_protocol_dot_v1_dot_stage__pb2.SyncReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +231,33 @@ class Stage:
             '/swarmgrad.v1.Stage/Backward',
             swarmgrad_dot_protocol_dot_v1_dot_stage__pb2.BackwardRequest.SerializeToString,
             swarmgrad_dot_protocol_dot_v1_dot_stage__pb2.BackwardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarmgrad.v1.Stage/Sync',
+            swarmgrad_dot_protocol_dot_v1_dot_stage__pb2.SyncRequest.SerializeToString,
+            swarmgrad_dot_protocol_dot_v1_dot_stage__pb2.SyncReply.FromString,
             options,
             channel_credentials,
             insecure,
