@@ -414,6 +414,14 @@ def simulate(
             help="des: one inner step's seconds at slowdown 1 (default: timed here, 1 thread)."
         ),
     ] = None,
+    stages: Annotated[
+        int,
+        typer.Option(
+            help="processes: a pipeline of this many stages: --nodes stage servers (node i "
+            "serves stage i mod S) and --trainers trainers; rounds are round barriers."
+        ),
+    ] = 0,
+    trainers: Annotated[int, typer.Option(help="--stages: the pipeline's trainers.")] = 1,
 ) -> None:
     """Run a local swarm, real processes or the discrete-event model; print and save a
     summary."""
@@ -424,6 +432,34 @@ def simulate(
     _logging(False)
     if engine not in ("processes", "des"):
         raise _fail(EXIT_CONFIG, f"--engine must be processes or des, got {engine!r}")
+    if stages:
+        from swarmgrad.simulations import pipeline
+
+        if engine != "processes" or netem or launcher != "local":
+            raise _fail(
+                EXIT_CONFIG, "--stages runs local processes (no --engine des, --netem or ray)"
+            )
+
+        try:
+            summary = pipeline.simulate_pipeline(
+                pipeline.PipelineSimulation(
+                    stages=stages,
+                    nodes=nodes,
+                    trainers=trainers,
+                    rounds=rounds,
+                    out_dir=out,
+                    spec_path=spec,
+                    profile_path=profile,
+                    churn_path=churn,
+                    seed=seed or 0,
+                    timeout_seconds=timeout,
+                    discovery=discovery,
+                )
+            )
+        except (SetupError, SimulationError) as error:
+            raise _fail(EXIT_CONFIG, str(error)) from None
+        pipeline.print_pipeline_summary(summary)
+        raise typer.Exit(0 if summary["ok"] else 1)
     try:
         if engine == "des":
             from swarmgrad.simulations.des import driver

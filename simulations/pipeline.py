@@ -9,8 +9,10 @@ reference for a pipeline of one replica per stage.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,9 +26,10 @@ from swarmgrad.node.identity import Identity
 from swarmgrad.node.pipeline.model import Pipeline, Stage, parameter_bytes
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.training.data import load_corpus
+from swarmgrad.simulations.churn import load_schedule
 from swarmgrad.simulations.launchers import LocalProcess
 from swarmgrad.simulations.processes import node_command
-from swarmgrad.simulations.profiles import SimulationError
+from swarmgrad.simulations.profiles import SimulationError, load_profile
 
 
 def trainer_identity(seed: int, index: int) -> Identity:
@@ -240,3 +243,225 @@ def whole_model_bytes(spec: RunSpec) -> int:
             for k, span in enumerate(spans)
         ]
     return sum(parameter_bytes(s) for s in stages)
+
+
+#: The demo run as a pipeline: the demo GPT made deeper (8 layers) and cut into stages.
+PIPELINE_DEMO_SPEC = """\
+[run]
+id = "shakespeare-pipeline"
+
+[model]
+vocab_size = 2048
+d_model = 128
+n_layers = 8
+n_heads = 4
+seq_len = 64
+
+[data]
+source = "demo"
+batch_size = 16
+
+[algorithm]
+name = "diloco"
+inner_steps = 10
+inner_lr = 2e-3
+outer_lr = 1.0
+outer_momentum = 0.0
+
+[averaging]
+codec = "int8"
+group_size = 2
+matchmaking_timeout_seconds = 5.0
+
+[pipeline]
+stages = {stages}
+microbatches = 4
+"""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineSimulation:
+    """``swarmgrad simulate --stages S``: ``nodes`` stage servers (node i serves stage i mod S)
+    and ``trainers`` trainers, for ``rounds`` round barriers (``rounds x inner_steps`` trainer
+    steps). Profiles apply to stage servers (slowdown, upload cap), as do churn events
+    (kill, stop, start of node i at a round)."""
+
+    stages: int
+    nodes: int
+    trainers: int
+    rounds: int
+    out_dir: Path
+    spec_path: Path | None = None
+    profile_path: Path | None = None
+    churn_path: Path | None = None
+    seed: int = 0
+    timeout_seconds: float = 600.0
+    discovery: str = "hivemind"
+
+    def __post_init__(self) -> None:
+        if self.stages < 2:
+            raise SimulationError("--stages must be at least 2 (1 stage is a plain swarm)")
+        if self.nodes < self.stages:
+            raise SimulationError(
+                f"--nodes ({self.nodes}) must be at least --stages ({self.stages}): every stage "
+                f"needs a server"
+            )
+        if self.trainers < 1 or self.rounds < 1:
+            raise SimulationError("--trainers and --rounds must be at least 1")
+
+
+def simulate_pipeline(config: PipelineSimulation) -> dict[str, Any]:
+    """Run the pipeline swarm until every trainer is done; its summary (also summary.json)."""
+    out = config.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    spec_path = out / "run.toml"
+    if config.spec_path is None:
+        spec_path.write_text(PIPELINE_DEMO_SPEC.format(stages=config.stages))
+    else:
+        shutil.copyfile(config.spec_path, spec_path)
+    spec = RunSpec.load(spec_path)
+    if spec.pipeline.stages != config.stages:
+        raise SimulationError(
+            f"--stages {config.stages}, but the spec's [pipeline] has {spec.pipeline.stages}"
+        )
+    profiles = load_profile(config.profile_path, config.nodes, seed=config.seed)
+    events = load_schedule(config.churn_path, nodes=config.nodes) if config.churn_path else []
+    for event in events:
+        if event.during:
+            raise SimulationError("a pipeline simulation's kills do not wait for a phase")
+    steps = config.rounds * spec.algorithm.inner_steps
+    started = time.monotonic()
+    fired: list[dict[str, Any]] = []
+    with PipelineSwarm(
+        spec_path,
+        out,
+        seed=config.seed,
+        timeout_seconds=config.timeout_seconds,
+        discovery=config.discovery,
+    ) as swarm:
+
+        def start(node: int) -> Member:
+            profile = profiles[node]
+            extra = ["--slowdown", str(profile.slowdown)]
+            if profile.upload_bytes_per_second is not None:
+                extra += ["--upload-limit", str(profile.upload_bytes_per_second)]
+            return swarm.start_stage(node % config.stages, node // config.stages, *extra)
+
+        servers = [start(i) for i in range(config.nodes)]
+        swarm.wait_serving()
+        trainers = [
+            swarm.start_trainer(t, "--max-steps", str(steps)) for t in range(config.trainers)
+        ]
+        pending = sorted(events, key=lambda e: e.at_epoch)
+
+        def done() -> bool:
+            round_ = len(trainers[0].read().get("rounds", []))
+            while pending and pending[0].at_epoch <= round_:
+                event = pending.pop(0)
+                member = servers[event.node]
+                if event.action == "kill":
+                    swarm.kill(member.name)
+                elif event.action == "stop" and member.process is not None:
+                    member.process.stop()
+                else:
+                    servers[event.node] = start(event.node)
+                fired.append({"round": round_, "action": event.action, "node": event.node})
+            return not any(t.alive for t in trainers)
+
+        swarm.wait(done, "the trainers to finish")
+        statuses = [t.read() for t in trainers]
+        for trainer in trainers:
+            assert trainer.process is not None
+            if trainer.process.poll() != 0:
+                raise SimulationError(f"{trainer.name} failed:\n{trainer.process.tail(30)}")
+        replicas = {m.name: m.read() for m in swarm.stages()}
+    summary = _pipeline_summary(config, spec, statuses, replicas, time.monotonic() - started)
+    summary["churn"] = fired
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _pipeline_summary(
+    config: PipelineSimulation,
+    spec: RunSpec,
+    trainers: list[dict[str, Any]],
+    replicas: dict[str, dict[str, Any]],
+    wall_seconds: float,
+) -> dict[str, Any]:
+    stages = []
+    for k in range(config.stages):
+        mine = {n: s for n, s in replicas.items() if s.get("stage") == k}
+        checksums = {s.get("checksum") for s in mine.values() if s.get("state") != "joining"}
+        stages.append(
+            {
+                "stage": k,
+                "replicas": {
+                    name: {
+                        "peer_id": s.get("peer_id", ""),
+                        "samples": s.get("stats", {}).get("samples", 0),
+                        "epoch": s.get("epoch", 0),
+                        "parameter_bytes": s.get("parameter_bytes", 0),
+                    }
+                    for name, s in mine.items()
+                },
+                "replicas_identical": len(checksums) == 1,
+                "retries": sum(t["stages"][k]["retries"] for t in trainers),
+                "resends": sum(t["stages"][k]["resends"] for t in trainers),
+                "bytes_up_per_sample": statistics.fmean(
+                    t["stages"][k]["bytes_up_per_sample"] for t in trainers
+                ),
+                "bytes_down_per_sample": statistics.fmean(
+                    t["stages"][k]["bytes_down_per_sample"] for t in trainers
+                ),
+            }
+        )
+    seconds = [s for t in trainers for s in t["step_seconds"][3:]] or [math.nan]
+    return {
+        "engine": "pipeline",
+        "run": spec.run.id,
+        "spec_hash": spec.short_hash,
+        "stages": config.stages,
+        "nodes": config.nodes,
+        "trainers": config.trainers,
+        "steps": [t["step"] for t in trainers],
+        "wall_seconds": wall_seconds,
+        "initial_loss": statistics.fmean(t["losses"][0] for t in trainers),
+        "final_loss": statistics.fmean(statistics.fmean(t["losses"][-5:]) for t in trainers),
+        "samples_per_second": config.trainers * spec.data.batch_size / statistics.median(seconds),
+        "failed_steps": sum(t["failed_steps"] for t in trainers),
+        "whole_model_bytes": whole_model_bytes(spec),
+        "per_stage": stages,
+        "ok": all(s["replicas_identical"] for s in stages)
+        and all(t["step"] == config.rounds * spec.algorithm.inner_steps for t in trainers),
+    }
+
+
+def print_pipeline_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"pipeline {summary['run']} ({summary['spec_hash']})")
+    for column in ("stage", "replicas", "samples", "MB held", "identical", "retries", "resends"):
+        table.add_column(column)
+    table.add_column("KiB/sample up/down")
+    for stage in summary["per_stage"]:
+        replicas = stage["replicas"].values()
+        table.add_row(
+            str(stage["stage"]),
+            str(len(stage["replicas"])),
+            "/".join(str(r["samples"]) for r in replicas),
+            "/".join(f"{r['parameter_bytes'] / 1e6:.1f}" for r in replicas),
+            "yes" if stage["replicas_identical"] else "NO",
+            str(stage["retries"]),
+            str(stage["resends"]),
+            f"{stage['bytes_up_per_sample'] / 1024:.1f}/"
+            f"{stage['bytes_down_per_sample'] / 1024:.1f}",
+        )
+    console.print(table)
+    console.print(
+        f"loss {summary['initial_loss']:.3f} -> {summary['final_loss']:.3f} in "
+        f"{max(summary['steps'])} steps, {summary['samples_per_second']:.1f} samples/s, "
+        f"{summary['failed_steps']} failed steps, whole model "
+        f"{summary['whole_model_bytes'] / 1e6:.1f} MB, {summary['wall_seconds']:.0f} s"
+    )

@@ -181,19 +181,31 @@ class StageCounters:
     retries: int = 0  # calls repeated on another replica
     resends: int = 0  # inputs sent again for a backward
     failures: dict[str, int] = field(default_factory=dict)
-    bytes_up: int = 0  # payload bytes the trainer sent the stage
-    bytes_down: int = 0  # ... and received from it
+    #: Payload bytes the trainer sent the stage, and received from it, by kind: "tokens" (ids
+    #: and labels), "activations", "gradients", "resent" (inputs sent again for a backward).
+    sent: dict[str, int] = field(default_factory=dict)
+    received: dict[str, int] = field(default_factory=dict)
     wait_seconds: float = 0.0  # waiting for a live replica
+    #: Per call that failed over: seconds from its first failure to its answer elsewhere.
+    failover_seconds: list[float] = field(default_factory=list)
+
+    def count(self, into: dict[str, int], kind: str, size: int) -> None:
+        if size:
+            into[kind] = into.get(kind, 0) + size
 
     def as_dict(self, samples: int) -> dict[str, Any]:
+        per = max(samples, 1)
         return {
             "calls": self.calls,
             "retries": self.retries,
             "resends": self.resends,
             "failures": dict(self.failures),
-            "bytes_up_per_sample": self.bytes_up / max(samples, 1),
-            "bytes_down_per_sample": self.bytes_down / max(samples, 1),
+            "bytes_up_per_sample": sum(self.sent.values()) / per,
+            "bytes_down_per_sample": sum(self.received.values()) / per,
+            "sent_per_sample": {k: v / per for k, v in self.sent.items()},
+            "received_per_sample": {k: v / per for k, v in self.received.items()},
             "wait_seconds": self.wait_seconds,
+            "failover_seconds": list(self.failover_seconds),
         }
 
 
@@ -348,6 +360,7 @@ class PipelineClient:
         excluded: set[str] = set()
         attempt = 0
         resend = False
+        failed_at: float | None = None  # the first failure of this call
         while True:
             replica = self._pick(stage, samples, prefer, excluded, resend)
             if replica is None:
@@ -381,11 +394,15 @@ class PipelineClient:
                 reply = await self._send(replica, method, message, counters)
             except _Resend:
                 resend = True
+                failed_at = failed_at or time.monotonic()
                 continue
             except _Retry:
                 excluded.add(replica.peer_id)
                 prefer = ""
+                failed_at = failed_at or time.monotonic()
                 continue
+            if failed_at is not None:
+                counters.failover_seconds.append(time.monotonic() - failed_at)
             elapsed = time.monotonic() - started
             self.router.done(replica, elapsed, samples, forward=method != "Backward")
             return reply, replica.peer_id
@@ -406,7 +423,7 @@ class PipelineClient:
             self.signer, f"/{stage_protocol.SERVICE}/{method}", replica.peer_id, message
         )
         payload = message.SerializeToString()
-        counters.bytes_up += _payload_bytes(message)
+        _count_request(counters, message)
         await self.transport.pace(len(payload))
         channel = self.transport.channel(replica.endpoint)
         reply_type = _REPLIES[method]
@@ -420,7 +437,7 @@ class PipelineClient:
             reply = await call(payload, timeout=self._timeout)
         except grpc.aio.AioRpcError as error:
             self._failed(replica, error, counters)
-        counters.bytes_down += _reply_bytes(reply)
+        _count_reply(counters, reply)
         return reply
 
     def _failed(
@@ -472,21 +489,24 @@ def _prepare(
     return message
 
 
-def _payload_bytes(message: Request) -> int:
-    size = 0
+def _count_request(counters: StageCounters, message: Request) -> None:
+    sent = counters.sent
+    resent = isinstance(message, stage_pb2.BackwardRequest)
     if message.HasField("inputs"):
-        size += len(message.inputs.tokens) + len(message.inputs.activations.payload)
+        inputs = message.inputs
+        counters.count(sent, "resent" if resent else "tokens", len(inputs.tokens))
+        counters.count(sent, "resent" if resent else "activations", len(inputs.activations.payload))
     if isinstance(message, stage_pb2.ForwardLossRequest):
-        size += len(message.labels)
+        counters.count(sent, "tokens", len(message.labels))
     if isinstance(message, stage_pb2.BackwardRequest):
-        size += len(message.grad_outputs.payload)
-    return size
+        counters.count(sent, "gradients", len(message.grad_outputs.payload))
 
 
-def _reply_bytes(reply: Any) -> int:
+def _count_reply(counters: StageCounters, reply: Any) -> None:
     if isinstance(reply, stage_pb2.ForwardReply):
-        return len(reply.outputs.payload)
-    return len(reply.grad_inputs.payload)
+        counters.count(counters.received, "activations", len(reply.outputs.payload))
+    else:
+        counters.count(counters.received, "gradients", len(reply.grad_inputs.payload))
 
 
 # -- the trainer process ------------------------------------------------------------------------

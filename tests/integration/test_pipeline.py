@@ -12,6 +12,7 @@ of the model's layers each, trainers routing microbatches through them.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from pathlib import Path
@@ -20,8 +21,10 @@ import pytest
 
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.simulations.pipeline import (
+    PipelineSimulation,
     PipelineSwarm,
     reference_losses,
+    simulate_pipeline,
     trainer_identity,
     whole_model_bytes,
 )
@@ -173,28 +176,31 @@ def test_a_stage_without_replicas_fails_the_step_in_time_and_training_resumes(
 
 
 def test_each_stage_is_a_diloco_group_whose_replicas_end_identical(tmp_path: Path) -> None:
-    """2 stages x 2 replicas, a round every 5 trainer steps: at each round barrier every replica
-    of both stages averages with its stage's other replica, and they end bit-identical."""
+    """``simulate --stages 2 --nodes 4``: 2 stages x 2 replicas, a round every 5 trainer steps:
+    at each round barrier every replica of both stages averages with its stage's other replica,
+    and they end bit-identical."""
     spec_path = tmp_path / "groups.toml"
     spec_path.write_text(
         SPEC.format(codecs="", wait=30.0)
         .replace("inner_steps = 1000", "inner_steps = 5")
         .replace("stages = 4", "stages = 2")
     )
-    with PipelineSwarm(spec_path, tmp_path / "groups") as swarm:
-        for stage in range(2):
-            for replica in range(2):
-                swarm.start_stage(stage, replica)
-        swarm.wait_serving()
-        swarm.start_trainer(0, "--max-steps", "15")
-        trainer = swarm.wait_finished("trainer0")
-        stages = {m.name: m.read() for m in swarm.stages()}
-    assert [r["step"] for r in trainer["rounds"]] == [5, 10, 15]
-    for round_ in trainer["rounds"]:
+    out = tmp_path / "groups"
+    summary = simulate_pipeline(
+        PipelineSimulation(
+            stages=2, nodes=4, trainers=1, rounds=3, out_dir=out, spec_path=spec_path
+        )
+    )
+    assert summary["ok"]
+    assert summary["steps"] == [15]
+    assert summary["final_loss"] < summary["initial_loss"] - 0.5
+    rounds = json.loads((out / "trainer0.json").read_text())["rounds"]
+    assert [r["step"] for r in rounds] == [5, 10, 15]
+    for round_ in rounds:
         assert round_["outcomes"] == {"0": ["averaged"] * 2, "1": ["averaged"] * 2}, round_
-    for stage in range(2):
-        a, b = stages[f"stage{stage}-0"], stages[f"stage{stage}-1"]
-        assert a["epoch"] == b["epoch"] == 3
-        assert a["checksum"] == b["checksum"] != ""
+    for stage in summary["per_stage"]:
+        assert stage["replicas_identical"]
+        replicas = list(stage["replicas"].values())
+        assert [r["epoch"] for r in replicas] == [3, 3]
         # Both did work: the router spread the stage's microbatches over its replicas.
-        assert min(a["stats"]["samples"], b["stats"]["samples"]) > 0
+        assert min(r["samples"] for r in replicas) > 0

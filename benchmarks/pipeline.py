@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""Pipeline stages across processes against the whole model in one process, on this machine.
+
+    python benchmarks/pipeline.py                    # every arm once, 30 steps each
+    python benchmarks/pipeline.py --steps 40 --repeats 3 --json out.json
+
+On one host a pipeline shows its overhead, not a speedup: every stage is a process of its own on
+the same cores, every boundary a gRPC hop through the trainer (the hub), and every backward
+recomputes its stage's forward. Arms (the same model: GPT d128 x 8 layers, vocab 2048, seq 64,
+batches of 16 in 4 microbatches; 1 torch thread per process):
+
+- ``one process``: every stage chained in this process, microbatches accumulated, AdamW;
+- ``S4x1 fp32`` / ``S4x1 default`` (bf16 activations, int8 gradients) / ``S4x1 int8`` (int8 both
+  ways) / ``S4x2 default``: 4 stage processes with 1 or 2 replicas each, one trainer;
+- ``capped fp32`` / ``capped default``: S4x1 with every process's upload capped at
+  ``--upload-mb`` MB/s (10 by default);
+- ``kill``: S4x1 but stage 2 has 2 replicas, one of which dies (SIGKILL) between forwards and
+  backwards: the time from the failed call to its answer elsewhere, and the step's time against
+  the median step.
+
+Reported: samples/s (the batch over the median step time, the first 3 steps left out), bytes per
+sample per boundary per direction (one crossing; through the hub each crosses twice), and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarmgrad.node.config import home
+from swarmgrad.node.pipeline.model import Pipeline
+from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.training.data import load_corpus
+from swarmgrad.simulations.pipeline import PipelineSwarm
+
+SPEC = """\
+[run]
+id = "pipeline-bench"
+
+[model]
+vocab_size = 2048
+d_model = 128
+n_layers = 8
+n_heads = 4
+seq_len = 64
+
+[data]
+batch_size = 16
+
+[algorithm]
+inner_steps = 100000
+inner_lr = 2e-3
+
+[averaging]
+group_size = 2
+
+[pipeline]
+stages = 4
+microbatches = 4
+activations = "{activations}"
+gradients = "{gradients}"
+"""
+CODECS = {"fp32": ("none", "none"), "default": ("bf16", "int8"), "int8": ("int8", "int8")}
+WARMUP_STEPS = 3
+
+
+def one_process(steps: int) -> dict[str, Any]:
+    """The whole model in this process: the step times of the same training."""
+    torch.set_num_threads(1)
+    spec = RunSpec.from_toml(SPEC.format(activations="none", gradients="none"))
+    corpus = load_corpus(spec.data, vocab_size=spec.model.vocab_size, cache_dir=home() / "cache")
+    batches = iter(
+        corpus.batches(seq_len=64, batch_size=16, seed=spec.data.seed, peer_id="benchmark")
+    )
+    model = Pipeline(spec.model, spec.pipeline, seed=spec.data.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.algorithm.inner_lr, weight_decay=0)
+    seconds, losses = [], []
+    for _ in range(steps):
+        started = time.monotonic()
+        inputs, targets = next(batches)
+        total = 0.0
+        for x, y in zip(inputs.chunk(4), targets.chunk(4), strict=True):
+            loss = model.loss(x, y)
+            (loss * 0.25).backward()  # type: ignore[no-untyped-call]
+            total += float(loss.detach()) / 4
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds.append(time.monotonic() - started)
+        losses.append(total)
+    return _summary({"step_seconds": seconds, "losses": losses, "stages": []})
+
+
+def pipeline_arm(
+    work: Path,
+    *,
+    codecs: str,
+    replicas: int,
+    steps: int,
+    upload_mb: float | None = None,
+    kill: bool = False,
+) -> dict[str, Any]:
+    activations, gradients = CODECS[codecs]
+    spec_path = work / f"{codecs}.toml"
+    spec_path.write_text(SPEC.format(activations=activations, gradients=gradients))
+    cap = ["--upload-limit", str(upload_mb * 1e6)] if upload_mb else []
+    out = work / f"{codecs}-{replicas}-{upload_mb}-{kill}"
+    with PipelineSwarm(spec_path, out) as swarm:
+        for stage in range(4):
+            for replica in range(replicas):
+                swarm.start_stage(stage, replica, *cap)
+        if kill:  # one more replica of stage 2, which dies mid-run
+            crash = ["--crash-after-forwards", str(2 * steps)]
+            swarm.start_stage(2, 1, *crash, *cap)
+        swarm.wait_serving()
+        swarm.start_trainer(0, "--max-steps", str(steps), *cap)
+        status = swarm.wait_finished("trainer0")
+        held = [m.read().get("parameter_bytes", 0) for m in swarm.stages()]
+    summary = _summary(status)
+    summary["parameter_bytes_per_stage_server"] = held
+    if kill:
+        stage2 = status["stages"][2]
+        seconds = status["step_seconds"]
+        summary["kill"] = {
+            "retries": stage2["retries"],
+            "resends": stage2["resends"],
+            "failover_seconds": stage2["failover_seconds"],
+            "worst_step_over_median": max(seconds[WARMUP_STEPS:]) / statistics.median(seconds),
+            "failed_steps": status["failed_steps"],
+        }
+    return summary
+
+
+def _summary(status: dict[str, Any]) -> dict[str, Any]:
+    seconds = status["step_seconds"][WARMUP_STEPS:]
+    median = statistics.median(seconds)
+    stages = status["stages"]
+    boundaries = []
+    for b in range(len(stages) - 1):  # between stage b and b + 1
+        boundaries.append(
+            {
+                "forward": stages[b].get("received_per_sample", {}).get("activations", 0.0),
+                "backward": stages[b + 1].get("received_per_sample", {}).get("gradients", 0.0),
+            }
+        )
+    return {
+        "samples_per_second": 16 / median,
+        "step_seconds_median": median,
+        "step_seconds_spread": [min(seconds), max(seconds)],
+        "last_losses": status["losses"][-5:],
+        "boundaries": boundaries,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--upload-mb", type=float, default=10.0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    arms: dict[str, list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for _ in range(args.repeats):
+            runs = {
+                "one process": lambda: one_process(args.steps),
+                "S4x1 fp32": lambda: pipeline_arm(
+                    work, codecs="fp32", replicas=1, steps=args.steps
+                ),
+                "S4x1 default": lambda: pipeline_arm(
+                    work, codecs="default", replicas=1, steps=args.steps
+                ),
+                "S4x1 int8": lambda: pipeline_arm(
+                    work, codecs="int8", replicas=1, steps=args.steps
+                ),
+                "S4x2 default": lambda: pipeline_arm(
+                    work, codecs="default", replicas=2, steps=args.steps
+                ),
+                "capped fp32": lambda: pipeline_arm(
+                    work, codecs="fp32", replicas=1, steps=args.steps, upload_mb=args.upload_mb
+                ),
+                "capped default": lambda: pipeline_arm(
+                    work, codecs="default", replicas=1, steps=args.steps, upload_mb=args.upload_mb
+                ),
+                "kill": lambda: pipeline_arm(
+                    work, codecs="default", replicas=1, steps=args.steps, kill=True
+                ),
+            }
+            for name, run in runs.items():
+                result = run()
+                arms.setdefault(name, []).append(result)
+                print(f"{name:>15}: {result['samples_per_second']:7.1f} samples/s", flush=True)
+    report = _report(arms)
+    if args.json:
+        args.json.write_text(json.dumps({"arms": arms, "report": report}, indent=1))
+
+
+def _median(arms: dict[str, list[dict[str, Any]]], name: str) -> float:
+    return statistics.median(r["samples_per_second"] for r in arms[name])
+
+
+def _report(arms: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    base = _median(arms, "one process")
+    print("\nthroughput (median of repeats; the batch over the median step)")
+    print(f"{'arm':>15} {'samples/s':>10} {'vs one process':>15}")
+    for name in arms:
+        value = _median(arms, name)
+        print(f"{name:>15} {value:10.1f} {value / base:14.2f}x")
+    print("\nbytes per sample per boundary per direction (one crossing; the hub doubles them)")
+    fp32 = arms["S4x1 fp32"][0]["boundaries"]
+    for name in ("S4x1 fp32", "S4x1 default", "S4x1 int8"):
+        rows = arms[name][0]["boundaries"]
+        cells = "  ".join(f"{r['forward'] / 1024:6.1f}/{r['backward'] / 1024:6.1f}" for r in rows)
+        total = sum(r["forward"] + r["backward"] for r in rows)
+        ratio = total / sum(r["forward"] + r["backward"] for r in fp32)
+        print(f"{name:>15}: KiB fwd/bwd {cells}   total {ratio:.2f}x fp32's")
+    capped = _median(arms, "capped default") / _median(arms, "capped fp32")
+    print(f"\nuploads capped: default codecs {capped:.2f}x fp32's samples/s")
+    kill = arms["kill"][0]["kill"]
+    print(
+        f"kill: {kill['retries']} retries, {kill['resends']} resends, failover "
+        f"{[round(s * 1000) for s in kill['failover_seconds']]} ms, worst step "
+        f"{kill['worst_step_over_median']:.2f}x the median, {kill['failed_steps']} failed steps"
+    )
+    return {"capped_ratio": capped, "kill": kill, "one_process": base}
+
+
+if __name__ == "__main__":
+    main()
