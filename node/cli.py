@@ -18,6 +18,7 @@ from swarmgrad.node.cli_common import (
 )
 from swarmgrad.node.cli_common import fail as _fail
 from swarmgrad.node.cli_common import setup_logging as _logging
+from swarmgrad.node.config import ConfigError
 from swarmgrad.node.discovery.base import DiscoveryError
 from swarmgrad.node.discovery.directory import SpecMismatch
 from swarmgrad.node.runspec import RunSpecError
@@ -118,8 +119,11 @@ def node(
         ),
     ] = 32,
     stage: Annotated[
-        int | None,
-        typer.Option(help="A pipeline run: serve this stage's layers (0..stages-1)."),
+        str | None,
+        typer.Option(
+            help="A pipeline run: serve this stage's layers (0..stages-1), or 'auto' (the "
+            "stage with the least capacity)."
+        ),
     ] = None,
     role: Annotated[
         str | None,
@@ -177,7 +181,7 @@ def node(
             display=display,
             eval_windows=eval_windows,
             role=role or ("stage" if stage is not None else "node"),
-            stage=stage,
+            stage=None if stage is None or stage == "auto" else _stage_index(stage),
             max_steps=max_steps,
             crash_after_forwards=crash_after_forwards,
         )
@@ -196,6 +200,13 @@ def node(
     if message:
         raise _fail(code, message)
     raise typer.Exit(code)
+
+
+def _stage_index(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"--stage must be a stage's index or 'auto', got {value!r}") from None
 
 
 @app.command()

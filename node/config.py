@@ -103,8 +103,8 @@ class NodeConfig:
                 f"--role {self.role} is for pipeline runs ([pipeline] stages > 1); run "
                 f"{self.spec.run.id!r} has one stage"
             )
-        if self.role == "stage" and not (self.stage is not None and 0 <= self.stage < stages):
-            raise ConfigError(f"--stage must be one of 0..{stages - 1}, got {self.stage}")
+        if self.role == "stage" and self.stage is not None and not 0 <= self.stage < stages:
+            raise ConfigError(f"--stage must be one of 0..{stages - 1} or auto, got {self.stage}")
         if self.max_steps is not None and (self.role != "trainer" or self.max_steps < 1):
             raise ConfigError("--max-steps (at least 1) is for pipeline trainers")
 

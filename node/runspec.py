@@ -315,6 +315,10 @@ class PipelineSection:
     wait_seconds: float = 30.0
     #: Deadline of one call to a stage replica.
     call_timeout_seconds: float = 20.0
+    #: Stage servers check the stages' balance about this often (0: never move).
+    rebalance_seconds: float = 60.0
+    #: A replica moves only if the weakest stage's capacity grows past 1 / hysteresis.
+    hysteresis: float = 0.75
 
     def __post_init__(self) -> None:
         _positive(
@@ -324,6 +328,11 @@ class PipelineSection:
             wait_seconds=self.wait_seconds,
             call_timeout_seconds=self.call_timeout_seconds,
         )
+        if self.rebalance_seconds < 0 or not 0 < self.hysteresis < 1:
+            raise RunSpecError(
+                "pipeline.rebalance_seconds must be >= 0 (0: never) and pipeline.hysteresis "
+                "in (0, 1)"
+            )
         if self.gradients == "fp16":
             raise RunSpecError(
                 "pipeline.gradients = 'fp16' is refused: activation gradients underflow fp16 "

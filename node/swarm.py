@@ -352,6 +352,11 @@ class Swarm:
         if self.directory is not None:
             self._bridge.soon(self.directory.changed)
 
+    async def records_of(self, spec: RunSpec) -> list[PeerRecord]:
+        """The peer records of another run on this node's DHT (a pipeline's other stages)."""
+        assert self._discovery is not None
+        return await self._discovery.for_run(spec.run.id, spec.hash).find()
+
     async def refresh_peers(self) -> list[PeerRecord]:
         assert self.directory is not None
         return await self.directory.refresh()

@@ -29,10 +29,11 @@ import contextlib
 import json
 import logging
 import os
+import random
 import signal
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -40,15 +41,19 @@ from typing import Any, TypeVar
 import torch
 
 from swarmgrad.node.config import NodeConfig
+from swarmgrad.node.discovery.records import PeerRecord
+from swarmgrad.node.discovery.start import start_discovery
 from swarmgrad.node.files import atomic_write
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.pipeline.balance import Move, choose_stage, plan_move
+from swarmgrad.node.pipeline.balance import Replica as BalanceReplica
 from swarmgrad.node.pipeline.model import Stage, build_stage, parameter_bytes
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.training.diloco import DiLoCo
 from swarmgrad.node.training.trainer import set_lr
 from swarmgrad.protocol import stage as stage_protocol
-from swarmgrad.protocol.errors import ProtocolViolation
+from swarmgrad.protocol.errors import ProtocolViolation, SwarmgradError
 from swarmgrad.protocol.stage import Microbatch, StageSchema, StageServicer
 from swarmgrad.protocol.v1 import stage_pb2
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
@@ -63,8 +68,6 @@ CACHE_BYTES = 256 * 1024 * 1024
 MAX_STALE_STEPS = 4
 #: Microbatches remembered as accumulated (for de-duplication).
 DEDUP_MEMORY = 4096
-#: Weight of the newest measurement in the seconds-per-sample average.
-EMA_ALPHA = 0.3
 
 
 def schema_of(spec: RunSpec, index: int) -> StageSchema:
@@ -127,8 +130,8 @@ class StageWorker:
         self.version = 0
         #: Samples accumulated towards the next inner step.
         self.pending_samples = 0
-        self.queue_depth = 0
-        self.seconds_per_sample: float | None = None
+        self._queued: set[asyncio.Future[Any]] = set()
+        self._work_seconds, self._work_samples = 0.0, 0
         self.replica: DiLoCo | None = None
         self.state = "joining"
         self.stats = WorkerStats()
@@ -173,11 +176,21 @@ class StageWorker:
     # -- the worker thread --------------------------------------------------------------------
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        self.queue_depth += 1
+        future = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        self._queued.add(future)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            return await future
         finally:
-            self.queue_depth -= 1
+            self._queued.discard(future)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queued)
+
+    async def drain(self, timeout_seconds: float) -> None:
+        """Until the work queued now is done (at most ``timeout_seconds``)."""
+        if self._queued:
+            await asyncio.wait(set(self._queued), timeout=timeout_seconds)
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn`` on the worker thread (from another thread) and wait for it."""
@@ -276,11 +289,8 @@ class StageWorker:
     def _count(self, mb: Microbatch, samples: int, started: float) -> None:
         """One microbatch's backward done: measure it, and step once a batch has accumulated."""
         self._slow(started)
-        per_sample = (time.monotonic() - started) / samples
-        ema = self.seconds_per_sample
-        self.seconds_per_sample = (
-            per_sample if ema is None else EMA_ALPHA * per_sample + (1 - EMA_ALPHA) * ema
-        )
+        self._work_seconds += time.monotonic() - started
+        self._work_samples += samples
         self.pending_samples += samples
         if self.pending_samples >= self.batch_size:
             self._inner_step()
@@ -325,8 +335,9 @@ class StageWorker:
 
     @property
     def samples_per_second(self) -> float:
-        spp = self.seconds_per_sample
-        return 1.0 / spp if spp else 0.0
+        """Samples over the compute seconds of their backwards, since this replica joined its
+        stage (0 before its first): what it announces, steadier than a recent average."""
+        return self._work_samples / self._work_seconds if self._work_seconds else 0.0
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -368,12 +379,32 @@ def status(worker: StageWorker, servicer: StageServicer, swarm: Swarm) -> dict[s
 
 
 async def serve_stage(config: NodeConfig, stop: asyncio.Event) -> int:
-    """Serve stage ``config.stage`` until stopped."""
-    assert config.stage is not None
-    spec, index = config.spec, config.stage
+    """Serve stage ``config.stage`` (None: ``auto``, the weakest) until stopped, moving to
+    another stage when rebalancing says so (drain, leave, join the other stage's group)."""
     identity = Identity.load_or_create(config.identity_path)
     if config.settings.threads:
         torch.set_num_threads(config.settings.threads)
+    index = config.stage if config.stage is not None else await _choose(config, identity)
+    moves: list[dict[str, Any]] = []
+    while True:
+        move = await _serve(config, identity, index, stop, moves)
+        if move is None:
+            return 0
+        moves.append({"from": move.source, "to": move.target, "at": time.time()})
+        log.info("rebalancing: moving from stage %d to stage %d", move.source, move.target)
+        index = move.target
+
+
+async def _serve(
+    config: NodeConfig,
+    identity: Identity,
+    index: int,
+    stop: asyncio.Event,
+    moves: list[dict[str, Any]],
+) -> Move | None:
+    """Serve stage ``index`` until ``stop`` (None) or a move (returned). A replica announces
+    its throughput once it has measured it here (0 until then: no plan moves anyone)."""
+    spec = config.spec
     module = build_stage(spec.model, spec.pipeline, index, seed=spec.data.seed)
     worker = StageWorker(module, spec, peer_id=identity.peer_id, slowdown=config.slowdown)
     swarm = Swarm(spec.stage_spec(index), identity, config.swarm)
@@ -387,6 +418,11 @@ async def serve_stage(config: NodeConfig, stop: asyncio.Event) -> int:
         pace=swarm.transport.pace if swarm.transport.paced else None,
     )
     swarm.transport.register(lambda server: stage_protocol.add_to_server(servicer, server))
+
+    def read_status() -> dict[str, Any]:
+        return status(worker, servicer, swarm) | {"moves": moves}
+
+    move: Move | None = None
     try:
         async with swarm:
             start, end = module.span
@@ -402,13 +438,16 @@ async def serve_stage(config: NodeConfig, stop: asyncio.Event) -> int:
             )
             replica = await asyncio.to_thread(worker.call, _attach, worker, swarm)
             worker.state = "serving"
+            swarm.throughput = worker.samples_per_second
 
             def publish() -> None:
                 swarm.throughput = worker.samples_per_second
 
             worker.on_step = publish
-            await _report_until(stop, config.status_file, lambda: status(worker, servicer, swarm))
+            move = await _until_stop_or_move(config, swarm, worker, index, stop, read_status)
             worker.state = "draining"
+            if move is not None:  # finish what is queued; new work is refused (DRAINING)
+                await worker.drain(spec.pipeline.call_timeout_seconds)
             log.info(
                 "stage %d leaving at version %d (epoch %d)", index, worker.version, replica.epoch
             )
@@ -416,8 +455,93 @@ async def serve_stage(config: NodeConfig, stop: asyncio.Event) -> int:
         worker.close()
         if config.status_file is not None:
             with contextlib.suppress(OSError):
-                _write(config.status_file, status(worker, servicer, swarm))
-    return 0
+                _write(config.status_file, read_status())
+    return move
+
+
+async def _until_stop_or_move(
+    config: NodeConfig,
+    swarm: Swarm,
+    worker: StageWorker,
+    index: int,
+    stop: asyncio.Event,
+    read_status: Callable[[], dict[str, Any]],
+) -> Move | None:
+    """Rewrite the status file every second until ``stop``, or until rebalancing moves this
+    replica (returned)."""
+    checks = _rebalance(config, swarm, worker, index)
+    rebalance = asyncio.ensure_future(checks) if config.spec.pipeline.rebalance_seconds else None
+    try:
+        while not stop.is_set():
+            if config.status_file is not None:
+                _write(config.status_file, read_status())
+            if rebalance is not None and rebalance.done():
+                return rebalance.result()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+        return None
+    finally:
+        if rebalance is not None:
+            rebalance.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await rebalance
+        else:
+            checks.close()
+
+
+async def _rebalance(config: NodeConfig, swarm: Swarm, worker: StageWorker, index: int) -> Move:
+    """Check the stages every ``pipeline.rebalance_seconds`` (jittered); the move this replica
+    is to make, once two checks in a row plan it from the same replicas."""
+    spec, me = config.spec, worker.peer_id
+    planned: tuple[Move, tuple[frozenset[str], ...]] | None = None
+    while True:
+        await asyncio.sleep(spec.pipeline.rebalance_seconds * random.uniform(0.75, 1.25))
+        if swarm.reachability_summary()["reachability"] == "relayed":
+            continue  # a relayed replica stays where it is (moving it costs the relay too)
+        try:
+            stages = await _stage_replicas(spec, swarm.records_of)
+        except SwarmgradError as error:
+            log.info("rebalancing: could not read the stages' records: %s", error)
+            continue
+        if not any(r.peer_id == me for r in stages[index]):
+            continue  # our own record is not visible yet: the view is stale
+        plan = plan_move(stages, hysteresis=spec.pipeline.hysteresis)
+        view = tuple(frozenset(r.peer_id for r in stage) for stage in stages)
+        if plan is not None and plan.peer_id == me and (plan, view) == planned:
+            log.info(
+                "rebalancing: stages' throughputs %s",
+                [[round(r.throughput, 1) for r in stage] for stage in stages],
+            )
+            return plan
+        planned = (plan, view) if plan is not None else None
+
+
+async def _stage_replicas(
+    spec: RunSpec, records_of: Callable[[RunSpec], Awaitable[list[PeerRecord]]]
+) -> list[list[BalanceReplica]]:
+    found = await asyncio.gather(
+        *(records_of(spec.stage_spec(k)) for k in range(spec.pipeline.stages))
+    )
+    return [[BalanceReplica(r.peer_id, r.throughput) for r in records] for records in found]
+
+
+async def _choose(config: NodeConfig, identity: Identity) -> int:
+    """``--stage auto``: the stage with the least announced capacity."""
+    spec = config.spec
+    discovery = await start_discovery(
+        config.swarm.discovery_config(), identity, run_id=spec.run.id, spec_hash=spec.hash
+    )
+    try:
+
+        async def records_of(stage_spec: RunSpec) -> list[PeerRecord]:
+            return await discovery.for_run(stage_spec.run.id, stage_spec.hash).find()
+
+        stages = await _stage_replicas(spec, records_of)
+    finally:
+        await discovery.close()
+    index = choose_stage(stages)
+    log.info("--stage auto: stage %d (replicas per stage %s)", index, [len(s) for s in stages])
+    return index
 
 
 class _Crashing:
@@ -454,17 +578,6 @@ def _attach(worker: StageWorker, swarm: Swarm) -> DiLoCo:
         replica.catch_up()
     worker.replica = replica
     return replica
-
-
-async def _report_until(
-    stop: asyncio.Event, path: Path | None, read: Callable[[], dict[str, Any]]
-) -> None:
-    """Rewrite the status file every second until ``stop``."""
-    while not stop.is_set():
-        if path is not None:
-            _write(path, read())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 1.0)
 
 
 def _write(path: Path, status: dict[str, Any]) -> None:

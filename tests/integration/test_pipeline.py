@@ -204,3 +204,49 @@ def test_each_stage_is_a_diloco_group_whose_replicas_end_identical(tmp_path: Pat
         assert [r["epoch"] for r in replicas] == [3, 3]
         # Both did work: the router spread the stage's microbatches over its replicas.
         assert min(r["samples"] for r in replicas) > 0
+
+
+def test_rebalancing_moves_exactly_one_replica_to_the_starved_stage(tmp_path: Path) -> None:
+    """Three replicas on stage 0, one on stage 1: exactly one moves (drains, leaves, joins
+    stage 1's group), and none moves again; a replica joining with --stage auto picks the
+    weakest stage."""
+    spec_path = tmp_path / "balance.toml"
+    spec_path.write_text(  # layers 0-4 | 5-7 and the head: about the same compute
+        SPEC.format(codecs="", wait=30.0).replace("stages = 4", "stages = 2\nboundaries = [5]")
+        + "rebalance_seconds = 2.0\n"
+    )
+    with PipelineSwarm(spec_path, tmp_path / "balance") as swarm:
+        for replica in range(3):
+            swarm.start_stage(0, replica)
+        swarm.start_stage(1, 0)
+        swarm.wait_serving()
+        swarm.start_trainer(0, "--max-steps", "400")
+        stage_servers = list(swarm.stages())
+
+        def moves() -> list[dict]:
+            return [move for m in stage_servers for move in m.read().get("moves", [])]
+
+        swarm.wait(lambda: len(moves()) >= 1, "a move", 90.0)
+        [move] = moves()
+        assert (move["from"], move["to"]) == (0, 1)
+        # Two replicas on each stage now: no second move over several checks (2 s apart).
+        swarm.wait(
+            lambda: (
+                sum(
+                    m.read().get("stage") == 1 and m.read().get("state") == "serving"
+                    for m in stage_servers
+                )
+                == 2
+            ),
+            "the mover serving stage 1",
+            60.0,
+        )
+        settled = time.monotonic()
+        swarm.wait(lambda: time.monotonic() > settled + 12.0, "several checks")
+        assert len(moves()) == 1
+        stages = sorted(m.read()["stage"] for m in stage_servers)
+        assert stages == [0, 0, 1, 1]
+        # The trainer kept training through the move.
+        trainer = swarm.members["trainer0"].read()
+        assert trainer["failed_steps"] == 0
+        assert trainer["step"] > 10
