@@ -1,0 +1,132 @@
+"""Pipeline stages without sockets: the spec's [pipeline] section, the stage split and its
+initialization, the router's choices, and the rebalancing plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarmgrad.node.pipeline.balance import Move, Replica, choose_stage, plan_move
+from swarmgrad.node.pipeline.model import Pipeline, build_stage, parameter_bytes
+from swarmgrad.node.pipeline.trainer import BAN_SECONDS, Router
+from swarmgrad.node.runspec import PipelineSection, RunSpec, RunSpecError
+
+BASE = """
+[run]
+id = "p"
+[model]
+vocab_size = 64
+d_model = 16
+n_layers = 6
+n_heads = 2
+seq_len = 8
+[data]
+batch_size = 8
+"""
+
+
+def _spec(pipeline: str) -> RunSpec:
+    return RunSpec.from_toml(BASE + "[pipeline]\n" + pipeline)
+
+
+def test_stages_split_the_layers_evenly_or_at_the_boundaries_given() -> None:
+    assert PipelineSection(stages=4).spans(6) == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    assert PipelineSection(stages=2, boundaries=(5,)).spans(6) == [(0, 5), (5, 6)]
+    assert PipelineSection().spans(6) == [(0, 6)]
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "message"),
+    [
+        ('stages = 2\ngradients = "fp16"', "underflow"),
+        ('stages = 2\nactivations = "int4"', "pipeline.activations must be one of"),
+        ("stages = 7", "at most model.n_layers"),
+        ("stages = 3\nboundaries = [2]", "needs 2 layer indices"),
+        ("stages = 3\nboundaries = [3, 2]", "must increase"),
+        ("stages = 2\nboundaries = [6]", "below model.n_layers"),
+        ("stages = 2\nmicrobatches = 3", "multiple of pipeline.microbatches"),
+        ("stages = 2\nboundaries = [1.5]", "list of integers"),
+        ("stages = 2\nhysteresis = 1.0", "hysteresis"),
+    ],
+)
+def test_bad_pipeline_sections_are_refused_with_the_key_named(pipeline: str, message: str) -> None:
+    with pytest.raises(RunSpecError, match=message):
+        _spec(pipeline)
+
+
+def test_the_pipeline_is_in_the_hash_only_when_there_is_one() -> None:
+    plain = RunSpec.from_toml(BASE)
+    assert plain.hash == _spec("stages = 1").hash
+    two = _spec("stages = 2")
+    assert two.hash != plain.hash
+    assert _spec('stages = 2\nactivations = "none"').hash != two.hash
+    # Each stage's group has its own run id and hash.
+    stage_specs = [two.stage_spec(k) for k in range(2)]
+    assert [s.run.id for s in stage_specs] == ["p.stage0", "p.stage1"]
+    assert len({two.hash, *(s.hash for s in stage_specs)}) == 3
+    with pytest.raises(RunSpecError):
+        two.stage_spec(2)
+
+
+def test_stages_build_their_span_alone_and_chain_into_the_whole_model() -> None:
+    spec = _spec("stages = 3")
+    whole = Pipeline(spec.model, spec.pipeline, seed=5)
+    alone = [build_stage(spec.model, spec.pipeline, k, seed=5) for k in range(3)]
+    for built, chained in zip(alone, whole.stages, strict=True):
+        for (name, a), b in zip(built.named_parameters(), chained.parameters(), strict=True):
+            assert torch.equal(a, b), name
+    assert sum(parameter_bytes(s) for s in alone) == parameter_bytes(whole)
+    # Different layers get different weights (seeded by their names in the whole model).
+    assert not torch.equal(alone[0].blocks[0].qkv.weight, alone[1].blocks[0].qkv.weight)
+    assert alone[1].global_name("blocks.0.qkv.weight") == "blocks.2.qkv.weight"
+    tokens = torch.randint(0, 64, (2, 8))
+    x = tokens
+    for stage in alone:
+        x = stage(x)
+    torch.testing.assert_close(x, whole(tokens))
+    assert x.shape == (2, 8, 64)
+
+
+def test_the_router_prefers_the_replica_that_finishes_first_and_bans_the_dead() -> None:
+    now = [100.0]
+    router = Router(1, clock=lambda: now[0])
+    router.update(0, [("fast", "a:1"), ("slow", "b:1")])
+    router.done(router.replicas[0]["fast"], 0.1, 1, forward=True)  # 0.1 s a sample
+    router.done(router.replicas[0]["slow"], 0.3, 1, forward=True)
+    picks = [router.pick(0, 4) for _ in range(8)]
+    names = [p.peer_id for p in picks if p is not None]
+    # Queued work counts: the fast one takes most, the slow one some.
+    assert names.count("fast") == 6
+    for replica in router.replicas[0].values():
+        replica.busy_until = now[0]
+    router.ban(router.replicas[0]["fast"])
+    assert [r.peer_id for r in router.live(0)] == ["slow"]
+    now[0] += BAN_SECONDS + 0.1
+    assert {r.peer_id for r in router.live(0)} == {"fast", "slow"}
+    router.ban(router.replicas[0]["fast"])  # a second failure: twice as long
+    now[0] += BAN_SECONDS + 0.1
+    assert [r.peer_id for r in router.live(0)] == ["slow"]
+    router.penalize(router.replicas[0]["slow"])  # a deadline missed: slower, not banned
+    assert router.replicas[0]["slow"].seconds_per_sample == pytest.approx(0.6)
+    # A replica whose record is gone is forgotten, unless banned (so a ban outlives a rejoin).
+    router.update(0, [])
+    assert list(router.replicas[0]) == ["fast"]
+    assert router.pick(0, 1) is None
+
+
+def test_auto_fills_the_weakest_stage_and_rebalancing_moves_one_replica_once() -> None:
+    assert choose_stage([[], [], []]) == 0
+    assert choose_stage([[Replica("a", 0.0)], [], []]) == 1
+    assert choose_stage([[Replica("a", 10.0)], [Replica("b", 5.0)]]) == 1
+    crowded = [[Replica("a", 10.0), Replica("b", 9.0), Replica("c", 11.0)], [Replica("d", 10.0)]]
+    assert plan_move(crowded) == Move("b", 0, 1)  # the slowest of the strongest stage
+    moved = [[Replica("a", 10.0), Replica("c", 11.0)], [Replica("d", 10.0), Replica("b", 9.0)]]
+    assert plan_move(moved) is None  # 21 vs 19: a move would only shift the bottleneck
+    # Under the hysteresis: no move (19 -> 20 is not 1 / 0.75 better).
+    close = [[Replica("a", 10.0), Replica("b", 10.0)], [Replica("d", 19.0)]]
+    assert plan_move(close) is None
+    # Never empty a stage; never plan while a replica has not measured its throughput.
+    assert plan_move([[Replica("a", 50.0)], [Replica("d", 1.0)]]) is None
+    assert plan_move([[Replica("a", 10.0), Replica("b", 0.0)], [Replica("d", 1.0)]]) is None
+    # A stage nobody serves gets a replica.
+    assert plan_move([[Replica("a", 10.0), Replica("b", 9.0)], []]) == Move("b", 0, 1)
