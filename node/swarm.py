@@ -352,6 +352,12 @@ class Swarm:
         if self.directory is not None:
             self._bridge.soon(self.directory.changed)
 
+    def announce_throughput(self, samples_per_second: float) -> None:
+        """Announce a new throughput (samples/s) in this node's record soon; thread-safe."""
+        self.throughput = samples_per_second
+        if self.directory is not None:
+            self._bridge.soon(self.directory.changed)
+
     async def records_of(self, spec: RunSpec) -> list[PeerRecord]:
         """The peer records of another run on this node's DHT (a pipeline's other stages)."""
         assert self._discovery is not None

@@ -173,6 +173,17 @@ class Microbatch:
         return (self.trainer, self.step, self.index)
 
 
+@dataclass(frozen=True, slots=True)
+class Computed:
+    """What a replica computed for one request."""
+
+    tensor: torch.Tensor | None  # outputs (Forward) or the inputs' gradient (None: stage 0)
+    version: int  # its inner steps when it ran
+    seconds: float  # on its compute thread (its pace, not its queue)
+    accumulated: int = 0  # samples accumulated towards its next inner step
+    loss: float = 0.0  # ForwardLoss: the microbatch's mean loss
+
+
 class StageBackend(Protocol):
     """The replica's compute (``node/pipeline/server.py``); tensors arrive checked."""
 
@@ -181,22 +192,21 @@ class StageBackend(Protocol):
 
     def info(self) -> stage_pb2.StageInfo: ...
 
-    async def forward(self, mb: Microbatch, inputs: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """The stage's outputs and its version (inner steps) when it ran."""
+    async def forward(self, mb: Microbatch, inputs: torch.Tensor) -> Computed:
+        """The stage's outputs."""
         ...
 
     async def forward_loss(
         self, mb: Microbatch, inputs: torch.Tensor, labels: torch.Tensor, scale: float
-    ) -> tuple[float, torch.Tensor | None, int, int]:
-        """Loss, the inputs' gradient (None on a one-stage pipeline), version, samples
-        accumulated towards the next inner step."""
+    ) -> Computed:
+        """The loss, and the inputs' gradient (None on a one-stage pipeline)."""
         ...
 
     async def backward(
         self, mb: Microbatch, version: int, grad_outputs: torch.Tensor, inputs: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, int, int]:
-        """The inputs' gradient (None on stage 0), version, samples accumulated; raises
-        ProtocolViolation(NEED_INPUTS) when ``inputs`` is None and it holds none."""
+    ) -> Computed:
+        """The inputs' gradient (None on stage 0); raises ProtocolViolation(NEED_INPUTS) when
+        ``inputs`` is None and it holds none."""
         ...
 
     async def sync(self, round_: int) -> tuple[int, str]:
@@ -244,9 +254,12 @@ class StageServicer:
                 ResultCode.WRONG_STAGE, "the last stage takes ForwardLoss (it needs the labels)"
             )
         inputs = self._inputs(request.inputs)
-        outputs, version = await self.backend.forward(mb, inputs)
-        encoded = await self._encode(outputs, self._activations, "activations")
-        return stage_pb2.ForwardReply(version=version, outputs=encoded)
+        done = await self.backend.forward(mb, inputs)
+        assert done.tensor is not None
+        encoded = await self._encode(done.tensor, self._activations, "activations")
+        return stage_pb2.ForwardReply(
+            version=done.version, outputs=encoded, compute_seconds=done.seconds
+        )
 
     async def ForwardLoss(
         self, request: stage_pb2.ForwardLossRequest, context: object
@@ -263,14 +276,17 @@ class StageServicer:
             raise ProtocolViolation(
                 ResultCode.BAD_PAYLOAD, f"loss_scale {scale!r} is not in (0, 1]"
             )
-        loss, grad, version, accumulated = await self.backend.forward_loss(
-            mb, inputs, labels, scale
-        )
+        done = await self.backend.forward_loss(mb, inputs, labels, scale)
         reply = stage_pb2.ForwardLossReply(
-            version=version, loss=loss, samples_accumulated=accumulated
+            version=done.version,
+            loss=done.loss,
+            samples_accumulated=done.accumulated,
+            compute_seconds=done.seconds,
         )
-        if grad is not None:
-            reply.grad_inputs.CopyFrom(await self._encode(grad, self._gradients, "gradients"))
+        if done.tensor is not None:
+            reply.grad_inputs.CopyFrom(
+                await self._encode(done.tensor, self._gradients, "gradients")
+            )
         return reply
 
     async def Backward(
@@ -286,12 +302,16 @@ class StageServicer:
         grad_outputs = self._tensor(
             request.grad_outputs, self._gradients.name, "gradients", batch=batch
         )
-        grad, version, accumulated = await self.backend.backward(
-            mb, request.version, grad_outputs, inputs
+        done = await self.backend.backward(mb, request.version, grad_outputs, inputs)
+        reply = stage_pb2.BackwardReply(
+            version=done.version,
+            samples_accumulated=done.accumulated,
+            compute_seconds=done.seconds,
         )
-        reply = stage_pb2.BackwardReply(version=version, samples_accumulated=accumulated)
-        if grad is not None:
-            reply.grad_inputs.CopyFrom(await self._encode(grad, self._gradients, "gradients"))
+        if done.tensor is not None:
+            reply.grad_inputs.CopyFrom(
+                await self._encode(done.tensor, self._gradients, "gradients")
+            )
         return reply
 
     async def Sync(self, request: stage_pb2.SyncRequest, context: object) -> stage_pb2.SyncReply:

@@ -23,7 +23,7 @@ import torch
 
 from swarmgrad.node import config as node_config
 from swarmgrad.node.identity import Identity
-from swarmgrad.node.pipeline.model import Pipeline, Stage, parameter_bytes
+from swarmgrad.node.pipeline.model import GradientSum, Pipeline, Stage, parameter_bytes
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.training.data import load_corpus
 from swarmgrad.simulations.churn import load_schedule
@@ -211,7 +211,19 @@ def reference_losses(
             peer_id=trainer,
         )
     )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the stage servers run: the same float reductions
+    try:
+        return _reference(spec, batches, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(
+    spec: RunSpec, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], steps: int
+) -> list[float]:
     model = Pipeline(spec.model, spec.pipeline, seed=spec.data.seed)
+    sums = [GradientSum(stage) for stage in model.stages]
     optimizers = [
         torch.optim.AdamW(stage.parameters(), lr=spec.algorithm.inner_lr, weight_decay=0.0)
         for stage in model.stages
@@ -225,6 +237,10 @@ def reference_losses(
             loss = model.loss(x, y)
             (loss * (len(x) / len(inputs))).backward()  # type: ignore[no-untyped-call]
             total += float(loss.detach())
+            for gradients in sums:
+                gradients.collect()
+        for gradients in sums:
+            gradients.release()
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["lr"] = spec.algorithm.lr_at(step)
@@ -297,8 +313,15 @@ class PipelineSimulation:
     seed: int = 0
     timeout_seconds: float = 600.0
     discovery: str = "hivemind"
+    #: The stage node i starts on (None: i mod stages).
+    placement: list[int] | None = None
 
     def __post_init__(self) -> None:
+        if self.placement is not None and (
+            len(self.placement) != self.nodes
+            or not all(0 <= k < self.stages for k in self.placement)
+        ):
+            raise SimulationError(f"placement must name a stage for each of the {self.nodes} nodes")
         if self.stages < 2:
             raise SimulationError("--stages must be at least 2 (1 stage is a plain swarm)")
         if self.nodes < self.stages:
@@ -339,13 +362,15 @@ def simulate_pipeline(config: PipelineSimulation) -> dict[str, Any]:
         timeout_seconds=config.timeout_seconds,
         discovery=config.discovery,
     ) as swarm:
+        placement = config.placement or [i % config.stages for i in range(config.nodes)]
 
         def start(node: int) -> Member:
             profile = profiles[node]
             extra = ["--slowdown", str(profile.slowdown)]
             if profile.upload_bytes_per_second is not None:
                 extra += ["--upload-limit", str(profile.upload_bytes_per_second)]
-            return swarm.start_stage(node % config.stages, node // config.stages, *extra)
+            stage = placement[node]
+            return swarm.start_stage(stage, placement[:node].count(stage), *extra)
 
         servers = [start(i) for i in range(config.nodes)]
         swarm.wait_serving()

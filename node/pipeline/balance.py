@@ -5,14 +5,14 @@ throughputs (samples/s, from their signed DHT records). ``auto`` joins the stage
 capacity (then the fewest replicas, then the lowest index: an empty swarm fills evenly).
 
 Rebalancing (Petals' rule, applied per stage): every replica looks at all stages from time to
-time and computes the same plan from the same records: move the slowest replica of the
-strongest stage to the weakest one (once every replica has measured its throughput where it
-serves), if that raises the pipeline's capacity (its weakest stage's)
-by more than ``1 / hysteresis`` and leaves the source stage a replica. Only the replica the plan
-names moves, and only once two consecutive checks agree and saw the same replicas (records
-settle between them), so two replicas never move at once; a replica behind a relay never
-moves. After a move the weakest
-stage is no longer the same, so the plan is empty: there is no thrash.
+time and computes the same plan from the same records: move one replica of the strongest stage
+(the lowest peer id: a choice that holds while measured throughputs wobble) to the weakest one,
+once every replica has measured its throughput where it serves, if that raises the pipeline's
+capacity (its weakest stage's) by more than ``1 / hysteresis`` and leaves the source stage a
+replica. Only the replica the plan names moves, and only once two consecutive checks agree and
+saw the same replicas (records settle between them), so two replicas never move at once; a
+replica behind a relay never moves. After a move the weakest stage is no longer the same, so the
+plan is empty: there is no thrash.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def plan_move(stages: list[list[Replica]], *, hysteresis: float = HYSTERESIS) ->
     source = max(range(len(stages)), key=lambda k: (capacities[k], len(stages[k]), -k))
     if source == target or len(stages[source]) < 2:
         return None
-    mover = min(stages[source], key=lambda r: (r.throughput, r.peer_id))
+    mover = min(stages[source], key=lambda r: r.peer_id)  # stable while throughputs wobble
     after = list(capacities)
     after[source] -= mover.throughput
     after[target] += mover.throughput

@@ -120,3 +120,32 @@ class Pipeline(nn.Module):
 
 def parameter_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+class GradientSum:
+    """The sum of a module's per-microbatch gradients, exact whatever their order.
+
+    Microbatches reach a stage replica in whatever order the network delivers them, and fp32
+    addition is not associative: accumulated in ``.grad``, the same microbatches give slightly
+    different gradients in another order, which training amplifies. Summed in fp64 (exact for
+    the few terms of a batch) and rounded once to fp32 at the step, a batch's gradient is one
+    number whatever the order: a pipeline trains bit-for-bit like its one-process reference.
+    Costs an fp64 copy of the parameters' size.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._sums = [torch.zeros_like(p, dtype=torch.float64) for p in self._params]
+
+    def collect(self) -> None:
+        """Add the gradients the last backward left in ``.grad``, and clear them."""
+        for parameter, total in zip(self._params, self._sums, strict=True):
+            if parameter.grad is not None:
+                total.add_(parameter.grad)
+                parameter.grad = None
+
+    def release(self) -> None:
+        """Put the sum in ``.grad`` (for the optimizer's step) and start a new one."""
+        for parameter, total in zip(self._params, self._sums, strict=True):
+            parameter.grad = total.to(parameter.dtype)
+            total.zero_()

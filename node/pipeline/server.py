@@ -11,6 +11,8 @@ worker thread, in arrival order (the event loop only does I/O and codecs):
   gradients. Backward is stateless in that sense: any replica of the stage can run it.
 - A microbatch's gradient counts once: a retried backward of one already accumulated (its first
   reply was lost) returns the inputs' gradient without adding to the parameters' again.
+- Gradients accumulate in fp64 (:class:`GradientSum`), so their sum does not depend on the
+  order microbatches arrive in.
 - Once ``data.batch_size`` samples have accumulated, the replica takes an inner AdamW step (its
   version). Its DiLoCo group (the stage's replicas, found under :meth:`RunSpec.stage_spec`)
   averages and takes the outer step when the trainers' round barrier says (Sync: every
@@ -47,14 +49,14 @@ from swarmgrad.node.files import atomic_write
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.pipeline.balance import Move, choose_stage, plan_move
 from swarmgrad.node.pipeline.balance import Replica as BalanceReplica
-from swarmgrad.node.pipeline.model import Stage, build_stage, parameter_bytes
+from swarmgrad.node.pipeline.model import GradientSum, Stage, build_stage, parameter_bytes
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.training.diloco import DiLoCo
 from swarmgrad.node.training.trainer import set_lr
 from swarmgrad.protocol import stage as stage_protocol
 from swarmgrad.protocol.errors import ProtocolViolation, SwarmgradError
-from swarmgrad.protocol.stage import Microbatch, StageSchema, StageServicer
+from swarmgrad.protocol.stage import Computed, Microbatch, StageSchema, StageServicer
 from swarmgrad.protocol.v1 import stage_pb2
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
@@ -66,6 +68,9 @@ CACHE_BYTES = 256 * 1024 * 1024
 #: A backward from inputs kept at a forward this many inner steps old, or older, is refused
 #: (STALE_VERSION): its gradient would belong to parameters long gone.
 MAX_STALE_STEPS = 4
+#: A replica re-announces its throughput when it changed by this share, or this often.
+ANNOUNCE_CHANGE = 0.1
+ANNOUNCE_SECONDS = 10.0
 #: Microbatches remembered as accumulated (for de-duplication).
 DEDUP_MEMORY = 4096
 
@@ -122,6 +127,7 @@ class StageWorker:
         self.optimizer = torch.optim.AdamW(
             module.parameters(), lr=spec.algorithm.inner_lr, weight_decay=0.0
         )
+        self.gradients = GradientSum(module)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage")
         self._cache: OrderedDict[tuple[str, int, int], tuple[torch.Tensor, int]] = OrderedDict()
         self._cache_bytes, self._max_cache_bytes = 0, cache_bytes
@@ -160,17 +166,17 @@ class StageWorker:
             gradients=self.spec.pipeline.gradients,
         )
 
-    async def forward(self, mb: Microbatch, inputs: torch.Tensor) -> tuple[torch.Tensor, int]:
+    async def forward(self, mb: Microbatch, inputs: torch.Tensor) -> Computed:
         return await self._run(self._forward, mb, inputs)
 
     async def forward_loss(
         self, mb: Microbatch, inputs: torch.Tensor, labels: torch.Tensor, scale: float
-    ) -> tuple[float, torch.Tensor | None, int, int]:
+    ) -> Computed:
         return await self._run(self._forward_loss, mb, inputs, labels, scale)
 
     async def backward(
         self, mb: Microbatch, version: int, grad_outputs: torch.Tensor, inputs: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, int, int]:
+    ) -> Computed:
         return await self._run(self._backward, mb, version, grad_outputs, inputs)
 
     # -- the worker thread --------------------------------------------------------------------
@@ -196,29 +202,30 @@ class StageWorker:
         """Run ``fn`` on the worker thread (from another thread) and wait for it."""
         return self._executor.submit(fn, *args).result()
 
-    def _forward(self, mb: Microbatch, inputs: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def _forward(self, mb: Microbatch, inputs: torch.Tensor) -> Computed:
         started = time.monotonic()
         with torch.no_grad():
             outputs = self.module(inputs)
         self._keep(mb, inputs)
         self.stats.forwards += 1
         self._slow(started)
-        return outputs, self.version
+        return Computed(outputs, self.version, time.monotonic() - started)
 
     def _forward_loss(
         self, mb: Microbatch, inputs: torch.Tensor, labels: torch.Tensor, scale: float
-    ) -> tuple[float, torch.Tensor | None, int, int]:
+    ) -> Computed:
         started = time.monotonic()
         x = inputs if self.module.first else inputs.detach().requires_grad_()
         loss = self.module.loss(x, labels)
         grad = self._backpropagate(mb, loss * scale, x, None)
         version = self.version
         self._count(mb, len(inputs), started)
-        return float(loss.detach()), grad, version, self.pending_samples
+        seconds = time.monotonic() - started
+        return Computed(grad, version, seconds, self.pending_samples, float(loss.detach()))
 
     def _backward(
         self, mb: Microbatch, version: int, grad_outputs: torch.Tensor, inputs: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, int, int]:
+    ) -> Computed:
         started = time.monotonic()
         kept = self._cache.pop(mb.key, None)
         if kept is not None:
@@ -247,7 +254,7 @@ class StageWorker:
         grad = self._backpropagate(mb, outputs, x, grad_outputs)
         version = self.version
         self._count(mb, len(inputs), started)
-        return grad, version, self.pending_samples
+        return Computed(grad, version, time.monotonic() - started, self.pending_samples)
 
     def _backpropagate(
         self,
@@ -266,6 +273,7 @@ class StageWorker:
             (grad,) = torch.autograd.grad(outputs, [x], grad_outputs)
             return grad
         outputs.backward(grad_outputs)  # type: ignore[no-untyped-call]
+        self.gradients.collect()
         self._accumulated[mb.key] = None
         while len(self._accumulated) > DEDUP_MEMORY:
             self._accumulated.popitem(last=False)
@@ -298,6 +306,7 @@ class StageWorker:
     def _inner_step(self) -> None:
         schedule = self.replica.schedule_step if self.replica is not None else self.version
         set_lr(self.optimizer, self.algorithm.lr_at(schedule))
+        self.gradients.release()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         samples, self.pending_samples = self.pending_samples, 0
@@ -321,6 +330,9 @@ class StageWorker:
         if self.pending_samples:
             self._inner_step()
         report = replica.outer_round()
+        # The round published the state with the replica's rate of samples (its share of the
+        # work); a stage replica announces its capacity (what rebalancing compares) instead.
+        replica.swarm.announce_throughput(self.samples_per_second)
         outcome = report.outcome.value
         self.stats.rounds[outcome] = self.stats.rounds.get(outcome, 0) + 1
         log.info(
@@ -438,10 +450,14 @@ async def _serve(
             )
             replica = await asyncio.to_thread(worker.call, _attach, worker, swarm)
             worker.state = "serving"
-            swarm.throughput = worker.samples_per_second
+            announced = [0.0, time.monotonic()]  # throughput, when
 
-            def publish() -> None:
-                swarm.throughput = worker.samples_per_second
+            def publish() -> None:  # on the worker thread, after each inner step
+                value, now = worker.samples_per_second, time.monotonic()
+                last, when = announced
+                if abs(value - last) > ANNOUNCE_CHANGE * last or now - when > ANNOUNCE_SECONDS:
+                    announced[:] = [value, now]
+                    swarm.announce_throughput(value)
 
             worker.on_step = publish
             move = await _until_stop_or_move(config, swarm, worker, index, stop, read_status)
@@ -555,12 +571,12 @@ class _Crashing:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._worker, name)
 
-    async def forward(self, mb: Microbatch, inputs: torch.Tensor) -> tuple[torch.Tensor, int]:
+    async def forward(self, mb: Microbatch, inputs: torch.Tensor) -> Computed:
         result = await self._worker.forward(mb, inputs)
         self._left -= 1
         if self._left <= 0:
             log.warning("fault injection: killing this stage server (SIGKILL)")
-            asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGKILL)
+            asyncio.get_running_loop().call_later(0.05, os.kill, os.getpid(), signal.SIGKILL)
         return result
 
 
@@ -576,6 +592,7 @@ def _attach(worker: StageWorker, swarm: Swarm) -> DiLoCo:
     )
     with contextlib.suppress(concurrent.futures.CancelledError):
         replica.catch_up()
+    swarm.announce_throughput(worker.samples_per_second)  # not the replica's rate (see _sync)
     worker.replica = replica
     return replica
 

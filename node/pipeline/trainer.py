@@ -23,7 +23,8 @@ backward succeeds, for failover:
   stage; the next step tries again. It never hangs: every call has a deadline.
 
 The :class:`Router` picks, per microbatch per stage, the replica with the earliest projected
-finish (its queue and an EMA of its seconds per sample); UNAVAILABLE bans a replica with
+finish (the work already routed to it, and an EMA of the compute seconds per sample its replies
+report); UNAVAILABLE bans a replica with
 exponential backoff, DEADLINE_EXCEEDED doubles its EMA, RESOURCE_EXHAUSTED only retries elsewhere.
 """
 
@@ -89,8 +90,8 @@ class StageReplica:
     peer_id: str
     endpoint: str
     stage: int
-    seconds_per_sample: float | None = None
-    busy_until: float = 0.0
+    seconds_per_sample: float | None = None  # an EMA of its compute seconds per sample
+    reserved: float = 0.0  # seconds of work routed to it and not answered yet (estimated)
     banned_until: float = 0.0
     ban_seconds: float = BAN_SECONDS
     calls: int = 0
@@ -107,7 +108,8 @@ class Router:
 
     def update(self, stage: int, records: list[tuple[str, str]]) -> None:
         """The stage's replicas as its DHT records say (peer id, endpoint): new ones are added,
-        ones whose records are gone dropped (a banned one keeps its ban if it comes back)."""
+        ones whose records are gone dropped (a banned one keeps its ban if it comes back at the
+        same endpoint; at another, it is a restarted process, and starts afresh)."""
         known = self.replicas[stage]
         live = dict(records)
         for peer_id in list(known):
@@ -117,10 +119,8 @@ class Router:
             if not endpoint:
                 continue
             replica = known.get(peer_id)
-            if replica is None:
-                known[peer_id] = StageReplica(peer_id, endpoint, stage)
-            else:
-                replica.endpoint = endpoint
+            if replica is None or replica.endpoint != endpoint:  # new, or a restarted process:
+                known[peer_id] = StageReplica(peer_id, endpoint, stage)  # its ban is lifted
 
     def live(self, stage: int) -> list[StageReplica]:
         now = self._clock()
@@ -129,27 +129,37 @@ class Router:
     def pick(
         self, stage: int, samples: int, *, exclude: frozenset[str] = frozenset()
     ) -> StageReplica | None:
-        """The replica with the earliest projected finish (its queue, then ``samples`` at its
-        pace), its queue lengthened by them; None if the stage has none live."""
+        """The replica with the earliest projected finish: the work already routed to it, then
+        ``samples`` at its pace; None if the stage has none live."""
         candidates = [r for r in self.live(stage) if r.peer_id not in exclude]
         if not candidates:
             return None
-        known = [r.seconds_per_sample for r in candidates if r.seconds_per_sample is not None]
-        fastest = min(known) if known else 0.0  # a new replica is tried as if it were fastest
-        now = self._clock()
+        fastest = self._fastest(candidates)
+        return min(candidates, key=lambda r: r.reserved + samples * self._pace(r, fastest))
 
-        def finish(replica: StageReplica) -> float:
-            pace = replica.seconds_per_sample
-            return max(now, replica.busy_until) + samples * (fastest if pace is None else pace)
+    def _fastest(self, replicas: list[StageReplica]) -> float:
+        known = [r.seconds_per_sample for r in replicas if r.seconds_per_sample is not None]
+        return min(known) if known else 0.0  # a new replica is tried as if it were fastest
 
-        best = min(candidates, key=finish)
-        best.busy_until = finish(best)
-        return best
+    def _pace(self, replica: StageReplica, fastest: float) -> float:
+        pace = replica.seconds_per_sample
+        return fastest if pace is None else pace
 
-    def done(self, replica: StageReplica, seconds: float, samples: int, *, forward: bool) -> None:
-        """A call of ``samples`` answered in ``seconds`` (``forward``: a microbatch's forward,
-        counted in the replica's share)."""
-        per_sample = seconds / max(samples, 1)
+    def reserve(self, replica: StageReplica, samples: int) -> float:
+        """Count ``samples`` of work routed to ``replica``; the seconds reserved (to release)."""
+        estimate = samples * self._pace(replica, self._fastest(self.live(replica.stage)))
+        replica.reserved += estimate
+        return estimate
+
+    def release(self, replica: StageReplica, reserved: float) -> None:
+        replica.reserved = max(0.0, replica.reserved - reserved)
+
+    def done(
+        self, replica: StageReplica, compute_seconds: float, samples: int, *, forward: bool
+    ) -> None:
+        """A call of ``samples`` that took the replica ``compute_seconds`` (as it says; its
+        queue is not its pace) was answered (``forward``: counted in the replica's share)."""
+        per_sample = compute_seconds / max(samples, 1)
         ema = replica.seconds_per_sample
         replica.seconds_per_sample = (
             per_sample if ema is None else EMA_ALPHA * per_sample + (1 - EMA_ALPHA) * ema
@@ -157,20 +167,17 @@ class Router:
         replica.calls += 1
         replica.samples += samples if forward else 0
         replica.ban_seconds = BAN_SECONDS
-        replica.busy_until = min(replica.busy_until, self._clock())
 
     def penalize(self, replica: StageReplica) -> None:
         """It missed a deadline: route less to it, but keep it."""
         replica.failures += 1
         replica.seconds_per_sample = 2 * (replica.seconds_per_sample or 1.0)
-        replica.busy_until = self._clock()
 
     def ban(self, replica: StageReplica) -> None:
         """It is unreachable or leaving: none of its work for a while (longer each time)."""
         replica.failures += 1
         replica.banned_until = self._clock() + replica.ban_seconds
         replica.ban_seconds *= 2
-        replica.busy_until = self._clock()
 
 
 @dataclass(slots=True)
@@ -389,7 +396,7 @@ class PipelineClient:
             attempt += 1
             if attempt > 1:
                 counters.retries += 1
-            started = time.monotonic()
+            reserved = self.router.reserve(replica, samples)
             try:
                 reply = await self._send(replica, method, message, counters)
             except _Resend:
@@ -401,10 +408,11 @@ class PipelineClient:
                 prefer = ""
                 failed_at = failed_at or time.monotonic()
                 continue
+            finally:
+                self.router.release(replica, reserved)
             if failed_at is not None:
                 counters.failover_seconds.append(time.monotonic() - failed_at)
-            elapsed = time.monotonic() - started
-            self.router.done(replica, elapsed, samples, forward=method != "Backward")
+            self.router.done(replica, reply.compute_seconds, samples, forward=method != "Backward")
             return reply, replica.peer_id
 
     def _pick(

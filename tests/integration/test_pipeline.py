@@ -104,10 +104,10 @@ def test_four_stage_processes_train_like_the_whole_model_in_one_process(tmp_path
 
     # The default codecs (bf16 activations, int8 gradients): the same curve within 1%.
     spec_path = _spec(tmp_path, "default")
-    trainer, _ = _train(spec_path, tmp_path / "default", steps)
+    trainer, _ = _train(spec_path, tmp_path / "default", 30)
     got = trainer["losses"]
     last = statistics.fmean(got[-10:])
-    assert last == pytest.approx(statistics.fmean(expected[-10:]), rel=0.01)
+    assert last == pytest.approx(statistics.fmean(expected[20:30]), rel=0.01)
     compressed = trainer["stages"][1]
     assert compressed["bytes_up_per_sample"] < 0.4 * middle["bytes_up_per_sample"]
 
@@ -116,137 +116,96 @@ def _wait_steps(swarm: PipelineSwarm, steps: int) -> None:
     swarm.wait(lambda: swarm.members["trainer0"].read().get("step", 0) >= steps, f"step {steps}")
 
 
-def test_replicas_fail_over_and_the_router_prefers_the_fast_one(tmp_path: Path) -> None:
+def test_replicas_fail_over_the_router_prefers_the_fast_one_and_a_lost_stage_waits(
+    tmp_path: Path,
+) -> None:
     """Stage 1: a replica and one three times slower; stage 2: two replicas, one of which dies
-    (SIGKILL) right after answering forwards, holding their inputs."""
-    spec_path = _spec(tmp_path, "failover")
-    steps = 30
+    (SIGKILL) right after answering forwards, holding their inputs; then stage 3's only replica
+    dies: the trainer fails that step within its wait and goes on once a replica is back."""
+    spec_path = _spec(tmp_path, "failover", wait=3.0)
+    steps = 40
     with PipelineSwarm(spec_path, tmp_path / "failover") as swarm:
         swarm.start_stage(0)
         swarm.start_stage(1, 0)
         swarm.start_stage(1, 1, "--slowdown", "3")
         swarm.start_stage(2, 0)
-        swarm.start_stage(2, 1, "--crash-after-forwards", "30")
+        swarm.start_stage(2, 1, "--crash-after-forwards", "12")
         swarm.start_stage(3)
         swarm.wait_serving()
         swarm.start_trainer(0, "--max-steps", str(steps))
-        trainer = swarm.wait_finished("trainer0")
-        assert not swarm.members["stage2-1"].alive  # it crashed mid-run
-    assert trainer["step"] == steps
-    assert trainer["failed_steps"] == 0  # the crash cost retries, not a step
-    stage2 = trainer["stages"][2]
-    assert stage2["retries"] >= 1
-    assert stage2["resends"] >= 1  # its backwards went elsewhere, with the inputs resent
-    seconds = trainer["step_seconds"]
-    assert max(seconds[5:]) < 2 * statistics.median(seconds)
-    losses = trainer["losses"]
+        trainer = swarm.members["trainer0"]
+        swarm.wait(lambda: trainer.read().get("step", 0) >= 20, "step 20")
+        assert not swarm.members["stage2-1"].alive  # it crashed (after 12 of its forwards)
+        before = trainer.read()
+        assert before["failed_steps"] == 0  # the crash cost retries, not a step
+        stage2 = before["stages"][2]
+        assert stage2["retries"] >= 1
+        assert stage2["resends"] >= 1  # its backwards went elsewhere, the inputs resent
+        seconds = before["step_seconds"]
+        assert max(seconds[3:]) < 2 * statistics.median(seconds)
+        # The router's share: the replica three times slower got at most a quarter.
+        samples = sorted(r["samples"] for r in before["stages"][1]["replicas"].values())
+        assert len(samples) == 2
+        assert samples[1] >= 3 * samples[0], before["stages"][1]["replicas"]
+
+        swarm.kill("stage3-0")  # the last stage's only replica
+        killed = time.monotonic()
+        swarm.wait(lambda: trainer.read().get("failed_steps", 0) >= 1, "a failed step", 30.0)
+        # Within its wait (3 s) and a call's deadline (10 s), with margin for this machine.
+        assert time.monotonic() - killed < 20.0
+        status = trainer.read()
+        assert "no live replica of stage 3" in status["last_error"]
+        assert status["step"] < steps
+        swarm.start_stage(3)  # a replica joins again: training goes on
+        final = swarm.wait_finished("trainer0")
+    assert final["step"] == steps
+    assert final["last_error"] == ""
+    losses = final["losses"]
     assert statistics.fmean(losses[-5:]) < losses[0] - 0.5
-    # The router's share: the replica three times slower got at most a quarter.
-    shares = trainer["stages"][1]["replicas"]
-    samples = sorted(r["samples"] for r in shares.values())
-    assert len(samples) == 2
-    assert samples[1] >= 3 * samples[0], shares
 
 
-def test_a_stage_without_replicas_fails_the_step_in_time_and_training_resumes(
+def test_stages_are_diloco_groups_and_rebalancing_moves_exactly_one_replica(
     tmp_path: Path,
 ) -> None:
-    spec_path = _spec(tmp_path, "only", wait=3.0)
-    with PipelineSwarm(spec_path, tmp_path / "only") as swarm:
-        for stage in range(4):
-            extra = ("--crash-after-forwards", "40") if stage == 1 else ()
-            swarm.start_stage(stage, 0, *extra)
-        swarm.wait_serving()
-        swarm.start_trainer(0, "--max-steps", "25")
-        trainer = swarm.members["trainer0"]
-        swarm.wait(lambda: not swarm.members["stage1-0"].alive, "stage 1 to crash")
-        crashed = time.monotonic()
-        swarm.wait(lambda: trainer.read().get("failed_steps", 0) >= 1, "a failed step", 30.0)
-        reported = time.monotonic() - crashed
-        status = trainer.read()
-        assert "no live replica of stage 1" in status["last_error"]
-        # Within its wait (3 s) and a call's deadline (10 s), with margin for this machine.
-        assert reported < 20.0
-        stuck_at = status["step"]
-        assert stuck_at < 25
-        swarm.start_stage(1, 0)  # a replica joins again: training goes on
-        final = swarm.wait_finished("trainer0")
-    assert final["step"] == 25
-    assert final["last_error"] == ""
-
-
-def test_each_stage_is_a_diloco_group_whose_replicas_end_identical(tmp_path: Path) -> None:
-    """``simulate --stages 2 --nodes 4``: 2 stages x 2 replicas, a round every 5 trainer steps:
-    at each round barrier every replica of both stages averages with its stage's other replica,
-    and they end bit-identical."""
+    """``simulate --stages 2 --nodes 4`` with three replicas on stage 0 and one on stage 1, a
+    round every 5 trainer steps: exactly one replica moves to stage 1 (drains, leaves, joins
+    its group, downloads its state) and none moves again; then at every round barrier both
+    replicas of each stage average together, and they end bit-identical."""
     spec_path = tmp_path / "groups.toml"
-    spec_path.write_text(
+    spec_path.write_text(  # layers 0-4 | 5-7 and the head: about the same compute
         SPEC.format(codecs="", wait=30.0)
         .replace("inner_steps = 1000", "inner_steps = 5")
-        .replace("stages = 4", "stages = 2")
+        .replace("stages = 4", "stages = 2\nboundaries = [5]")
+        + "rebalance_seconds = 2.0\n"
     )
     out = tmp_path / "groups"
     summary = simulate_pipeline(
         PipelineSimulation(
-            stages=2, nodes=4, trainers=1, rounds=3, out_dir=out, spec_path=spec_path
+            stages=2,
+            nodes=4,
+            trainers=1,
+            rounds=10,
+            out_dir=out,
+            spec_path=spec_path,
+            placement=[0, 0, 0, 1],
         )
     )
+    moves = [
+        m
+        for name in ("stage0-0", "stage0-1", "stage0-2", "stage1-0")
+        for m in json.loads((out / f"{name}.json").read_text())["moves"]
+    ]
+    assert [(m["from"], m["to"]) for m in moves] == [(0, 1)]
     assert summary["ok"]
-    assert summary["steps"] == [15]
+    assert summary["steps"] == [50]
+    assert summary["failed_steps"] == 0
     assert summary["final_loss"] < summary["initial_loss"] - 0.5
     rounds = json.loads((out / "trainer0.json").read_text())["rounds"]
-    assert [r["step"] for r in rounds] == [5, 10, 15]
-    for round_ in rounds:
+    assert [r["step"] for r in rounds] == list(range(5, 55, 5))
+    for round_ in rounds[-3:]:  # the move long done: both replicas of each stage average
         assert round_["outcomes"] == {"0": ["averaged"] * 2, "1": ["averaged"] * 2}, round_
     for stage in summary["per_stage"]:
         assert stage["replicas_identical"]
         replicas = list(stage["replicas"].values())
-        assert [r["epoch"] for r in replicas] == [3, 3]
-        # Both did work: the router spread the stage's microbatches over its replicas.
+        assert len(replicas) == 2
         assert min(r["samples"] for r in replicas) > 0
-
-
-def test_rebalancing_moves_exactly_one_replica_to_the_starved_stage(tmp_path: Path) -> None:
-    """Three replicas on stage 0, one on stage 1: exactly one moves (drains, leaves, joins
-    stage 1's group), and none moves again; a replica joining with --stage auto picks the
-    weakest stage."""
-    spec_path = tmp_path / "balance.toml"
-    spec_path.write_text(  # layers 0-4 | 5-7 and the head: about the same compute
-        SPEC.format(codecs="", wait=30.0).replace("stages = 4", "stages = 2\nboundaries = [5]")
-        + "rebalance_seconds = 2.0\n"
-    )
-    with PipelineSwarm(spec_path, tmp_path / "balance") as swarm:
-        for replica in range(3):
-            swarm.start_stage(0, replica)
-        swarm.start_stage(1, 0)
-        swarm.wait_serving()
-        swarm.start_trainer(0, "--max-steps", "400")
-        stage_servers = list(swarm.stages())
-
-        def moves() -> list[dict]:
-            return [move for m in stage_servers for move in m.read().get("moves", [])]
-
-        swarm.wait(lambda: len(moves()) >= 1, "a move", 90.0)
-        [move] = moves()
-        assert (move["from"], move["to"]) == (0, 1)
-        # Two replicas on each stage now: no second move over several checks (2 s apart).
-        swarm.wait(
-            lambda: (
-                sum(
-                    m.read().get("stage") == 1 and m.read().get("state") == "serving"
-                    for m in stage_servers
-                )
-                == 2
-            ),
-            "the mover serving stage 1",
-            60.0,
-        )
-        settled = time.monotonic()
-        swarm.wait(lambda: time.monotonic() > settled + 12.0, "several checks")
-        assert len(moves()) == 1
-        stages = sorted(m.read()["stage"] for m in stage_servers)
-        assert stages == [0, 0, 1, 1]
-        # The trainer kept training through the move.
-        trainer = swarm.members["trainer0"].read()
-        assert trainer["failed_steps"] == 0
-        assert trainer["step"] > 10

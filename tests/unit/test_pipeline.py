@@ -91,14 +91,17 @@ def test_the_router_prefers_the_replica_that_finishes_first_and_bans_the_dead() 
     now = [100.0]
     router = Router(1, clock=lambda: now[0])
     router.update(0, [("fast", "a:1"), ("slow", "b:1")])
-    router.done(router.replicas[0]["fast"], 0.1, 1, forward=True)  # 0.1 s a sample
+    router.done(router.replicas[0]["fast"], 0.1, 1, forward=True)  # 0.1 s of compute a sample
     router.done(router.replicas[0]["slow"], 0.3, 1, forward=True)
-    picks = [router.pick(0, 4) for _ in range(8)]
-    names = [p.peer_id for p in picks if p is not None]
-    # Queued work counts: the fast one takes most, the slow one some.
-    assert names.count("fast") == 6
+    names = []
+    for _ in range(8):  # eight microbatches in flight at once: the work routed counts
+        replica = router.pick(0, 4)
+        assert replica is not None
+        router.reserve(replica, 4)
+        names.append(replica.peer_id)
+    assert names.count("fast") == 6  # 6 x 0.4 s vs 2 x 1.2 s: both done in about 2.4 s
     for replica in router.replicas[0].values():
-        replica.busy_until = now[0]
+        router.release(replica, replica.reserved)
     router.ban(router.replicas[0]["fast"])
     assert [r.peer_id for r in router.live(0)] == ["slow"]
     now[0] += BAN_SECONDS + 0.1
@@ -119,8 +122,8 @@ def test_auto_fills_the_weakest_stage_and_rebalancing_moves_one_replica_once() -
     assert choose_stage([[Replica("a", 0.0)], [], []]) == 1
     assert choose_stage([[Replica("a", 10.0)], [Replica("b", 5.0)]]) == 1
     crowded = [[Replica("a", 10.0), Replica("b", 9.0), Replica("c", 11.0)], [Replica("d", 10.0)]]
-    assert plan_move(crowded) == Move("b", 0, 1)  # the slowest of the strongest stage
-    moved = [[Replica("a", 10.0), Replica("c", 11.0)], [Replica("d", 10.0), Replica("b", 9.0)]]
+    assert plan_move(crowded) == Move("a", 0, 1)  # the lowest peer id of the strongest stage
+    moved = [[Replica("b", 9.0), Replica("c", 11.0)], [Replica("d", 10.0), Replica("a", 10.0)]]
     assert plan_move(moved) is None  # 21 vs 19: a move would only shift the bottleneck
     # Under the hysteresis: no move (19 -> 20 is not 1 / 0.75 better).
     close = [[Replica("a", 10.0), Replica("b", 10.0)], [Replica("d", 19.0)]]
@@ -129,4 +132,4 @@ def test_auto_fills_the_weakest_stage_and_rebalancing_moves_one_replica_once() -
     assert plan_move([[Replica("a", 50.0)], [Replica("d", 1.0)]]) is None
     assert plan_move([[Replica("a", 10.0), Replica("b", 0.0)], [Replica("d", 1.0)]]) is None
     # A stage nobody serves gets a replica.
-    assert plan_move([[Replica("a", 10.0), Replica("b", 9.0)], []]) == Move("b", 0, 1)
+    assert plan_move([[Replica("b", 10.0), Replica("c", 9.0)], []]) == Move("b", 0, 1)
