@@ -1,4 +1,4 @@
-"""A node killed with SIGKILL in the middle of writing a checkpoint, twenty times over: every
+"""A node killed with SIGKILL in the middle of writing a checkpoint, twelve times over: every
 restart resumes from the newest whole checkpoint, and no corrupt checkpoint is ever left where a
 restart would look."""
 
@@ -50,7 +50,7 @@ checkpoint_every_rounds = 1
 keep_checkpoints = 3
 metrics_address = "off"
 """
-KILLS = 20
+KILLS = 12
 
 
 def _newest_whole(folder: Path, spec: RunSpec) -> Path | None:
