@@ -38,35 +38,14 @@ from swarmgrad.node.config import home
 from swarmgrad.node.pipeline.model import Pipeline
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.training.data import load_corpus
-from swarmgrad.simulations.pipeline import PipelineSwarm
+from swarmgrad.simulations.pipeline import PIPELINE_DEMO_SPEC, PipelineSwarm
 
-SPEC = """\
-[run]
-id = "pipeline-bench"
-
-[model]
-vocab_size = 2048
-d_model = 128
-n_layers = 8
-n_heads = 4
-seq_len = 64
-
-[data]
-batch_size = 16
-
-[algorithm]
-inner_steps = 100000
-inner_lr = 2e-3
-
-[averaging]
-group_size = 2
-
-[pipeline]
-stages = 4
-microbatches = 4
-activations = "{activations}"
-gradients = "{gradients}"
-"""
+SPEC = (
+    PIPELINE_DEMO_SPEC.format(stages=4)
+    .replace('id = "shakespeare-pipeline"', 'id = "pipeline-bench"')
+    .replace("inner_steps = 10", "inner_steps = 100000")  # no rounds: the pipeline alone
+    + 'activations = "{activations}"\ngradients = "{gradients}"\n'
+)
 CODECS = {"fp32": ("none", "none"), "default": ("bf16", "int8"), "int8": ("int8", "int8")}
 WARMUP_STEPS = 3
 

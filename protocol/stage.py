@@ -283,10 +283,7 @@ class StageServicer:
             samples_accumulated=done.accumulated,
             compute_seconds=done.seconds,
         )
-        if done.tensor is not None:
-            reply.grad_inputs.CopyFrom(
-                await self._encode(done.tensor, self._gradients, "gradients")
-            )
+        await self._add_gradient(reply, done)
         return reply
 
     async def Backward(
@@ -308,11 +305,16 @@ class StageServicer:
             samples_accumulated=done.accumulated,
             compute_seconds=done.seconds,
         )
-        if done.tensor is not None:
-            reply.grad_inputs.CopyFrom(
-                await self._encode(done.tensor, self._gradients, "gradients")
-            )
+        await self._add_gradient(reply, done)
         return reply
+
+    async def _add_gradient(
+        self, reply: stage_pb2.ForwardLossReply | stage_pb2.BackwardReply, done: Computed
+    ) -> None:
+        """The inputs' gradient into ``reply`` (stage 0 has none)."""
+        if done.tensor is not None:
+            encoded = await self._encode(done.tensor, self._gradients, "gradients")
+            reply.grad_inputs.CopyFrom(encoded)
 
     async def Sync(self, request: stage_pb2.SyncRequest, context: object) -> stage_pb2.SyncReply:
         self._admit(SYNC_METHOD, request)

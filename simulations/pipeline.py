@@ -30,6 +30,7 @@ from swarmgrad.simulations.churn import load_schedule
 from swarmgrad.simulations.launchers import LocalProcess
 from swarmgrad.simulations.processes import node_command
 from swarmgrad.simulations.profiles import SimulationError, load_profile
+from swarmgrad.simulations.swarm import DEMO_SPEC
 
 
 def trainer_identity(seed: int, index: int) -> Identity:
@@ -261,38 +262,14 @@ def whole_model_bytes(spec: RunSpec) -> int:
     return sum(parameter_bytes(s) for s in stages)
 
 
-#: The demo run as a pipeline: the demo GPT made deeper (8 layers) and cut into stages.
-PIPELINE_DEMO_SPEC = """\
-[run]
-id = "shakespeare-pipeline"
-
-[model]
-vocab_size = 2048
-d_model = 128
-n_layers = 8
-n_heads = 4
-seq_len = 64
-
-[data]
-source = "demo"
-batch_size = 16
-
-[algorithm]
-name = "diloco"
-inner_steps = 10
-inner_lr = 2e-3
-outer_lr = 1.0
-outer_momentum = 0.0
-
-[averaging]
-codec = "int8"
-group_size = 2
-matchmaking_timeout_seconds = 5.0
-
-[pipeline]
-stages = {stages}
-microbatches = 4
-"""
+#: The demo run as a pipeline: the demo GPT made deeper (8 layers) and cut into ``{stages}``.
+PIPELINE_DEMO_SPEC = (
+    DEMO_SPEC.replace('id = "shakespeare-demo"', 'id = "shakespeare-pipeline"')
+    .replace("n_layers = 2", "n_layers = 8")
+    .replace("group_size = 4", "group_size = 2")
+    .replace("matchmaking_timeout_seconds = 20.0", "matchmaking_timeout_seconds = 5.0")
+    + "\n[pipeline]\nstages = {stages}\nmicrobatches = 4\n"
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
