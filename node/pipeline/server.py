@@ -51,6 +51,13 @@ from swarmgrad.node.pipeline.balance import Move, choose_stage, plan_move
 from swarmgrad.node.pipeline.balance import Replica as BalanceReplica
 from swarmgrad.node.pipeline.model import GradientSum, Stage, build_stage, parameter_bytes
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.state.checkpoint import (
+    Checkpoint,
+    Checkpointer,
+    CheckpointError,
+    load_optimizer_state,
+    optimizer_state,
+)
 from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.training.diloco import DiLoCo
 from swarmgrad.node.training.trainer import set_lr
@@ -141,6 +148,10 @@ class StageWorker:
         self.replica: DiLoCo | None = None
         self.state = "joining"
         self.stats = WorkerStats()
+        self.checkpoints: Checkpointer | None = None
+        self.checkpoint_every = 0  # rounds; 0: only when leaving
+        self.checkpoint = ""  # the last one written
+        self.resumed_from = ""
         self.on_step: Callable[[], None] = lambda: None
 
     # -- StageBackend -------------------------------------------------------------------------
@@ -316,6 +327,40 @@ class StageWorker:
             self.replica.count(samples)
         self.on_step()
 
+    # -- checkpoints (on the worker thread) ----------------------------------------------------
+
+    def save(self) -> None:
+        """Write this replica's state: the stage group's DiLoCo state, the inner optimizer, the
+        version. Gradients of a batch not yet stepped are not kept."""
+        if self.checkpoints is None or self.replica is None:
+            return
+        tensors, replica_meta = self.replica.state_dict()
+        optimizer_tensors, optimizer_meta = optimizer_state(self.optimizer)
+        path = self.checkpoints.save(
+            epoch=self.replica.epoch,
+            step=self.version,
+            tensors=tensors | optimizer_tensors,
+            meta={"replica": replica_meta, "optimizer": optimizer_meta, "version": self.version},
+        )
+        self.checkpoint = str(path)
+        log.info("checkpoint %s", path.name)
+
+    def restore(self, checkpoint: Checkpoint, replica: DiLoCo) -> None:
+        meta, tensors = checkpoint.meta, checkpoint.tensors
+        try:
+            load_optimizer_state(self.optimizer, tensors, meta["optimizer"])
+            replica.load_state_dict(tensors, meta["replica"])
+            self.version = int(meta["version"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as error:
+            raise CheckpointError(
+                f"{checkpoint.path}: does not fit this stage ({error!r}); move it away to "
+                f"start fresh"
+            ) from None
+        self.resumed_from = str(checkpoint.path)
+        log.info(
+            "resumed from %s (epoch %d, version %d)", checkpoint.path, replica.epoch, self.version
+        )
+
     async def sync(self, round_: int) -> tuple[int, str]:
         return await self._run(self._sync, round_)
 
@@ -329,19 +374,26 @@ class StageWorker:
             return replica.epoch, "done"
         if self.pending_samples:
             self._inner_step()
-        report = replica.outer_round()
+        peers = replica.swarm.call(replica.swarm.refresh_peers())
+        if any(p.peer_id != self.peer_id for p in peers):
+            report = replica.outer_round()
+            outcome, group, seconds = report.outcome.value, report.group_size, report.seconds
+        else:  # the stage's only replica: a group of one, with no matchmaking to wait out
+            replica.outer_step_alone()
+            outcome, group, seconds = "alone", 1, 0.0
         # The round published the state with the replica's rate of samples (its share of the
         # work); a stage replica announces its capacity (what rebalancing compares) instead.
         replica.swarm.announce_throughput(self.samples_per_second)
-        outcome = report.outcome.value
         self.stats.rounds[outcome] = self.stats.rounds.get(outcome, 0) + 1
+        if self.checkpoint_every and replica.epoch % self.checkpoint_every == 0:
+            self.save()
         log.info(
             "stage %d epoch %d: %s (group of %d, %.1f s)",
             self.index,
-            report.epoch,
+            replica.epoch,
             outcome,
-            report.group_size,
-            report.seconds,
+            group,
+            seconds,
         )
         return replica.epoch, outcome
 
@@ -387,6 +439,8 @@ def status(worker: StageWorker, servicer: StageServicer, swarm: Swarm) -> dict[s
         "bytes_out": dict(servicer.bytes_out),
         "rejections": {f"{s}/{c}": n for (s, c), n in servicer.rejections.counts.items()},
         "checksum": worker.replica.outer.checksum() if worker.replica is not None else "",
+        "checkpoint": worker.checkpoint,
+        "resumed_from": worker.resumed_from,
     }
 
 
@@ -436,7 +490,7 @@ async def _serve(
 
     move: Move | None = None
     try:
-        async with swarm:
+        async with swarm, contextlib.AsyncExitStack() as stack:
             start, end = module.span
             log.info(
                 "stage %d of %d (layers %d..%d, %.1f MB of parameters) on %s, peer %s",
@@ -448,6 +502,14 @@ async def _serve(
                 swarm.endpoint,
                 identity.peer_id,
             )
+            checkpoints = Checkpointer(
+                config.checkpoint_dir / f"stage{index}",
+                spec.stage_spec(index),
+                keep=config.settings.keep_checkpoints,
+            )
+            stack.enter_context(checkpoints)  # after the swarm: its DHT forks a process
+            worker.checkpoints = checkpoints
+            worker.checkpoint_every = config.settings.checkpoint_every_rounds
             replica = await asyncio.to_thread(worker.call, _attach, worker, swarm)
             worker.state = "serving"
             announced = [0.0, time.monotonic()]  # throughput, when
@@ -462,8 +524,9 @@ async def _serve(
             worker.on_step = publish
             move = await _until_stop_or_move(config, swarm, worker, index, stop, read_status)
             worker.state = "draining"
-            if move is not None:  # finish what is queued; new work is refused (DRAINING)
-                await worker.drain(spec.pipeline.call_timeout_seconds)
+            # Finish what is queued (new work is refused: DRAINING), then keep the state.
+            await worker.drain(spec.pipeline.call_timeout_seconds)
+            await asyncio.to_thread(worker.call, worker.save)
             log.info(
                 "stage %d leaving at version %d (epoch %d)", index, worker.version, replica.epoch
             )
@@ -590,8 +653,11 @@ def _attach(worker: StageWorker, swarm: Swarm) -> DiLoCo:
         outer_lr=algorithm.outer_lr,
         outer_momentum=algorithm.outer_momentum,
     )
+    restored = worker.checkpoints.latest() if worker.checkpoints is not None else None
+    if restored is not None:
+        worker.restore(restored, replica)
     with contextlib.suppress(concurrent.futures.CancelledError):
-        replica.catch_up()
+        replica.catch_up()  # the group has moved on past the checkpoint: download its state
     swarm.announce_throughput(worker.samples_per_second)  # not the replica's rate (see _sync)
     worker.replica = replica
     return replica

@@ -24,8 +24,9 @@ backward succeeds, for failover:
 
 The :class:`Router` picks, per microbatch per stage, the replica with the earliest projected
 finish (the work already routed to it, and an EMA of the compute seconds per sample its replies
-report); UNAVAILABLE bans a replica with
-exponential backoff, DEADLINE_EXCEEDED doubles its EMA, RESOURCE_EXHAUSTED only retries elsewhere.
+report); UNAVAILABLE bans a replica with exponential backoff (DRAINING, a replica joining or
+leaving, pauses it for a second), DEADLINE_EXCEEDED doubles its EMA, RESOURCE_EXHAUSTED only
+retries elsewhere.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ log = logging.getLogger(__name__)
 
 #: First ban of a replica that was unreachable; doubled at each further failure.
 BAN_SECONDS = 15.0
+#: A replica that answers DRAINING (joining, or leaving) is left alone this long.
+DRAINING_PAUSE_SECONDS = 1.0
 #: Weight of the newest measurement in a replica's seconds-per-sample average.
 EMA_ALPHA = 0.3
 #: How often the trainer re-reads the stages' records from the DHT.
@@ -173,9 +176,16 @@ class Router:
         replica.failures += 1
         replica.seconds_per_sample = 2 * (replica.seconds_per_sample or 1.0)
 
+    def pause(self, replica: StageReplica, seconds: float) -> None:
+        """It is joining or leaving (DRAINING): none of its work for ``seconds``, no backoff."""
+        replica.banned_until = max(replica.banned_until, self._clock() + seconds)
+
     def ban(self, replica: StageReplica) -> None:
-        """It is unreachable or leaving: none of its work for a while (longer each time)."""
+        """It is unreachable: none of its work for a while (longer each time it fails again
+        after a ban; the calls in flight when it failed count once)."""
         replica.failures += 1
+        if replica.banned_until > self._clock():
+            return
         replica.banned_until = self._clock() + replica.ban_seconds
         replica.ban_seconds *= 2
 
@@ -193,8 +203,10 @@ class StageCounters:
     sent: dict[str, int] = field(default_factory=dict)
     received: dict[str, int] = field(default_factory=dict)
     wait_seconds: float = 0.0  # waiting for a live replica
-    #: Per call that failed over: seconds from its first failure to its answer elsewhere.
+    #: Per call that failed over: seconds from its first failure to its answer elsewhere, and
+    #: the trainer step it belonged to.
     failover_seconds: list[float] = field(default_factory=list)
+    failover_steps: list[int] = field(default_factory=list)
 
     def count(self, into: dict[str, int], kind: str, size: int) -> None:
         if size:
@@ -213,6 +225,7 @@ class StageCounters:
             "received_per_sample": {k: v / per for k, v in self.received.items()},
             "wait_seconds": self.wait_seconds,
             "failover_seconds": list(self.failover_seconds),
+            "failover_steps": list(self.failover_steps),
         }
 
 
@@ -254,7 +267,12 @@ class PipelineClient:
         self.samples = 0
 
     async def refresh(self, stage: int) -> None:
-        self.router.update(stage, await self._refresh(stage))
+        records = await self._refresh(stage)
+        before = {r.peer_id: r.endpoint for r in self.router.replicas[stage].values()}
+        self.router.update(stage, records)
+        after = {r.peer_id: r.endpoint for r in self.router.replicas[stage].values()}
+        if after != before:
+            log.info("stage %d replicas: %s (records: %s)", stage, after, records)
         self._last_refresh[stage] = time.monotonic()
 
     async def step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -412,6 +430,7 @@ class PipelineClient:
                 self.router.release(replica, reserved)
             if failed_at is not None:
                 counters.failover_seconds.append(time.monotonic() - failed_at)
+                counters.failover_steps.append(step)
             self.router.done(replica, reply.compute_seconds, samples, forward=method != "Backward")
             return reply, replica.peer_id
 
@@ -460,8 +479,8 @@ class PipelineClient:
                 raise _Resend from None
             if failure.code == ResultCode.OVERLOADED:
                 raise _Retry from None
-            if failure.code == ResultCode.DRAINING:
-                self.router.ban(replica)
+            if failure.code == ResultCode.DRAINING:  # joining (soon serving) or leaving
+                self.router.pause(replica, DRAINING_PAUSE_SECONDS)
                 raise _Retry from None
             raise failure from None  # our request was refused: retrying elsewhere cannot help
         if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:

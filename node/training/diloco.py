@@ -318,6 +318,15 @@ class DiLoCo(Replica):
             return None
         return self._land(time.monotonic())
 
+    def outer_step_alone(self) -> None:
+        """A round with a group of one (a pipeline stage served by one replica): this replica's
+        own pseudo-gradient is the average; the outer step and the epoch as after any round."""
+        delta = self.outer.pseudo_gradient(flatten(self.params))
+        unflatten(self.outer.step(delta, own=delta), self.params)
+        self.epoch += 1
+        self.samples = 0
+        self.publish()
+
     def outer_round(self) -> RoundReport:
         started = time.monotonic()
         resynced = self._resync_if_needed()
