@@ -14,16 +14,15 @@ import contextlib
 import json
 import logging
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from swarmgrad.node.config import ConfigError, NodeConfig
+from swarmgrad.node.config import NodeConfig
 from swarmgrad.node.discovery.start import DiscoveryConfig, start_discovery
 from swarmgrad.node.display import Display
 from swarmgrad.node.files import atomic_write
 from swarmgrad.node.identity import Identity
-from swarmgrad.node.metrics import MetricsServer, NodeMetrics
+from swarmgrad.node.metrics import MetricsServer, serving
 from swarmgrad.node.pipeline.server import serve_stage
 from swarmgrad.node.pipeline.trainer import train_pipeline
 from swarmgrad.node.runspec import RunSpec
@@ -38,23 +37,6 @@ log = logging.getLogger(__name__)
 def write_status(path: Path, status: dict[str, Any]) -> None:
     """Replace ``path`` atomically, so a reader never sees half a file."""
     atomic_write(path, json.dumps(status).encode())
-
-
-@contextlib.contextmanager
-def serving(metrics: NodeMetrics, address: str) -> Iterator[MetricsServer | None]:
-    """Serve ``metrics`` on ``address`` ("off": not at all) while the block runs."""
-    if address == "off":
-        yield None
-        return
-    try:
-        server = metrics.serve(address)
-    except (OSError, ValueError) as error:
-        raise ConfigError(str(error)) from None
-    log.info("metrics on %s", server.url)
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 async def run(config: NodeConfig, stop: asyncio.Event) -> int:

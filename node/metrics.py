@@ -10,10 +10,12 @@ the global default one: two nodes in one process (tests) would otherwise clash.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -21,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from swarmgrad.node.kinds import Failure, Link, RoundOutcome
+from swarmgrad.protocol.errors import SetupError
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +218,47 @@ class _Trust(Collector):
             yield gauge
 
 
+class _Stage(Collector):
+    """A pipeline stage server: its stage's numbers, read from its status at every scrape."""
+
+    def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        status = self._read()
+        stage = [str(status["stage"])]
+        for name, key, help_text in (
+            ("swarmgrad_stage_version", "version", "Inner steps this stage replica took."),
+            ("swarmgrad_stage_samples_per_second", "samples_per_second",
+             "This replica's throughput: samples over their backwards' compute seconds."),
+            ("swarmgrad_stage_parameter_bytes", "parameter_bytes",
+             "Bytes of parameters this replica holds (its layer span)."),
+            ("swarmgrad_stage_queue_depth", "queue_depth", "Requests waiting for compute."),
+        ):  # fmt: skip
+            gauge = GaugeMetricFamily(name, help_text, labels=["stage"])
+            gauge.add_metric(stage, float(status[key]))
+            yield gauge
+        work = CounterMetricFamily(
+            "swarmgrad_stage_work",
+            "What this replica computed, by kind (forwards, backwards, recomputed: backwards "
+            "from resent inputs, duplicates, need_inputs: refused for want of inputs, samples: "
+            "accumulated into inner steps).",
+            labels=["stage", "kind"],
+        )
+        for kind in ("forwards", "backwards", "recomputed", "duplicates", "need_inputs", "samples"):
+            work.add_metric([*stage, kind], float(status["stats"][kind]))
+        yield work
+        payload = CounterMetricFamily(
+            "swarmgrad_stage_payload_bytes",
+            "Tensor payload bytes this replica received (in) and sent (out), by kind.",
+            labels=["stage", "direction", "kind"],
+        )
+        for direction in ("in", "out"):
+            for kind, count in sorted(status[f"bytes_{direction}"].items()):
+                payload.add_metric([*stage, direction, kind], float(count))
+        yield payload
+
+
 class NodeMetrics:
     """The metrics of one node; thread-safe (prometheus-client's instruments are)."""
 
@@ -310,6 +354,11 @@ class NodeMetrics:
         """Read the trust ledger's scores, flags and bans from ``trust`` at every scrape."""
         self.registry.register(_Trust(trust))
 
+    def read_stage(self, read: Callable[[], dict[str, Any]]) -> None:
+        """A pipeline stage server: read its status (``node/pipeline/server.py``) at every
+        scrape."""
+        self.registry.register(_Stage(read))
+
     def read_links(self, links: LinkSource) -> None:
         """Read reachability and relay figures from ``links`` at every scrape."""
         self.registry.register(_LinkTallies(links))
@@ -325,6 +374,24 @@ class NodeMetrics:
                 f"--metrics-address, port 0 for any free port, or 'off')"
             ) from None
         return MetricsServer(server=server, thread=thread, host=host)
+
+
+@contextlib.contextmanager
+def serving(metrics: NodeMetrics, address: str) -> Iterator[MetricsServer | None]:
+    """Serve ``metrics`` on ``address`` ("off": not at all) while the block runs; an address
+    that cannot be served is a SetupError."""
+    if address == "off":
+        yield None
+        return
+    try:
+        server = metrics.serve(address)
+    except (OSError, ValueError) as error:
+        raise SetupError(str(error)) from None
+    log.info("metrics on %s", server.url)
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,7 @@ from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.discovery.start import start_discovery
 from swarmgrad.node.files import atomic_write
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.metrics import serving
 from swarmgrad.node.pipeline.balance import Move, choose_stage, plan_move
 from swarmgrad.node.pipeline.balance import Replica as BalanceReplica
 from swarmgrad.node.pipeline.model import GradientSum, Stage, build_stage, parameter_bytes
@@ -425,6 +426,7 @@ def status(worker: StageWorker, servicer: StageServicer, swarm: Swarm) -> dict[s
         "endpoint": swarm.endpoint,
         "parameter_bytes": info.parameter_bytes,
         "samples_per_second": worker.samples_per_second,
+        "queue_depth": worker.queue_depth,
         "stats": {
             "forwards": worker.stats.forwards,
             "backwards": worker.stats.backwards,
@@ -485,8 +487,10 @@ async def _serve(
     )
     swarm.transport.register(lambda server: stage_protocol.add_to_server(servicer, server))
 
+    metrics_url = [""]
+
     def read_status() -> dict[str, Any]:
-        return status(worker, servicer, swarm) | {"moves": moves}
+        return status(worker, servicer, swarm) | {"moves": moves, "metrics_url": metrics_url[0]}
 
     move: Move | None = None
     try:
@@ -508,6 +512,9 @@ async def _serve(
                 keep=config.settings.keep_checkpoints,
             )
             stack.enter_context(checkpoints)  # after the swarm: its DHT forks a process
+            swarm.metrics.read_stage(read_status)
+            served = stack.enter_context(serving(swarm.metrics, config.settings.metrics_address))
+            metrics_url[0] = served.url if served is not None else ""
             worker.checkpoints = checkpoints
             worker.checkpoint_every = config.settings.checkpoint_every_rounds
             replica = await asyncio.to_thread(worker.call, _attach, worker, swarm)

@@ -13,8 +13,10 @@ of the model's layers each, trainers routing microbatches through them.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -130,7 +132,7 @@ def test_replicas_fail_over_the_router_prefers_the_fast_one_and_a_lost_stage_wai
     )
     steps = 40
     with PipelineSwarm(spec_path, tmp_path / "failover") as swarm:
-        swarm.start_stage(0)
+        swarm.start_stage(0, 0, "--metrics-address", "127.0.0.1:0")
         swarm.start_stage(1, 0)
         swarm.start_stage(1, 1, "--slowdown", "3")
         swarm.start_stage(2, 0)
@@ -148,6 +150,14 @@ def test_replicas_fail_over_the_router_prefers_the_fast_one_and_a_lost_stage_wai
         assert stage2["retries"] >= 1
         assert stage2["resends"] >= 1  # its backwards went elsewhere, the inputs resent
         crash_steps = set(stage2["failover_steps"])
+        # Prometheus: the stage's work, read from a stage server's /metrics.
+        url = swarm.members["stage0-0"].read()["metrics_url"]
+        scraped = urllib.request.urlopen(url, timeout=10).read().decode()
+        forwards = re.search(
+            r'swarmgrad_stage_work_total\{kind="forwards",stage="0"\} (\S+)', scraped
+        )
+        assert forwards is not None, scraped[-2000:]
+        assert float(forwards.group(1)) > 0
         # The router's share: the replica three times slower got at most a quarter.
         samples = sorted(r["samples"] for r in before["stages"][1]["replicas"].values())
         assert len(samples) == 2
