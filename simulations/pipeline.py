@@ -376,7 +376,8 @@ def simulate_pipeline(config: PipelineSimulation) -> dict[str, Any]:
             assert trainer.process is not None
             if trainer.process.poll() != 0:
                 raise SimulationError(f"{trainer.name} failed:\n{trainer.process.tail(30)}")
-        replicas = {m.name: m.read() for m in swarm.stages()}
+    # Once the stage servers have stopped: each writes its final status as it leaves.
+    replicas = {m.name: m.read() for m in swarm.stages()}
     summary = _pipeline_summary(config, spec, statuses, replicas, time.monotonic() - started)
     summary["churn"] = fired
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -78,8 +78,9 @@ def _train(spec_path: Path, out: Path, steps: int) -> tuple[dict, list[dict]]:
         swarm.wait_serving()
         swarm.start_trainer(0, "--max-steps", str(steps))
         trainer = swarm.wait_finished("trainer0")
-        stages = [m.read() for m in swarm.stages()]
-    return trainer, stages
+    # Read once every stage server has stopped: each writes its final status as it leaves
+    # (while running, every second).
+    return trainer, [m.read() for m in swarm.stages()]
 
 
 def test_four_stage_processes_train_like_the_whole_model_in_one_process(tmp_path: Path) -> None:
