@@ -227,8 +227,9 @@ def test_stages_are_diloco_groups_and_rebalancing_moves_exactly_one_replica(
     assert summary["final_loss"] < summary["initial_loss"] - 0.5
     rounds = json.loads((out / "trainer0.json").read_text())["rounds"]
     assert [r["step"] for r in rounds] == list(range(5, 55, 5))
-    for round_ in rounds[-3:]:  # the move long done: both replicas of each stage average
-        assert round_["outcomes"] == {"0": ["averaged"] * 2, "1": ["averaged"] * 2}, round_
+    # The last round, the move done (when it comes depends on measured throughputs: round 2
+    # to 8 here): both replicas of each stage average together.
+    assert rounds[-1]["outcomes"] == {"0": ["averaged"] * 2, "1": ["averaged"] * 2}, rounds
     for stage in summary["per_stage"]:
         assert stage["replicas_identical"]
         replicas = list(stage["replicas"].values())
