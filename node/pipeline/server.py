@@ -79,6 +79,9 @@ MAX_STALE_STEPS = 4
 #: A replica re-announces its throughput when it changed by this share, or this often.
 ANNOUNCE_CHANGE = 0.1
 ANNOUNCE_SECONDS = 10.0
+#: Weight of the newest inner step's rate in a replica's throughput (an EMA: a replica's first
+#: steps are slow, warming up, and a cumulative average would remember them for minutes).
+THROUGHPUT_ALPHA = 0.3
 #: Microbatches remembered as accumulated (for de-duplication).
 DEDUP_MEMORY = 4096
 
@@ -145,7 +148,8 @@ class StageWorker:
         #: Samples accumulated towards the next inner step.
         self.pending_samples = 0
         self._queued: set[asyncio.Future[Any]] = set()
-        self._work_seconds, self._work_samples = 0.0, 0
+        self._work_seconds, self._work_samples = 0.0, 0  # since the last inner step
+        self._steps_measured, self._throughput = 0, 0.0
         self.replica: DiLoCo | None = None
         self.state = "joining"
         self.stats = WorkerStats()
@@ -323,6 +327,7 @@ class StageWorker:
         self.optimizer.zero_grad(set_to_none=True)
         samples, self.pending_samples = self.pending_samples, 0
         self.stats.samples += samples
+        self._measure()
         self.version += 1
         if self.replica is not None:
             self.replica.count(samples)
@@ -398,11 +403,24 @@ class StageWorker:
         )
         return replica.epoch, outcome
 
+    def _measure(self) -> None:
+        """Fold the step just taken into the throughput; the first step (warm-up) is left out."""
+        seconds, samples = self._work_seconds, self._work_samples
+        self._work_seconds, self._work_samples = 0.0, 0
+        self._steps_measured += 1
+        if self._steps_measured == 1 or seconds <= 0:
+            return
+        rate = samples / seconds
+        previous = self._throughput
+        self._throughput = (
+            rate if not previous else THROUGHPUT_ALPHA * rate + (1 - THROUGHPUT_ALPHA) * previous
+        )
+
     @property
     def samples_per_second(self) -> float:
-        """Samples over the compute seconds of their backwards, since this replica joined its
-        stage (0 before its first): what it announces, steadier than a recent average."""
-        return self._work_samples / self._work_seconds if self._work_seconds else 0.0
+        """Samples over the compute seconds of their backwards, an EMA over inner steps since
+        this replica joined its stage (0 until its second step): what it announces."""
+        return self._throughput
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -593,13 +611,15 @@ async def _rebalance(config: NodeConfig, swarm: Swarm, worker: StageWorker, inde
             continue  # our own record is not visible yet: the view is stale
         plan = plan_move(stages, hysteresis=spec.pipeline.hysteresis)
         view = tuple(frozenset(r.peer_id for r in stage) for stage in stages)
+        log.debug("rebalancing: throughputs %s, plan %s", _throughputs(stages), plan)
         if plan is not None and plan.peer_id == me and (plan, view) == planned:
-            log.info(
-                "rebalancing: stages' throughputs %s",
-                [[round(r.throughput, 1) for r in stage] for stage in stages],
-            )
+            log.info("rebalancing: stages' throughputs %s", _throughputs(stages))
             return plan
         planned = (plan, view) if plan is not None else None
+
+
+def _throughputs(stages: list[list[BalanceReplica]]) -> list[list[float]]:
+    return [[round(r.throughput, 1) for r in stage] for stage in stages]
 
 
 async def _stage_replicas(
@@ -632,8 +652,9 @@ async def _choose(config: NodeConfig, identity: Identity) -> int:
 
 class _Crashing:
     """Fault injection: the worker, until it has answered ``forwards`` forwards; then this
-    process dies (SIGKILL) as soon as the last reply has left, holding those microbatches'
-    inputs: what a crash between a forward and its backward does."""
+    process dies (SIGKILL) at the next forward or backward it is asked for (those forwards'
+    replies have left: it holds their inputs), or within a second if none comes: what a crash
+    between a forward and its backward does."""
 
     def __init__(self, worker: StageWorker, forwards: int) -> None:
         self._worker, self._left = worker, forwards
@@ -641,13 +662,24 @@ class _Crashing:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._worker, name)
 
+    def _die_if_done(self) -> None:
+        if self._left <= 0:
+            log.warning("fault injection: killing this stage server (SIGKILL)")
+            os.kill(os.getpid(), signal.SIGKILL)
+
     async def forward(self, mb: Microbatch, inputs: torch.Tensor) -> Computed:
+        self._die_if_done()
         result = await self._worker.forward(mb, inputs)
         self._left -= 1
         if self._left <= 0:
-            log.warning("fault injection: killing this stage server (SIGKILL)")
-            asyncio.get_running_loop().call_later(0.05, os.kill, os.getpid(), signal.SIGKILL)
+            asyncio.get_running_loop().call_later(1.0, self._die_if_done)
         return result
+
+    async def backward(
+        self, mb: Microbatch, version: int, grad_outputs: torch.Tensor, inputs: torch.Tensor | None
+    ) -> Computed:
+        self._die_if_done()
+        return await self._worker.backward(mb, version, grad_outputs, inputs)
 
 
 def _attach(worker: StageWorker, swarm: Swarm) -> DiLoCo:

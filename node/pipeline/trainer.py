@@ -74,6 +74,10 @@ BAN_SECONDS = 15.0
 DRAINING_PAUSE_SECONDS = 1.0
 #: Weight of the newest measurement in a replica's seconds-per-sample average.
 EMA_ALPHA = 0.3
+#: A projection is an estimate, off by more the slower the replica: new work is projected at
+#: this much more than its pace, so a slower replica gets it only if clearly done sooner (on a
+#: tie, the faster one takes it).
+PROJECTION_MARGIN = 0.25
 #: How often the trainer re-reads the stages' records from the DHT.
 REFRESH_SECONDS = 2.0
 
@@ -133,12 +137,18 @@ class Router:
         self, stage: int, samples: int, *, exclude: frozenset[str] = frozenset()
     ) -> StageReplica | None:
         """The replica with the earliest projected finish: the work already routed to it, then
-        ``samples`` at its pace; None if the stage has none live."""
+        ``samples`` at its pace (with :data:`PROJECTION_MARGIN`); on a tie, the faster; None if
+        the stage has none live."""
         candidates = [r for r in self.live(stage) if r.peer_id not in exclude]
         if not candidates:
             return None
         fastest = self._fastest(candidates)
-        return min(candidates, key=lambda r: r.reserved + samples * self._pace(r, fastest))
+
+        def projected(replica: StageReplica) -> tuple[float, float]:
+            pace = self._pace(replica, fastest)
+            return replica.reserved + samples * pace * (1 + PROJECTION_MARGIN), pace
+
+        return min(candidates, key=projected)
 
     def _fastest(self, replicas: list[StageReplica]) -> float:
         known = [r.seconds_per_sample for r in replicas if r.seconds_per_sample is not None]
@@ -650,7 +660,12 @@ def _write_status(path: Path | None, status: TrainerStatus, client: PipelineClie
             counters.as_dict(client.samples)
             | {
                 "replicas": {
-                    r.peer_id: {"samples": r.samples, "calls": r.calls, "failures": r.failures}
+                    r.peer_id: {
+                        "samples": r.samples,
+                        "calls": r.calls,
+                        "failures": r.failures,
+                        "seconds_per_sample": r.seconds_per_sample,
+                    }
                     for r in client.router.replicas[k].values()
                 }
             }

@@ -7,7 +7,7 @@ of the model's layers each, trainers routing microbatches through them.
 - a killed replica of a two-replica stage costs a retry and a resend, not the step;
 - a stage with no replica fails the trainer's step within its deadline, and training resumes
   when a replica joins;
-- a replica three times slower gets at most a quarter of its stage's microbatches.
+- a replica at least three times slower gets at most a quarter of its stage's microbatches.
 """
 
 from __future__ import annotations
@@ -122,10 +122,10 @@ def _wait_steps(swarm: PipelineSwarm, steps: int) -> None:
 def test_replicas_fail_over_the_router_prefers_the_fast_one_and_a_lost_stage_waits(
     tmp_path: Path,
 ) -> None:
-    """Stage 1: a replica and one three times slower; stage 2: two replicas, one of which dies
-    (SIGKILL) right after answering forwards, holding their inputs; then stage 3's only replica
-    dies: the trainer fails that step within its wait and goes on once a replica is back, which
-    resumes from its checkpoint."""
+    """Stage 1: a replica and one at least three times slower; stage 2: two replicas, one of
+    which dies (SIGKILL) right after answering forwards, holding their inputs; then stage 3's
+    only replica dies: the trainer fails that step within its wait and goes on once a replica
+    is back, which resumes from its checkpoint."""
     spec_path = _spec(tmp_path, "failover", wait=3.0)
     spec_path.write_text(  # a round every 10 steps, a checkpoint every round
         spec_path.read_text().replace("inner_steps = 1000", "inner_steps = 10")
@@ -135,7 +135,7 @@ def test_replicas_fail_over_the_router_prefers_the_fast_one_and_a_lost_stage_wai
     with PipelineSwarm(spec_path, tmp_path / "failover") as swarm:
         swarm.start_stage(0, 0, "--metrics-address", "127.0.0.1:0")
         swarm.start_stage(1, 0)
-        swarm.start_stage(1, 1, "--slowdown", "3")
+        swarm.start_stage(1, 1, "--slowdown", "4")
         swarm.start_stage(2, 0)
         swarm.start_stage(2, 1, "--crash-after-forwards", "24")
         swarm.start_stage(3)
@@ -159,10 +159,15 @@ def test_replicas_fail_over_the_router_prefers_the_fast_one_and_a_lost_stage_wai
         )
         assert forwards is not None, scraped[-2000:]
         assert float(forwards.group(1)) > 0
-        # The router's share: the replica three times slower got at most a quarter.
-        samples = sorted(r["samples"] for r in before["stages"][1]["replicas"].values())
-        assert len(samples) == 2
-        assert samples[1] >= 3 * samples[0], before["stages"][1]["replicas"]
+        # The router's share: the replica at least three times slower (as the router measured
+        # it: on this crowded machine --slowdown 4 makes it 3-4x) got at most a quarter.
+        replicas = sorted(
+            before["stages"][1]["replicas"].values(), key=lambda r: r["seconds_per_sample"]
+        )
+        assert len(replicas) == 2
+        fast, slow = replicas
+        assert slow["seconds_per_sample"] >= 3 * fast["seconds_per_sample"], replicas
+        assert fast["samples"] >= 3 * slow["samples"], replicas
 
         swarm.kill("stage3-0")  # the last stage's only replica
         killed = time.monotonic()
@@ -227,9 +232,11 @@ def test_stages_are_diloco_groups_and_rebalancing_moves_exactly_one_replica(
     assert summary["final_loss"] < summary["initial_loss"] - 0.5
     rounds = json.loads((out / "trainer0.json").read_text())["rounds"]
     assert [r["step"] for r in rounds] == list(range(5, 55, 5))
-    # The last round, the move done (when it comes depends on measured throughputs: round 2
-    # to 8 here): both replicas of each stage average together.
-    assert rounds[-1]["outcomes"] == {"0": ["averaged"] * 2, "1": ["averaged"] * 2}, rounds
+    # Once the moved replica has joined (when depends on measured throughputs), both replicas
+    # of each stage average together at every round barrier; it joined before the last.
+    pairs = {"0": ["averaged"] * 2, "1": ["averaged"] * 2}
+    joined = next(i for i, r in enumerate(rounds) if r["outcomes"]["1"] == pairs["1"])
+    assert all(r["outcomes"] == pairs for r in rounds[joined:]), rounds
     for stage in summary["per_stage"]:
         assert stage["replicas_identical"]
         replicas = list(stage["replicas"].values())

@@ -90,7 +90,7 @@ def test_stages_build_their_span_alone_and_chain_into_the_whole_model() -> None:
 def test_the_router_prefers_the_replica_that_finishes_first_and_bans_the_dead() -> None:
     now = [100.0]
     router = Router(1, clock=lambda: now[0])
-    router.update(0, [("fast", "a:1"), ("slow", "b:1")])
+    router.update(0, [("slow", "b:1"), ("fast", "a:1")])
     router.done(router.replicas[0]["fast"], 0.1, 1, forward=True)  # 0.1 s of compute a sample
     router.done(router.replicas[0]["slow"], 0.3, 1, forward=True)
     names = []
@@ -100,6 +100,8 @@ def test_the_router_prefers_the_replica_that_finishes_first_and_bans_the_dead() 
         router.reserve(replica, 4)
         names.append(replica.peer_id)
     assert names.count("fast") == 6  # 6 x 0.4 s vs 2 x 1.2 s: both done in about 2.4 s
+    # The third goes to the fast one: done at 1.2 s either way, and the faster is the safer bet.
+    assert names[:4] == ["fast", "fast", "fast", "slow"]
     for replica in router.replicas[0].values():
         router.release(replica, replica.reserved)
     router.ban(router.replicas[0]["fast"])
