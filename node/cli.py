@@ -280,26 +280,51 @@ def status(
             "peer (clip and cosine EMAs, flags, bans, owner checks); alone, only that."
         ),
     ] = None,
+    traffic: Annotated[
+        Path | None,
+        typer.Option(
+            help="Pipelines: also show what the trainer writing this --status-file saw of each "
+            "stage (bytes per sample each way, retries, resends, lost samples); alone, only that."
+        ),
+    ] = None,
 ) -> None:
-    """Show a run's peers from the DHT: id, role, epoch, throughput, reachability, last seen."""
+    """Show a run's peers from the DHT: id, role, epoch, throughput, reachability, last seen;
+    for a pipeline, its stage replicas and a row per stage."""
     import json
 
     from rich.console import Console
     from rich.table import Table
 
     from swarmgrad.node.runspec import RunSpec
-    from swarmgrad.node.status import ScoresError, read_scores, run_peers, scores_table
+    from swarmgrad.node.status import (
+        ScoresError,
+        read_scores,
+        read_traffic,
+        run_peers,
+        scores_table,
+        stage_summary,
+        stages_table,
+        traffic_table,
+    )
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     try:
         scored = read_scores(scores) if scores is not None else None
+        seen = read_traffic(traffic) if traffic is not None else None
     except ScoresError as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
-    if scored is not None and spec is None and run is None:
-        if as_json:
-            typer.echo(json.dumps({"scores": scored}, indent=1))
-        else:
+
+    def print_files() -> None:
+        if scored is not None:
             Console().print(scores_table(scored))
+        if seen is not None:
+            Console().print(traffic_table(seen))
+
+    if (scored is not None or seen is not None) and spec is None and run is None:
+        if as_json:
+            typer.echo(json.dumps({"scores": scored, "traffic": seen}, indent=1))
+        else:
+            print_files()
         return
     try:
         loaded = RunSpec.load(spec) if spec is not None else None
@@ -315,6 +340,12 @@ def status(
     except (RunSpecError, node_config.ConfigError) as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
     run_id = loaded.run.id if loaded is not None else str(run)
+    pipeline = loaded.pipeline if loaded is not None and loaded.pipeline.stages > 1 else None
+    stage_specs = (
+        [loaded.stage_spec(k) for k in range(pipeline.stages)]
+        if loaded is not None and pipeline is not None
+        else []
+    )
     try:
         rows = tasks.run(
             lambda stop: run_peers(
@@ -328,24 +359,42 @@ def status(
                     if dht_secret is not None
                     else (loaded.node.dht_secret if loaded is not None else "")
                 ),
+                stages=[(stage.run.id, stage.hash) for stage in stage_specs],
             )
         )
     except ValueError as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
     except (DiscoveryError, TimeoutError) as error:
         raise _fail(EXIT_NETWORK, f"could not read the run's peers: {error}") from None
+    stages = (
+        stage_summary(rows, pipeline.spans(loaded.model.n_layers))
+        if loaded is not None and pipeline is not None
+        else None
+    )
     if as_json:
-        typer.echo(json.dumps({"run": run_id, "peers": rows, "scores": scored}, indent=1))
+        typer.echo(
+            json.dumps(
+                {"run": run_id, "peers": rows, "stages": stages, "scores": scored, "traffic": seen},
+                indent=1,
+            )
+        )
         return
     table = Table(title=f"run {run_id}: {len(rows)} peer(s)")
     columns = ("peer", "spec", "role", "epoch", "samples/s", "endpoint", "reached", "seen")
     for column in columns:
         table.add_column(column, justify="right" if column in ("epoch", "samples/s") else "left")
     for row in rows:
+        replica = row.get("stage")
         table.add_row(
             row["peer_id"],
             row["spec"],
-            row["role"],
+            row["role"]
+            + (
+                f" {replica['index']} ({replica['state']}, v{replica['version']}, "
+                f"{replica['queue_depth']} queued)"
+                if replica
+                else ""
+            ),
             str(row["epoch"]),
             f"{row['throughput']:.1f}",
             row["endpoint"] or "-",
@@ -355,8 +404,9 @@ def status(
             f"{row['last_seen_seconds']:.0f} s ago",
         )
     Console().print(table)
-    if scored is not None:
-        Console().print(scores_table(scored))
+    if stages is not None:
+        Console().print(stages_table(stages))
+    print_files()
 
 
 @app.command()

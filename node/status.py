@@ -1,5 +1,7 @@
-"""``swarmgrad status``: a run's peers as the DHT shows them, read by a short-lived DHT node, and
-(``--scores``) what one node of an open run thinks of each peer, from its status file."""
+"""``swarmgrad status``: a run's peers as the DHT shows them, read by a short-lived DHT node (a
+pipeline's stage replicas too, with a row per stage), and from a node's status file what one node
+of an open run thinks of each peer (``--scores``) or what a pipeline trainer saw of each stage
+(``--traffic``)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 from rich.table import Table
 
 from swarmgrad.node.discovery.base import dht_time
+from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.discovery.start import start_reader
 
 
@@ -23,8 +26,10 @@ async def run_peers(
     timeout_seconds: float,
     backend: str = "hivemind",
     network_secret: str = "",
+    stages: Sequence[tuple[str, bytes]] = (),
 ) -> list[dict[str, Any]]:
-    """One row per peer record of ``run_id`` (of ``spec_hash``, or of every spec in use).
+    """One row per peer record of ``run_id`` (of ``spec_hash``, or of every spec in use), then
+    of each of a pipeline's ``stages`` (their run ids and spec hashes).
 
     The reader joins the DHT with a throwaway identity: it announces nothing.
     """
@@ -42,29 +47,126 @@ async def run_peers(
                 hashes = [spec_hash]
             else:
                 hashes = [bytes.fromhex(h) for h in sorted(await discovery.find_specs())]
+            views = [discovery.for_spec(each) for each in hashes]
+            views += [discovery.for_run(stage_run, stage_hash) for stage_run, stage_hash in stages]
             rows = []
-            for each in hashes:
-                now = dht_time()
-                for record in await discovery.for_spec(each).find():
-                    rows.append(
-                        {
-                            "peer_id": record.peer_id,
-                            "spec": record.spec_hash[:12],
-                            "role": record.role,
-                            "epoch": record.epoch,
-                            "throughput": record.throughput,
-                            "endpoint": record.endpoint,
-                            "reachability": record.reachability,
-                            "via": record.via,
-                            "punched": record.punched,
-                            "checksum": record.checksum,
-                            "last_seen_seconds": max(0.0, now - record.issued_at),
-                            "expires_in_seconds": record.expires_at - now,
-                        }
-                    )
+            for view in views:
+                records = await view.find()
+                rows += [_row(record, dht_time()) for record in records]
             return rows
         finally:
             await discovery.close()
+
+
+def _row(record: PeerRecord, now: float) -> dict[str, Any]:
+    row = {
+        "peer_id": record.peer_id,
+        "spec": record.spec_hash[:12],
+        "role": "stage" if record.stage >= 0 else record.role,
+        "epoch": record.epoch,
+        "throughput": record.throughput,
+        "endpoint": record.endpoint,
+        "reachability": record.reachability,
+        "via": record.via,
+        "punched": record.punched,
+        "checksum": record.checksum,
+        "last_seen_seconds": max(0.0, now - record.issued_at),
+        "expires_in_seconds": record.expires_at - now,
+    }
+    if record.stage >= 0:
+        row["stage"] = {
+            "index": record.stage,
+            "span": [record.span_start, record.span_end],
+            "state": record.state,
+            "queue_depth": record.queue_depth,
+            "version": record.version,
+        }
+    return row
+
+
+def stage_summary(rows: list[dict[str, Any]], spans: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """Per stage of a pipeline (``spans``: each one's layers), from its replicas' rows: how many
+    serve, their capacity (samples/s), versions and queued microbatches."""
+    summary = []
+    for index, span in enumerate(spans):
+        replicas = [r["stage"] | {"throughput": r["throughput"]} for r in rows if "stage" in r]
+        replicas = [r for r in replicas if r["index"] == index]
+        serving = [r for r in replicas if r["state"] == "serving"]
+        versions = [r["version"] for r in replicas]
+        summary.append(
+            {
+                "stage": index,
+                "layers": list(span),
+                "replicas": len(replicas),
+                "serving": len(serving),
+                "capacity": sum(r["throughput"] for r in serving),
+                "versions": [min(versions), max(versions)] if versions else [],
+                "queued": sum(r["queue_depth"] for r in replicas),
+            }
+        )
+    return summary
+
+
+def stages_table(summary: list[dict[str, Any]]) -> Table:
+    """The stage summary as a table; a stage with no replica serving is marked."""
+    table = Table(title=f"pipeline: {len(summary)} stages")
+    columns = ("stage", "layers", "serving", "samples/s", "versions", "queued")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "layers" else "right")
+    for row in summary:
+        start, end = row["layers"]
+        versions = row["versions"]
+        table.add_row(
+            str(row["stage"]),
+            f"{start}..{end - 1}",
+            f"{row['serving']} of {row['replicas']}" if row["serving"] else "[bold red]none[/]",
+            f"{row['capacity']:.1f}",
+            f"{versions[0]}..{versions[1]}" if versions else "-",
+            str(row["queued"]),
+        )
+    return table
+
+
+def read_traffic(path: Path) -> dict[str, Any]:
+    """What a pipeline trainer's ``--status-file`` says of each stage: bytes per sample each
+    way, retries, resends, failures, samples lost to failed steps."""
+    try:
+        status = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ScoresError(f"cannot read the trainer's status file {path}: {error}") from None
+    if not isinstance(status, dict) or not isinstance(status.get("stages"), list):
+        raise ScoresError(f"{path} is not a pipeline trainer's status file (no stages section)")
+    return {
+        "trainer": status.get("peer_id", ""),
+        "step": status.get("step", 0),
+        "samples": status.get("samples", 0),
+        "stages": status["stages"],
+    }
+
+
+def traffic_table(traffic: dict[str, Any]) -> Table:
+    """A trainer's view of each stage as a table."""
+    table = Table(
+        title=f"stages as trainer {traffic['trainer']} saw them: step {traffic['step']}, "
+        f"{traffic['samples']} samples"
+    )
+    columns = ("stage", "up B/sample", "down B/sample", "calls", "retries", "resends", "lost")
+    for column in columns:
+        table.add_column(column, justify="right")
+    table.add_column("failures", justify="left")
+    for index, stage in enumerate(traffic["stages"]):
+        failures = ", ".join(f"{k} {v}" for k, v in stage.get("failures", {}).items())
+        table.add_row(
+            str(index),
+            f"{stage.get('bytes_up_per_sample', 0.0):,.0f}",
+            f"{stage.get('bytes_down_per_sample', 0.0):,.0f}",
+            str(stage.get("calls", 0)),
+            str(stage.get("retries", 0)),
+            str(stage.get("resends", 0)),
+            str(stage.get("lost_samples", 0)),
+            failures or "-",
+        )
+    return table
 
 
 class ScoresError(ValueError):

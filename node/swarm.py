@@ -24,7 +24,7 @@ import concurrent.futures
 import functools
 import logging
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import torch
@@ -140,6 +140,8 @@ class Swarm:
         self._bridge = LoopBridge()
         self._tasks = TaskSet()
         self.throughput = 0.0  # samples/s, announced
+        #: More of this node's record, as it is now (a stage replica's stage fields).
+        self.describe: Callable[[], dict[str, Any]] = dict
         self.metrics.read_tallies(traffic=self._traffic_totals, failures=self._failure_totals)
         self.metrics.read_links(self._links)
         self.metrics.read_rejections(self.rejections.snapshot)
@@ -343,18 +345,22 @@ class Swarm:
             relay=reach["relay"],
             via=reach["via"],
             punched=self.routes.num_punched(),
+            **self.describe(),
         )
 
     def publish(self, snapshot: state.Snapshot, *, throughput: float) -> None:
         """Serve ``snapshot`` to peers and announce its epoch and checksum; thread-safe."""
         self.state.publish(snapshot)
         self.throughput = throughput
-        if self.directory is not None:
-            self._bridge.soon(self.directory.changed)
+        self.reannounce()
 
     def announce_throughput(self, samples_per_second: float) -> None:
         """Announce a new throughput (samples/s) in this node's record soon; thread-safe."""
         self.throughput = samples_per_second
+        self.reannounce()
+
+    def reannounce(self) -> None:
+        """Announce this node's record again soon (it changed); thread-safe."""
         if self.directory is not None:
             self._bridge.soon(self.directory.changed)
 

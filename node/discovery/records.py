@@ -34,6 +34,8 @@ ROLES = ("trainer", "bootstrap", "observer")
 #: How peers reach a node's endpoint: not known yet (no peer has dialed it back), directly, through
 #: a port its router mapped (UPnP / NAT-PMP), through a relay peer, or not at all.
 REACHABILITY = tuple(Reach)
+#: A stage replica's state: catching up with its group, serving, or leaving ("" off pipelines).
+STAGE_STATES = ("", "joining", "serving", "draining")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,6 +54,14 @@ class PeerRecord:
     relay: str  # host:port of the relay this node offers to unreachable peers ("" if none)
     via: str  # the peer id of the relay that carries this node's endpoint, when relayed
     punched: int  # peers this node reaches over links it punched through both NATs
+    #: A pipeline's stage replica (-1: none): its stage, layer span [start, end), serving state
+    #: (one of STAGE_STATES), microbatches queued, and version (inner steps taken).
+    stage: int
+    span_start: int
+    span_end: int
+    state: str
+    queue_depth: int
+    version: int
     issued_at: float  # DHT time, seconds
     expires_at: float
 
@@ -95,6 +105,15 @@ class PeerRecord:
             raise RecordError(f"unknown role {raw['role']!r}")
         if raw["reachability"] not in REACHABILITY:
             raise RecordError(f"unknown reachability {raw['reachability']!r}")
+        if raw["state"] not in STAGE_STATES:
+            raise RecordError(f"unknown stage state {raw['state']!r}")
+        if min(raw["punched"], raw["queue_depth"], raw["version"], raw["span_start"]) < 0:
+            raise RecordError("a record count below zero")
+        staged = raw["stage"] >= 0
+        if raw["stage"] < -1 or staged != (raw["span_end"] > raw["span_start"]):
+            raise RecordError("a stage record needs a stage and a layer span, others neither")
+        if staged != (raw["state"] != ""):
+            raise RecordError("a stage record needs a state, others none")
         return cls(**raw)
 
 
@@ -110,6 +129,12 @@ PEER_DEFAULTS: dict[str, Any] = {
     "relay": "",
     "via": "",
     "punched": 0,
+    "stage": -1,
+    "span_start": 0,
+    "span_end": 0,
+    "state": "",
+    "queue_depth": 0,
+    "version": 0,
 }
 
 

@@ -494,6 +494,14 @@ async def _serve(
     module = build_stage(spec.model, spec.pipeline, index, seed=spec.data.seed)
     worker = StageWorker(module, spec, peer_id=identity.peer_id, slowdown=config.slowdown)
     swarm = Swarm(spec.stage_spec(index), identity, config.swarm)
+    swarm.describe = lambda: {
+        "stage": index,
+        "span_start": module.span[0],
+        "span_end": module.span[1],
+        "state": worker.state,
+        "queue_depth": worker.queue_depth,
+        "version": worker.version,
+    }
     servicer = StageServicer(
         schema_of(spec, index),
         worker
@@ -537,6 +545,7 @@ async def _serve(
             worker.checkpoint_every = config.settings.checkpoint_every_rounds
             replica = await asyncio.to_thread(worker.call, _attach, worker, swarm)
             worker.state = "serving"
+            swarm.reannounce()
             announced = [0.0, time.monotonic()]  # throughput, when
 
             def publish() -> None:  # on the worker thread, after each inner step
@@ -549,6 +558,7 @@ async def _serve(
             worker.on_step = publish
             move = await _until_stop_or_move(config, swarm, worker, index, stop, read_status)
             worker.state = "draining"
+            swarm.reannounce()
             # Finish what is queued (new work is refused: DRAINING), then keep the state.
             await worker.drain(spec.pipeline.call_timeout_seconds)
             await asyncio.to_thread(worker.call, worker.save)
@@ -628,7 +638,10 @@ async def _stage_replicas(
     found = await asyncio.gather(
         *(records_of(spec.stage_spec(k)) for k in range(spec.pipeline.stages))
     )
-    return [[BalanceReplica(r.peer_id, r.throughput) for r in records] for records in found]
+    return [  # a draining replica is leaving its stage: not its capacity any more
+        [BalanceReplica(r.peer_id, r.throughput) for r in records if r.state != "draining"]
+        for records in found
+    ]
 
 
 async def _choose(config: NodeConfig, identity: Identity) -> int:

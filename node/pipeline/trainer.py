@@ -213,6 +213,9 @@ class StageCounters:
     sent: dict[str, int] = field(default_factory=dict)
     received: dict[str, int] = field(default_factory=dict)
     wait_seconds: float = 0.0  # waiting for a live replica
+    #: Samples of steps that failed at this stage (no live replica): their work at every stage
+    #: is done again when the step is.
+    lost_samples: int = 0
     #: Per call that failed over: seconds from its first failure to its answer elsewhere, and
     #: the trainer step it belonged to.
     failover_seconds: list[float] = field(default_factory=list)
@@ -234,6 +237,7 @@ class StageCounters:
             "sent_per_sample": {k: v / per for k, v in self.sent.items()},
             "received_per_sample": {k: v / per for k, v in self.received.items()},
             "wait_seconds": self.wait_seconds,
+            "lost_samples": self.lost_samples,
             "failover_seconds": list(self.failover_seconds),
             "failover_steps": list(self.failover_steps),
         }
@@ -567,7 +571,14 @@ async def train_pipeline(config: NodeConfig, stop: asyncio.Event) -> int:
         except SwarmgradError as error:
             log.warning("could not read stage %d's records: %s", stage, error)
             return []
-        return [(r.peer_id, r.endpoint) for r in records]
+        span = spec.pipeline.spans(spec.model.n_layers)[stage]
+        # Replicas serving this stage's span; not those joining (catching up with their group)
+        # or draining (leaving), which would only answer DRAINING.
+        return [
+            (r.peer_id, r.endpoint)
+            for r in records
+            if r.stage == stage and (r.span_start, r.span_end) == span and r.state == "serving"
+        ]
 
     limits = ServerLimits(max_message_bytes=max(16 << 20, 4 * _activation_bytes(spec)))
     transport = Transport(config.swarm.transport(limits))
@@ -621,6 +632,7 @@ async def _train(
             loss = await client.step(status.step, inputs, targets)
         except StageUnavailable as error:
             status.failed_steps += 1
+            client.counters[error.stage].lost_samples += len(inputs)
             status.last_error = str(error)
             log.warning("step %d: %s; trying again", status.step, error)
             _write_status(config.status_file, status, client)

@@ -131,6 +131,21 @@ def test_forged_misfiled_or_malformed_values_are_refused(
         validate(KEY, slot, value(), expires, now=1001.0)
 
 
+def test_a_stage_replicas_record_round_trips() -> None:
+    fields = {"stage": 2, "span_start": 4, "span_end": 6, "state": "serving", "version": 40}
+    sent = PeerRecord.create(
+        ME.peer_id,
+        run_id=RUN,
+        spec_hash=SPEC,
+        endpoint="127.0.0.1:5000",
+        now=1000.0,
+        ttl_seconds=60.0,
+        queue_depth=3,
+        **fields,
+    )
+    assert PeerRecord.parse(sent.body()) == sent
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [
@@ -139,6 +154,15 @@ def test_forged_misfiled_or_malformed_values_are_refused(
         ({"reachability": "teleported"}, "unknown reachability"),
         ({"role": "admin"}, "unknown role"),
         ({"extra": 1}, "fields"),
+        # Stage fields: a state off the list, a stage without a span (and the reverse), a
+        # state on a record that serves no stage, counts below zero.
+        ({"stage": 1, "span_start": 2, "span_end": 4, "state": "asleep"}, "unknown stage"),
+        ({"stage": 1, "state": "serving"}, "a layer span"),
+        ({"span_start": 2, "span_end": 4}, "a layer span"),
+        ({"state": "serving"}, "a state"),
+        ({"stage": -2}, "a layer span"),
+        ({"queue_depth": -1}, "below zero"),
+        ({"version": -3}, "below zero"),
     ],
 )
 def test_records_with_unknown_fields_or_values_are_refused(

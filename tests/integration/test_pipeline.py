@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import re
 import statistics
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -168,6 +170,27 @@ def test_replicas_fail_over_the_router_prefers_the_fast_one_and_a_lost_stage_wai
         fast, slow = replicas
         assert slow["seconds_per_sample"] >= 3 * fast["seconds_per_sample"], replicas
         assert fast["samples"] >= 3 * slow["samples"], replicas
+        # swarmgrad status: the stage replicas' signed records, a row per stage, and what the
+        # trainer saw of each stage.
+        bootstrap = tmp_path / "failover" / "bootstrap.json"
+        shown = subprocess.run(
+            [
+                *(sys.executable, "-m", "swarmgrad.node.cli", "status", str(spec_path), "--json"),
+                *("--bootstrap-file", str(bootstrap), "--traffic", str(trainer.status)),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert shown.returncode == 0, shown.stderr
+        body = json.loads(shown.stdout)
+        layers = [row["layers"] for row in body["stages"]]
+        assert layers == [[0, 2], [2, 4], [4, 6], [6, 8]]
+        assert [row["serving"] for row in body["stages"]][:2] == [1, 2]
+        assert all(row["serving"] >= 1 and row["versions"][1] >= 1 for row in body["stages"])
+        states = {p["stage"]["state"] for p in body["peers"] if p["role"] == "stage"}
+        assert states == {"serving"}  # (the crashed replica's record, until it expires)
+        assert body["traffic"]["stages"][2]["retries"] >= 1
 
         swarm.kill("stage3-0")  # the last stage's only replica
         killed = time.monotonic()

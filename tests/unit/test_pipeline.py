@@ -1,15 +1,19 @@
 """Pipeline stages without sockets: the spec's [pipeline] section, the stage split and its
-initialization, the router's choices, and the rebalancing plan."""
+initialization, the router's choices, the rebalancing plan, and the status rows per stage."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from rich.console import Console
 
 from swarmgrad.node.pipeline.balance import Move, Replica, choose_stage, plan_move
 from swarmgrad.node.pipeline.model import Pipeline, build_stage, parameter_bytes
 from swarmgrad.node.pipeline.trainer import BAN_SECONDS, Router
 from swarmgrad.node.runspec import PipelineSection, RunSpec, RunSpecError
+from swarmgrad.node.status import stage_summary, stages_table
 
 BASE = """
 [run]
@@ -135,3 +139,28 @@ def test_auto_fills_the_weakest_stage_and_rebalancing_moves_one_replica_once() -
     assert plan_move([[Replica("a", 10.0), Replica("b", 0.0)], [Replica("d", 1.0)]]) is None
     # A stage nobody serves gets a replica.
     assert plan_move([[Replica("b", 10.0), Replica("c", 9.0)], []]) == Move("b", 0, 1)
+
+
+def test_status_sums_each_stage_and_marks_one_with_no_replica_serving() -> None:
+    def row(stage: int, state: str, throughput: float, version: int) -> dict[str, Any]:
+        replica = {"index": stage, "state": state, "queue_depth": 1, "version": version}
+        return {"throughput": throughput, "stage": replica | {"span": [0, 0]}}
+
+    rows = [
+        row(0, "serving", 100.0, 7),
+        row(0, "serving", 50.0, 6),
+        row(1, "draining", 80.0, 7),
+        {"throughput": 9.0},  # a trainer or bootstrap: no stage
+    ]
+    summary = stage_summary(rows, [(0, 5), (5, 8)])
+    assert [(s["serving"], s["replicas"], s["capacity"]) for s in summary] == [
+        (2, 2, 150.0),
+        (0, 1, 0.0),
+    ]
+    assert summary[0]["versions"] == [6, 7]
+    assert summary[0]["queued"] == 2
+    console = Console(width=120, record=True)
+    console.print(stages_table(summary))
+    text = console.export_text()
+    for cell in ("0..4", "5..7", "2 of 2", "none"):
+        assert cell in text
