@@ -63,10 +63,10 @@ def test_prometheus_and_status_see_the_swarm_train(tmp_path: Path) -> None:
     out = tmp_path / "sim"
     result: dict[str, Any] = {}
 
-    def run() -> None:
+    def run() -> None:  # 20 rounds: still in the swarm when status asks, after Prometheus's checks
         try:
             result["summary"] = simulate(
-                SimulationConfig(nodes=2, rounds=12, spec_path=spec, profile_path=None, out_dir=out)
+                SimulationConfig(nodes=2, rounds=20, spec_path=spec, profile_path=None, out_dir=out)
             )
         except Exception as error:  # reported by the main thread
             result["error"] = error
