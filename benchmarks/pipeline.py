@@ -3,6 +3,7 @@
 
     python benchmarks/pipeline.py                    # every arm once, 30 steps each
     python benchmarks/pipeline.py --steps 40 --repeats 3 --json out.json
+    python benchmarks/pipeline.py --upload-mb 10,2.5  # the capped arms at each cap
 
 On one host a pipeline shows its overhead, not a speedup: every stage is a process of its own on
 the same cores, every boundary a gRPC hop through the trainer (the hub), and every backward
@@ -12,11 +13,15 @@ batches of 16 in 4 microbatches; 1 torch thread per process):
 - ``one process``: every stage chained in this process, microbatches accumulated, AdamW;
 - ``S4x1 fp32`` / ``S4x1 default`` (bf16 activations, int8 gradients) / ``S4x1 int8`` (int8 both
   ways) / ``S4x2 default``: 4 stage processes with 1 or 2 replicas each, one trainer;
-- ``capped fp32`` / ``capped default``: S4x1 with every process's upload capped at
-  ``--upload-mb`` MB/s (10 by default);
-- ``kill``: S4x1 but stage 2 has 2 replicas, one of which dies (SIGKILL) between forwards and
-  backwards: the time from the failed call to its answer elsewhere, and the step's time against
-  the median step.
+- ``capped fp32 @C`` / ``capped default @C``: S4x1 with every process's upload capped at C MB/s,
+  for each C in ``--upload-mb`` (10 and 2.5 by default: on this CPU a step's compute is ~0.2 s,
+  so 10 MB/s leaves it compute-bound; 2.5 MB/s is the link a GPU ~4x faster would see at 10);
+- ``no kill`` / ``kill``: S4x1 but stage 2 has 2 replicas; in ``kill`` one of them dies
+  (SIGKILL) between forwards and backwards: the time from the failed call to its answer
+  elsewhere, the step's time against the median step, and the last 10 losses against ``no
+  kill``'s (the same data and seeds);
+- ``hivemind S4x1 fp32``: the same split served by four hivemind ``RemoteExpert`` processes
+  (``benchmarks/hivemind_chain.py``), the trainer's microbatches in flight at once.
 
 Reported: samples/s (the batch over the median step time, the first 3 steps left out), bytes per
 sample per boundary per direction (one crossing; through the hub each crosses twice), and ratios.
@@ -25,6 +30,7 @@ sample per boundary per direction (one crossing; through the hub each crosses tw
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import tempfile
@@ -33,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hivemind_chain import chain_arm  # a sibling script: run as one, its folder is on the path
 
 from swarmgrad.node.config import home
 from swarmgrad.node.pipeline.model import Pipeline
@@ -54,10 +61,7 @@ def one_process(steps: int) -> dict[str, Any]:
     """The whole model in this process: the step times of the same training."""
     torch.set_num_threads(1)
     spec = RunSpec.from_toml(SPEC.format(activations="none", gradients="none"))
-    corpus = load_corpus(spec.data, vocab_size=spec.model.vocab_size, cache_dir=home() / "cache")
-    batches = iter(
-        corpus.batches(seq_len=64, batch_size=16, seed=spec.data.seed, peer_id="benchmark")
-    )
+    batches = _batches()
     model = Pipeline(spec.model, spec.pipeline, seed=spec.data.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.algorithm.inner_lr, weight_decay=0)
     seconds, losses = [], []
@@ -76,6 +80,13 @@ def one_process(steps: int) -> dict[str, Any]:
     return _summary({"step_seconds": seconds, "losses": losses, "stages": []})
 
 
+def _batches() -> Any:
+    """The one-process and hivemind arms' batches (the same for both)."""
+    spec = RunSpec.from_toml(SPEC.format(activations="none", gradients="none"))
+    corpus = load_corpus(spec.data, vocab_size=spec.model.vocab_size, cache_dir=home() / "cache")
+    return iter(corpus.batches(seq_len=64, batch_size=16, seed=spec.data.seed, peer_id="benchmark"))
+
+
 def pipeline_arm(
     work: Path,
     *,
@@ -84,18 +95,19 @@ def pipeline_arm(
     steps: int,
     upload_mb: float | None = None,
     kill: bool = False,
+    second_stage2: bool = False,
 ) -> dict[str, Any]:
     activations, gradients = CODECS[codecs]
     spec_path = work / f"{codecs}.toml"
     spec_path.write_text(SPEC.format(activations=activations, gradients=gradients))
     cap = ["--upload-limit", str(upload_mb * 1e6)] if upload_mb else []
-    out = work / f"{codecs}-{replicas}-{upload_mb}-{kill}"
+    out = work / f"{codecs}-{replicas}-{upload_mb}-{kill}-{second_stage2}"
     with PipelineSwarm(spec_path, out) as swarm:
         for stage in range(4):
             for replica in range(replicas):
                 swarm.start_stage(stage, replica, *cap)
-        if kill:  # one more replica of stage 2, which dies mid-run
-            crash = ["--crash-after-forwards", str(2 * steps)]
+        if kill or second_stage2:  # one more replica of stage 2 (which dies mid-run: kill)
+            crash = ["--crash-after-forwards", str(2 * steps)] if kill else []
             swarm.start_stage(2, 1, *crash, *cap)
         swarm.wait_serving()
         swarm.start_trainer(0, "--max-steps", str(steps), *cap)
@@ -133,6 +145,7 @@ def _summary(status: dict[str, Any]) -> dict[str, Any]:
         "step_seconds_median": median,
         "step_seconds_spread": [min(seconds), max(seconds)],
         "last_losses": status["losses"][-5:],
+        "mean_last_10_losses": statistics.fmean(status["losses"][-10:]),
         "boundaries": boundaries,
     }
 
@@ -141,9 +154,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--upload-mb", type=float, default=10.0)
+    parser.add_argument("--upload-mb", default="10,2.5", help="caps in MB/s, comma-separated")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    caps = [float(c) for c in args.upload_mb.split(",")]
     arms: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -162,21 +176,35 @@ def main() -> None:
                 "S4x2 default": lambda: pipeline_arm(
                     work, codecs="default", replicas=2, steps=args.steps
                 ),
-                "capped fp32": lambda: pipeline_arm(
-                    work, codecs="fp32", replicas=1, steps=args.steps, upload_mb=args.upload_mb
-                ),
-                "capped default": lambda: pipeline_arm(
-                    work, codecs="default", replicas=1, steps=args.steps, upload_mb=args.upload_mb
+                "no kill": lambda: pipeline_arm(
+                    work, codecs="default", replicas=1, steps=args.steps, second_stage2=True
                 ),
                 "kill": lambda: pipeline_arm(
                     work, codecs="default", replicas=1, steps=args.steps, kill=True
                 ),
+                "hivemind S4x1 fp32": lambda: chain_arm(
+                    work,
+                    SPEC.format(activations="none", gradients="none"),
+                    args.steps,
+                    _batches(),
+                    WARMUP_STEPS,
+                ),
             }
+            for cap in caps:
+                for codecs in ("fp32", "default"):
+                    runs[f"capped {codecs} @{cap:g}"] = functools.partial(
+                        pipeline_arm,
+                        work,
+                        codecs=codecs,
+                        replicas=1,
+                        steps=args.steps,
+                        upload_mb=cap,
+                    )
             for name, run in runs.items():
                 result = run()
                 arms.setdefault(name, []).append(result)
                 print(f"{name:>15}: {result['samples_per_second']:7.1f} samples/s", flush=True)
-    report = _report(arms)
+    report = _report(arms, caps)
     if args.json:
         args.json.write_text(json.dumps({"arms": arms, "report": report}, indent=1))
 
@@ -185,7 +213,7 @@ def _median(arms: dict[str, list[dict[str, Any]]], name: str) -> float:
     return statistics.median(r["samples_per_second"] for r in arms[name])
 
 
-def _report(arms: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def _report(arms: dict[str, list[dict[str, Any]]], caps: list[float]) -> dict[str, Any]:
     base = _median(arms, "one process")
     print("\nthroughput (median of repeats; the batch over the median step)")
     print(f"{'arm':>15} {'samples/s':>10} {'vs one process':>15}")
@@ -200,15 +228,30 @@ def _report(arms: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         total = sum(r["forward"] + r["backward"] for r in rows)
         ratio = total / sum(r["forward"] + r["backward"] for r in fp32)
         print(f"{name:>15}: KiB fwd/bwd {cells}   total {ratio:.2f}x fp32's")
-    capped = _median(arms, "capped default") / _median(arms, "capped fp32")
-    print(f"\nuploads capped: default codecs {capped:.2f}x fp32's samples/s")
+    capped = {
+        cap: _median(arms, f"capped default @{cap:g}") / _median(arms, f"capped fp32 @{cap:g}")
+        for cap in caps
+    }
+    for cap, ratio in capped.items():
+        print(f"uploads capped at {cap:g} MB/s: default codecs {ratio:.2f}x fp32's samples/s")
     kill = arms["kill"][0]["kill"]
+    kill["loss_vs_no_kill"] = (
+        arms["kill"][0]["mean_last_10_losses"] / arms["no kill"][0]["mean_last_10_losses"] - 1
+    )
     print(
         f"kill: {kill['retries']} retries, {kill['resends']} resends, failover "
         f"{[round(s * 1000) for s in kill['failover_seconds']]} ms, worst step "
-        f"{kill['worst_step_over_median']:.2f}x the median, {kill['failed_steps']} failed steps"
+        f"{kill['worst_step_over_median']:.2f}x the median, {kill['failed_steps']} failed steps, "
+        f"last 10 losses {kill['loss_vs_no_kill']:+.2%} vs no kill"
     )
-    return {"capped_ratio": capped, "kill": kill, "one_process": base}
+    hivemind = _median(arms, "S4x1 fp32") / _median(arms, "hivemind S4x1 fp32")
+    print(f"swarmgrad's S4x1 fp32 vs hivemind RemoteExpert chain: {hivemind:.2f}x samples/s")
+    return {
+        "capped_ratio": {f"{cap:g}": ratio for cap, ratio in capped.items()},
+        "kill": kill,
+        "one_process": base,
+        "vs_hivemind": hivemind,
+    }
 
 
 if __name__ == "__main__":
