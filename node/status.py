@@ -130,12 +130,7 @@ def stages_table(summary: list[dict[str, Any]]) -> Table:
 def read_traffic(path: Path) -> dict[str, Any]:
     """What a pipeline trainer's ``--status-file`` says of each stage: bytes per sample each
     way, retries, resends, failures, samples lost to failed steps."""
-    try:
-        status = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise ScoresError(f"cannot read the trainer's status file {path}: {error}") from None
-    if not isinstance(status, dict) or not isinstance(status.get("stages"), list):
-        raise ScoresError(f"{path} is not a pipeline trainer's status file (no stages section)")
+    status = _status_file(path, "stages", list, "a pipeline trainer's")
     return {
         "trainer": status.get("peer_id", ""),
         "step": status.get("step", 0),
@@ -177,12 +172,7 @@ def read_scores(path: Path) -> dict[str, Any]:
     """What a node's ``--status-file`` says of its peers in an open run: its peer id, its
     ledger's row per peer (rounds, clip and cosine EMAs, flags, disputes, ban), its owner
     checks (checked, failed), and what it made of the ban records other nodes published."""
-    try:
-        status = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise ScoresError(f"cannot read the node's status file {path}: {error}") from None
-    if not isinstance(status, dict) or not isinstance(status.get("trust"), dict):
-        raise ScoresError(f"{path} is not a node's status file (no trust section)")
+    status = _status_file(path, "trust", dict, "a node's")
     return {
         "node": status.get("peer_id", ""),
         "epoch": status.get("epoch"),
@@ -190,6 +180,17 @@ def read_scores(path: Path) -> dict[str, Any]:
         "owner_checks": status.get("owner_checks", {}),
         "ban_records": status.get("ban_records", {}),
     }
+
+
+def _status_file(path: Path, section: str, kind: type, whose: str) -> dict[str, Any]:
+    """The status file at ``path``, if it has ``section`` (of type ``kind``); ScoresError if not."""
+    try:
+        status = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ScoresError(f"cannot read the status file {path}: {error}") from None
+    if not isinstance(status, dict) or not isinstance(status.get(section), kind):
+        raise ScoresError(f"{path} is not {whose} status file (no {section} section)")
+    return status
 
 
 def scores_table(scores: dict[str, Any]) -> Table:

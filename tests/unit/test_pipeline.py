@@ -3,6 +3,8 @@ initialization, the router's choices, the rebalancing plan, and the status rows 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +15,7 @@ from swarmgrad.node.pipeline.balance import Move, Replica, choose_stage, plan_mo
 from swarmgrad.node.pipeline.model import Pipeline, build_stage, parameter_bytes
 from swarmgrad.node.pipeline.trainer import BAN_SECONDS, Router
 from swarmgrad.node.runspec import PipelineSection, RunSpec, RunSpecError
-from swarmgrad.node.status import stage_summary, stages_table
+from swarmgrad.node.status import ScoresError, read_traffic, stage_summary, stages_table
 
 BASE = """
 [run]
@@ -164,3 +166,16 @@ def test_status_sums_each_stage_and_marks_one_with_no_replica_serving() -> None:
     text = console.export_text()
     for cell in ("0..4", "5..7", "2 of 2", "none"):
         assert cell in text
+
+
+def test_traffic_reads_a_trainers_status_file_and_refuses_others(tmp_path: Path) -> None:
+    trainer = tmp_path / "trainer.json"
+    trainer.write_text(json.dumps({"peer_id": "t", "step": 3, "samples": 48, "stages": [{}]}))
+    seen = read_traffic(trainer)
+    assert (seen["step"], seen["samples"], len(seen["stages"])) == (3, 48, 1)
+    node = tmp_path / "node.json"
+    node.write_text(json.dumps({"peer_id": "n", "trust": {}}))
+    with pytest.raises(ScoresError, match="not a pipeline trainer's status file"):
+        read_traffic(node)
+    with pytest.raises(ScoresError, match="cannot read"):
+        read_traffic(tmp_path / "missing.json")
