@@ -352,7 +352,7 @@ class StageServicer:
         )
         if not self.backend.serving:
             raise ProtocolViolation(ResultCode.DRAINING, "this replica is not serving")
-        for kind, size in _payload_sizes(request):
+        for kind, size in payload_sizes(request):
             self.bytes_in[kind] = self.bytes_in.get(kind, 0) + size
         return Microbatch(mb.trainer, mb.step, mb.index, mb.attempt)
 
@@ -429,7 +429,8 @@ class StageServicer:
         return tensor_to_proto(data, meta)
 
 
-def _payload_sizes(request: StageRequest) -> Sequence[tuple[str, int]]:
+def payload_sizes(request: StageRequest) -> Sequence[tuple[str, int]]:
+    """Each payload of ``request`` by kind (tokens, activations, gradients) and its bytes."""
     sizes: list[tuple[str, int]] = []
     if isinstance(request, stage_pb2.SyncRequest):
         return sizes

@@ -251,7 +251,10 @@ class _Resend(Exception):
     """This replica needs the inputs again."""
 
 
-Request = stage_pb2.ForwardRequest | stage_pb2.ForwardLossRequest | stage_pb2.BackwardRequest
+#: The requests that carry a microbatch (Sync carries none).
+MicrobatchRequest = (
+    stage_pb2.ForwardRequest | stage_pb2.ForwardLossRequest | stage_pb2.BackwardRequest
+)
 
 
 class PipelineClient:
@@ -386,7 +389,7 @@ class PipelineClient:
         index: int,
         samples: int,
         method: str,
-        request: Request,
+        request: MicrobatchRequest,
         *,
         prefer: str = "",
         inputs: stage_pb2.StageInputs | None = None,
@@ -458,7 +461,11 @@ class PipelineClient:
         return self.router.pick(stage, samples, exclude=frozenset(excluded))
 
     async def _send(
-        self, replica: StageReplica, method: str, message: Request, counters: StageCounters
+        self,
+        replica: StageReplica,
+        method: str,
+        message: MicrobatchRequest,
+        counters: StageCounters,
     ) -> Any:
         stage_protocol.sign(
             self.signer, f"/{stage_protocol.SERVICE}/{method}", replica.peer_id, message
@@ -515,10 +522,10 @@ _REPLIES: dict[str, Any] = {
 def _prepare(
     spec: RunSpec,
     stage: int,
-    request: Request,
+    request: MicrobatchRequest,
     inputs: stage_pb2.StageInputs | None,
     with_inputs: bool,
-) -> Request:
+) -> MicrobatchRequest:
     """A copy of ``request`` for ``stage`` (a Backward with or without the inputs)."""
     message = type(request).FromString(request.SerializeToString())
     header = message.header
@@ -530,17 +537,11 @@ def _prepare(
     return message
 
 
-def _count_request(counters: StageCounters, message: Request) -> None:
-    sent = counters.sent
-    resent = isinstance(message, stage_pb2.BackwardRequest)
-    if message.HasField("inputs"):
-        inputs = message.inputs
-        counters.count(sent, "resent" if resent else "tokens", len(inputs.tokens))
-        counters.count(sent, "resent" if resent else "activations", len(inputs.activations.payload))
-    if isinstance(message, stage_pb2.ForwardLossRequest):
-        counters.count(sent, "tokens", len(message.labels))
-    if isinstance(message, stage_pb2.BackwardRequest):
-        counters.count(sent, "gradients", len(message.grad_outputs.payload))
+def _count_request(counters: StageCounters, message: MicrobatchRequest) -> None:
+    backward = isinstance(message, stage_pb2.BackwardRequest)
+    for kind, size in stage_protocol.payload_sizes(message):
+        resent = backward and kind != "gradients"  # a backward's inputs are sent again
+        counters.count(counters.sent, "resent" if resent else kind, size)
 
 
 def _count_reply(counters: StageCounters, reply: Any) -> None:
