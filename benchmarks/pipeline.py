@@ -107,7 +107,8 @@ def pipeline_arm(
             for replica in range(replicas):
                 swarm.start_stage(stage, replica, *cap)
         if kill or second_stage2:  # one more replica of stage 2 (which dies mid-run: kill)
-            crash = ["--crash-after-forwards", str(2 * steps)] if kill else []
+            # It gets about half of the stage's 4 x steps forwards: it dies about mid-run.
+            crash = ["--crash-after-forwards", str(steps)] if kill else []
             swarm.start_stage(2, 1, *crash, *cap)
         swarm.wait_serving()
         swarm.start_trainer(0, "--max-steps", str(steps), *cap)
@@ -117,6 +118,8 @@ def pipeline_arm(
     summary["parameter_bytes_per_stage_server"] = held
     if kill:
         stage2 = status["stages"][2]
+        if not stage2["retries"]:
+            raise RuntimeError("the kill arm's replica did not die while the trainer ran")
         seconds = status["step_seconds"]
         summary["kill"] = {
             "retries": stage2["retries"],
