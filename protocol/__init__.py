@@ -1,5 +1,6 @@
 """Wire protocol: versioned .proto files, generated stubs, thin grpc.aio adapters."""
 
 #: The protocol peers speak (part of every run spec's hash): 2 signs every request that acts for
-#: a peer and seals every DHT value; peers of different versions never meet.
-PROTOCOL_VERSION = 2
+#: a peer and seals every DHT value; 3 adds a pipeline stage replica's fields to peer records
+#: (which DHT nodes check field by field). Peers of different versions never meet.
+PROTOCOL_VERSION = 3
