@@ -81,17 +81,23 @@ while True:
     connection.close()
 """
 
+# Ready once a ping comes back: the proxy accepts before the echo server behind it listens, and
+# then closes the connection (an empty read), so connecting alone proves nothing.
 PING = """
 import socket, sys, time
-deadline = time.monotonic() + 10
+deadline = time.monotonic() + 30
 while True:
     try:
         connection = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)
-        break
+        connection.sendall(b"ping")
+        if connection.recv(4) == b"ping":
+            break
+        connection.close()
     except OSError:
-        if time.monotonic() > deadline:
-            raise
-        time.sleep(0.05)
+        pass
+    if time.monotonic() > deadline:
+        raise TimeoutError("no echo")
+    time.sleep(0.05)
 rtts = []
 for _ in range(5):
     started = time.perf_counter()

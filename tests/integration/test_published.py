@@ -197,7 +197,7 @@ def test_a_private_run_refuses_strangers_until_the_allowlist_takes_them_in(
         key.save(tmp_path / f"node-{i}.key")
         processes.append(
             swarmgrad("node", str(spec), *boot, "--identity", str(tmp_path / f"node-{i}.key"),
-                      "--cache-dir", str(cache_dir), "--max-epochs", "30",
+                      "--cache-dir", str(cache_dir), "--max-epochs", "300",
                       "--metrics-address", "off", "--display", "log", "--threads", "1",
                       "--status-file", str(home / "status.json"),
                       home=home, log=tmp_path / f"node-{i}.log")
