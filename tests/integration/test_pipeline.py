@@ -161,14 +161,13 @@ def test_replicas_fail_over_the_router_prefers_the_fast_one_and_a_lost_stage_wai
         )
         assert forwards is not None, scraped[-2000:]
         assert float(forwards.group(1)) > 0
-        # The router's share: the replica at least three times slower (as the router measured
-        # it: on this crowded machine --slowdown 4 makes it 3-4x) got at most a quarter.
-        replicas = sorted(
-            before["stages"][1]["replicas"].values(), key=lambda r: r["seconds_per_sample"]
-        )
+        # The router's share: the replica whose compute takes 4x as long (on this crowded
+        # machine that makes it 2-4x slower per call, as the router measures it) got at most
+        # a quarter of the stage's microbatches.
+        replicas = before["stages"][1]["replicas"]
         assert len(replicas) == 2
-        fast, slow = replicas
-        assert slow["seconds_per_sample"] >= 3 * fast["seconds_per_sample"], replicas
+        fast = replicas[swarm.members["stage1-0"].read()["peer_id"]]
+        slow = replicas[swarm.members["stage1-1"].read()["peer_id"]]
         assert fast["samples"] >= 3 * slow["samples"], replicas
         # swarmgrad status: the stage replicas' signed records, a row per stage, and what the
         # trainer saw of each stage.
