@@ -7,7 +7,7 @@ of the model's layers each, trainers routing microbatches through them.
 - a killed replica of a two-replica stage costs a retry and a resend, not the step;
 - a stage with no replica fails the trainer's step within its deadline, and training resumes
   when a replica joins;
-- a replica at least three times slower gets at most a quarter of its stage's microbatches.
+- a replica whose compute is slowed 4x gets at most a quarter of its stage's microbatches.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def _wait_steps(swarm: PipelineSwarm, steps: int) -> None:
 def test_replicas_fail_over_the_router_prefers_the_fast_one_and_a_lost_stage_waits(
     tmp_path: Path,
 ) -> None:
-    """Stage 1: a replica and one at least three times slower; stage 2: two replicas, one of
+    """Stage 1: a replica and one whose compute is slowed 4x; stage 2: two replicas, one of
     which dies (SIGKILL) right after answering forwards, holding their inputs; then stage 3's
     only replica dies: the trainer fails that step within its wait and goes on once a replica
     is back, which resumes from its checkpoint."""
