@@ -31,6 +31,7 @@ from torch import nn
 
 from swarmgrad.node.pipeline.model import Stage, build_stage
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.simulations.processes import stop_gracefully
 
 READY_SECONDS = 120.0
 
@@ -102,7 +103,10 @@ def chain_arm(
             command = [sys.executable, __file__, "serve", "--stage", str(k)]
             command += ["--spec", str(spec_path), "--ready", str(ready)]
             command += [a for p in peers for a in ("--peer", p)]
-            servers.append(subprocess.Popen(command, stderr=subprocess.DEVNULL))
+            # In a session of its own: its connection handlers and p2p daemon stop with it.
+            servers.append(
+                subprocess.Popen(command, stderr=subprocess.DEVNULL, start_new_session=True)
+            )
         uids = [f"stage.{k}" for k in range(stages)]
         deadline = time.monotonic() + READY_SECONDS
         experts = get_experts(dht, uids)
@@ -142,13 +146,7 @@ def chain_arm(
         }
     finally:
         for server in servers:
-            server.terminate()
-        for server in servers:
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            stop_gracefully(server, timeout_seconds=30.0)
         dht.shutdown()
 
 

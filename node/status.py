@@ -87,10 +87,10 @@ def _row(record: PeerRecord, now: float) -> dict[str, Any]:
 def stage_summary(rows: list[dict[str, Any]], spans: list[tuple[int, int]]) -> list[dict[str, Any]]:
     """Per stage of a pipeline (``spans``: each one's layers), from its replicas' rows: how many
     serve, their capacity (samples/s), versions and queued microbatches."""
+    every = [r["stage"] | {"throughput": r["throughput"]} for r in rows if "stage" in r]
     summary = []
     for index, span in enumerate(spans):
-        replicas = [r["stage"] | {"throughput": r["throughput"]} for r in rows if "stage" in r]
-        replicas = [r for r in replicas if r["index"] == index]
+        replicas = [r for r in every if r["index"] == index]
         serving = [r for r in replicas if r["state"] == "serving"]
         versions = [r["version"] for r in replicas]
         summary.append(

@@ -565,6 +565,7 @@ async def train_pipeline(config: NodeConfig, stop: asyncio.Event) -> int:
         discovery.for_run(stage_spec.run.id, stage_spec.hash)
         for stage_spec in (spec.stage_spec(k) for k in range(spec.pipeline.stages))
     ]
+    spans = spec.pipeline.spans(spec.model.n_layers)
 
     async def refresh(stage: int) -> list[tuple[str, str]]:
         try:
@@ -572,13 +573,14 @@ async def train_pipeline(config: NodeConfig, stop: asyncio.Event) -> int:
         except SwarmgradError as error:
             log.warning("could not read stage %d's records: %s", stage, error)
             return []
-        span = spec.pipeline.spans(spec.model.n_layers)[stage]
         # Replicas serving this stage's span; not those joining (catching up with their group)
         # or draining (leaving), which would only answer DRAINING.
         return [
             (r.peer_id, r.endpoint)
             for r in records
-            if r.stage == stage and (r.span_start, r.span_end) == span and r.state == "serving"
+            if r.stage == stage
+            and (r.span_start, r.span_end) == spans[stage]
+            and r.state == "serving"
         ]
 
     limits = ServerLimits(max_message_bytes=max(16 << 20, 4 * _activation_bytes(spec)))

@@ -16,7 +16,6 @@ import json
 import re
 import statistics
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -32,6 +31,7 @@ from swarmgrad.simulations.pipeline import (
     trainer_identity,
     whole_model_bytes,
 )
+from swarmgrad.simulations.processes import node_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -173,10 +173,10 @@ def test_replicas_fail_over_the_router_prefers_the_fast_one_and_a_lost_stage_wai
         # trainer saw of each stage.
         bootstrap = tmp_path / "failover" / "bootstrap.json"
         shown = subprocess.run(
-            [
-                *(sys.executable, "-m", "swarmgrad.node.cli", "status", str(spec_path), "--json"),
-                *("--bootstrap-file", str(bootstrap), "--traffic", str(trainer.status)),
-            ],
+            node_command(
+                *("status", str(spec_path), "--json", "--bootstrap-file", str(bootstrap)),
+                *("--traffic", str(trainer.status)),
+            ),
             capture_output=True,
             text=True,
             timeout=60,
