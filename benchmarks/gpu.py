@@ -11,8 +11,9 @@ keeps what it measured):
 
 * ``codecs``: each dense codec on a 64 MiB fp32 tensor that lives on the GPU. "device" is
   today's path (``encode_view`` on the GPU, as a round's sender calls it: only the payload
-  crosses PCIe, into page-locked memory the wire reads; ``decode`` onto the GPU from the
-  payload); "host" is the path before it (the tensor copied to the host and encoded there, the
+  crosses PCIe, into page-locked memory the wire reads, each part while the next is computed;
+  ``decode`` onto the GPU from the payload as a receiver holds it, pageable bytes, staged in
+  parts); "host" is the path before it (the tensor copied to the host and encoded there, the
   decoding copied back). Medians of ``--repeats`` encodes and decodes, in GB/s of fp32 input;
   whether the GPU's payload is the CPU's, byte for byte, and decodes to the same bits on both.
 * ``outer``: DiLoCo's outer step (Nesterov) on the GPU and on the CPU from the same inputs, three
@@ -106,7 +107,12 @@ def bench_codecs(device: torch.device, size_mib: int, repeats: int) -> dict[str,
         def encode(codec: Any = codec) -> Any:
             return codec.encode_view(tensor)
 
-        def decode_here(payload: Any = payload, meta: Any = meta) -> torch.Tensor:
+        received = bytes(payload)  # what a receiver holds: pageable bytes off the wire
+
+        def decode_here(payload: Any = received, meta: Any = meta) -> torch.Tensor:
+            return decode(payload, meta, device=device)
+
+        def decode_pinned(payload: Any = payload, meta: Any = meta) -> torch.Tensor:
             return decode(payload, meta, device=device)
 
         def via_host(codec: Any = codec) -> tuple[bytes, torch.Tensor]:
@@ -115,6 +121,7 @@ def bench_codecs(device: torch.device, size_mib: int, repeats: int) -> dict[str,
 
         encode_times = median_seconds(encode, repeats, device)
         decode_times = median_seconds(decode_here, repeats, device)
+        pinned_times = median_seconds(decode_pinned, repeats, device)
         device_times = [e + d for e, d in zip(encode_times, decode_times, strict=True)]
         host_times = median_seconds(via_host, repeats, device)
         host_payload, host_values = via_host()
@@ -122,6 +129,7 @@ def bench_codecs(device: torch.device, size_mib: int, repeats: int) -> dict[str,
         results["codecs"][name] = {
             "encode_seconds": spread(encode_times),
             "decode_seconds": spread(decode_times),
+            "decode_from_pinned_seconds": spread(pinned_times),
             "host_seconds": spread(host_times),
             "device_gb_per_s": gb / statistics.median(device_times),
             "host_gb_per_s": gb / statistics.median(host_times),

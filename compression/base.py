@@ -24,7 +24,7 @@ import sys
 import threading
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import ClassVar
@@ -155,15 +155,25 @@ class Codec(ABC):
         )
 
 
+#: Told by a codec's ``_payload`` that bytes ``[start, stop)`` of ``payload`` are final (in the
+#: order of the work queued on the payload's device), so a listener can start copying them out
+#: while later parts are still computed.
+Ready = Callable[[torch.Tensor, int, int], None]
+
+
 class DevicePayloadCodec(Codec):
     """A codec that builds its payload as a uint8 tensor where the input lives (a GPU's tensor
     on its GPU): ``encode`` copies it into bytes, ``encode_view`` of a GPU tensor hands out the
-    pinned host copy itself (one copy across PCIe, none on the host)."""
+    pinned host copy itself (one copy across PCIe, none on the host). A codec that reports the
+    parts of its payload as they are done (``ready``) has them copied across while it computes
+    the rest."""
 
     device_decode = True
 
     @abstractmethod
-    def _payload(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Meta]:
+    def _payload(
+        self, tensor: torch.Tensor, ready: Ready | None = None
+    ) -> tuple[torch.Tensor, Meta]:
         """The payload as a uint8 tensor on ``tensor``'s device (it may be a reused buffer)."""
 
     def encode(self, tensor: torch.Tensor) -> tuple[bytes, Meta]:
@@ -171,12 +181,45 @@ class DevicePayloadCodec(Codec):
         return to_bytes(payload), meta
 
     def encode_view(self, tensor: torch.Tensor) -> tuple[bytes | memoryview, Meta]:
-        payload, meta = self._payload(tensor)
-        if payload.device.type == "cpu" or payload.numel() == 0:
+        if tensor.device.type == "cpu":
+            payload, meta = self._payload(tensor)
             return to_bytes(payload), meta
-        host = torch.empty(payload.numel(), dtype=torch.uint8, pin_memory=True)
-        host.copy_(payload)
-        return host.numpy().data.cast("B"), meta  # the array, and so the buffer, stay alive
+        sink = _ToHost(tensor.device)
+        try:
+            payload, meta = self._payload(tensor, sink.ready)
+        except BaseException:
+            sink.stream.synchronize()  # no copy may still write into a buffer being freed
+            raise
+        return sink.finish(payload), meta
+
+
+class _ToHost:
+    """Copies the finished parts of a GPU payload into one page-locked host buffer on a side
+    stream, so the copy across PCIe overlaps the computing of the parts after them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.host: torch.Tensor | None = None
+        self.copied = 0
+
+    def ready(self, payload: torch.Tensor, start: int, stop: int) -> None:
+        if self.host is None:
+            self.host = torch.empty(payload.numel(), dtype=torch.uint8, pin_memory=True)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self.host[start:stop].copy_(payload[start:stop], non_blocking=True)
+        self.copied += stop - start
+
+    def finish(self, payload: torch.Tensor) -> bytes | memoryview:
+        self.stream.synchronize()
+        if payload.numel() == 0:
+            return b""
+        host = self.host
+        if host is None or self.copied != payload.numel():  # the codec reported no (or not all)
+            host = torch.empty(payload.numel(), dtype=torch.uint8, pin_memory=True)
+            host.copy_(payload)
+        return host.numpy().data.cast("B")  # the array, and so the buffer, stay alive
 
 
 _REGISTRY: dict[tuple[str, int], type[Codec]] = {}
@@ -337,12 +380,48 @@ def to_bytes(tensor: torch.Tensor) -> bytes:
 
 
 def to_device(data: bytes | memoryview, device: torch.device) -> torch.Tensor:
-    """``data`` as a uint8 tensor on ``device`` (through a pinned host buffer)."""
-    if not data:
-        return torch.empty(0, dtype=torch.uint8, device=device)
-    host = _pinned(len(data))
-    host.copy_(from_bytes(data, torch.uint8))
-    return host.to(device)
+    """``data`` as a uint8 tensor on ``device``.
+
+    Page-locked data crosses in one copy. Other data (bytes received from the wire) is staged
+    through two page-locked buffers in turn: the host copies one part into a buffer while the
+    part before it crosses PCIe from the other.
+    """
+    out = torch.empty(len(data), dtype=torch.uint8, device=device)
+    if not len(data):
+        return out
+    source = from_bytes(data, torch.uint8)
+    if source.is_pinned():
+        out.copy_(source)
+        return out
+    stream = torch.cuda.current_stream(device)
+    slots = _staging()
+    for i, start in enumerate(range(0, len(data), STAGE_BYTES)):
+        stop = min(start + STAGE_BYTES, len(data))
+        buffer, done = slots[i % 2]
+        done.synchronize()  # the copy out of this buffer, two parts ago, is over
+        part = buffer[: stop - start]
+        part.copy_(source[start:stop])
+        out[start:stop].copy_(part, non_blocking=True)
+        done.record(stream)
+    return out
+
+
+#: Bytes per part when host data is staged to a GPU: large enough that a copy's fixed costs
+#: vanish, small enough that the host's copy of one part overlaps the PCIe copy of the last.
+STAGE_BYTES = 4 << 20
+
+
+def _staging() -> list[tuple[torch.Tensor, torch.cuda.Event]]:
+    """The calling thread's two page-locked staging buffers, each with the event recorded after
+    the copy out of it was queued."""
+    slots: list[tuple[torch.Tensor, torch.cuda.Event]] | None = getattr(_scratch, "staging", None)
+    if slots is None:
+        slots = [
+            (torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True), torch.cuda.Event())
+            for _ in range(2)
+        ]
+        _scratch.staging = slots
+    return slots
 
 
 def from_bytes(data: Wire, dtype: torch.dtype, offset: int = 0, count: int = -1) -> torch.Tensor:

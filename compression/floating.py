@@ -8,6 +8,7 @@ from swarmgrad.compression.base import (
     DTYPES,
     DevicePayloadCodec,
     Meta,
+    Ready,
     Wire,
     check_finite,
     device_flat,
@@ -18,6 +19,8 @@ from swarmgrad.compression.base import (
 )
 
 _FP16_MAX = torch.finfo(torch.float16).max
+#: Values per part of a GPU payload (each part copied to the host while the next is cast).
+_DEVICE_PART_VALUES = 1 << 22
 
 
 @register
@@ -28,7 +31,9 @@ class NoCompression(DevicePayloadCodec):
     version = 1
     lossless = True
 
-    def _payload(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Meta]:
+    def _payload(
+        self, tensor: torch.Tensor, ready: Ready | None = None
+    ) -> tuple[torch.Tensor, Meta]:
         return device_flat(tensor).contiguous().view(torch.uint8), self._meta(tensor)
 
     def encode_view(self, tensor: torch.Tensor) -> tuple[bytes | memoryview, Meta]:
@@ -59,13 +64,23 @@ class _CastCodec(DevicePayloadCodec):
 
     wire_dtype: torch.dtype
 
-    def _payload(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Meta]:
+    def _payload(
+        self, tensor: torch.Tensor, ready: Ready | None = None
+    ) -> tuple[torch.Tensor, Meta]:
         flat = device_flat(tensor)
-        nbytes = flat.numel() * self.wire_dtype.itemsize
-        wire = scratch_bytes(nbytes, flat.device).view(self.wire_dtype)
-        wire.copy_(flat)
-        self._fix_range(wire)
-        return wire.view(torch.uint8), self._meta(tensor)
+        n, size = flat.numel(), self.wire_dtype.itemsize
+        payload = scratch_bytes(n * size, flat.device)
+        wire = payload.view(self.wire_dtype)
+        # In parts when someone copies them out meanwhile (a GPU's payload to the host).
+        step = _DEVICE_PART_VALUES if ready is not None else max(n, 1)
+        for start in range(0, n, step):
+            stop = min(start + step, n)
+            part = wire[start:stop]
+            part.copy_(flat[start:stop])
+            self._fix_range(part)
+            if ready is not None:
+                ready(payload, start * size, stop * size)
+        return payload, self._meta(tensor)
 
     def _fix_range(self, wire: torch.Tensor) -> None:
         """Adjust the cast values in place (bf16 has fp32's range: nothing to do)."""

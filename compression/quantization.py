@@ -13,8 +13,9 @@ Payload layout (little-endian), ``nb = ceil(numel / block_size)``:
 Speed: the work runs over chunks of ~1 Mi values so that the temporaries of each eager op stay in
 cache; fused this way an 8-bit encode + decode of 16 Mi fp32 values takes ~45 ms on two cores
 (benchmarks/codecs.py), instead of ~85 ms for the same ops over the whole tensor. A CUDA tensor is
-encoded on its GPU in chunks of 16 Mi values (bounded temporaries, few launches), and only the
-payload crosses to the host; decoding into a GPU tensor likewise.
+encoded on its GPU in chunks of 4 Mi values (bounded temporaries, few launches), each chunk's
+payload copied to the host while the next is computed; decoding into a GPU tensor likewise takes
+only the payload across.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from swarmgrad.compression.base import (
     DevicePayloadCodec,
     Meta,
     NonFiniteError,
+    Ready,
     Wire,
     device_flat,
     expect_params,
@@ -35,7 +37,7 @@ from swarmgrad.compression.base import (
 )
 
 _CHUNK_VALUES = 1 << 20
-_DEVICE_CHUNK_VALUES = 1 << 24
+_DEVICE_CHUNK_VALUES = 1 << 22
 _MAX_BLOCK = 1 << 20
 _F32_MAX = torch.finfo(torch.float32).max
 
@@ -55,7 +57,9 @@ class _BlockwiseAbsmax(DevicePayloadCodec):
 
     # -- encode -------------------------------------------------------------------------------
 
-    def _payload(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Meta]:
+    def _payload(
+        self, tensor: torch.Tensor, ready: Ready | None = None
+    ) -> tuple[torch.Tensor, Meta]:
         meta = self._meta(tensor, block_size=self.block_size)
         flat = device_flat(tensor)
         if flat.dtype != torch.float32:
@@ -71,31 +75,50 @@ class _BlockwiseAbsmax(DevicePayloadCodec):
         full = (n // block) * block
         chunk = max(block, (_chunk_values(device) // block) * block)
         tmp = torch.empty(min(chunk, max(full, block)), dtype=torch.float32, device=device)
+        # Each part's blocks are checked for NaN/Inf, and all the checks read back once at the
+        # end: a GPU is not made to wait part by part (which would stall the copies out).
+        finite: list[torch.Tensor] = []
+
+        def done(start: int, stop: int) -> None:
+            if ready is not None:
+                ready(payload, 4 * (start // block), 4 * -(-stop // block))
+                base = 4 * nb
+                ready(payload, base + self._codes_len(start), base + self._codes_len(stop))
+
         for start in range(0, full, chunk):
             stop = min(start + chunk, full)
-            rounded = self._quantize(flat[start:stop], start, scales, tmp)
+            rounded = self._quantize(flat[start:stop], start, scales, tmp, finite)
             self._store(rounded, codes[self._codes_len(start) : self._codes_len(stop)])
+            done(start, stop)
         if full < n:  # the last, partial block: pad with zeros to a whole block
             tail = torch.zeros(block, dtype=torch.float32, device=device)
             tail[: n - full] = flat[full:]
-            rounded = self._quantize(tail, full, scales, tmp)
+            rounded = self._quantize(tail, full, scales, tmp, finite)
             packed = torch.empty(self._codes_len(block), dtype=self._code_dtype(), device=device)
             self._store(rounded, packed)
             codes[self._codes_len(full) :] = packed[: self._codes_len(n) - self._codes_len(full)]
+            done(full, n)
+        if finite and not bool(torch.stack(finite).all()):
+            raise ValueError("cannot quantize a tensor that contains NaN or Inf")
         return payload, meta
 
     def _quantize(
-        self, values: torch.Tensor, start: int, scales: torch.Tensor, tmp: torch.Tensor
+        self,
+        values: torch.Tensor,
+        start: int,
+        scales: torch.Tensor,
+        tmp: torch.Tensor,
+        finite: list[torch.Tensor],
     ) -> torch.Tensor:
-        """Write the blocks' scales; return their values rounded onto [-L, L] (in ``tmp``)."""
+        """Write the blocks' scales; return their values rounded onto [-L, L] (in ``tmp``), and
+        append whether all of them were finite to ``finite``."""
         block, levels = self.block_size, self.levels()
         rows = values.view(-1, block)
         scaled = tmp[: values.numel()].view(-1, block)
         # abs into the cached temporary, then a row max: ~15x faster than aminmax(dim=1), whose
         # per-row reduction is not vectorized on CPU. NaN propagates through amax.
         absmax = torch.abs(rows, out=scaled).amax(dim=1)
-        if not torch.isfinite(absmax).all():
-            raise ValueError("cannot quantize a tensor that contains NaN or Inf")
+        finite.append(torch.isfinite(absmax).all())
         first = start // block
         # Divide by a tensor, not a Python number: a GPU divides by a host scalar as a multiply
         # by its reciprocal, whose rounding differs from the CPU's division.

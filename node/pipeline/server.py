@@ -60,6 +60,7 @@ from swarmgrad.node.state.checkpoint import (
     optimizer_state,
 )
 from swarmgrad.node.swarm import Swarm
+from swarmgrad.node.training.device import pick_device
 from swarmgrad.node.training.diloco import DiLoCo
 from swarmgrad.node.training.trainer import set_lr
 from swarmgrad.protocol import stage as stage_protocol
@@ -129,7 +130,13 @@ class StageWorker:
         peer_id: str,
         slowdown: float = 1.0,
         cache_bytes: int = CACHE_BYTES,
+        device: torch.device | None = None,
     ) -> None:
+        # On a GPU the span computes in fp32 like on a CPU (replicas on either agree), and only
+        # encoded payloads cross PCIe: inputs are decoded on the host and moved over, outputs
+        # encoded where they are.
+        self.device = device if device is not None else torch.device("cpu")
+        module.to(self.device)
         self.module, self.spec, self.peer_id = module, spec, peer_id
         self.index = module_index(module, spec)
         self.algorithm = spec.algorithm
@@ -220,10 +227,12 @@ class StageWorker:
 
     def _forward(self, mb: Microbatch, inputs: torch.Tensor) -> Computed:
         started = time.monotonic()
+        inputs = self._here(inputs)
         with torch.no_grad():
             outputs = self.module(inputs)
         self._keep(mb, inputs)
         self.stats.forwards += 1
+        self._done()
         self._slow(started)
         return Computed(outputs, self.version, time.monotonic() - started)
 
@@ -231,6 +240,7 @@ class StageWorker:
         self, mb: Microbatch, inputs: torch.Tensor, labels: torch.Tensor, scale: float
     ) -> Computed:
         started = time.monotonic()
+        inputs, labels = self._here(inputs), self._here(labels)
         x = inputs if self.module.first else inputs.detach().requires_grad_()
         loss = self.module.loss(x, labels)
         grad = self._backpropagate(mb, loss * scale, x, None)
@@ -260,6 +270,8 @@ class StageWorker:
                 )
         else:
             self.stats.recomputed += 1
+            inputs = self._here(inputs)
+        grad_outputs = self._here(grad_outputs)
         if len(grad_outputs) != len(inputs):
             raise ProtocolViolation(
                 ResultCode.BAD_SHAPE,
@@ -306,12 +318,21 @@ class StageWorker:
             self._cache_bytes -= dropped.nbytes
             self.stats.evicted += 1
 
+    def _here(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, non_blocking=True) if self.device.type != "cpu" else tensor
+
+    def _done(self) -> None:
+        """Wait for the GPU's queued work: what is measured is its compute, not its launch."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _slow(self, started: float) -> None:
         if self.slowdown > 1:  # a slower machine, simulated
             time.sleep((time.monotonic() - started) * (self.slowdown - 1))
 
     def _count(self, mb: Microbatch, samples: int, started: float) -> None:
         """One microbatch's backward done: measure it, and step once a batch has accumulated."""
+        self._done()
         self._slow(started)
         self._work_seconds += time.monotonic() - started
         self._work_samples += samples
@@ -492,7 +513,13 @@ async def _serve(
     its throughput once it has measured it here (0 until then: no plan moves anyone)."""
     spec = config.spec
     module = build_stage(spec.model, spec.pipeline, index, seed=spec.data.seed)
-    worker = StageWorker(module, spec, peer_id=identity.peer_id, slowdown=config.slowdown)
+    worker = StageWorker(
+        module,
+        spec,
+        peer_id=identity.peer_id,
+        slowdown=config.slowdown,
+        device=pick_device(config.settings.device),
+    )
     swarm = Swarm(spec.stage_spec(index), identity, config.swarm)
     swarm.describe = lambda: {
         "stage": index,

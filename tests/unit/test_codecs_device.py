@@ -1,0 +1,96 @@
+"""The dense codecs' device path: payload parts reported as they are final, and (where a GPU is
+at hand) encoding on it and decoding onto it give the CPU's bytes and bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarmgrad.compression import decode, get_codec
+from swarmgrad.compression.base import STAGE_BYTES, DevicePayloadCodec, to_device
+
+DENSE = ["none", "fp16", "bf16", "int8", "int4"]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+
+
+def _values(numel: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(numel, generator=generator) * torch.logspace(-3, 2, numel)
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("numel", [3, 1000, (1 << 20) * 3 + 77, (1 << 22) + 5])
+def test_reported_parts_cover_the_payload_once_and_are_final_when_reported(
+    name: str, numel: int
+) -> None:
+    codec = get_codec(name)
+    assert isinstance(codec, DevicePayloadCodec)
+    tensor = _values(numel)
+    copied: list[tuple[int, int, bytes]] = []
+
+    def ready(payload: torch.Tensor, start: int, stop: int) -> None:
+        copied.append((start, stop, payload[start:stop].numpy().tobytes()))
+
+    payload, meta = codec._payload(tensor, ready)
+    expected, expected_meta = codec.encode(tensor)
+    assert meta == expected_meta
+    assert payload.numpy().tobytes() == expected
+    # Every byte reported exactly once, and what was there when reported is what was sent.
+    covered = bytearray(len(expected))
+    for start, stop, part in copied:
+        assert covered[start:stop] == bytes(stop - start), "a byte reported twice"
+        covered[start:stop] = part
+    assert bytes(covered) == expected
+    assert sum(stop - start for start, stop, _ in copied) == len(expected)
+
+
+def test_quantizing_nan_still_raises_after_the_parts_were_reported() -> None:
+    tensor = _values((1 << 20) * 2)
+    tensor[(1 << 20) + 3] = float("nan")
+    reported: list[int] = []
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        get_codec("int8")._payload(tensor, lambda _p, start, _s: reported.append(start))
+    assert reported, "the parts before the check were reported"
+
+
+@cuda
+@pytest.mark.parametrize("name", DENSE)
+@pytest.mark.parametrize("numel", [1, 4097, (1 << 22) * 2 + 333])
+def test_gpu_encode_and_decode_match_the_cpu_bit_for_bit(name: str, numel: int) -> None:
+    codec = get_codec(name)
+    host = _values(numel, seed=numel)
+    on_gpu = host.cuda()
+    wire, meta = codec.encode_view(on_gpu)
+    expected, expected_meta = codec.encode(host)
+    assert meta == expected_meta
+    assert bytes(wire) == expected
+    # Decoded from pageable bytes (as received) and from the pinned view, onto the GPU.
+    cpu_values = decode(expected, meta)
+    for source in (expected, wire):
+        assert torch.equal(decode(source, meta, device="cuda").cpu(), cpu_values)
+    out = torch.empty(numel, device="cuda")
+    decode(expected, meta, out=out)
+    assert torch.equal(out.cpu(), cpu_values.reshape(-1))
+
+
+@cuda
+def test_staged_copies_to_the_gpu_are_exact_back_to_back() -> None:
+    generator = torch.Generator().manual_seed(3)
+    blobs = [
+        torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator).numpy().tobytes()
+        for size in (1, STAGE_BYTES - 1, STAGE_BYTES * 3 + 17, 5 * STAGE_BYTES)
+    ]
+    copies = [to_device(blob, torch.device("cuda")) for blob in blobs]  # no wait in between
+    for blob, copy in zip(blobs, copies, strict=True):
+        assert copy.cpu().numpy().tobytes() == blob
+
+
+@cuda
+def test_gpu_encode_of_nan_raises_and_the_next_encode_is_right() -> None:
+    bad = _values((1 << 22) * 2).cuda()
+    bad[-5] = float("inf")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        get_codec("int8").encode_view(bad)
+    good = _values(1 << 22, seed=9)
+    wire, _ = get_codec("int8").encode_view(good.cuda())
+    assert bytes(wire) == get_codec("int8").encode(good)[0]
