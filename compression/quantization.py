@@ -13,9 +13,9 @@ Payload layout (little-endian), ``nb = ceil(numel / block_size)``:
 Speed: the work runs over chunks of ~1 Mi values so that the temporaries of each eager op stay in
 cache; fused this way an 8-bit encode + decode of 16 Mi fp32 values takes ~45 ms on two cores
 (benchmarks/codecs.py), instead of ~85 ms for the same ops over the whole tensor. A CUDA tensor is
-encoded on its GPU in chunks of 4 Mi values (bounded temporaries, few launches), each chunk's
-payload copied to the host while the next is computed; decoding into a GPU tensor likewise takes
-only the payload across.
+encoded on its GPU in few launches (there each op costs the host more than the GPU): the scales
+in one pass, the codes in parts of 4 Mi values, each part's payload copied to the host while the
+next is rounded; decoding into a GPU tensor likewise takes only the payload across.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ from swarmgrad.compression.base import (
 )
 
 _CHUNK_VALUES = 1 << 20
-_DEVICE_CHUNK_VALUES = 1 << 22
+_DEVICE_CHUNK_VALUES = 1 << 24
+#: Values per part of a GPU's codes (each part copied to the host while the next is rounded).
+_DEVICE_PART_VALUES = 1 << 22
 _MAX_BLOCK = 1 << 20
 _F32_MAX = torch.finfo(torch.float32).max
 
@@ -64,20 +66,27 @@ class _BlockwiseAbsmax(DevicePayloadCodec):
         flat = device_flat(tensor)
         if flat.dtype != torch.float32:
             flat = flat.float()
-        device = flat.device
-        n, block = flat.numel(), self.block_size
-        nb = -(-n // block)
+        n = flat.numel()
         # One buffer holds the whole payload: scales and codes are written in place, and the
         # only copy is the final one into the returned bytes.
-        payload = scratch_bytes(4 * nb + self._codes_len(n), device)
+        payload = scratch_bytes(4 * -(-n // self.block_size) + self._codes_len(n), flat.device)
+        if flat.device.type == "cpu":
+            self._encode_in_chunks(flat, payload, ready)
+        else:
+            self._encode_in_passes(flat, payload, ready)
+        return payload, meta
+
+    def _encode_in_chunks(
+        self, flat: torch.Tensor, payload: torch.Tensor, ready: Ready | None
+    ) -> None:
+        """A CPU's encoding: each cache-sized chunk scaled, rounded and stored in one go."""
+        n, block = flat.numel(), self.block_size
+        nb = -(-n // block)
         scales = payload[: 4 * nb].view(torch.float32)
         codes = payload[4 * nb :].view(self._code_dtype())
         full = (n // block) * block
-        chunk = max(block, (_chunk_values(device) // block) * block)
-        tmp = torch.empty(min(chunk, max(full, block)), dtype=torch.float32, device=device)
-        # Each part's blocks are checked for NaN/Inf, and all the checks read back once at the
-        # end: a GPU is not made to wait part by part (which would stall the copies out).
-        finite: list[torch.Tensor] = []
+        chunk = max(block, (_CHUNK_VALUES // block) * block)
+        tmp = torch.empty(min(chunk, max(full, block)), dtype=torch.float32)
 
         def done(start: int, stop: int) -> None:
             if ready is not None:
@@ -87,45 +96,86 @@ class _BlockwiseAbsmax(DevicePayloadCodec):
 
         for start in range(0, full, chunk):
             stop = min(start + chunk, full)
-            rounded = self._quantize(flat[start:stop], start, scales, tmp, finite)
+            rows = flat[start:stop].view(-1, block)
+            scaled = tmp[: stop - start].view(-1, block)
+            # abs into the cached temporary, then a row max: ~15x faster than aminmax(dim=1),
+            # whose per-row reduction is not vectorized on CPU. NaN propagates through amax.
+            absmax = torch.abs(rows, out=scaled).amax(dim=1)
+            _check_finite(absmax)
+            self._scale(absmax, scales[start // block : stop // block])
+            rounded = self._round(rows, absmax, scaled)
             self._store(rounded, codes[self._codes_len(start) : self._codes_len(stop)])
             done(start, stop)
         if full < n:  # the last, partial block: pad with zeros to a whole block
-            tail = torch.zeros(block, dtype=torch.float32, device=device)
-            tail[: n - full] = flat[full:]
-            rounded = self._quantize(tail, full, scales, tmp, finite)
-            packed = torch.empty(self._codes_len(block), dtype=self._code_dtype(), device=device)
-            self._store(rounded, packed)
-            codes[self._codes_len(full) :] = packed[: self._codes_len(n) - self._codes_len(full)]
+            tail = self._tail(flat, full)
+            absmax = tail.abs().amax(dim=1)
+            _check_finite(absmax)
+            self._scale(absmax, scales[-1:])
+            self._store_tail(self._round(tail, absmax, torch.empty_like(tail)), codes, full, n)
             done(full, n)
-        if finite and not bool(torch.stack(finite).all()):
-            raise ValueError("cannot quantize a tensor that contains NaN or Inf")
-        return payload, meta
 
-    def _quantize(
-        self,
-        values: torch.Tensor,
-        start: int,
-        scales: torch.Tensor,
-        tmp: torch.Tensor,
-        finite: list[torch.Tensor],
-    ) -> torch.Tensor:
-        """Write the blocks' scales; return their values rounded onto [-L, L] (in ``tmp``), and
-        append whether all of them were finite to ``finite``."""
-        block, levels = self.block_size, self.levels()
-        rows = values.view(-1, block)
-        scaled = tmp[: values.numel()].view(-1, block)
-        # abs into the cached temporary, then a row max: ~15x faster than aminmax(dim=1), whose
-        # per-row reduction is not vectorized on CPU. NaN propagates through amax.
-        absmax = torch.abs(rows, out=scaled).amax(dim=1)
-        finite.append(torch.isfinite(absmax).all())
-        first = start // block
+    def _encode_in_passes(
+        self, flat: torch.Tensor, payload: torch.Tensor, ready: Ready | None
+    ) -> None:
+        """A GPU's encoding, in few launches (each op costs the host more than the GPU): every
+        block's scale in one pass over the whole tensor (copied out at once), then the codes in
+        parts, each part copied out while the next is rounded; NaN/Inf read back once, at the
+        end (no wait in between that would stall the copies). The same bytes as on a CPU."""
+        n, block, device = flat.numel(), self.block_size, flat.device
+        nb = -(-n // block)
+        scales = payload[: 4 * nb].view(torch.float32)
+        codes = payload[4 * nb :].view(self._code_dtype())
+        full = (n // block) * block
+        work = torch.empty(full, dtype=torch.float32, device=device)
+        rows = flat[:full].view(-1, block)
+        absmax = torch.empty(nb, dtype=torch.float32, device=device)
+        torch.amax(torch.abs(rows, out=work.view(-1, block)), dim=1, out=absmax[: full // block])
+        tail = self._tail(flat, full) if full < n else None
+        if tail is not None:
+            torch.amax(tail.abs(), dim=1, out=absmax[-1:])
+        self._scale(absmax, scales)
+        if ready is not None:
+            ready(payload, 0, 4 * nb)
+        part = max(block, (_DEVICE_PART_VALUES // block) * block)
+        for start in range(0, full, part):
+            stop = min(start + part, full)
+            scaled = work[start:stop].view(-1, block)
+            rounded = self._round(
+                rows[start // block : stop // block], absmax[start // block : stop // block], scaled
+            )
+            lo, hi = self._codes_len(start), self._codes_len(stop)
+            self._store(rounded, codes[lo:hi])
+            if ready is not None:
+                ready(payload, 4 * nb + lo, 4 * nb + hi)
+        if tail is not None:
+            self._store_tail(self._round(tail, absmax[-1:], torch.empty_like(tail)), codes, full, n)
+            if ready is not None:
+                ready(payload, 4 * nb + self._codes_len(full), payload.numel())
+        _check_finite(absmax)
+
+    def _tail(self, flat: torch.Tensor, full: int) -> torch.Tensor:
+        """The last, partial block as one row padded with zeros."""
+        tail = torch.zeros(1, self.block_size, dtype=torch.float32, device=flat.device)
+        tail[0, : flat.numel() - full] = flat[full:]
+        return tail
+
+    def _scale(self, absmax: torch.Tensor, scales: torch.Tensor) -> None:
         # Divide by a tensor, not a Python number: a GPU divides by a host scalar as a multiply
         # by its reciprocal, whose rounding differs from the CPU's division.
-        divisor = torch.full((), levels, dtype=torch.float32, device=values.device)
-        torch.div(absmax, divisor, out=scales[first : first + rows.shape[0]])
-        inv = torch.where(absmax > 0, absmax.reciprocal_().mul_(levels), 0.0)
-        return torch.mul(rows, inv[:, None], out=scaled).round_().view(-1)
+        divisor = torch.full((), self.levels(), dtype=torch.float32, device=absmax.device)
+        torch.div(absmax, divisor, out=scales)
+
+    def _round(self, rows: torch.Tensor, absmax: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``rows`` scaled by their blocks' ``absmax`` onto [-L, L] and rounded (into ``out``)."""
+        inv = torch.where(absmax > 0, absmax.reciprocal().mul_(self.levels()), 0.0)
+        return torch.mul(rows, inv[:, None], out=out).round_().view(-1)
+
+    def _store_tail(self, rounded: torch.Tensor, codes: torch.Tensor, full: int, n: int) -> None:
+        packed = torch.empty(
+            self._codes_len(self.block_size), dtype=self._code_dtype(), device=codes.device
+        )
+        self._store(rounded, packed)
+        codes[self._codes_len(full) :] = packed[: self._codes_len(n) - self._codes_len(full)]
 
     # -- decode -------------------------------------------------------------------------------
 
@@ -248,6 +298,11 @@ class Int4Blockwise(_BlockwiseAbsmax):
 def _chunk_values(device: torch.device) -> int:
     """Values per pass: cache-sized on a CPU, large on a GPU (each pass is a few launches)."""
     return _CHUNK_VALUES if device.type == "cpu" else _DEVICE_CHUNK_VALUES
+
+
+def _check_finite(absmax: torch.Tensor) -> None:
+    if not bool(torch.isfinite(absmax).all()):
+        raise ValueError("cannot quantize a tensor that contains NaN or Inf")
 
 
 def _check_block_size(block: int, error: type[Exception]) -> None:

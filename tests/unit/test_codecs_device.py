@@ -44,13 +44,30 @@ def test_reported_parts_cover_the_payload_once_and_are_final_when_reported(
     assert sum(stop - start for start, stop, _ in copied) == len(expected)
 
 
-def test_quantizing_nan_still_raises_after_the_parts_were_reported() -> None:
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("numel", [3, 64 * 5, (1 << 22) * 2 + 77])
+def test_the_gpus_two_pass_encoding_gives_the_cpus_bytes(name: str, numel: int) -> None:
+    """The GPU's encoding path (scales in one pass, codes in parts), run here on the CPU."""
+    codec = get_codec(name)
+    tensor = _values(numel, seed=numel)
+    expected, _ = codec.encode(tensor)
+    payload = torch.empty(len(expected), dtype=torch.uint8)
+    reported: list[tuple[int, int]] = []
+    codec._encode_in_passes(tensor, payload, lambda _p, start, stop: reported.append((start, stop)))
+    assert payload.numpy().tobytes() == expected
+    assert sum(stop - start for start, stop in reported) == len(expected)
+    tensor[numel // 2] = float("inf")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        codec._encode_in_passes(tensor, payload, None)
+
+
+def test_quantizing_nan_raises_after_the_parts_before_it_were_reported() -> None:
     tensor = _values((1 << 20) * 2)
     tensor[(1 << 20) + 3] = float("nan")
     reported: list[int] = []
     with pytest.raises(ValueError, match="NaN or Inf"):
         get_codec("int8")._payload(tensor, lambda _p, start, _s: reported.append(start))
-    assert reported, "the parts before the check were reported"
+    assert reported, "the first chunk was reported before the second's NaN was found"
 
 
 @cuda
