@@ -14,7 +14,7 @@ Speed: the work runs over chunks of ~1 Mi values so that the temporaries of each
 cache; fused this way an 8-bit encode + decode of 16 Mi fp32 values takes ~45 ms on two cores
 (benchmarks/codecs.py), instead of ~85 ms for the same ops over the whole tensor. A CUDA tensor is
 encoded on its GPU in few launches (there each op costs the host more than the GPU): the scales
-in one pass, the codes in parts of 4 Mi values, each part's payload copied to the host while the
+in one pass, the codes in parts of 8 Mi values, each part's payload copied to the host while the
 next is rounded; decoding into a GPU tensor likewise takes only the payload across.
 """
 
@@ -39,7 +39,7 @@ from swarmgrad.compression.base import (
 _CHUNK_VALUES = 1 << 20
 _DEVICE_CHUNK_VALUES = 1 << 24
 #: Values per part of a GPU's codes (each part copied to the host while the next is rounded).
-_DEVICE_PART_VALUES = 1 << 22
+_DEVICE_PART_VALUES = 1 << 23
 _MAX_BLOCK = 1 << 20
 _F32_MAX = torch.finfo(torch.float32).max
 
@@ -192,10 +192,6 @@ class _BlockwiseAbsmax(DevicePayloadCodec):
         device = out.device
         nb = -(-n // block)
         scales = from_bytes(data, torch.float32, 0, nb)
-        if nb:  # one pass and one read back (a GPU waits once): NaN propagates through both
-            lo, hi = torch.stack(torch.aminmax(scales)).tolist()
-            if not (0 <= lo <= hi <= _F32_MAX / 256):  # False for NaN; Inf is above the limit
-                raise NonFiniteError(f"{cls.name} payload has a NaN, Inf, negative or absurd scale")
         codes = from_bytes(data, cls._code_dtype(), 4 * nb, cls._codes_len(n))
         values = out
         if out.dtype != torch.float32:
@@ -213,6 +209,12 @@ class _BlockwiseAbsmax(DevicePayloadCodec):
             values[full:] = tail[: n - full].mul_(scales[-1])
         if values is not out:
             out.copy_(values)
+        # Checked last (a bad payload leaves garbage in out, as decode allows): a GPU is waited
+        # for once, when all is queued. One pass and one read back; NaN propagates through both.
+        if nb:
+            lo, hi = torch.stack(torch.aminmax(scales)).tolist()
+            if not (0 <= lo <= hi <= _F32_MAX / 256):  # False for NaN; Inf is above the limit
+                raise NonFiniteError(f"{cls.name} payload has a NaN, Inf, negative or absurd scale")
 
     # -- storage of the integer codes, per bit width ------------------------------------------
 

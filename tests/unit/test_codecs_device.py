@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarmgrad.compression import decode, get_codec
+from swarmgrad.compression import decode, get_codec, quantization
 from swarmgrad.compression.base import STAGE_BYTES, DevicePayloadCodec, to_device
 
 DENSE = ["none", "fp16", "bf16", "int8", "int4"]
@@ -45,9 +45,12 @@ def test_reported_parts_cover_the_payload_once_and_are_final_when_reported(
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
-@pytest.mark.parametrize("numel", [3, 64 * 5, (1 << 22) * 2 + 77])
-def test_the_gpus_two_pass_encoding_gives_the_cpus_bytes(name: str, numel: int) -> None:
+@pytest.mark.parametrize("numel", [3, 64 * 5, (1 << 14) * 5 + 77])
+def test_the_gpus_two_pass_encoding_gives_the_cpus_bytes(
+    name: str, numel: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The GPU's encoding path (scales in one pass, codes in parts), run here on the CPU."""
+    monkeypatch.setattr(quantization, "_DEVICE_PART_VALUES", 1 << 14)  # several parts
     codec = get_codec(name)
     tensor = _values(numel, seed=numel)
     expected, _ = codec.encode(tensor)
@@ -56,6 +59,9 @@ def test_the_gpus_two_pass_encoding_gives_the_cpus_bytes(name: str, numel: int) 
     codec._encode_in_passes(tensor, payload, lambda _p, start, stop: reported.append((start, stop)))
     assert payload.numpy().tobytes() == expected
     assert sum(stop - start for start, stop in reported) == len(expected)
+    full = numel // codec.block_size * codec.block_size
+    # The scales, then each part of whole blocks, then the padded last block if any.
+    assert len(reported) == 1 + -(-full // (1 << 14)) + (full < numel)
     tensor[numel // 2] = float("inf")
     with pytest.raises(ValueError, match="NaN or Inf"):
         codec._encode_in_passes(tensor, payload, None)
@@ -72,7 +78,7 @@ def test_quantizing_nan_raises_after_the_parts_before_it_were_reported() -> None
 
 @cuda
 @pytest.mark.parametrize("name", DENSE)
-@pytest.mark.parametrize("numel", [1, 4097, (1 << 22) * 2 + 333])
+@pytest.mark.parametrize("numel", [1, 4097, (1 << 23) * 2 + 333])
 def test_gpu_encode_and_decode_match_the_cpu_bit_for_bit(name: str, numel: int) -> None:
     codec = get_codec(name)
     host = _values(numel, seed=numel)
