@@ -209,9 +209,10 @@ class StageBackend(Protocol):
         ``inputs`` is None and it holds none."""
         ...
 
-    async def sync(self, round_: int) -> tuple[int, str]:
-        """Run the stage group's outer round to reach epoch ``round_`` (at once if there):
-        the epoch then and the round's outcome."""
+    async def sync(self, round_: int, trainer: str) -> tuple[int, str]:
+        """Run the stage group's outer round to reach epoch ``round_`` (at once if there),
+        once the run's trainers have asked (``trainer`` just did): the epoch then and the
+        round's outcome."""
         ...
 
 
@@ -317,8 +318,8 @@ class StageServicer:
             reply.grad_inputs.CopyFrom(encoded)
 
     async def Sync(self, request: stage_pb2.SyncRequest, context: object) -> stage_pb2.SyncReply:
-        self._admit(SYNC_METHOD, request)
-        epoch, outcome = await self.backend.sync(request.round)
+        mb = self._admit(SYNC_METHOD, request)
+        epoch, outcome = await self.backend.sync(request.round, mb.trainer)
         return stage_pb2.SyncReply(epoch=epoch, outcome=outcome)
 
     # -- checks -------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from swarmgrad.node.identity import Identity
 from swarmgrad.node.metrics import serving
 from swarmgrad.node.pipeline.balance import Move, choose_stage, plan_move
 from swarmgrad.node.pipeline.balance import Replica as BalanceReplica
+from swarmgrad.node.pipeline.barrier import RoundBarrier
 from swarmgrad.node.pipeline.model import GradientSum, Stage, build_stage, parameter_bytes
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.state.checkpoint import (
@@ -160,6 +161,7 @@ class StageWorker:
         self.replica: DiLoCo | None = None
         self.state = "joining"
         self.stats = WorkerStats()
+        self.barrier = RoundBarrier()
         self.checkpoints: Checkpointer | None = None
         self.checkpoint_every = 0  # rounds; 0: only when leaving
         self.checkpoint = ""  # the last one written
@@ -190,16 +192,19 @@ class StageWorker:
         )
 
     async def forward(self, mb: Microbatch, inputs: torch.Tensor) -> Computed:
+        self.barrier.heard(mb.trainer)
         return await self._run(self._forward, mb, inputs)
 
     async def forward_loss(
         self, mb: Microbatch, inputs: torch.Tensor, labels: torch.Tensor, scale: float
     ) -> Computed:
+        self.barrier.heard(mb.trainer)
         return await self._run(self._forward_loss, mb, inputs, labels, scale)
 
     async def backward(
         self, mb: Microbatch, version: int, grad_outputs: torch.Tensor, inputs: torch.Tensor | None
     ) -> Computed:
+        self.barrier.heard(mb.trainer)
         return await self._run(self._backward, mb, version, grad_outputs, inputs)
 
     # -- the worker thread --------------------------------------------------------------------
@@ -388,7 +393,10 @@ class StageWorker:
             "resumed from %s (epoch %d, version %d)", checkpoint.path, replica.epoch, self.version
         )
 
-    async def sync(self, round_: int) -> tuple[int, str]:
+    async def sync(self, round_: int, trainer: str) -> tuple[int, str]:
+        # Once every active trainer asked (their microbatches of the round are in), the round
+        # runs on the worker thread, once: later callers find the replica there already.
+        await self.barrier.wait(round_, trainer)
         return await self._run(self._sync, round_)
 
     def _sync(self, round_: int) -> tuple[int, str]:
@@ -475,6 +483,7 @@ def status(worker: StageWorker, servicer: StageServicer, swarm: Swarm) -> dict[s
             "samples": worker.stats.samples,
             "evicted": worker.stats.evicted,
             "rounds": dict(worker.stats.rounds),
+            "barrier_timeouts": worker.barrier.timed_out,
         },
         "bytes_in": dict(servicer.bytes_in),
         "bytes_out": dict(servicer.bytes_out),

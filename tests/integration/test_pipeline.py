@@ -264,3 +264,38 @@ def test_stages_are_diloco_groups_and_rebalancing_moves_exactly_one_replica(
         replicas = list(stage["replicas"].values())
         assert len(replicas) == 2
         assert min(r["samples"] for r in replicas) > 0
+
+
+def test_two_trainers_share_each_round_barrier_and_no_sample_is_lost(tmp_path: Path) -> None:
+    """``simulate --stages 2 --nodes 4 --trainers 2``: a round runs once both trainers' steps
+    are in, so every sample either trainer sent is applied exactly once (the last round's too:
+    before the shared barrier, the slower trainer's last microbatches landed after the round
+    the faster one had started, and were never applied), and each stage's replicas end
+    bit-identical."""
+    spec_path = tmp_path / "trainers.toml"
+    spec_path.write_text(
+        SPEC.format(codecs="", wait=30.0)
+        .replace("inner_steps = 1000", "inner_steps = 5")
+        .replace("stages = 4", "stages = 2")
+    )
+    out = tmp_path / "trainers"
+    summary = simulate_pipeline(
+        PipelineSimulation(
+            stages=2, nodes=4, trainers=2, rounds=4, out_dir=out, spec_path=spec_path
+        )
+    )
+    assert summary["ok"]
+    assert summary["steps"] == [20, 20]
+    assert summary["failed_steps"] == 0
+    batch = RunSpec.load(spec_path).data.batch_size
+    for stage in summary["per_stage"]:
+        assert stage["replicas_identical"]
+        replicas = list(stage["replicas"].values())
+        assert all(r["epoch"] == 4 for r in replicas)
+        assert sum(r["samples"] for r in replicas) == 2 * 20 * batch, stage
+    for name in ("stage0-0", "stage0-1", "stage1-0", "stage1-1"):
+        status = json.loads((out / f"{name}.json").read_text())
+        assert status["stats"]["barrier_timeouts"] == 0
+    for trainer in ("trainer0", "trainer1"):
+        rounds = json.loads((out / f"{trainer}.json").read_text())["rounds"]
+        assert [r["step"] for r in rounds] == [5, 10, 15, 20]
