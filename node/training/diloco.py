@@ -313,10 +313,35 @@ class DiLoCo(Replica):
         return self._report(averaged, started)
 
     def drain(self) -> RoundReport | None:
-        """Land the round in flight, if any, starting none (the run's last round)."""
+        """Land the round in flight, if any, starting none."""
         if self._in_flight is None:
             return None
         return self._land(time.monotonic())
+
+    @property
+    def rounds_started(self) -> int:
+        """Rounds landed, and the one in flight: a run of ``max_epochs`` rounds stops training
+        once it has started its last (overlap), and :meth:`finish` lands it."""
+        return self.epoch + (self._in_flight is not None)
+
+    def finish(self) -> list[RoundReport]:
+        """The run's end: land every sample's progress in the global parameters. The round in
+        flight lands; with K fragments, the K - 1 fragments synced before the last one then
+        have their rounds at once (in their usual order, blocking), each sending the progress
+        made since its own last round, which would otherwise never reach the swarm's model.
+        The reports of the rounds landed."""
+        reports = [report] if (report := self.drain()) is not None else []
+        for _ in range(self.fragments - 1):
+            started = time.monotonic()
+            fragment = self.epoch % self.fragments
+            start, end = self.bounds[fragment]
+            self._boundary = flatten(self.params)[start:end]
+            delta = self.outer.pseudo_gradient(self._boundary, start)
+            weight, self._fragment_samples[fragment] = self._fragment_samples[fragment], 0
+            self._in_flight = self._start_average(delta, weight=weight, offset=start)
+            self._in_flight_fragment = fragment
+            reports.append(self._land(started))
+        return reports
 
     def outer_step_alone(self) -> None:
         """A round with a group of one (a pipeline stage served by one replica): this replica's

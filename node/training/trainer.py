@@ -222,7 +222,7 @@ class Trainer:
                 self._record_round(caught_up, replica, evaluate(model, validation, device))
         saved_epoch = replica.epoch
         started = time.monotonic()
-        done = self.config.max_epochs is not None and replica.epoch >= self.config.max_epochs
+        done = self._done(replica)
         while not stop.is_set() and not done:
             step_started = time.monotonic()
             progress.lr = algorithm.lr_at(replica.schedule_step)
@@ -247,13 +247,12 @@ class Trainer:
             if replica.epoch >= saved_epoch + self.config.settings.checkpoint_every_rounds:
                 self._save(replica, optimizer, feed)
                 saved_epoch = replica.epoch
-            done = self.config.max_epochs is not None and replica.epoch >= self.config.max_epochs
+            done = self._done(replica)
         if done and not stop.is_set():
             with contextlib.suppress(concurrent.futures.CancelledError):
-                if isinstance(replica, DiLoCo):  # overlap: the last round, still in flight
-                    drained = replica.drain()
-                    if drained is not None:
-                        self._record_round(drained, replica, evaluate(model, validation, device))
+                if isinstance(replica, DiLoCo):  # the last round in flight, fragments' progress
+                    for report in replica.finish():
+                        self._record_round(report, replica, evaluate(model, validation, device))
                 settled = replica.settle(stop, seconds=SETTLE_SECONDS)
                 if settled is not None:
                     self._record_round(settled, replica, evaluate(model, validation, device))
@@ -262,6 +261,13 @@ class Trainer:
         progress.finished = True
         self._on_progress(progress)
         return progress
+
+    def _done(self, replica: DiLoCo | SyncDataParallel) -> bool:
+        """The run's rounds are all started (overlap: the last, in flight, lands after)."""
+        if self.config.max_epochs is None:
+            return False
+        started = replica.rounds_started if isinstance(replica, DiLoCo) else replica.epoch
+        return started >= self.config.max_epochs
 
     # -- checkpoints ----------------------------------------------------------------------------
 

@@ -225,3 +225,24 @@ def test_fragments_with_overlap_keep_replicas_identical() -> None:
     assert len({r.outer.checksum() for _, r in made}) == 1
     _, meta = made[0][1].state_dict()
     assert len(meta["fragment_samples"]) == 2
+
+
+def test_the_end_of_a_run_lands_every_fragments_progress() -> None:
+    """finish(): the round in flight lands, then the other fragments' rounds send the progress
+    made since their own last round; after it every replica's parameters are the global ones,
+    the mean of the replicas' parameters before it (outer lr 1, no momentum)."""
+    made = replicas(Hub(members=3), 3, overlap=True, fragments=2, inner_steps=4)
+    for turn in range(5):
+        move(made, 2, salt=turn + 1)
+    assert {r.rounds_started for _, r in made} == {5}  # 4 landed, 1 in flight
+    expected = sum(flatten(r.params) for _, r in made) / 3
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        finished = list(pool.map(lambda pair: pair[1].finish(), made, timeout=20))
+    assert [[report.outcome for report in reports] for reports in finished] == [
+        [Outcome.AVERAGED, Outcome.AVERAGED]
+    ] * 3
+    assert {r.epoch for _, r in made} == {6}
+    assert len({r.outer.checksum() for _, r in made}) == 1
+    for _, replica in made:
+        assert torch.equal(flatten(replica.params), replica.outer.theta)
+        torch.testing.assert_close(replica.outer.theta, expected)
