@@ -263,10 +263,14 @@ class DiLoCo(Replica):
         flight)."""
         started = time.monotonic()
         report = self._land(started) if self._in_flight is not None else None
-        resynced = self._resync_if_needed()
+        # Overlapped: the swarm landed a round without this replica (it joined, or fell behind);
+        # its progress goes onto the swarm's state and into the round it starts now.
+        resynced = self._resync_if_needed(carry=self.overlap)
         if resynced is not None:
-            self._fragment_samples = [0] * self.fragments
-            return resynced
+            if not self.overlap:
+                self._fragment_samples = [0] * self.fragments
+                return resynced
+            report = resynced
         if self.max_epochs is not None and self.epoch >= self.max_epochs:
             return report  # the run's last round has landed
         fragment = self.epoch % self.fragments if self.fragments > 1 else None
@@ -311,6 +315,12 @@ class DiLoCo(Replica):
         else:
             self._fragment_samples[fragment] += int(pending.weight)
         return self._report(averaged, started)
+
+    def _progress(self) -> torch.Tensor:
+        return flatten(self.params) - self.outer.theta
+
+    def _carry(self, progress: torch.Tensor) -> None:
+        unflatten(self.outer.theta + progress, self.params)
 
     def drain(self) -> RoundReport | None:
         """Land the round in flight, if any, starting none."""

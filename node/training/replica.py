@@ -157,7 +157,11 @@ class Replica:
             state.Snapshot.of(self.epoch, values), throughput=self._samples_total / elapsed
         )
 
-    def _resync_if_needed(self) -> RoundReport | None:
+    def _resync_if_needed(self, *, carry: bool = False) -> RoundReport | None:
+        """Download the swarm's state if this replica is behind or diverged. ``carry``: keep
+        the progress made since this replica's own global parameters (and its samples), moved
+        onto the downloaded ones, instead of dropping it (overlapped rounds: a round's work was
+        done from a start one round stale anyway)."""
         started = time.monotonic()
         snapshot = self.swarm.snapshot
         assert snapshot is not None  # published since construction
@@ -168,15 +172,20 @@ class Replica:
         if downloaded is None:
             return None  # counted by the swarm; try again next round
         log.info(
-            "resynced from %d donor(s): epoch %d -> %d, dropped %d local samples",
+            "resynced from %d donor(s): epoch %d -> %d, %s %d local samples",
             len(donors),
             self.epoch,
             downloaded.epoch,
+            "carried" if carry else "dropped",
             self.samples,
         )
+        progress = self._progress() if carry else None
         self.load_state_vector(downloaded.values)
+        if progress is not None:
+            self._carry(progress)
+        else:
+            self.samples = 0
         self.epoch = downloaded.epoch
-        self.samples = 0
         self._residual.zero_()
         self.publish()
         return RoundReport(
@@ -186,6 +195,14 @@ class Replica:
             seconds=time.monotonic() - started,
             detail=f"from {', '.join(d.peer_id for d in donors)}",
         )
+
+    def _progress(self) -> torch.Tensor:
+        """The local parameters' progress since the replica's global ones (for a carry)."""
+        raise NotImplementedError(f"{type(self).__name__} does not carry progress over a resync")
+
+    def _carry(self, progress: torch.Tensor) -> None:
+        """Put ``progress`` back onto the (just loaded) global parameters."""
+        raise NotImplementedError(f"{type(self).__name__} does not carry progress over a resync")
 
     def _average(self, vector: torch.Tensor) -> Averaged:
         """One round of ``vector`` plus the error-feedback residual. The residual moves on only

@@ -5,6 +5,7 @@ rounds of one fragment of the model at a time."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from swarmgrad.node.runspec import RunSpec
@@ -78,3 +79,43 @@ def test_a_swarm_syncing_in_fragments_stays_identical(tmp_path: Path) -> None:
     # 6 rounds, then the run's end: the other fragment sends its progress since its last round
     assert [entry["outcome"] for entry in history].count("averaged") == 7
     assert [p["epoch"] for p in summary["peers"]] == [7, 7]
+
+
+def test_a_node_joining_an_overlapped_run_keeps_its_work(tmp_path: Path) -> None:
+    """Node 3 joins at epoch 2 and downloads the state while the swarm's round is in flight.
+    Its first round either meets the swarm's (still matchmaking) or, if the swarm has landed
+    rounds without it, it takes the swarm's state with its own progress on top and sends that
+    progress in the round it starts with the swarm (before: "dropped 320 local samples", its
+    first round of work); which one depends on timing (the unit test pins the second). Either
+    way no work is dropped and everyone ends at the last epoch, identical."""
+    spec_path = tmp_path / "run.toml"
+    spec_path.write_text(
+        DEMO_SPEC.replace("outer_momentum = 0.0", "outer_momentum = 0.0\noverlap = true")
+        .replace("inner_steps = 10", "inner_steps = 20")
+        .replace("matchmaking_timeout_seconds = 20.0", "matchmaking_timeout_seconds = 5.0")
+    )
+    churn = tmp_path / "churn.toml"
+    churn.write_text('[[event]]\nat_epoch = 2\naction = "start"\nnode = 3\n')
+    # The joiner computes 2x slower: by its first boundary the swarm has landed the round that
+    # was in flight when it joined (and started the next), so it must take the swarm's state.
+    profile = tmp_path / "peers.toml"
+    profile.write_text("[[peer]]\n" * 3 + "[[peer]]\nslowdown = 2.0\n")
+    out = tmp_path / "sim"
+    summary = simulate(
+        SimulationConfig(
+            nodes=3,
+            rounds=8,
+            spec_path=spec_path,
+            profile_path=profile,
+            out_dir=out,
+            churn_path=churn,
+        )
+    )
+    assert summary["ok"]
+    assert summary["replicas_identical"]
+    assert [p["epoch"] for p in summary["peers"]] == [8, 8, 8, 8]
+    history = json.loads((out / "node-3.json").read_text())["history"]
+    assert "averaged" in [entry["outcome"] for entry in history], history
+    log = (out / "node-3.log").read_text()
+    assert "resynced from" in log  # it joined by state sync
+    assert not re.search(r"dropped [1-9]\d* local samples", log), log

@@ -14,6 +14,7 @@ import torch
 
 from swarmgrad.node.averaging.plan import RoundResult
 from swarmgrad.node.averaging.rounds import Averaged, Outcome
+from swarmgrad.node.kinds import RoundOutcome
 from swarmgrad.node.training.diloco import DiLoCo
 from swarmgrad.node.training.model import flatten
 
@@ -246,3 +247,35 @@ def test_the_end_of_a_run_lands_every_fragments_progress() -> None:
     for _, replica in made:
         assert torch.equal(flatten(replica.params), replica.outer.theta)
         torch.testing.assert_close(replica.outer.theta, expected)
+
+
+def test_a_replica_the_swarm_left_behind_carries_its_progress_into_the_swarms_state() -> None:
+    """Overlapped, at a boundary: the swarm has landed rounds without this replica (it joined
+    mid-round, or a round of its failed); it downloads the swarm's state, keeps its progress and
+    samples on top of it, and sends that progress in the round it starts now, with the swarm."""
+    hub = Hub(members=2)
+    (model, replica), _ = replicas(hub, 2)
+    swarm_theta = replica.outer.theta + 0.5
+    swarm_state = torch.cat([swarm_theta, torch.zeros_like(swarm_theta)])  # theta, momentum
+    donor = SimpleNamespace(peer_id="donor")
+    replica.swarm.find_donors = lambda epoch, checksum: [donor] if epoch < 4 else []
+    replica.swarm.download_state = lambda donors, numel: SimpleNamespace(
+        epoch=4, values=swarm_state.clone()
+    )
+    moves = [0.01 * (step + 1) for step in range(H)]
+    for shift in moves:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(shift)
+        report = replica.step(samples=5)
+    assert report is not None
+    assert report.outcome is RoundOutcome.RESYNCED
+    assert replica.epoch == 4
+    progress = sum(moves)
+    torch.testing.assert_close(flatten(replica.params), swarm_theta + progress)
+    assert replica._in_flight is not None  # the round it starts with the swarm's, at epoch 4
+    assert replica._in_flight.epoch == 4
+    assert replica._in_flight.weight == 5 * H  # its samples came along
+    torch.testing.assert_close(
+        replica._in_flight.compensated, torch.full_like(swarm_theta, -progress)
+    )
