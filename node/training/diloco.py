@@ -273,6 +273,14 @@ class DiLoCo(Replica):
             report = resynced
         if self.max_epochs is not None and self.epoch >= self.max_epochs:
             return report  # the run's last round has landed
+        self._start_round()
+        if self.overlap:
+            return report
+        return self._land(started)  # blocking: nothing moved meanwhile
+
+    def _start_round(self) -> None:
+        """Start the round due (of the whole vector, or of fragment ``epoch % K``) with the
+        progress since its range's last round."""
         fragment = self.epoch % self.fragments if self.fragments > 1 else None
         start, end = self.bounds[fragment or 0]
         self._boundary = flatten(self.params)[start:end]
@@ -284,9 +292,6 @@ class DiLoCo(Replica):
         self.samples = 0  # they are in flight: a failed round gives them back
         self._in_flight = self._start_average(delta, weight=weight, offset=start)
         self._in_flight_fragment = fragment
-        if self.overlap:
-            return report
-        return self._land(started)  # blocking: nothing moved meanwhile
 
     def _land(self, started: float) -> RoundReport:
         pending, boundary, fragment = self._in_flight, self._boundary, self._in_flight_fragment
@@ -343,13 +348,7 @@ class DiLoCo(Replica):
         reports = [report] if (report := self.drain()) is not None else []
         for _ in range(self.fragments - 1):
             started = time.monotonic()
-            fragment = self.epoch % self.fragments
-            start, end = self.bounds[fragment]
-            self._boundary = flatten(self.params)[start:end]
-            delta = self.outer.pseudo_gradient(self._boundary, start)
-            weight, self._fragment_samples[fragment] = self._fragment_samples[fragment], 0
-            self._in_flight = self._start_average(delta, weight=weight, offset=start)
-            self._in_flight_fragment = fragment
+            self._start_round()
             reports.append(self._land(started))
         return reports
 
