@@ -62,10 +62,11 @@ def test_a_partitioned_node_rejoins_by_state_sync_and_replicas_end_identical(
     ]
     assert [p["epoch"] for p in summary["peers"]] == [rounds] * 4
     assert summary["replicas_identical"]
-    # Cut off, node 3 found nobody; healed, it downloaded the swarm's newer state.
+    # Cut off, node 3 found nobody (or, cut off mid-round, its round ended partial: one CI
+    # run); healed, it downloaded the swarm's newer state.
     log = (tmp_path / "sim" / "node-3.log").read_text()
     cut_off = log.split("healed")[0] if "healed" in log else log
-    assert "no group" in cut_off or "nobody else was ready" in cut_off
+    assert any(sign in cut_off for sign in ("no group", "nobody else was ready", ": partial"))
     resynced = [int(m) for m in re.findall(r"resynced from \d+ donor\(s\): epoch (\d+)", log)]
     assert resynced, log[-3000:]
     assert "node-3" in summary["churn"]["rejoin_seconds"]
