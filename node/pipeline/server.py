@@ -324,7 +324,7 @@ class StageWorker:
             self.stats.evicted += 1
 
     def _here(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.device, non_blocking=True) if self.device.type != "cpu" else tensor
+        return tensor.to(self.device, non_blocking=True)  # the tensor itself if already there
 
     def _done(self) -> None:
         """Wait for the GPU's queued work: what is measured is its compute, not its launch."""
