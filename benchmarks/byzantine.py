@@ -18,11 +18,18 @@ final validation loss of
 * ``mean``: all N with the plain mean;
 
 and the ratios to the honest reference (target: open <= 1.05x; ALIE <= 1.03x of honest N).
-``--round-cost`` also times real all-reduce rounds over gRPC on 127.0.0.1 for the demo model at
-N members, trusted vs open (target: open <= 1.25x).
+Then the round time cost of open mode for the demo model at N nodes (target: open <= 1.25x
+trusted), two ways:
+
+* the swarm: N real node processes on 127.0.0.1 (``simulate``), the demo spec in one group of N,
+  trusted and open runs alternating: the time between a node's rounds (inner steps, the
+  averaging round and the outer step: what a run's progress costs), the averaging round alone
+  (boundary to landed), the all-reduce within it, and the bytes each node sends a round;
+* one all-reduce in one process: N members over gRPC, the CPU each spends and the bytes it
+  uploads (all N on the same cores: the ratio is about the ratio of CPU).
 
     .venv/bin/python benchmarks/byzantine.py --seeds 1 --rounds 30        # ~15 min on 2 cores
-    .venv/bin/python benchmarks/byzantine.py --round-cost-only
+    .venv/bin/python benchmarks/byzantine.py --round-cost-only            # ~15 min
 """
 
 from __future__ import annotations
@@ -31,12 +38,16 @@ import argparse
 import asyncio
 import contextlib
 import copy
+import itertools
 import json
 import logging
 import secrets
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,10 +63,10 @@ from swarmgrad.node.training.diloco import OuterOptimizer
 from swarmgrad.node.training.model import GPT, build_model, flatten, unflatten
 from swarmgrad.node.training.trainer import set_lr
 from swarmgrad.node.trust.aggregate import Aggregate, Aggregator, aggregate
-from swarmgrad.node.trust.checks import holds, part_seed, project, sign_vectors
+from swarmgrad.node.trust.checks import holds, part_seed, project, signs
 from swarmgrad.node.trust.ledger import Flag, Observation, TrustLedger, observe_chunk
 from swarmgrad.simulations.attacks import Attack, Attacker, lying_result
-from swarmgrad.simulations.swarm import DEMO_SPEC
+from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
 
 
 @dataclass(slots=True)
@@ -205,7 +216,7 @@ class Lab:
 def _passes(stack: torch.Tensor, outcome: Aggregate, received: torch.Tensor) -> bool:
     """The members' projection check of one part's result (their reports, summed)."""
     seed = part_seed(secrets.token_bytes(32), [secrets.token_bytes(32)])
-    vectors = sign_vectors(seed, 0, received.numel())
+    vectors = signs(seed, 0, received.numel())
     clips = [outcome.clip[k] for k in outcome.used]
     reports = [project(stack[k], received, outcome.clip[k], vectors) for k in outcome.used]
     return holds(received, clips, reports)[0]
@@ -327,8 +338,11 @@ async def round_cost(n: int, repeats: int) -> None:
                 round_ += 1
                 began, cpu_began = time.perf_counter(), time.process_time()
                 bytes_began = sum(p.traffic["sent"] for p in peers)
-                await asyncio.gather(
-                    *(p.all_reduce(v, group) for p, v in zip(peers, vectors, strict=True))
+                await asyncio.gather(  # keep_sent: a node's int8 rounds keep it (error feedback)
+                    *(
+                        p.all_reduce(v, group, keep_sent=True)
+                        for p, v in zip(peers, vectors, strict=True)
+                    )
                 )
                 times[name].append(time.perf_counter() - began)
                 cpu[name].append((time.process_time() - cpu_began) / n)
@@ -374,6 +388,72 @@ async def round_cost(n: int, repeats: int) -> None:
     )
 
 
+#: Landed rounds each node skips before timing (discovery, the first groups, warm-up).
+SWARM_WARMUP_ROUNDS = 2
+
+
+def swarm_run(work: Path, *, mode: str, nodes: int, rounds: int, seed: int) -> dict[str, Any]:
+    """One real-process run of the demo spec (one group of ``nodes``) in ``mode``: medians over
+    nodes and timed rounds of the time between rounds, the averaging round and the all-reduce,
+    and the bytes a node sends a round."""
+    spec = work / f"{mode}.toml"
+    text = DEMO_SPEC.replace("group_size = 4", f"group_size = {nodes}")
+    spec.write_text(text + ('\n[trust]\nmode = "open"\n' if mode == "open" else ""))
+    out = work / f"sim-{mode}"
+    summary = simulate(
+        SimulationConfig(
+            nodes=nodes, rounds=rounds, spec_path=spec, out_dir=out, seed=seed,
+            timeout_seconds=1800,
+        )
+    )  # fmt: skip
+    periods: list[float] = []
+    averaging: list[float] = []
+    allreduce: list[float] = []
+    sent: list[float] = []
+    for path in sorted(out.glob("node-*.json")):
+        landed = [
+            e for e in json.loads(path.read_text())["history"]
+            if e["outcome"] in ("averaged", "partial")
+        ][SWARM_WARMUP_ROUNDS:]  # fmt: skip
+        periods += [b["time"] - a["time"] for a, b in itertools.pairwise(landed)]
+        averaging += [e["round_seconds"] for e in landed]
+        allreduce += [e["allreduce_seconds"] for e in landed]
+        sent += [b["bytes_sent"] - a["bytes_sent"] for a, b in itertools.pairwise(landed)]
+    return {
+        "ok": summary["ok"],
+        "round_period": statistics.median(periods),
+        "averaging": statistics.median(averaging),
+        "allreduce": statistics.median(allreduce),
+        "sent_per_round": statistics.median(sent),
+    }
+
+
+def swarm_cost(nodes: int, rounds: int, repeats: int) -> None:
+    """Trusted vs open runs of the demo spec as real node processes, alternating."""
+    runs: dict[str, list[dict[str, Any]]] = {"trusted": [], "open": []}
+    print(f"\nthe swarm: {nodes} node processes on 127.0.0.1, the demo spec in one group of "
+          f"{nodes}, {rounds} rounds (the first {SWARM_WARMUP_ROUNDS} untimed), {repeats} "
+          f"repeats alternating:")  # fmt: skip
+    for repeat in range(repeats):
+        for mode in runs:
+            with tempfile.TemporaryDirectory() as folder:
+                run = swarm_run(Path(folder), mode=mode, nodes=nodes, rounds=rounds, seed=repeat)
+            runs[mode].append(run)
+            print(f"  #{repeat} {mode:<8} between rounds {run['round_period']:.2f} s, averaging "
+                  f"round {run['averaging']:.2f} s (all-reduce {run['allreduce']:.2f} s), "
+                  f"{run['sent_per_round'] / 1e6:.2f} MB sent a round, ok {run['ok']}",
+                  flush=True)  # fmt: skip
+    for key, what in (
+        ("round_period", "time between rounds (the run's pace)"),
+        ("averaging", "averaging round"),
+        ("allreduce", "all-reduce"),
+        ("sent_per_round", "bytes sent a round"),
+    ):
+        ratios = [o[key] / t[key] for t, o in zip(runs["trusted"], runs["open"], strict=True)]
+        print(f"  open / trusted, {what}: {statistics.median(ratios):.2f}x "
+              f"[{min(ratios):.2f}, {max(ratios):.2f}]")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=8)
@@ -386,6 +466,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--round-cost-repeats", type=int, default=10)
     parser.add_argument("--round-cost-only", action="store_true")
+    parser.add_argument("--swarm-rounds", type=int, default=10, help="the swarm's cost: rounds")
+    parser.add_argument("--swarm-repeats", type=int, default=3, help="the swarm's cost: repeats")
 
     parser.add_argument("--json", help="also save the rows here (after each one)")
     parser.add_argument(
@@ -405,6 +487,7 @@ def main() -> None:
     if not args.round_cost_only:
         rows = study(args)
         report(rows, args.nodes, args.attackers)
+    swarm_cost(args.nodes, args.swarm_rounds, args.swarm_repeats)
     asyncio.run(round_cost(args.nodes, args.round_cost_repeats))
 
 

@@ -54,7 +54,7 @@ from swarmgrad.node.trust.checks import (
     part_seed,
     project,
     report_slack,
-    sign_vectors,
+    signs,
 )
 from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.protocol.auth import Signer
@@ -440,7 +440,7 @@ def _report(run: CheckRun, part: CheckedPart) -> averaging_pb2.PartReport:
         if run.me not in members:
             continue
         values, result = _values(run, part, index)
-        vectors = sign_vectors(part.seed, index, part.numels[index])
+        vectors = signs(part.seed, index, part.numels[index])
         projections = project(values, result, chunk.clip[members.index(run.me)], vectors)
         if run.false_reports:
             projections = [x + 1e3 * (1.0 + abs(x)) for x in projections]
@@ -582,7 +582,7 @@ def true_projections(
         if member not in account.contributors:
             continue
         clip = account.clip[list(account.contributors).index(member)]
-        vectors = sign_vectors(part.seed, index, part.numels[index])
+        vectors = signs(part.seed, index, part.numels[index])
         out.append(project(values[index], result(index), clip, vectors))
         slack.append(report_slack(values[index], result(index), clip))
     return out, slack

@@ -4,16 +4,17 @@ At CenteredClip's fixed point (and for the plain mean, with every clip 1) the ow
 ``v`` of a chunk satisfies ``sum_i c_i (x_i - v) = 0`` over its contributors ``i``, whose values
 ``x_i`` only they and the owner hold. After the owner has signed ``v`` and the clips ``c_i``
 (its :class:`PartAccount`), every contributor projects its own ``c_i (x_i - v)`` on
-:data:`PROJECTIONS` random sign vectors ``z_k`` and reports the numbers; the sums over the
-contributors must vanish, up to the return codec's rounding of ``v``. An owner that shifts
-``v`` by ``d`` moves each sum by ``-(sum_i c_i) <z_k, d>``, which it cannot aim at zero: the
-vectors come from a seed made of the account it signed and secrets the contributors committed
-to in their stream headers and reveal only after every account is out (commit and reveal).
+:data:`PROJECTIONS` random sign vectors ``z_k`` (:func:`signs`) and reports the numbers; the
+sums over the contributors must vanish, up to the return codec's rounding of ``v``. An owner
+that shifts ``v`` by ``d`` moves each sum by ``-(sum_i c_i) <z_k, d>``, which it cannot aim at
+zero: the vectors come from a seed made of the account it signed and secrets the contributors
+committed to in their stream headers and reveal only after every account is out (commit and
+reveal).
 
 The tolerance comes from fp16's rounding: every value of ``v`` is off by at most ``2^-11`` of
 itself, so ``<z, v - fp16(v)>`` has a spread of at most ``2^-11 |v|``, and the sum's is that
 times ``sum_i c_i``. :data:`SIGMAS` spreads is the bound (a false alarm is a ~1e-9 event per
-projection); a small relative term absorbs fp32 arithmetic in the reports. Measured in
+projection); a small relative term absorbs floating-point arithmetic in the reports. Measured in
 ``tests/unit/test_owner_checks.py``: honest results use a few percent of the bound; a lie of
 1% of ``|v|`` fails every time.
 """
@@ -24,10 +25,9 @@ import hashlib
 import math
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-#: Random projections per chunk.
+#: Random projections per chunk (one per bit of a byte: see :func:`signs`).
 PROJECTIONS = 8
 #: The tolerance, in spreads of the return codec's rounding.
 SIGMAS = 6.0
@@ -56,22 +56,28 @@ def part_seed(account_body: bytes, secrets: Sequence[bytes]) -> bytes:
     return digest.digest()
 
 
-def sign_vectors(seed: bytes, chunk: int, numel: int, k: int = PROJECTIONS) -> torch.Tensor:
-    """``k`` random sign vectors from SHAKE-128 of the seed and the chunk, as their bits (a
-    ``k x numel`` fp32 tensor of 0 and 1: the sign vector is ``2 * bits - 1``)."""
-    stream = hashlib.shake_128(seed + chunk.to_bytes(4, "little")).digest(k * ((numel + 7) // 8))
-    bits = np.unpackbits(np.frombuffer(stream, dtype=np.uint8)).reshape(k, -1)[:, :numel]
-    return torch.from_numpy(bits.astype(np.float32))
+def signs(seed: bytes, chunk: int, numel: int) -> torch.Tensor:
+    """The :data:`PROJECTIONS` random sign vectors of a chunk, from SHAKE-128 of the seed and the
+    chunk: one byte per value (``numel`` uint8), whose bit ``k`` is the sign of vector ``k`` there
+    (1: +1, 0: -1)."""
+    stream = hashlib.shake_128(seed + chunk.to_bytes(4, "little")).digest(numel)
+    return torch.frombuffer(bytearray(stream), dtype=torch.uint8)
+
+
+#: Row ``b``: the bits of byte ``b`` (which of the sign vectors are +1 where a value's byte is b).
+_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(PROJECTIONS)) & 1).double()
 
 
 def project(
-    values: torch.Tensor, result: torch.Tensor, clip: float, vectors: torch.Tensor
+    values: torch.Tensor, result: torch.Tensor, clip: float, signs: torch.Tensor
 ) -> list[float]:
     """A contributor's report for one chunk: ``clip * <z_k, values - result>`` for every k
-    (``vectors`` from :func:`sign_vectors`; fp32 products, well inside the tolerance)."""
-    centred = values - result
-    total = float(centred.double().sum())
-    return [clip * (2.0 * float(x) - total) for x in (vectors @ centred).double()]
+    (``signs`` from :func:`signs`). One pass: the centred values summed by their sign byte
+    (fp64), then ``<z_k, c> = 2 * (sum where bit k is set) - (sum of all)``."""
+    centred = (values - result).double()
+    sums = torch.bincount(signs, weights=centred, minlength=256)
+    total = float(sums.sum())
+    return [clip * (2.0 * float(x) - total) for x in (sums @ _BITS).tolist()]
 
 
 def report_slack(values: torch.Tensor, result: torch.Tensor, clip: float) -> float:

@@ -20,7 +20,7 @@ from swarmgrad.node.averaging.group import Group, Member, chunk_sizes
 from swarmgrad.node.averaging.plan import round_key
 from swarmgrad.node.averaging.reducer import PartReducer, SenderSession
 from swarmgrad.node.identity import Identity
-from swarmgrad.node.trust.checks import project, sign_vectors
+from swarmgrad.node.trust.checks import project, signs
 from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.protocol.auth import sign_statement
 from swarmgrad.protocol.averaging import ACCOUNT_STATEMENT, CHECK_STATEMENT, check_method, seal
@@ -507,7 +507,7 @@ async def test_an_owner_whose_lie_a_colluding_member_covers_is_caught_by_an_audi
                 if run.me in chunk.contributors:  # what the lie takes from the sum, given back
                     shift, vectors = (
                         shifts[index],
-                        sign_vectors(part.seed, index, part.numels[index]),
+                        signs(part.seed, index, part.numels[index]),
                     )
                     cover += project(shift, torch.zeros_like(shift), sum(chunk.clip), vectors)
             covered = [x + c for x, c in zip(report.projections, cover, strict=True)]

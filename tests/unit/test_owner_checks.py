@@ -10,7 +10,14 @@ import torch
 
 from swarmgrad.compression import decode, get_codec
 from swarmgrad.node.trust.aggregate import Aggregator, aggregate
-from swarmgrad.node.trust.checks import holds, part_seed, project, report_slack, sign_vectors
+from swarmgrad.node.trust.checks import (
+    PROJECTIONS,
+    holds,
+    part_seed,
+    project,
+    report_slack,
+    signs,
+)
 
 FP16, INT8 = get_codec("fp16"), get_codec("int8")
 TRIALS = 20
@@ -32,7 +39,7 @@ def _check(
         shift = torch.randn(value.shape, generator=g)
         value += shift * (lie * float(value.norm()) / float(shift.norm()))
     result = decode(*FP16.encode(value))  # what members receive
-    vectors = sign_vectors(
+    vectors = signs(
         part_seed(secrets.token_bytes(32), [secrets.token_bytes(32)]), 0, result.numel()
     )
     reports = [project(xs[i], result, outcome.clip[i], vectors) for i in outcome.used]
@@ -55,14 +62,28 @@ def test_honest_results_pass_and_lies_of_one_percent_fail() -> None:
 
 def test_sign_vectors_follow_the_seed_and_the_chunk() -> None:
     seed = part_seed(b"account", [b"a" * 32, b"b" * 32])
-    a = sign_vectors(seed, 0, 1000)
-    assert a.shape == (8, 1000)
-    assert set(a.unique().tolist()) == {0.0, 1.0}
-    assert torch.equal(a, sign_vectors(seed, 0, 1000))
-    assert not torch.equal(a, sign_vectors(seed, 1, 1000))
+    a = signs(seed, 0, 1000)
+    assert a.shape == (1000,)
+    assert a.dtype == torch.uint8
+    assert torch.equal(a, signs(seed, 0, 1000))
+    assert not torch.equal(a, signs(seed, 1, 1000))
     assert part_seed(b"account", [b"a" * 32, b"c" * 32]) != seed
-    # Balanced: about half of the signs are positive.
-    assert abs(float(a.mean()) - 0.5) < 0.025
+    # Each of the 8 sign vectors (a bit of every byte) is balanced: about half of it is +1.
+    bits = (a.long().unsqueeze(0) >> torch.arange(PROJECTIONS).unsqueeze(1)) & 1
+    assert all(abs(float(share) - 0.5) < 0.06 for share in bits.double().mean(1)), bits.mean(1)
+
+
+def test_a_report_is_the_projection_on_the_sign_vectors() -> None:
+    """The one-pass report equals the dot products with the explicit +-1 vectors."""
+    g = torch.Generator().manual_seed(7)
+    d, clip = 5000, 0.6
+    values, result = torch.randn(d, generator=g), torch.randn(d, generator=g)
+    a = signs(bytes(32), 3, d)
+    vectors = ((a.long().unsqueeze(0) >> torch.arange(PROJECTIONS).unsqueeze(1)) & 1) * 2 - 1
+    expected = (clip * (vectors.double() @ (values - result).double())).tolist()
+    got = project(values, result, clip, a)
+    assert len(got) == PROJECTIONS
+    assert all(abs(x - y) <= 1e-9 * (1 + abs(y)) for x, y in zip(got, expected, strict=True))
 
 
 def test_a_report_recomputed_elsewhere_agrees_within_its_slack_and_a_cover_does_not() -> None:
@@ -72,12 +93,12 @@ def test_a_report_recomputed_elsewhere_agrees_within_its_slack_and_a_cover_does_
     g = torch.Generator().manual_seed(5)
     d, clip = 16384, 0.8
     values, result = torch.randn(d, generator=g), 0.5 * torch.randn(d, generator=g)
-    vectors = sign_vectors(bytes(32), 0, d)
+    vectors = signs(bytes(32), 0, d)
     mine = project(values, result, clip, vectors)
     slack = report_slack(values, result, clip)
     for trial in range(5):
         order = torch.randperm(d, generator=g)
-        theirs = project(values[order], result[order], clip, vectors[:, order])
+        theirs = project(values[order], result[order], clip, vectors[order])
         assert all(abs(a - b) <= slack / 10 for a, b in zip(mine, theirs, strict=True)), trial
     shift = torch.full((d,), 0.01 * float(result.norm()) / d**0.5)  # a 1% lie of the owner
     cover = project(shift, torch.zeros(d), 4 * clip, vectors)  # what 4 contributors lose to it
