@@ -22,7 +22,7 @@ Then the round time cost of open mode for the demo model at N nodes (target: ope
 trusted), two ways:
 
 * the swarm: N real node processes on 127.0.0.1 (``simulate``), the demo spec in one group of N,
-  trusted and open runs alternating: the time between a node's rounds (inner steps, the
+  trusted and open runs alternating (ABBA): the time between a node's rounds (inner steps, the
   averaging round and the outer step: what a run's progress costs), the averaging round alone
   (boundary to landed), the all-reduce within it, and the bytes each node sends a round;
 * one all-reduce in one process: N members over gRPC, the CPU each spends and the bytes it
@@ -392,18 +392,25 @@ async def round_cost(n: int, repeats: int) -> None:
 SWARM_WARMUP_ROUNDS = 2
 
 
-def swarm_run(work: Path, *, mode: str, nodes: int, rounds: int, seed: int) -> dict[str, Any]:
-    """One real-process run of the demo spec (one group of ``nodes``) in ``mode``: medians over
-    nodes and timed rounds of the time between rounds, the averaging round and the all-reduce,
-    and the bytes a node sends a round."""
+def swarm_run(
+    work: Path, *, mode: str, nodes: int, rounds: int, seed: int, upload: float
+) -> dict[str, Any]:
+    """One real-process run of the demo spec (one group of ``nodes``) in ``mode``, every node's
+    upload capped at ``upload`` bytes/s (0: no cap): medians over nodes and timed rounds of the
+    time between rounds, the averaging round and the all-reduce, and the bytes a node sends a
+    round."""
     spec = work / f"{mode}.toml"
     text = DEMO_SPEC.replace("group_size = 4", f"group_size = {nodes}")
     spec.write_text(text + ('\n[trust]\nmode = "open"\n' if mode == "open" else ""))
+    profile = None
+    if upload:
+        profile = work / "peers.toml"
+        profile.write_text(f"[[peer]]\nupload_bytes_per_second = {upload}\n")
     out = work / f"sim-{mode}"
     summary = simulate(
         SimulationConfig(
-            nodes=nodes, rounds=rounds, spec_path=spec, out_dir=out, seed=seed,
-            timeout_seconds=1800,
+            nodes=nodes, rounds=rounds, spec_path=spec, profile_path=profile, out_dir=out,
+            seed=seed, timeout_seconds=1800,
         )
     )  # fmt: skip
     periods: list[float] = []
@@ -428,16 +435,19 @@ def swarm_run(work: Path, *, mode: str, nodes: int, rounds: int, seed: int) -> d
     }
 
 
-def swarm_cost(nodes: int, rounds: int, repeats: int) -> None:
+def swarm_cost(nodes: int, rounds: int, repeats: int, upload: float) -> None:
     """Trusted vs open runs of the demo spec as real node processes, alternating."""
     runs: dict[str, list[dict[str, Any]]] = {"trusted": [], "open": []}
-    print(f"\nthe swarm: {nodes} node processes on 127.0.0.1, the demo spec in one group of "
-          f"{nodes}, {rounds} rounds (the first {SWARM_WARMUP_ROUNDS} untimed), {repeats} "
-          f"repeats alternating:")  # fmt: skip
+    capped = f"uploads capped at {upload / 1e6:g} MB/s" if upload else "no upload cap"
+    print(f"\nthe swarm: {nodes} node processes on 127.0.0.1 ({capped}), the demo spec in one "
+          f"group of {nodes}, {rounds} rounds (the first {SWARM_WARMUP_ROUNDS} untimed), "
+          f"{repeats} repeats alternating (trusted first, then open first):")  # fmt: skip
     for repeat in range(repeats):
-        for mode in runs:
+        for mode in list(runs)[:: 1 if repeat % 2 == 0 else -1]:  # ABBA: no side always first
             with tempfile.TemporaryDirectory() as folder:
-                run = swarm_run(Path(folder), mode=mode, nodes=nodes, rounds=rounds, seed=repeat)
+                run = swarm_run(
+                    Path(folder), mode=mode, nodes=nodes, rounds=rounds, seed=repeat, upload=upload
+                )
             runs[mode].append(run)
             print(f"  #{repeat} {mode:<8} between rounds {run['round_period']:.2f} s, averaging "
                   f"round {run['averaging']:.2f} s (all-reduce {run['allreduce']:.2f} s), "
@@ -468,6 +478,14 @@ def main() -> None:
     parser.add_argument("--round-cost-only", action="store_true")
     parser.add_argument("--swarm-rounds", type=int, default=10, help="the swarm's cost: rounds")
     parser.add_argument("--swarm-repeats", type=int, default=3, help="the swarm's cost: repeats")
+    parser.add_argument(
+        "--swarm-upload-mb",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="the swarm's cost: every node's uplink in MB/s, one set of runs each (0: no cap)",
+    )
+    parser.add_argument("--skip-one-process", action="store_true", help="only the swarm's cost")
 
     parser.add_argument("--json", help="also save the rows here (after each one)")
     parser.add_argument(
@@ -487,8 +505,10 @@ def main() -> None:
     if not args.round_cost_only:
         rows = study(args)
         report(rows, args.nodes, args.attackers)
-    swarm_cost(args.nodes, args.swarm_rounds, args.swarm_repeats)
-    asyncio.run(round_cost(args.nodes, args.round_cost_repeats))
+    for upload in args.swarm_upload_mb:
+        swarm_cost(args.nodes, args.swarm_rounds, args.swarm_repeats, upload * 1e6)
+    if not args.skip_one_process:
+        asyncio.run(round_cost(args.nodes, args.round_cost_repeats))
 
 
 if __name__ == "__main__":
