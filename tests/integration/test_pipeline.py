@@ -219,6 +219,10 @@ def test_replicas_fail_over_the_router_prefers_the_fast_one_and_a_lost_stage_wai
     assert statistics.fmean(losses[-5:]) < losses[0] - 0.5
 
 
+#: Rounds of the rebalancing run: enough for the moved replica to join on a loaded machine.
+REBALANCE_ROUNDS = 14
+
+
 def test_stages_are_diloco_groups_and_rebalancing_moves_exactly_one_replica(
     tmp_path: Path,
 ) -> None:
@@ -239,7 +243,7 @@ def test_stages_are_diloco_groups_and_rebalancing_moves_exactly_one_replica(
             stages=2,
             nodes=4,
             trainers=1,
-            rounds=10,
+            rounds=REBALANCE_ROUNDS,
             out_dir=out,
             spec_path=spec_path,
             placement=[0, 0, 0, 1],
@@ -252,15 +256,17 @@ def test_stages_are_diloco_groups_and_rebalancing_moves_exactly_one_replica(
     ]
     assert [(m["from"], m["to"]) for m in moves] == [(0, 1)]
     assert summary["ok"]
-    assert summary["steps"] == [50]
+    assert summary["steps"] == [5 * REBALANCE_ROUNDS]
     assert summary["failed_steps"] == 0
     assert summary["final_loss"] < summary["initial_loss"] - 0.5
     rounds = json.loads((out / "trainer0.json").read_text())["rounds"]
-    assert [r["step"] for r in rounds] == list(range(5, 55, 5))
-    # Once the moved replica has joined (when depends on measured throughputs), both replicas
-    # of each stage average together at every round barrier; it joined before the last.
+    assert [r["step"] for r in rounds] == list(range(5, 5 * REBALANCE_ROUNDS + 5, 5))
+    # Once the moved replica has joined (when depends on measured throughputs and this
+    # machine's load: here from round 7, in one CI run not by round 10), both replicas of each
+    # stage average together at every round barrier; it joined before the last.
     pairs = {"0": ["averaged"] * 2, "1": ["averaged"] * 2}
-    joined = next(i for i, r in enumerate(rounds) if r["outcomes"]["1"] == pairs["1"])
+    joined = next((i for i, r in enumerate(rounds) if r["outcomes"]["1"] == pairs["1"]), None)
+    assert joined is not None, (moves, rounds)
     assert all(r["outcomes"] == pairs for r in rounds[joined:]), rounds
     for stage in summary["per_stage"]:
         assert stage["replicas_identical"]
