@@ -69,13 +69,13 @@ _BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(PROJECTIONS)) & 1).doub
 
 
 def project(
-    values: torch.Tensor, result: torch.Tensor, clip: float, signs: torch.Tensor
+    values: torch.Tensor, result: torch.Tensor, clip: float, sign_bytes: torch.Tensor
 ) -> list[float]:
     """A contributor's report for one chunk: ``clip * <z_k, values - result>`` for every k
-    (``signs`` from :func:`signs`). One pass: the centred values summed by their sign byte
+    (``sign_bytes`` from :func:`signs`). One pass: the centred values summed by their sign byte
     (fp64), then ``<z_k, c> = 2 * (sum where bit k is set) - (sum of all)``."""
     centred = (values - result).double()
-    sums = torch.bincount(signs, weights=centred, minlength=256)
+    sums = torch.bincount(sign_bytes, weights=centred, minlength=256)
     total = float(sums.sum())
     return [clip * (2.0 * float(x) - total) for x in (sums @ _BITS).tolist()]
 

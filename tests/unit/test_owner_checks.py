@@ -60,6 +60,11 @@ def test_honest_results_pass_and_lies_of_one_percent_fail() -> None:
         assert caught == TRIALS, (aggregator, caught)
 
 
+def _bits(sign_bytes: torch.Tensor) -> torch.Tensor:
+    """The sign vectors' bits spelled out, one row per vector (the reference for ``project``)."""
+    return (sign_bytes.long().unsqueeze(0) >> torch.arange(PROJECTIONS).unsqueeze(1)) & 1
+
+
 def test_sign_vectors_follow_the_seed_and_the_chunk() -> None:
     seed = part_seed(b"account", [b"a" * 32, b"b" * 32])
     a = signs(seed, 0, 1000)
@@ -69,7 +74,7 @@ def test_sign_vectors_follow_the_seed_and_the_chunk() -> None:
     assert not torch.equal(a, signs(seed, 1, 1000))
     assert part_seed(b"account", [b"a" * 32, b"c" * 32]) != seed
     # Each of the 8 sign vectors (a bit of every byte) is balanced: about half of it is +1.
-    bits = (a.long().unsqueeze(0) >> torch.arange(PROJECTIONS).unsqueeze(1)) & 1
+    bits = _bits(a)
     assert all(abs(float(share) - 0.5) < 0.06 for share in bits.double().mean(1)), bits.mean(1)
 
 
@@ -79,7 +84,7 @@ def test_a_report_is_the_projection_on_the_sign_vectors() -> None:
     d, clip = 5000, 0.6
     values, result = torch.randn(d, generator=g), torch.randn(d, generator=g)
     a = signs(bytes(32), 3, d)
-    vectors = ((a.long().unsqueeze(0) >> torch.arange(PROJECTIONS).unsqueeze(1)) & 1) * 2 - 1
+    vectors = _bits(a) * 2 - 1
     expected = (clip * (vectors.double() @ (values - result).double())).tolist()
     got = project(values, result, clip, a)
     assert len(got) == PROJECTIONS
