@@ -41,6 +41,7 @@ from swarmgrad.simulations.launchers import (
     Process,
     RayProcess,
     ray_cluster,
+    stop_all,
 )
 from swarmgrad.simulations.natlab import Host
 from swarmgrad.simulations.netem import GRPC_PORT, Wan
@@ -241,9 +242,9 @@ def simulate(config: SimulationConfig) -> dict[str, Any]:
             finals = [n for n in run.swarm if n.finished]
             statuses = [json.loads(n.status.read_text()) for n in finals]
             attacks = [n.attack for n in finals]
-        finally:
-            for process in reversed(run.processes):
-                process.stop()
+        finally:  # the nodes first (each leaves the DHT gracefully), then the bootstrap node
+            stop_all(run.processes[1:])
+            stop_all(run.processes[:1])
     wall_seconds = time.time() - run.started
     summary = summarize(
         statuses, spec=spec, wall_seconds=wall_seconds, rounds=config.rounds, attacks=attacks
@@ -368,9 +369,9 @@ class _SwarmRun:
                 # Attackers need not finish: banned, they may never reach the last epoch.
                 and all(current[n.index].get("finished") for n in running if not n.attack)
             ):
-                for node in running:  # every one is done: now they may leave
-                    assert node.process is not None
-                    node.process.stop()
+                # Every one is done: now they may leave.
+                stop_all([node.process for node in running if node.process is not None])
+                for node in running:
                     node.running, node.finished = False, True
                 return
             honest = [n for n in self.swarm if not n.attack]
