@@ -243,8 +243,8 @@ def simulate(config: SimulationConfig) -> dict[str, Any]:
             statuses = [json.loads(n.status.read_text()) for n in finals]
             attacks = [n.attack for n in finals]
         finally:  # the nodes first (each leaves the DHT gracefully), then the bootstrap node
-            stop_all(run.processes[1:])
-            stop_all(run.processes[:1])
+            stop_all(run.processes)
+            stop_all([run.bootstrap] if run.bootstrap is not None else [])
     wall_seconds = time.time() - run.started
     summary = summarize(
         statuses, spec=spec, wall_seconds=wall_seconds, rounds=config.rounds, attacks=attacks
@@ -322,7 +322,8 @@ class _SwarmRun:
         self.armed_offset = 0
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMGRAD_")}
         self.deadline = time.monotonic() + config.timeout_seconds
-        self.processes: list[Process] = []
+        self.bootstrap: Process | None = None
+        self.processes: list[Process] = []  # every node process started, restarts included
         self.swarm: list[_Node] = []
         self.started = time.time()
         self.fired: list[dict[str, Any]] = []
@@ -345,7 +346,7 @@ class _SwarmRun:
             command += ["--host", host.address]
         log_path = self.config.out_dir / "bootstrap.log"
         boot = self.spawn("bootstrap", command, log_path, host)
-        self.processes.append(boot)
+        self.bootstrap = boot
         return list(_wait_for_file(maddrs_file, boot, self.deadline)["maddrs"])
 
     def start(self, node: _Node) -> None:
