@@ -198,6 +198,7 @@ class Swarm:
                 settle_seconds=MATCHMAKING_SETTLE_SECONDS,
                 peers=self.directory.refresh,
                 excluded=self.excludes,
+                alive=self.peer_service.alive,
             )
             budget = round_budget_seconds(
                 spec, config, dht_call_seconds=self._discovery.call_timeout_seconds

@@ -12,6 +12,13 @@ candidates are ordered by a hash of (round, peer id), a fresh shuffle each round
 computes alike, and cut into groups of ``group_size`` (a short last group joins the one before
 it).
 
+A peer that crashed (or froze, or lost its relay) leaves a peer record behind that says it is
+still at the round, until the record expires: waiting for it would cost every round until then
+a whole matchmaking timeout. So a peer waited for past ``PROBE_AFTER_SECONDS`` is asked who it
+is (``alive``: a signed answer from its endpoint, under a deadline), and one that does not
+answer is no longer waited for in this round. Only the waiting changes: a peer that does post
+its readiness in time is a candidate like any other.
+
 Peers that saw the same candidates form the same groups. Waiting for the whole bucket, not for
 the first ``group_size`` candidates, is what keeps them the same in a large swarm: peers that
 become ready at different times would otherwise each cut a different prefix of the arrivals
@@ -47,6 +54,13 @@ MAX_MATCHMAKING_TIMEOUT_SECONDS = MAX_TTL_SECONDS - READY_MARGIN_SECONDS - 30.0
 #: How often matchmaking reads the candidates, and the run's peer records, while it waits.
 POLL_SECONDS = 0.1
 EXPECTED_REFRESH_SECONDS = 1.0
+#: How long matchmaking waits for a missing peer before asking whether it is still there, and
+#: how often it asks again while that peer answers but is not ready (it is still training).
+PROBE_AFTER_SECONDS = 1.0
+PROBE_EVERY_SECONDS = 3.0
+
+#: Is this peer still there (its endpoint answers as it)? Must return within its own deadline.
+Alive = Callable[[PeerRecord], Awaitable[bool]]
 
 
 @functools.lru_cache(maxsize=1 << 16)  # the census re-hashes every peer each second
@@ -99,10 +113,48 @@ class _Census:
     ahead: bool  # another peer is past the round
     buckets: int
     mine: int  # this peer's bucket
-    wanted: set[str]  # the expected peers of this peer's bucket
+    wanted: dict[str, PeerRecord | None]  # the expected peers of this peer's bucket (None: me)
 
     def in_bucket(self, peer_id: str) -> bool:
         return bucket_of(self.round, peer_id, self.buckets) == self.mine
+
+
+class _Liveness:
+    """Which of the peers a round waits for are gone: each missing one is asked (``alive``) once
+    it has been waited for ``PROBE_AFTER_SECONDS``, again every ``PROBE_EVERY_SECONDS`` while it
+    answers, in the background (the wait goes on polling meanwhile)."""
+
+    def __init__(self, round_: int, alive: Alive | None) -> None:
+        self._round, self._alive = round_, alive
+        self._loop = asyncio.get_running_loop()
+        self._started = self._loop.time()
+        self._asked: dict[str, float] = {}
+        self._probes: set[asyncio.Task[None]] = set()
+        self.gone: set[str] = set()
+
+    def check(self, missing: Collection[PeerRecord]) -> None:
+        now = self._loop.time()
+        if self._alive is None or now - self._started < PROBE_AFTER_SECONDS:
+            return
+        for record in missing:
+            asked = self._asked.get(record.peer_id)
+            if record.peer_id in self.gone or (asked and now - asked < PROBE_EVERY_SECONDS):
+                continue
+            self._asked[record.peer_id] = now
+            probe = asyncio.create_task(self._probe(self._alive, record))
+            self._probes.add(probe)
+            probe.add_done_callback(self._probes.discard)
+
+    async def _probe(self, alive: Alive, record: PeerRecord) -> None:
+        if not await alive(record):
+            log.info(
+                "round %d: %s does not answer; not waiting for it", self._round, record.peer_id
+            )
+            self.gone.add(record.peer_id)
+
+    def close(self) -> None:
+        for probe in self._probes:
+            probe.cancel()
 
 
 class Matchmaker:
@@ -116,10 +168,13 @@ class Matchmaker:
         settle_seconds: float = 0.5,
         peers: Callable[[], Awaitable[list[PeerRecord]]] | None = None,
         excluded: Callable[[str], bool] | None = None,
+        alive: Alive | None = None,
     ) -> None:
         """``peers`` reads the run's peer records (the node's directory; default: the DHT);
         ``excluded`` says which peers this node no longer groups with (its trust ledger's bans):
-        their readiness records are not candidates and they are not waited for."""
+        their readiness records are not candidates and they are not waited for; ``alive`` asks
+        a peer that is late whether it is still there (None: every expected peer is waited
+        for until the timeout)."""
         if group_size < 2:
             raise ValueError("group_size must be at least 2")
         if not 0 < matchmaking_timeout_seconds <= MAX_MATCHMAKING_TIMEOUT_SECONDS:
@@ -132,6 +187,7 @@ class Matchmaker:
         self.timeout_seconds = matchmaking_timeout_seconds
         self.settle_seconds = settle_seconds
         self._excluded = excluded or (lambda _peer: False)
+        self._alive = alive
 
     async def form_group(
         self, round_: int, *, endpoint: str, bandwidth: float = 1.0, weight: float = 1.0
@@ -156,20 +212,30 @@ class Matchmaker:
         candidates = await self._candidates(round_)
         census = await self._census(round_)
         checked = loop.time()
-        while loop.time() < deadline:
-            seen = {r.peer_id for r in candidates if census.in_bucket(r.peer_id)}
-            if len(seen) >= 2 and census.wanted <= seen:
-                break
-            if census.ahead and census.expected == {me} and seen <= {me}:
-                # Everyone else has moved past this round (this node lost one): nobody will
-                # come, and the sooner it says so the sooner it catches up by state sync
-                # (while they wait for it, one round behind, as "expected").
-                log.info("round %d: the other peers are past this round", round_)
-                break
-            await asyncio.sleep(POLL_SECONDS)
-            candidates = await self._candidates(round_)
-            if loop.time() - checked > EXPECTED_REFRESH_SECONDS:
-                census, checked = await self._census(round_), loop.time()
+        liveness = _Liveness(round_, self._alive)
+        try:
+            while loop.time() < deadline:
+                seen = {r.peer_id for r in candidates if census.in_bucket(r.peer_id)}
+                wanted = census.wanted.keys() - liveness.gone
+                if len(seen) >= 2 and wanted <= seen:
+                    break
+                if census.ahead and census.expected == {me} and seen <= {me}:
+                    # Everyone else has moved past this round (this node lost one): nobody will
+                    # come, and the sooner it says so the sooner it catches up by state sync
+                    # (while they wait for it, one round behind, as "expected").
+                    log.info("round %d: the other peers are past this round", round_)
+                    break
+                if wanted == {me} and seen <= {me} and census.wanted.keys() != {me}:
+                    log.info("round %d: the peers it waited for are gone", round_)
+                    break
+                missing = [r for p, r in census.wanted.items() if p not in seen and r is not None]
+                liveness.check(missing)
+                await asyncio.sleep(POLL_SECONDS)
+                candidates = await self._candidates(round_)
+                if loop.time() - checked > EXPECTED_REFRESH_SECONDS:
+                    census, checked = await self._census(round_), loop.time()
+        finally:
+            liveness.close()
         await asyncio.sleep(self.settle_seconds)
         candidates = await self._candidates(round_)
         by_id = {r.peer_id: r for r in candidates if census.in_bucket(r.peer_id)}
@@ -209,7 +275,8 @@ class Matchmaker:
         taking_part = {p.peer_id for p in peers if p.epoch >= round_ - 1} | {me}
         buckets = bucket_count(round_, taking_part, self.group_size)
         mine = bucket_of(round_, me, buckets)
-        wanted = {p for p in expected if bucket_of(round_, p, buckets) == mine}
+        records = {p.peer_id: p for p in peers if p.peer_id != me}
+        wanted = {p: records.get(p) for p in expected if bucket_of(round_, p, buckets) == mine}
         return _Census(round_, expected, ahead, buckets, mine, wanted)
 
     async def _candidates(self, round_: int) -> list[ReadyRecord]:

@@ -26,7 +26,11 @@ from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.transport.transport import Transport
 from swarmgrad.protocol import peer
 from swarmgrad.protocol.auth import Verifier
+from swarmgrad.protocol.errors import SwarmgradError
 from swarmgrad.protocol.server import Rejections
+
+#: How long a peer has to answer "are you still there?" (matchmaking asks a late peer).
+LIVENESS_TIMEOUT_SECONDS = 2.0
 
 
 class PeerService:
@@ -42,6 +46,7 @@ class PeerService:
     ) -> None:
         self.reachability: Reachability | None = None
         self._host = transport.config.host
+        self._run_id, self._spec_hash = spec.run.id, spec.hash
         self.responder = (
             PunchResponder(host=self._host, target=None, public_host=self.public_host)
             if punch
@@ -108,6 +113,22 @@ class PeerService:
             relay_clients=summary["relay_clients"],
             relayed_bytes=summary["relayed_bytes"],
         )
+
+    async def alive(self, record: PeerRecord) -> bool:
+        """Does ``record``'s peer still answer at its endpoint, as itself (signed, over a fresh
+        challenge), within ``LIVENESS_TIMEOUT_SECONDS``? No for a refused or silent endpoint,
+        and for another process answering there."""
+        try:
+            await peer.get_info(
+                record.endpoint,
+                run_id=self._run_id,
+                spec_hash=self._spec_hash,
+                timeout_seconds=LIVENESS_TIMEOUT_SECONDS,
+                expected_peer=record.peer_id,
+            )
+        except SwarmgradError:
+            return False
+        return True
 
     async def close(self) -> None:
         if self.responder is not None:

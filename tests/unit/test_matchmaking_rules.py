@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from typing import Any, cast
 
 from swarmgrad.node.averaging.matchmaking import (
+    PROBE_AFTER_SECONDS,
     Matchmaker,
     assign_groups,
     bucket_count,
@@ -72,6 +74,71 @@ async def test_a_peer_still_waits_for_peers_one_round_behind() -> None:
     started = time.monotonic()
     assert await mm.form_group(7, endpoint="x:1") is None
     assert time.monotonic() - started >= 0.5  # "late" may still come: it waited it out
+
+
+def ready(name: str, round_: int) -> ReadyRecord:
+    now = dht_time()
+    return ReadyRecord(peer_id=name, run_id=RUN, spec_hash=SPEC.hex(), endpoint=f"{name}:1",
+                       round=round_, bandwidth=1.0, weight=1.0, issued_at=now,
+                       expires_at=now + 60)  # fmt: skip
+
+
+class Liveness:
+    """``alive`` for the matchmaker: the peers named dead do not answer; every probe is noted."""
+
+    def __init__(self, *dead: str) -> None:
+        self.dead, self.asked = set(dead), Counter[str]()
+
+    async def alive(self, record: PeerRecord) -> bool:
+        self.asked[record.peer_id] += 1
+        return record.peer_id not in self.dead
+
+
+async def test_a_crashed_peer_is_asked_and_not_waited_for_until_the_timeout() -> None:
+    # "crashed" left a record at the round (it would expire in a minute); "mate" is ready.
+    me = Identity.from_seed("mm-rules/me")
+    board = Board()
+    await board.announce_ready(ready("mate", 4))
+    liveness = Liveness("crashed")
+    peers = [peer(me.peer_id, 4), peer("mate", 4), peer("crashed", 4)]
+    started = time.monotonic()
+    group = await maker(board, me, peers, alive=liveness.alive).form_group(4, endpoint="me:1")
+    waited = time.monotonic() - started
+    assert group is not None
+    assert sorted(m.peer_id for m in group.members) == sorted([me.peer_id, "mate"])
+    assert PROBE_AFTER_SECONDS <= waited < 3.0  # not the 10 s timeout
+    assert liveness.asked == {"crashed": 1}  # the ready mate was never asked
+
+
+async def test_a_late_peer_that_answers_is_waited_for_and_joins() -> None:
+    me = Identity.from_seed("mm-rules/me")
+    board = Board()
+    await board.announce_ready(ready("mate", 4))
+    liveness = Liveness()
+    peers = [peer(me.peer_id, 4), peer("mate", 4), peer("slow", 4)]
+    mm = maker(board, me, peers, alive=liveness.alive)
+
+    async def slow_peer() -> None:  # still training: it answers, and is ready 2.5 s later
+        await asyncio.sleep(2.5)
+        await board.announce_ready(ready("slow", 4))
+
+    async with asyncio.TaskGroup() as tasks:
+        tasks.create_task(slow_peer())
+        group = await mm.form_group(4, endpoint="me:1")
+    assert group is not None
+    assert sorted(m.peer_id for m in group.members) == sorted([me.peer_id, "mate", "slow"])
+    assert liveness.asked["slow"] >= 1
+
+
+async def test_a_survivor_whose_peers_are_all_gone_stops_waiting() -> None:
+    me = Identity.from_seed("mm-rules/me")
+    liveness = Liveness("a", "b")
+    peers = [peer(me.peer_id, 4), peer("a", 4), peer("b", 3)]
+    started = time.monotonic()
+    group = await maker(Board(), me, peers, alive=liveness.alive).form_group(4, endpoint="me:1")
+    assert group is None
+    assert time.monotonic() - started < 3.0  # not the 10 s timeout: it trains on
+    assert set(liveness.asked) == {"a", "b"}
 
 
 async def test_banned_peers_are_neither_candidates_nor_waited_for() -> None:
