@@ -11,7 +11,9 @@ What each peer does, and whose rule it is:
 - **Match** (``node/averaging/matchmaking.py``): announce readiness (visible to others after a
   DHT write); from the census (peer records at epoch r or r - 1, a dead peer's until its record
   lapses) take the node's bucket count and this peer's bucket; wait until every expected peer of
-  the bucket is visible, or the matchmaking timeout; notice at the next poll, wait the settle
+  the bucket is visible (a dead one is asked after ``PROBE_AFTER_SECONDS`` and no longer waited
+  for one round trip later, a paused one after the liveness deadline), or the matchmaking
+  timeout; notice at the next poll, wait the settle
   time, read once more and cut the bucket's visible candidates into groups in the node's own
   order (``groups.py``). Readiness records are withdrawn and lapse as the node's do. Peers
   that read different candidate sets can compute different groups: only members that computed
@@ -49,6 +51,7 @@ from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.averaging.matchmaking import (
     EXPECTED_REFRESH_SECONDS,
     POLL_SECONDS,
+    PROBE_AFTER_SECONDS,
     READY_MARGIN_SECONDS,
     bucket_count,
     bucket_of,
@@ -56,6 +59,7 @@ from swarmgrad.node.averaging.matchmaking import (
 from swarmgrad.node.averaging.plan import AllReduceConfig
 from swarmgrad.node.averaging.rounds import WITHDRAW_MARGIN_SECONDS
 from swarmgrad.node.discovery.directory import DirectoryConfig
+from swarmgrad.node.reachability.service import LIVENESS_TIMEOUT_SECONDS
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.state.sync import StateSyncConfig
 from swarmgrad.node.swarm_config import MATCHMAKING_SETTLE_SECONDS, allreduce_config
@@ -512,7 +516,7 @@ class SwarmModel:
         # It lapses unless withdrawn sooner (a crashed peer's stays until then).
         lapse = delay + self.matchmaking_timeout + READY_MARGIN_SECONDS
         env.process(self._after(lapse, board.withdraw, me, record))
-        deadline = env.now + self.matchmaking_timeout
+        started, deadline = env.now, env.now + self.matchmaking_timeout
         while True:
             r = peer.epoch
             buckets = self._bucket_count(board)
@@ -525,13 +529,18 @@ class SwarmModel:
             if len(seen) >= 2 and me in seen:
                 expected = self._expected(board, buckets, index)
                 awaited = [
-                    p for p in expected if p.peer_id not in seen and p.record_epoch in (r - 1, r)
+                    p
+                    for p in expected
+                    if p.peer_id not in seen
+                    and p.record_epoch in (r - 1, r)
+                    and env.now < _gone_at(p, started)
                 ]
                 if not awaited:
                     break
-                # Nothing changes for this peer until one of them shows up (bucket.changed) or
-                # the record of one that stopped announcing lapses: no need to poll till then.
-                wake = min(wake, *(p.record_lapses_at for p in awaited))
+                # Nothing changes for this peer until one of them shows up (bucket.changed), the
+                # record of one that stopped announcing lapses, or a dead one fails its liveness
+                # probe: no need to poll till then.
+                wake = min(wake, *(min(p.record_lapses_at, _gone_at(p, started)) for p in awaited))
             else:
                 wake = min(wake, env.now + EXPECTED_REFRESH_SECONDS)
             wake = max(wake, env.now + POLL_SECONDS)
@@ -819,3 +828,13 @@ def simulate(config: ModelConfig) -> dict[str, Any]:
 
 def _checksum(state: Hashable) -> bytes:
     return hashlib.blake2b(repr(state).encode(), digest_size=8).digest()
+
+
+def _gone_at(peer: _Peer, started: float) -> float:
+    """When a matchmaking that began at ``started`` stops waiting for ``peer``: once it has asked
+    it (after ``PROBE_AFTER_SECONDS``) and a dead one's connection was refused (a round trip) or
+    a paused one's deadline passed; never while it runs."""
+    if peer.alive and not peer.paused:
+        return math.inf
+    answer = LIVENESS_TIMEOUT_SECONDS if peer.alive else 2 * peer.latency_seconds
+    return started + PROBE_AFTER_SECONDS + answer

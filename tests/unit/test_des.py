@@ -12,8 +12,9 @@ import pytest
 from typer.testing import CliRunner
 
 from swarmgrad.node.averaging.group import Group, Member
-from swarmgrad.node.averaging.matchmaking import assign_groups
+from swarmgrad.node.averaging.matchmaking import PROBE_AFTER_SECONDS, assign_groups
 from swarmgrad.node.cli import app
+from swarmgrad.node.reachability.service import LIVENESS_TIMEOUT_SECONDS
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.swarm_config import allreduce_config
 from swarmgrad.simulations.churn import ChurnEvent
@@ -111,6 +112,28 @@ def test_a_kill_mid_round_leaves_partial_rounds_and_the_node_rejoins_by_state_sy
     assert summary["churn"]["rejoin_seconds"]["node-1"]
     assert any(o.get("partial") for pid, o in outcomes.items() if pid != "peer-000001")
     assert all(p["epoch"] == 8 for p in summary["peers"])
+
+
+def test_survivors_ask_a_crashed_or_frozen_peer_instead_of_waiting_out_the_timeout() -> None:
+    # Node 1 dies (or freezes) between rounds: its record still says it is at the round.
+    # Without the liveness probe the next two rounds each waited the 20 s matchmaking timeout
+    # (as the real nodes did: 20.7 s in the NAT lab).
+    timeout = SPEC.averaging.matchmaking_timeout_seconds
+    calm = model(4, 6)["round_seconds"][2]["max"]
+    for events in (
+        (ChurnEvent(at_epoch=2, action="kill", node=1),),
+        (
+            ChurnEvent(at_epoch=2, action="pause", node=1),
+            ChurnEvent(at_epoch=5, action="resume", node=1),
+        ),
+    ):
+        summary = model(4, 6, events=events)
+        assert summary["ok"]
+        after = [r["max"] for r in summary["round_seconds"] if r["epoch"] in (3, 4)]
+        frozen = events[0].action == "pause"
+        asked = PROBE_AFTER_SECONDS + (LIVENESS_TIMEOUT_SECONDS if frozen else 0.1)
+        assert all(s <= calm + asked for s in after), (events[0].action, after)
+        assert max(after) < timeout / 4
 
 
 def test_slower_links_make_longer_rounds_and_relays_cost_their_relay() -> None:
