@@ -483,6 +483,14 @@ def simulate(
         ),
     ] = 0,
     trainers: Annotated[int, typer.Option(help="--stages: the pipeline's trainers.")] = 1,
+    fork_nodes: Annotated[
+        bool,
+        typer.Option(
+            help="processes: fork the local node processes from one process that imported "
+            "the node's modules once (faster starts); --no-fork-nodes starts each from a "
+            "fresh interpreter."
+        ),
+    ] = True,
 ) -> None:
     """Run a local swarm, real processes or the discrete-event model; print and save a
     summary."""
@@ -515,6 +523,7 @@ def simulate(
                     seed=seed or 0,
                     timeout_seconds=timeout,
                     discovery=discovery,
+                    fork_nodes=fork_nodes,
                 )
             )
         except (SetupError, SimulationError) as error:
@@ -552,6 +561,7 @@ def simulate(
                     netem=netem,
                     launcher=launcher,
                     ray_address=ray_address,
+                    fork_nodes=fork_nodes,
                 )
             )
     except (SetupError, SimulationError) as error:

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
 from swarmgrad.simulations.natlab import Host
-from swarmgrad.simulations.processes import stop_gracefully
+from swarmgrad.simulations.processes import Child, stop_gracefully
 from swarmgrad.simulations.profiles import SimulationError
+from swarmgrad.simulations.zygote import zygote
 
 LAUNCHERS = ("local", "ray")
 #: How long a Ray call to a process's actor may take (they answer at once; the cluster may not).
@@ -60,7 +62,7 @@ def _tail(path: Path, lines: int) -> str:
 
 
 class LocalProcess:
-    """A child process of this one, its output appended to ``log_path``."""
+    """A process on this machine, its output appended to ``log_path``."""
 
     def __init__(
         self,
@@ -69,16 +71,25 @@ class LocalProcess:
         log_path: Path,
         env: dict[str, str],
         host: Host | None = None,
+        *,
+        warm: bool = False,
     ) -> None:
         """``host``: run in that network namespace (``--netem``); ``ip netns exec`` execs the
-        command, so the process is the node itself (a kill reaches it)."""
+        command, so the process is the node itself (a kill reaches it). ``warm``: a command
+        ``python -m module ...`` here is forked by this process's zygote, which has the node's
+        modules imported already (a swarm starts many; a single process would only pay for
+        the zygote's start)."""
         self.name, self.log_path = name, log_path
-        self._log = log_path.open("ab")  # a restarted node's log goes on in the same file
+        self.popen: Child
+        if warm and host is None and command[:2] == [sys.executable, "-m"]:
+            self.popen = zygote().spawn(name, command[2], command[3:], log_path, env)
+            return
         if host is not None:
             command = ["ip", "netns", "exec", host.namespace, *command]
-        self.popen = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        with log_path.open("ab") as log:  # a restarted node's log goes on in the same file
+            self.popen = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
 
     def poll(self) -> int | None:
         return self.popen.poll()
@@ -88,14 +99,12 @@ class LocalProcess:
 
     def stop(self, timeout_seconds: float = 15.0) -> None:
         stop_gracefully(self.popen, timeout_seconds)
-        self._log.close()
 
     def kill(self) -> None:
         """SIGKILL the node alone: what a crash does (its DHT process notices and exits)."""
         if self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait()
-        self._log.close()
 
     def tail(self, lines: int = 15) -> str:
         return _tail(self.log_path, lines)

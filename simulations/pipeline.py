@@ -74,6 +74,8 @@ class PipelineSwarm:
     seed: int = 0
     timeout_seconds: float = 300.0
     discovery: str = "hivemind"
+    #: Processes forked from the warm zygote (``zygote.py``), or each a fresh interpreter.
+    fork_nodes: bool = True
     members: dict[str, Member] = field(default_factory=dict)
     _bootstrap: LocalProcess | None = None
     _maddrs: list[str] = field(default_factory=list)
@@ -91,6 +93,7 @@ class PipelineSwarm:
             ),
             self.out_dir / "bootstrap.log",
             self._env,
+            warm=self.fork_nodes,
         )
         deadline = time.monotonic() + 60
         while not maddrs_file.exists():
@@ -140,7 +143,9 @@ class PipelineSwarm:
             *extra,
         ]  # fmt: skip
         member = self.members[name] = Member(name, args, status, log)
-        member.process = LocalProcess(name, node_command(*args), log, self._env)
+        member.process = LocalProcess(
+            name, node_command(*args), log, self._env, warm=self.fork_nodes
+        )
         return member
 
     def start_stage(self, stage: int, replica: int = 0, *extra: str) -> Member:
@@ -290,6 +295,7 @@ class PipelineSimulation:
     seed: int = 0
     timeout_seconds: float = 600.0
     discovery: str = "hivemind"
+    fork_nodes: bool = True
     #: The stage node i starts on (None: i mod stages).
     placement: list[int] | None = None
 
@@ -338,6 +344,7 @@ def simulate_pipeline(config: PipelineSimulation) -> dict[str, Any]:
         seed=config.seed,
         timeout_seconds=config.timeout_seconds,
         discovery=config.discovery,
+        fork_nodes=config.fork_nodes,
     ) as swarm:
         placement = config.placement or [i % config.stages for i in range(config.nodes)]
 

@@ -6,6 +6,22 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Protocol
+
+
+class Child(Protocol):
+    """A started process as a launcher holds it: ``subprocess.Popen``, or one the zygote forked."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
 
 
 def node_command(*args: str) -> list[str]:
@@ -18,7 +34,7 @@ def adversary_command(attack: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "swarmgrad.simulations.adversary", "--attack", attack, *args]
 
 
-def stop_gracefully(process: subprocess.Popen[bytes], timeout_seconds: float = 15.0) -> None:
+def stop_gracefully(process: Child, timeout_seconds: float = 15.0) -> None:
     """SIGTERM (a node leaves gracefully), then SIGKILL its whole session if it is not gone
     within ``timeout_seconds``."""
     if process.poll() is not None:

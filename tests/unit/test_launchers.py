@@ -3,8 +3,11 @@ one that will not leave is killed at the deadline."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from swarmgrad.simulations.launchers import LocalProcess, Process, stop_all
@@ -66,3 +69,36 @@ def test_stop_all_asks_every_process_at_once_and_kills_one_that_stays(tmp_path: 
     assert [p.poll() for p in cooperative] == [0, 0, 0], [p.tail() for p in cooperative]
     assert stubborn.poll() == -signal.SIGKILL
     stop_all([])  # nothing to stop is not an error
+
+
+def test_warm_processes_are_real_processes_forked_with_their_own_log_env_and_status(
+    tmp_path: Path,
+) -> None:
+    def warm(name: str, *command: str, env: dict[str, str] | None = None) -> LocalProcess:
+        argv = [sys.executable, "-m", *command]
+        return LocalProcess(name, argv, tmp_path / f"{name}.log", env=env or {}, warm=True)
+
+    (tmp_path / "good.json").write_text('{"b": 1, "a": [2]}')
+    (tmp_path / "bad.json").write_text("{not json")
+    good = warm("good", "json.tool", "--sort-keys", str(tmp_path / "good.json"))
+    bad = warm("bad", "json.tool", str(tmp_path / "bad.json"))
+    env = warm("env", "timeit", "-n1", "-r1", "import os; assert os.environ == {'ONLY': 'this'}")
+    sleeper = warm("sleeper", "timeit", "-n1", "-r1", "import time; time.sleep(60)")
+    assert good.popen.wait(60) == 0
+    assert json.loads(good.log_path.read_text()) == {"a": [2], "b": 1}  # its stdout: the log
+    assert bad.popen.wait(60) == 1
+    assert "Expecting property name" in bad.tail()  # its stderr too
+    assert env.popen.wait(60) == 1  # (the environment it was given, not this one's)
+    env = warm("env2", "timeit", "-n1", "-r1", "import os; assert os.environ == {'ONLY': 'this'}",
+               env={"ONLY": "this"})  # fmt: skip
+    assert env.popen.wait(60) == 0
+    # Not a thread or a child of this process: a process of its own, in a session of its own.
+    pid = sleeper.popen.pid
+    assert pid not in {good.popen.pid, bad.popen.pid, os.getpid()}
+    assert os.getsid(pid) == pid
+    assert Path(f"/proc/{pid}/comm").read_text().strip() == "sleeper"  # as ps and top name it
+    assert sleeper.poll() is None
+    started = time.monotonic()
+    sleeper.kill()
+    assert sleeper.poll() == -signal.SIGKILL
+    assert time.monotonic() - started < 10
