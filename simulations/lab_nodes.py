@@ -4,7 +4,6 @@ their status files and logs, and a wait on all of them with a deadline."""
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmgrad.simulations.natlab import Host, LabError, read_if_there
-from swarmgrad.simulations.processes import node_command, stop_gracefully
+from swarmgrad.simulations.processes import Child, node_command, stop_gracefully
 
 
 @dataclass(slots=True)
@@ -24,13 +23,11 @@ class LabNode:
     status_path: Path
     log_path: Path
     args: list[str]
-    process: subprocess.Popen[bytes] | None = None
+    process: Child | None = None
 
     def start(self) -> None:
         self.status_path.unlink(missing_ok=True)
-        log = self.log_path.open("ab")
-        self.process = self.host.popen(node_command(*self.args), stdout=log, stderr=log)
-        log.close()
+        self.process = self.host.fork(self.name, node_command(*self.args), self.log_path)
 
     def status(self) -> dict[str, Any]:
         try:
@@ -54,13 +51,11 @@ def start_bootstrap(host: Host, out_dir: Path, timeout_seconds: float = 60.0) ->
     """A DHT bootstrap node on ``host``; returns its multiaddrs."""
     maddrs = out_dir / "bootstrap.json"
     maddrs.unlink(missing_ok=True)
-    log = (out_dir / "bootstrap.log").open("ab")
-    process = host.popen(
+    process = host.fork(
+        "bootstrap",
         node_command("bootstrap", "--host", host.address, "--maddrs-file", str(maddrs)),
-        stdout=log,
-        stderr=log,
+        out_dir / "bootstrap.log",
     )
-    log.close()
     deadline = time.monotonic() + timeout_seconds
     while not maddrs.exists():
         if process.poll() is not None or time.monotonic() > deadline:
@@ -114,8 +109,9 @@ def wait_until(
         if all(done(s) for s in statuses):
             return statuses
         for node in nodes:
-            if node.process is not None and node.process.poll() is not None:
-                raise LabError(f"{node.name} exited ({node.process.returncode}):\n{node.tail()}")
+            code = node.process.poll() if node.process is not None else None
+            if code is not None:
+                raise LabError(f"{node.name} exited ({code}):\n{node.tail()}")
         if time.monotonic() > deadline:
             tails = "\n".join(f"== {n.name}: {n.status()}\n{n.tail()}" for n in nodes)
             raise LabError(f"not {what} within {timeout_seconds:g} s:\n{tails}")

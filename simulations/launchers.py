@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any, Protocol
 from swarmgrad.simulations.natlab import Host
 from swarmgrad.simulations.processes import Child, stop_gracefully
 from swarmgrad.simulations.profiles import SimulationError
-from swarmgrad.simulations.zygote import zygote
+from swarmgrad.simulations.zygote import module_of, zygote
 
 LAUNCHERS = ("local", "ray")
 #: How long a Ray call to a process's actor may take (they answer at once; the cluster may not).
@@ -76,13 +75,15 @@ class LocalProcess:
     ) -> None:
         """``host``: run in that network namespace (``--netem``); ``ip netns exec`` execs the
         command, so the process is the node itself (a kill reaches it). ``warm``: a command
-        ``python -m module ...`` here is forked by this process's zygote, which has the node's
-        modules imported already (a swarm starts many; a single process would only pay for
-        the zygote's start)."""
+        ``python -m module ...`` is forked by this process's zygote instead (in ``host``'s
+        namespace), which has the node's modules imported already (a swarm starts many; a
+        single process would only pay for the zygote's start)."""
         self.name, self.log_path = name, log_path
         self.popen: Child
-        if warm and host is None and command[:2] == [sys.executable, "-m"]:
-            self.popen = zygote().spawn(name, command[2], command[3:], log_path, env)
+        module = module_of(command)
+        if warm and module is not None:
+            netns = host.namespace if host is not None else None
+            self.popen = zygote().spawn(name, module, command[3:], log_path, env, netns=netns)
             return
         if host is not None:
             command = ["ip", "netns", "exec", host.namespace, *command]

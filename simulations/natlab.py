@@ -31,6 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from swarmgrad.simulations.processes import Child
+from swarmgrad.simulations.zygote import module_of, zygote
+
 PUBLIC_PREFIX = "11.7.0"
 
 
@@ -63,12 +66,24 @@ class Host:
     address: str
     behind_nat: bool
     router: Router | None = None
-    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    processes: list[Child] = field(default_factory=list)
 
     def popen(self, argv: Sequence[str], **kwargs: object) -> subprocess.Popen[bytes]:
         """Start ``argv`` inside this host (its own session: the lab kills its whole group)."""
         process: subprocess.Popen[bytes] = subprocess.Popen(  # type: ignore[call-overload]
             ["ip", "netns", "exec", self.namespace, *argv], start_new_session=True, **kwargs
+        )
+        self.processes.append(process)
+        return process
+
+    def fork(self, name: str, command: list[str], log_path: Path) -> Child:
+        """``python -m module ...`` inside this host, forked by the warm zygote (``zygote.py``:
+        the node's imports done once) in this namespace, output appended to ``log_path``."""
+        module = module_of(command)
+        if module is None:
+            raise ValueError(f"not a python -m command: {command}")
+        process = zygote().spawn(
+            name, module, command[3:], log_path, dict(os.environ), netns=self.namespace
         )
         self.processes.append(process)
         return process

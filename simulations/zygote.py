@@ -7,11 +7,12 @@ two cores. The zygote is the same idea as multiprocessing's fork server (which t
 uses for hivemind's DHT process), with what a node launcher needs on top: a log file as the
 child's stdout and stderr, its environment, and its exit status told back.
 
-Protocol, one JSON object a line: the launcher writes ``{"name": ..., "module": ...,
-"argv": [...], "log_path": ..., "env": {...}, "cwd": ...}``; the zygote answers ``{"pid": N}`` (or
-``{"error": ...}``) in order, and ``{"exited": N, "status": S}`` (a returncode, negative for a
-signal, as subprocess gives it) when child N ends. At end of input it kills its children and
-exits; its children die with it (``PR_SET_PDEATHSIG``), so none outlives a crashed launcher.
+Protocol, one JSON object a line: the launcher writes ``{"name": ..., "netns": ...,
+"module": ..., "argv": [...], "log_path": ..., "env": {...}, "cwd": ...}``; the zygote
+answers ``{"pid": N}`` (or ``{"error": ...}``) in order, and ``{"exited": N, "status": S}`` (a
+returncode, negative for a signal, as subprocess gives it) when child N ends. At end of input
+it kills its children and exits; its children die with it (``PR_SET_PDEATHSIG``), so none
+outlives a crashed launcher.
 
 Nothing here may start a thread or touch torch's thread pools before the fork.
 """
@@ -45,7 +46,7 @@ PRELOAD = (
 )
 #: How long the zygote may take to import (its first request) or to fork a child.
 ZYGOTE_START_TIMEOUT_SECONDS = 60.0
-_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
+_PR_SET_PDEATHSIG, _PR_SET_NAME, _CLONE_NEWNET = 1, 15, 0x40000000
 
 
 def _child(request: dict[str, Any]) -> int:
@@ -55,6 +56,11 @@ def _child(request: dict[str, Any]) -> int:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     # Its command line stays the zygote's; its name (ps -o comm, top) says which process it is.
     libc.prctl(_PR_SET_NAME, request["name"].encode()[:15])
+    if request["netns"]:  # what ``ip netns exec`` does for the network (the rest is unneeded)
+        namespace = os.open(f"/run/netns/{request['netns']}", os.O_RDONLY)
+        if libc.setns(namespace, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns {request['netns']}")
+        os.close(namespace)
     for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL)
     null = os.open(os.devnull, os.O_RDONLY)
@@ -194,12 +200,20 @@ class Zygote:
         self._started.put({"error": f"the zygote exited ({self._process.wait()})"})
 
     def spawn(
-        self, name: str, module: str, argv: list[str], log_path: Path, env: dict[str, str]
+        self,
+        name: str,
+        module: str,
+        argv: list[str],
+        log_path: Path,
+        env: dict[str, str],
+        *,
+        netns: str | None = None,
     ) -> Forked:
         """Fork ``python -m module argv...`` (``name``: what ps and top call it) with ``env``,
-        its output appended to ``log_path``."""
+        its output appended to ``log_path``, in network namespace ``netns`` if given."""
         request = {
             "name": name,
+            "netns": netns,
             "module": module,
             "argv": argv,
             "log_path": str(log_path),
@@ -253,6 +267,12 @@ class Forked:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def module_of(command: list[str]) -> str | None:
+    """The module of a ``python -m module ...`` command with this interpreter (what the zygote
+    can fork), else None."""
+    return command[2] if command[:2] == [sys.executable, "-m"] and len(command) > 2 else None
 
 
 _zygote: Zygote | None = None

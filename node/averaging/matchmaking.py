@@ -15,9 +15,9 @@ it).
 A peer that crashed (or froze, or lost its relay) leaves a peer record behind that says it is
 still at the round, until the record expires: waiting for it would cost every round until then
 a whole matchmaking timeout. So a peer waited for past ``PROBE_AFTER_SECONDS`` is asked who it
-is (``alive``: a signed answer from its endpoint, under a deadline), and one that does not
-answer is no longer waited for in this round. Only the waiting changes: a peer that does post
-its readiness in time is a candidate like any other.
+is (``alive``: a signed answer from its endpoint, under a deadline), if its record says peers
+can dial it, and one that does not answer is no longer waited for in this round. Only the
+waiting changes: a peer that does post its readiness in time is a candidate like any other.
 
 Peers that saw the same candidates form the same groups. Waiting for the whole bucket, not for
 the first ``group_size`` candidates, is what keeps them the same in a large swarm: peers that
@@ -44,6 +44,7 @@ from swarmgrad.node.discovery.base import Discovery, dht_time
 from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS
 from swarmgrad.node.discovery.records import PeerRecord, ReadyRecord
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.kinds import Reach
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,10 @@ PROBE_EVERY_SECONDS = 3.0
 
 #: Is this peer still there (its endpoint answers as it)? Must return within its own deadline.
 Alive = Callable[[PeerRecord], Awaitable[bool]]
+#: The peers that can be asked: others have dialed them. One whose verdict is not in yet (a NAT'd
+#: peer announces its LAN address until it has a relay) or that nobody can dial would not answer
+#: anyway, and is waited for as before.
+_DIALABLE = frozenset({Reach.DIRECT, Reach.UPNP, Reach.RELAYED})
 
 
 @functools.lru_cache(maxsize=1 << 16)  # the census re-hashes every peer each second
@@ -228,7 +233,11 @@ class Matchmaker:
                 if wanted == {me} and seen <= {me} and census.wanted.keys() != {me}:
                     log.info("round %d: the peers it waited for are gone", round_)
                     break
-                missing = [r for p, r in census.wanted.items() if p not in seen and r is not None]
+                missing = [
+                    r
+                    for p, r in census.wanted.items()
+                    if p not in seen and r is not None and r.reachability in _DIALABLE
+                ]
                 liveness.check(missing)
                 await asyncio.sleep(POLL_SECONDS)
                 candidates = await self._candidates(round_)

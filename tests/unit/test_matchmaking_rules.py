@@ -35,10 +35,10 @@ class Board:
         return list(self.ready.get(round_, {}).values())
 
 
-def peer(name: str, epoch: int) -> PeerRecord:
+def peer(name: str, epoch: int, reachability: str = "direct") -> PeerRecord:
     return PeerRecord.create(
         name, run_id=RUN, spec_hash=SPEC, endpoint="127.0.0.1:1", now=dht_time(),
-        ttl_seconds=60, epoch=epoch,
+        ttl_seconds=60, epoch=epoch, reachability=reachability,
     )  # fmt: skip
 
 
@@ -128,6 +128,24 @@ async def test_a_late_peer_that_answers_is_waited_for_and_joins() -> None:
     assert group is not None
     assert sorted(m.peer_id for m in group.members) == sorted([me.peer_id, "mate", "slow"])
     assert liveness.asked["slow"] >= 1
+
+
+async def test_a_peer_nobody_can_dial_yet_is_not_asked_but_waited_for() -> None:
+    # A NAT'd peer announces its LAN address until it holds a relay: nobody could reach it to
+    # ask, so a failed question would say nothing; it is waited for as before.
+    me = Identity.from_seed("mm-rules/me")
+    board = Board()
+    await board.announce_ready(ready("mate", 4))
+    liveness = Liveness("settling", "cut-off")
+    peers = [peer(me.peer_id, 4), peer("mate", 4), peer("settling", 4, "unknown"),
+             peer("cut-off", 4, "unreachable")]  # fmt: skip
+    mm = maker(board, me, peers, alive=liveness.alive)
+    mm.timeout_seconds = PROBE_AFTER_SECONDS + 1.5
+    started = time.monotonic()
+    group = await mm.form_group(4, endpoint="me:1")
+    assert time.monotonic() - started >= mm.timeout_seconds  # waited it out
+    assert group is not None
+    assert not liveness.asked
 
 
 async def test_a_survivor_whose_peers_are_all_gone_stops_waiting() -> None:
