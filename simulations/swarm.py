@@ -173,7 +173,7 @@ class SimulationConfig:
     seed: int | None = None
     #: Local node processes forked from a warm zygote that imported the node's modules once
     #: (``zygote.py``; each start skips ~2.5 CPU-seconds of imports), or each a fresh
-    #: interpreter. Namespaced (``netem``) and Ray processes always start fresh.
+    #: interpreter (Ray's processes always do).
     fork_nodes: bool = True
 
     def __post_init__(self) -> None:
