@@ -81,12 +81,15 @@ async def map_port(
         raise PortMapError("miniupnpc is not installed") from None
     upnp = miniupnpc.UPnP()
     upnp.discoverdelay = discover_ms
-    found = await _call(upnp.discover, timeout_seconds=timeout_seconds)
+    try:
+        found = await _call(upnp.discover, timeout_seconds=timeout_seconds)
+    except PortMapError:  # when nothing answers, miniupnpc raises with errno's text: "Success"
+        found = 0
     if not found:
         raise PortMapError("no UPnP gateway answered on this network")
     try:
         await _call(upnp.selectigd, timeout_seconds=timeout_seconds)
-    except PortMapError as error:  # miniupnpc's message here is often just "Success"
+    except PortMapError as error:
         raise PortMapError(f"no UPnP internet gateway on this network ({error})") from None
     external_host = await _call(upnp.externalipaddress, timeout_seconds=timeout_seconds)
     internal_host = host if host not in ("0.0.0.0", "::", "") else upnp.lanaddr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import shutil
+import sys
 import tarfile
 from pathlib import Path
 from pydoc_data.topics import topics
@@ -18,6 +19,7 @@ from swarmgrad.compression import get_codec
 from swarmgrad.node.config import CommandLine, ConfigError, home, node_config
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.reachability.portmap import PortMapError, map_port
 from swarmgrad.node.runspec import ModelSection, RunSpec, RunSpecError
 from swarmgrad.node.state.sync import pick_donors
 from swarmgrad.node.training.api import DiLoCo
@@ -234,3 +236,15 @@ def test_the_nat_lab_prepares_the_corpus_outside_the_namespaces(
         extra_args=("--cache-dir", str(cache_dir)),
     )
     assert node.args[node.args.index("--cache-dir") + 1] == str(cache_dir)
+
+
+async def test_no_upnp_gateway_is_said_plainly(monkeypatch: pytest.MonkeyPatch) -> None:
+    class NobodyAnswers:  # miniupnpc when no gateway answers: errno's text for "no error"
+        discoverdelay = 0
+
+        def discover(self) -> int:
+            raise Exception("Success")  # what the library raises
+
+    monkeypatch.setitem(sys.modules, "miniupnpc", SimpleNamespace(UPnP=NobodyAnswers))
+    with pytest.raises(PortMapError, match=r"^no UPnP gateway answered on this network$"):
+        await map_port("127.0.0.1", 1234, discover_ms=1)
