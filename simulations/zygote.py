@@ -49,20 +49,18 @@ ZYGOTE_START_TIMEOUT_SECONDS = 60.0
 _PR_SET_PDEATHSIG, _PR_SET_NAME, _CLONE_NEWNET = 1, 15, 0x40000000
 
 
-def _child(request: dict[str, Any]) -> int:
-    """In the forked child: become the node described by ``request``; its exit status."""
+def _child(request: dict[str, Any], zygote_pid: int) -> int:
+    """In the forked child: become the process described by ``request``; its exit status."""
     os.setsid()  # its own session, as start_new_session gives: a group to kill at once
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != zygote_pid:  # the zygote died before that took hold
+        return 1
     # Its command line stays the zygote's; its name (ps -o comm, top) says which process it is.
     libc.prctl(_PR_SET_NAME, request["name"].encode()[:15])
-    if request["netns"]:  # what ``ip netns exec`` does for the network (the rest is unneeded)
-        namespace = os.open(f"/run/netns/{request['netns']}", os.O_RDONLY)
-        if libc.setns(namespace, _CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns {request['netns']}")
-        os.close(namespace)
-    for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
-        signal.signal(sig, signal.SIG_DFL)
+    # Signals as a fresh interpreter has them (SIGPIPE stays ignored, as Python sets it): only
+    # the zygote's own SIGCHLD handler goes.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     null = os.open(os.devnull, os.O_RDONLY)
     log = os.open(request["log_path"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(null, 0)
@@ -72,9 +70,11 @@ def _child(request: dict[str, Any]) -> int:
     os.close(log)
     os.environ.clear()
     os.environ.update(request["env"])
-    os.chdir(request["cwd"])
     sys.argv = [request["module"], *request["argv"]]
     try:
+        os.chdir(request["cwd"])
+        if request["netns"]:  # what ``ip netns exec`` does for the network (all a node needs)
+            _enter_network_namespace(libc, request["netns"])
         # What ``python -m module`` runs: the module's ``main()``, whose int return is the exit
         # status (the ``sys.exit(main())`` idiom).
         status = importlib.import_module(request["module"]).main()
@@ -89,6 +89,15 @@ def _child(request: dict[str, Any]) -> int:
     return status if isinstance(status, int) else 0
 
 
+def _enter_network_namespace(libc: ctypes.CDLL, name: str) -> None:
+    namespace = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(namespace, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"cannot enter network namespace {name}")
+    finally:
+        os.close(namespace)
+
+
 def _status(wait_status: int) -> int:
     return -os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else os.WEXITSTATUS(wait_status)
 
@@ -97,6 +106,7 @@ def serve() -> None:
     """Read requests from stdin until it closes, fork one child for each, report exits."""
     for name in PRELOAD:
         importlib.import_module(name)
+    zygote_pid = os.getpid()
     out = sys.stdout
     children: set[int] = set()
     wakeup_r, wakeup_w = os.pipe()
@@ -132,7 +142,7 @@ def serve() -> None:
                 os.close(wakeup_r)
                 os.close(wakeup_w)
                 signal.set_wakeup_fd(-1)
-                code = _child(request)
+                code = _child(request, zygote_pid)
             finally:
                 try:
                     sys.stdout.flush()

@@ -92,6 +92,12 @@ def test_warm_processes_are_real_processes_forked_with_their_own_log_env_and_sta
     env = warm("env2", "timeit", "-n1", "-r1", "import os; assert os.environ == {'ONLY': 'this'}",
                env={"ONLY": "this"})  # fmt: skip
     assert env.popen.wait(60) == 0
+    # Signals as a fresh interpreter sets them: a write to a closed socket raises, not kills.
+    signals = warm("signals", "timeit", "-n1", "-r1", "import signal as s; "
+                   "assert s.getsignal(s.SIGPIPE) == s.SIG_IGN; "
+                   "assert s.getsignal(s.SIGINT) is s.default_int_handler; "
+                   "assert s.getsignal(s.SIGCHLD) == s.SIG_DFL")  # fmt: skip
+    assert signals.popen.wait(60) == 0, signals.tail()
     # Not a thread or a child of this process: a process of its own, in a session of its own.
     pid = sleeper.popen.pid
     assert pid not in {good.popen.pid, bad.popen.pid, os.getpid()}
