@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,6 +17,8 @@ import pytest
 
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.simulations.launchers import LocalProcess
+from swarmgrad.simulations.processes import Child
 from tests.helpers import wait_for_pattern, wait_until
 
 SMALL = """\
@@ -39,24 +42,33 @@ mode = "open"
 """
 
 
-def swarmgrad(*args: str, home: Path, log: Path | None = None) -> subprocess.Popen[bytes]:
+def _env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMGRAD_")}
     env["SWARMGRAD_HOME"] = str(home)
+    return env
+
+
+def swarmgrad(*args: str, home: Path) -> subprocess.Popen[bytes]:
+    """A command whose output the test reads (``finish``)."""
     command = [sys.executable, "-m", "swarmgrad.node.cli", *args]
-    if log is None:
-        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    with log.open("wb") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(command, env=env, stdout=out, stderr=out)
+    return subprocess.Popen(command, env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def start(*args: str, home: Path, log: Path) -> Child:
+    """A long-running command (a node, a publisher), forked by the warm zygote, its output in
+    ``log``."""
+    command = [sys.executable, "-m", "swarmgrad.node.cli", *args]
+    return LocalProcess(args[0], command, log, _env(home), warm=True).popen
 
 
 @pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+def processes() -> Iterator[list[Child]]:
     """The test's processes, stopped (then killed) at its end."""
-    started: list[subprocess.Popen[bytes]] = []
+    started: list[Child] = []
     yield started
     for process in started:
         if process.poll() is None:
-            process.terminate()
+            process.send_signal(signal.SIGTERM)
     for process in started:
         try:
             process.wait(timeout=20)
@@ -64,11 +76,11 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
             process.kill()
 
 
-def bootstrap(tmp_path: Path, processes: list[subprocess.Popen[bytes]]) -> list[str]:
+def bootstrap(tmp_path: Path, processes: list[Child]) -> list[str]:
     """Start a bootstrap node; the options that point a command at it."""
     maddrs = tmp_path / "boot.json"
     processes.append(
-        swarmgrad("bootstrap", "--maddrs-file", str(maddrs), home=tmp_path / "boot",
+        start("bootstrap", "--maddrs-file", str(maddrs), home=tmp_path / "boot",
                   log=tmp_path / "boot.log")
     )  # fmt: skip
     wait_until(maddrs.exists, timeout_seconds=60, what="the bootstrap node")
@@ -81,7 +93,7 @@ def finish(process: subprocess.Popen[bytes], seconds: float) -> tuple[int, str]:
 
 
 def test_a_volunteer_joins_a_published_run_by_its_id(
-    tmp_path: Path, cache_dir: Path, processes: list[subprocess.Popen[bytes]]
+    tmp_path: Path, cache_dir: Path, processes: list[Child]
 ) -> None:
     boot = bootstrap(tmp_path, processes)
     organizer = tmp_path / "organizer"
@@ -91,7 +103,7 @@ def test_a_volunteer_joins_a_published_run_by_its_id(
     (organizer / "run.toml").write_text(SPEC)
     spec = RunSpec.from_toml(SPEC)
     processes.append(
-        swarmgrad("publish", str(organizer / "run.toml"), "--run-key",
+        start("publish", str(organizer / "run.toml"), "--run-key",
                   str(organizer / "run.key"), *boot, home=organizer,
                   log=tmp_path / "publish.log")
     )  # fmt: skip
@@ -100,7 +112,7 @@ def test_a_volunteer_joins_a_published_run_by_its_id(
     assert finish(swarmgrad("run-key", str(mallory / "run.key"), home=mallory), 60)[0] == 0
     (mallory / "run.toml").write_text(SPEC.replace("d_model = 64", "d_model = 32"))
     processes.append(
-        swarmgrad("publish", str(mallory / "run.toml"), "--run-key", str(mallory / "run.key"),
+        start("publish", str(mallory / "run.toml"), "--run-key", str(mallory / "run.key"),
                   *boot, home=mallory, log=tmp_path / "mallory.log")
     )  # fmt: skip
     for log in ("publish.log", "mallory.log"):
@@ -128,7 +140,7 @@ def test_a_volunteer_joins_a_published_run_by_its_id(
     for i in range(2):
         home = tmp_path / f"volunteer-{i}"
         joiners.append(
-            swarmgrad("join", "published-demo", "--run-key-id", fingerprint, *boot,
+            start("join", "published-demo", "--run-key-id", fingerprint, *boot,
                       "--cache-dir", str(cache_dir), "--max-epochs", "2",
                       "--metrics-address", "off", "--display", "log",
                       "--status-file", str(home / "status.json"),
@@ -136,7 +148,7 @@ def test_a_volunteer_joins_a_published_run_by_its_id(
         )  # fmt: skip
     processes += joiners
     for i, joiner in enumerate(joiners):
-        code, _ = finish(joiner, 240)
+        code = joiner.wait(240)
         log = (tmp_path / f"join-{i}.log").read_text()
         assert code == 0, log[-3000:]
         home = tmp_path / f"volunteer-{i}"
@@ -176,7 +188,7 @@ def _status(path: Path) -> dict[str, Any]:
 
 
 def test_a_private_run_refuses_strangers_until_the_allowlist_takes_them_in(
-    tmp_path: Path, cache_dir: Path, processes: list[subprocess.Popen[bytes]]
+    tmp_path: Path, cache_dir: Path, processes: list[Child]
 ) -> None:
     boot = bootstrap(tmp_path, processes)
     organizer = Identity.from_seed("private-run/organizer")
@@ -187,7 +199,7 @@ def test_a_private_run_refuses_strangers_until_the_allowlist_takes_them_in(
     allowlist = tmp_path / "allowlist.txt"
     allowlist.write_text(f"# the founders\n{keys[0].peer_id}\n{keys[1].peer_id}\n")
     processes.append(
-        swarmgrad("publish", str(spec), "--run-key", str(tmp_path / "org.key"),
+        start("publish", str(spec), "--run-key", str(tmp_path / "org.key"),
                   "--allowlist", str(allowlist), *boot, home=tmp_path / "org",
                   log=tmp_path / "publish.log")
     )  # fmt: skip
@@ -196,7 +208,7 @@ def test_a_private_run_refuses_strangers_until_the_allowlist_takes_them_in(
         home = tmp_path / f"node-{i}"
         key.save(tmp_path / f"node-{i}.key")
         processes.append(
-            swarmgrad("node", str(spec), *boot, "--identity", str(tmp_path / f"node-{i}.key"),
+            start("node", str(spec), *boot, "--identity", str(tmp_path / f"node-{i}.key"),
                       "--cache-dir", str(cache_dir), "--max-epochs", "300",
                       "--metrics-address", "off", "--display", "log", "--threads", "1",
                       "--status-file", str(home / "status.json"),
