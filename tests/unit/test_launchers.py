@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -92,12 +93,20 @@ def test_warm_processes_are_real_processes_forked_with_their_own_log_env_and_sta
     env = warm("env2", "timeit", "-n1", "-r1", "import os; assert os.environ == {'ONLY': 'this'}",
                env={"ONLY": "this"})  # fmt: skip
     assert env.popen.wait(60) == 0
-    # Signals as a fresh interpreter sets them: a write to a closed socket raises, not kills.
-    signals = warm("signals", "timeit", "-n1", "-r1", "import signal as s; "
-                   "assert s.getsignal(s.SIGPIPE) == s.SIG_IGN; "
-                   "assert s.getsignal(s.SIGINT) is s.default_int_handler; "
-                   "assert s.getsignal(s.SIGCHLD) == s.SIG_DFL")  # fmt: skip
+
+    # Signals as a fresh interpreter started from here has them (SIGINT depends on how this one
+    # was started: a background job inherits it ignored): a write to a closed socket raises.
+    def dispositions(path: Path) -> str:
+        names = ("SIGPIPE", "SIGINT", "SIGTERM", "SIGCHLD", "SIGHUP")
+        return (f"import signal as s, pathlib; pathlib.Path({str(path)!r}).write_text(repr("
+                f"[str(s.getsignal(getattr(s, n))) for n in {names!r}]))")  # fmt: skip
+
+    forked, fresh = tmp_path / "forked.txt", tmp_path / "fresh.txt"
+    signals = warm("signals", "timeit", "-n1", "-r1", dispositions(forked))
     assert signals.popen.wait(60) == 0, signals.tail()
+    subprocess.run([sys.executable, "-c", dispositions(fresh)], check=True, timeout=60)
+    assert forked.read_text() == fresh.read_text()
+    assert forked.read_text().startswith(f"[{str(signal.SIG_IGN)!r}")  # SIGPIPE, as Python does
     # Not a thread or a child of this process: a process of its own, in a session of its own.
     pid = sleeper.popen.pid
     assert pid not in {good.popen.pid, bad.popen.pid, os.getpid()}
