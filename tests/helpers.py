@@ -1,4 +1,5 @@
-"""Waiting in tests: on a condition, with a deadline, never a fixed sleep.
+"""Waiting in tests: on a condition, with a deadline, never a fixed sleep (and ``light``, the
+demo spec made cheaper for tests of the swarm rather than of the model).
 
 ``wait_until`` polls a condition from a test's thread; ``until`` is its twin for coroutines;
 ``wait_for_pattern`` waits for a regular expression in a file (a node's log). Each fails with
@@ -71,3 +72,13 @@ def wait_for_pattern(
     return wait_until(
         search, timeout_seconds=timeout_seconds, what=f"{pattern!r} in {path}", check=check
     )
+
+
+def light(spec: str) -> str:
+    """The demo spec (or one built on it) training a quarter of its tokens a step: for tests of
+    the swarm (reachability, recovery, metrics), where the model's size is not what is tested."""
+    for full, quarter in (("seq_len = 64", "seq_len = 32"), ("batch_size = 16", "batch_size = 8")):
+        if full not in spec:
+            raise ValueError(f"not the demo spec's {full!r}")
+        spec = spec.replace(full, quarter)
+    return spec

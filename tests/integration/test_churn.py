@@ -15,6 +15,7 @@ import pytest
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.simulations.churn import ScheduleError, load_schedule
 from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
+from tests.helpers import light
 
 SCHEDULE = """\
 [[event]]
@@ -103,12 +104,11 @@ def test_eight_nodes_survive_churn_and_end_identical(tmp_path: Path) -> None:
     spec_path = tmp_path / "run.toml"
     # Deadlines a loopback swarm can keep (the demo's are for home links): a round that waits
     # for a dead member ends sooner.
-    # A quarter of the demo's tokens a step (what churn tests is the swarm's, not the model's):
-    # 16 node processes training 8 rounds each were most of this test's time.
+    # A quarter of the demo's tokens a step (``light``): 16 node processes training 8 rounds
+    # each were most of this test's time.
     spec_path.write_text(
-        DEMO_SPEC.replace("group_size = 4", "group_size = 8")
-        .replace("seq_len = 64", "seq_len = 32")
-        .replace("batch_size = 16", "batch_size = 8")
+        light(DEMO_SPEC)
+        .replace("group_size = 4", "group_size = 8")
         .replace(
             "matchmaking_timeout_seconds = 20.0",
             "matchmaking_timeout_seconds = 10.0\n"

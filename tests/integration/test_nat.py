@@ -20,6 +20,7 @@ from swarmgrad.simulations.lab_nodes import LabNode, start_swarm, wait_until
 from swarmgrad.simulations.natlab import Host, NatLab
 from swarmgrad.simulations.processes import node_command
 from swarmgrad.simulations.swarm import DEMO_SPEC
+from tests.helpers import light
 
 pytestmark = [
     pytest.mark.slow,
@@ -39,7 +40,7 @@ def lab() -> Iterator[NatLab]:
 @pytest.fixture
 def spec(tmp_path: Path) -> Path:
     path = tmp_path / "run.toml"
-    path.write_text(DEMO_SPEC.replace('id = "shakespeare-demo"', 'id = "nat-lab"'))
+    path.write_text(light(DEMO_SPEC).replace('id = "shakespeare-demo"', 'id = "nat-lab"'))
     return path
 
 

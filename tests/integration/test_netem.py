@@ -11,6 +11,7 @@ import pytest
 
 from swarmgrad.simulations.netem import unavailable
 from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
+from tests.helpers import light
 
 pytestmark = pytest.mark.skipif(
     bool(unavailable()), reason=f"--netem needs {', '.join(unavailable())}"
@@ -36,7 +37,9 @@ def test_a_partitioned_node_rejoins_by_state_sync_and_replicas_end_identical(
 ) -> None:
     spec = tmp_path / "run.toml"
     spec.write_text(
-        DEMO_SPEC.replace("matchmaking_timeout_seconds = 20.0", "matchmaking_timeout_seconds = 8.0")
+        light(DEMO_SPEC).replace(
+            "matchmaking_timeout_seconds = 20.0", "matchmaking_timeout_seconds = 8.0"
+        )
     )
     profile = tmp_path / "peers.toml"  # a home link: 16 Mbit/s up, 32 down
     profile.write_text("[[peer]]\nupload_bytes_per_second = 2e6\ndownload_bytes_per_second = 4e6\n")

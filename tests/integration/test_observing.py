@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
-from tests.helpers import wait_for_pattern
+from tests.helpers import light, wait_for_pattern
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -59,7 +59,7 @@ def _query(prometheus: str, promql: str) -> dict[str, float]:
 def test_prometheus_and_status_see_the_swarm_train(tmp_path: Path) -> None:
     prometheus_bin, promtool = _binary("prometheus"), _binary("promtool")
     spec = tmp_path / "run.toml"
-    spec.write_text(DEMO_SPEC.replace("group_size = 4", "group_size = 2"))
+    spec.write_text(light(DEMO_SPEC).replace("group_size = 4", "group_size = 2"))
     out = tmp_path / "sim"
     result: dict[str, Any] = {}
 
