@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from swarmgrad.simulations.natlab import Host
 from swarmgrad.simulations.processes import Child, stop_gracefully
 from swarmgrad.simulations.profiles import SimulationError
-from swarmgrad.simulations.zygote import module_of, zygote
+from swarmgrad.simulations.zygote import fork, module_of
 
 LAUNCHERS = ("local", "ray")
 #: How long a Ray call to a process's actor may take (they answer at once; the cluster may not).
@@ -80,10 +80,9 @@ class LocalProcess:
         single process would only pay for the zygote's start)."""
         self.name, self.log_path = name, log_path
         self.popen: Child
-        module = module_of(command)
-        if warm and module is not None:
+        if warm and module_of(command) is not None:
             netns = host.namespace if host is not None else None
-            self.popen = zygote().spawn(name, module, command[3:], log_path, env, netns=netns)
+            self.popen = fork(name, command, log_path, env, netns=netns)
             return
         if host is not None:
             command = ["ip", "netns", "exec", host.namespace, *command]

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarmgrad.simulations.processes import Child
-from swarmgrad.simulations.zygote import module_of, zygote
+from swarmgrad.simulations.zygote import fork
 
 PUBLIC_PREFIX = "11.7.0"
 
@@ -79,12 +79,7 @@ class Host:
     def fork(self, name: str, command: list[str], log_path: Path) -> Child:
         """``python -m module ...`` inside this host, forked by the warm zygote (``zygote.py``:
         the node's imports done once) in this namespace, output appended to ``log_path``."""
-        module = module_of(command)
-        if module is None:
-            raise ValueError(f"not a python -m command: {command}")
-        process = zygote().spawn(
-            name, module, command[3:], log_path, dict(os.environ), netns=self.namespace
-        )
+        process = fork(name, command, log_path, dict(os.environ), netns=self.namespace)
         self.processes.append(process)
         return process
 

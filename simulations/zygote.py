@@ -123,11 +123,12 @@ def serve() -> None:
         out.flush()
 
     def reap() -> None:
-        for pid in list(children):
-            done, wait_status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                children.discard(pid)
-                say({"exited": pid, "status": _status(wait_status)})
+        while children:
+            pid, wait_status = os.waitpid(-1, os.WNOHANG)
+            if not pid:
+                return
+            children.discard(pid)
+            say({"exited": pid, "status": _status(wait_status)})
 
     def start(request: dict[str, Any]) -> None:
         try:
@@ -283,6 +284,17 @@ def module_of(command: list[str]) -> str | None:
     """The module of a ``python -m module ...`` command with this interpreter (what the zygote
     can fork), else None."""
     return command[2] if command[:2] == [sys.executable, "-m"] and len(command) > 2 else None
+
+
+def fork(
+    name: str, command: list[str], log_path: Path, env: dict[str, str], *, netns: str | None = None
+) -> Forked:
+    """``command`` (``python -m module ...``, see :func:`module_of`) forked by this process's
+    zygote: what ``Zygote.spawn`` does, from a command line."""
+    module = module_of(command)
+    if module is None:
+        raise ValueError(f"not a python -m command: {command}")
+    return zygote().spawn(name, module, command[3:], log_path, env, netns=netns)
 
 
 _zygote: Zygote | None = None
