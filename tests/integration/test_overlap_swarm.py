@@ -1,6 +1,7 @@
 """Overlapped rounds in a real swarm: node processes that average while they train end with
 identical global parameters and a falling loss, also when a member is killed mid-round; and
-rounds of one fragment of the model at a time."""
+rounds of one fragment of the model at a time. (``light`` specs: what is tested is the rounds,
+not the model.)"""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
+from tests.helpers import light
 
 KILL = """\
 [[event]]
@@ -25,7 +27,9 @@ def test_an_overlapped_swarm_stays_identical_and_survives_a_kill_mid_round(
 ) -> None:
     spec_path = tmp_path / "run.toml"
     spec_path.write_text(
-        DEMO_SPEC.replace("outer_momentum = 0.0", "outer_momentum = 0.0\noverlap = true").replace(
+        light(DEMO_SPEC)
+        .replace("outer_momentum = 0.0", "outer_momentum = 0.0\noverlap = true")
+        .replace(
             "matchmaking_timeout_seconds = 20.0",
             "matchmaking_timeout_seconds = 10.0\n"
             "sender_timeout_seconds = 5.0\nreducer_timeout_seconds = 10.0",
@@ -62,9 +66,9 @@ def test_an_overlapped_swarm_stays_identical_and_survives_a_kill_mid_round(
 def test_a_swarm_syncing_in_fragments_stays_identical(tmp_path: Path) -> None:
     spec_path = tmp_path / "run.toml"
     spec_path.write_text(
-        DEMO_SPEC.replace("group_size = 4", "group_size = 2").replace(
-            "outer_momentum = 0.0", "outer_momentum = 0.0\noverlap = true\nfragments = 2"
-        )
+        light(DEMO_SPEC)
+        .replace("group_size = 4", "group_size = 2")
+        .replace("outer_momentum = 0.0", "outer_momentum = 0.0\noverlap = true\nfragments = 2")
     )
     spec = RunSpec.load(spec_path)
     assert spec.algorithm.fragments == 2
@@ -90,7 +94,8 @@ def test_a_node_joining_an_overlapped_run_keeps_its_work(tmp_path: Path) -> None
     way no work is dropped and everyone ends at the last epoch, identical."""
     spec_path = tmp_path / "run.toml"
     spec_path.write_text(
-        DEMO_SPEC.replace("outer_momentum = 0.0", "outer_momentum = 0.0\noverlap = true")
+        light(DEMO_SPEC)
+        .replace("outer_momentum = 0.0", "outer_momentum = 0.0\noverlap = true")
         .replace("inner_steps = 10", "inner_steps = 20")
         .replace("matchmaking_timeout_seconds = 20.0", "matchmaking_timeout_seconds = 5.0")
     )

@@ -19,7 +19,7 @@ from swarmgrad.node.cli import app
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.simulations.baseline import train_alone
 from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate, simulation_identity
-from tests.helpers import wait_until
+from tests.helpers import light, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -99,13 +99,16 @@ def test_four_nodes_learn_together_and_refuse_another_spec(tmp_path: Path, cache
 
 
 def test_four_nodes_learn_together_over_the_pure_python_dht(tmp_path: Path) -> None:
-    # The same swarm with --discovery libp2p: py-libp2p's DHT in each node's sidecar process.
+    # The same swarm with --discovery libp2p: py-libp2p's DHT in each node's sidecar process
+    # (``light``: what is tested is the discovery backend; the hivemind test checks learning).
     rounds = 10
+    spec = tmp_path / "run.toml"
+    spec.write_text(light(DEMO_SPEC))
     summary = simulate(
         SimulationConfig(
             nodes=4,
             rounds=rounds,
-            spec_path=None,
+            spec_path=spec,
             profile_path=None,
             out_dir=tmp_path / "sim",
             discovery="libp2p",
@@ -126,7 +129,7 @@ def test_four_nodes_learn_together_over_the_pure_python_dht(tmp_path: Path) -> N
         full = [h["epoch"] for h in history if h["outcome"] == "averaged" and h["group_size"] == 4]
         assert len(full) >= rounds - 2, [(h["outcome"], h["group_size"]) for h in history]
         assert "DHT (libp2p) /ip4/127.0.0.1/" in (tmp_path / "sim" / f"node-{i}.log").read_text()
-    assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.5, summary["loss_curve"]
+    assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0, summary["loss_curve"]
 
 
 def test_sync_mode_averages_every_step_and_stays_identical(tmp_path: Path, cache_dir: Path) -> None:
