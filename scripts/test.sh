@@ -11,5 +11,4 @@ links=.venv/mypy-path/swarmgrad
 rm -rf "$links" && mkdir -p "$links"
 for pkg in node protocol compression simulations; do ln -s "$PWD/$pkg" "$links/$pkg"; done
 echo "== mypy" && "$bin/mypy"
-# Two workers: the swarm tests on one, the tests that mostly wait beside them (tests/conftest.py).
-echo "== pytest" && "$bin/python" -m pytest -n 2 --dist loadgroup "$@"
+echo "== pytest" && "$bin/python" -m pytest "$@"

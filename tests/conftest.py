@@ -2,11 +2,6 @@
 
 ``tests/unit/`` needs no sockets; ``tests/integration/`` starts real servers, DHT nodes and
 processes. Waiting helpers are in ``tests/helpers.py``.
-
-Two lanes for ``pytest -n 2 --dist loadgroup`` (``scripts/test.sh``): the swarm tests, which keep
-both cores busy training, one after another on one worker; beside them, on the other, the tests
-that mostly wait (NAT labs, restarts, namespaces, state downloads) or are short, none of which
-asserts how long anything took. Without xdist the marks change nothing.
 """
 
 from __future__ import annotations
@@ -22,35 +17,6 @@ import pytest_asyncio
 from swarmgrad.node.config import home
 from swarmgrad.node.training.data import load_demo
 from swarmgrad.simulations.allreduce_peer import PeerProcess
-
-#: Modules of the second lane (file names), and tests of theirs that stay in the first: each
-#: of those asserts an elapsed-time bound, which a busy machine could break.
-_BESIDE = {
-    "test_nat.py",
-    "test_restarts.py",
-    "test_netem.py",
-    "test_state_sync.py",
-    "test_ban_records.py",
-    "test_readme.py",
-    "test_packaging.py",
-    "test_export.py",
-    "test_file_data.py",
-    "test_stage_service.py",
-}
-_TIMED = ("test_natted_peers_find_another_relay", "test_the_delay_proxy_gives")
-_TIMED_UNIT_MODULES = {"test_launchers.py", "test_matchmaking_rules.py", "test_rounds.py"}
-
-
-def _beside(item: pytest.Item) -> bool:
-    path = item.path
-    if path.parent.name == "unit":
-        return path.name not in _TIMED_UNIT_MODULES
-    return path.name in _BESIDE and not item.name.startswith(_TIMED)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("beside" if _beside(item) else "swarms"))
 
 
 class Peers:
