@@ -245,11 +245,15 @@ async def test_a_relay_carries_grpc_to_a_node_behind_it(
     endpoint = await client.connect()
     try:
         assert endpoint != f"127.0.0.1:{port}"
-        for _ in range(3):  # separate connections, each relayed
+        for _ in range(3):  # three channels, each call relayed (the endpoint is the relay's)
             info = await peer.get_info(endpoint, run_id=RUN, spec_hash=SPEC, timeout_seconds=5)
             assert info.peer_id == me.peer_id
         assert relay.clients == 1
-        assert relay.counts["connections"] == 3
+        # Usually one connection a channel; but gRPC shares connections between channels to one
+        # address (its global subchannel pool), so a channel opened while the last one's
+        # connection is still being torn down reuses it (CI once saw 2).
+        assert 1 <= relay.counts["connections"] <= 3
+        assert relay.counts["refused: no attach"] == 0
         assert relay.traffic["in"] > 0
         assert relay.traffic["out"] > 0
     finally:
