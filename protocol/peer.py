@@ -242,7 +242,7 @@ async def _call(
 ) -> object:
     """One unary call over a connection of its own (a dial-back must prove that a new
     connection gets through), translated into the error tree."""
-    channel = open_channel(endpoint)
+    channel = open_channel(endpoint, own_connection=True)
     try:
         call = channel.unary_unary(
             method,

@@ -102,10 +102,17 @@ async def start_server(
     return server, bound
 
 
-def open_channel(endpoint: str, limits: ServerLimits | None = None) -> grpc.aio.Channel:
+def open_channel(
+    endpoint: str, limits: ServerLimits | None = None, *, own_connection: bool = False
+) -> grpc.aio.Channel:
+    """A channel to ``endpoint``. gRPC shares connections between channels to one address (its
+    global subchannel pool); ``own_connection`` gives this channel a connection of its own."""
     global _started
     _started = True
-    return grpc.aio.insecure_channel(endpoint, options=(limits or ServerLimits()).options())
+    options = (limits or ServerLimits()).options()
+    if own_connection:
+        options.append(("grpc.use_local_subchannel_pool", 1))
+    return grpc.aio.insecure_channel(endpoint, options=options)
 
 
 class Malformed:
