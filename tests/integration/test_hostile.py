@@ -134,7 +134,6 @@ def test_dht_forgeries_leave_the_swarm_training_with_its_full_group(
         runner.join(timeout=500)
     assert forged.returncode == 0, forged.stderr[-3000:]
     report = json.loads(forged.stdout.strip().splitlines()[-1])
-    assert len(report["members"]) == 3, report
     assert set(report["accepted"].values()) == {0}, report["accepted"]
     # Every member's genuine record is still there; the only one beside them is the joiner's,
     # if it started before the attack's last read (a loaded machine) and not the forger's own.
@@ -145,6 +144,11 @@ def test_dht_forgeries_leave_the_swarm_training_with_its_full_group(
     peers = summary["peers"]
     # The joiner (started after the attack, spec entry "overwritten") joined and caught up.
     assert [p["epoch"] for p in peers] == [rounds] * 4
+    # The forger read every member's genuine record before it struck: the three nodes', and the
+    # joiner's where that had started first (on a busy machine the forger, a fresh interpreter
+    # joining the DHT, can come up after epoch 5).
+    first, joiner = {p["peer_id"] for p in peers[:3]}, peers[3]["peer_id"]
+    assert first <= set(report["members"]) <= first | {joiner}, report
     assert set(report["seen_after"]) <= {p["peer_id"] for p in peers}, report
     assert summary["replicas_identical"], [p["checksum"] for p in peers]
     for i in range(3):
