@@ -50,17 +50,38 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] \
 fi
 
 [[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 quiet() { grep -v -e "is ignored: it is neither a file nor a directory" >&2 || true; }
+
+# uv installs and byte-compiles this set in ~55 s on two cores, where pip took ~175 s (it
+# compiles 20,000 modules one after another). uv reads none of pip's configuration, so the
+# indexes and wheel folders pip is set up with (a mirror, a local wheelhouse) are passed on,
+# searched as pip searches them (the best match from any). Without a uv for this platform,
+# pip does it.
+install=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+if "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+        -c requirements/constraints.txt uv 2> >(quiet); then
+    install=("$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --compile-bytecode
+             --index-strategy unsafe-best-match)
+    while IFS='=' read -r key value; do
+        value="${value#\'}" && value="${value%\'}"
+        case "$key" in
+            *.index-url) install+=(--index-url "$value") ;;
+            *.extra-index-url) for v in $value; do install+=(--extra-index-url "$v"); done ;;
+            *.find-links) for v in $value; do install+=(--find-links "$v"); done ;;
+        esac
+    done < <("$venv/bin/python" -m pip config list 2>/dev/null)
+else
+    echo "setup: no uv for this platform; installing with pip (slower)" >&2
+fi
 
 # torch first, pinned: an open range with no torch installed would pull a multi-GB CUDA build on
 # machines that do not need one. A torch already in the venv (say a CUDA build) is kept.
 if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
     echo "setup: installing torch 2.13.0 into $venv" >&2
-    "${pip[@]}" "torch==2.13.0" 2> >(quiet)
+    "${install[@]}" "torch==2.13.0" 2> >(quiet)
 fi
 echo "setup: installing swarmgrad${extras:+[$extras]} into $venv" >&2
-"${pip[@]}" -c requirements/constraints.txt -e ".${extras:+[$extras]}" 2> >(quiet)
+"${install[@]}" -c requirements/constraints.txt -e ".${extras:+[$extras]}" 2> >(quiet)
 "$venv/bin/python" -m pip check >&2
 compile_sources
 echo "$want" > "$stamp"
