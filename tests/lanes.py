@@ -36,17 +36,14 @@ SWARM_MODULES = frozenset(
         "test_swarm.py",
     }
 )
-#: Tests of those modules that train little (bad input, a schedule's checks, signals, two
-#: nodes), or that bound no time: they fill the other worker, so the two lanes end together.
+#: Tests of those modules that train nothing much (bad input, a schedule's checks, signals).
+#: (Moving tests that train two nodes beside the swarms, to even the lanes, was tried: the swarm
+#: tests beside them ran past their timeouts and a status query's DHT join failed.)
 NOT_SWARMS = (
     "test_the_cli_explains_bad_input",
     "test_ctrl_c_leaves_gracefully",
     "test_a_schedule_is_checked",
     "test_the_launcher_options_are_checked",
-    "test_prometheus_and_status_see_the_swarm_train",
-    "test_fuzzing_every_rpc_crashes_nothing",
-    "test_a_swarm_syncing_in_fragments_stays_identical",
-    "test_an_overlapped_swarm_stays_identical_and_survives_a_kill_mid_round",
 )
 #: Tests elsewhere that bound an elapsed time (a relay found again, lookups past frozen peers).
 TIMED = (
