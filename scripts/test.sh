@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up the dev environment, then run every check: ruff, mypy (strict), the test suite.
-# Extra arguments go to pytest, e.g. scripts/test.sh -k codecs -x (add -n 0 to run in one process)
+# Extra arguments go to pytest, e.g. scripts/test.sh -k codecs -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh dev
@@ -11,5 +11,4 @@ links=.venv/mypy-path/swarmgrad
 rm -rf "$links" && mkdir -p "$links"
 for pkg in node protocol compression simulations; do ln -s "$PWD/$pkg" "$links/$pkg"; done
 echo "== mypy" && "$bin/mypy"
-# Two workers: the swarm tests one after another on one, everything else beside them (tests/lanes.py).
-echo "== pytest" && "$bin/python" -m pytest -n 2 "$@"
+echo "== pytest" && "$bin/python" -m pytest "$@"

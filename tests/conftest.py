@@ -1,8 +1,7 @@
 """Shared fixtures: child processes are reaped whatever happens to the test.
 
 ``tests/unit/`` needs no sockets; ``tests/integration/`` starts real servers, DHT nodes and
-processes. Waiting helpers are in ``tests/helpers.py``; the parallel suite's two lanes are
-in ``tests/lanes.py``.
+processes. Waiting helpers are in ``tests/helpers.py``.
 """
 
 from __future__ import annotations
@@ -18,14 +17,6 @@ import pytest_asyncio
 from swarmgrad.node.config import home
 from swarmgrad.node.training.data import load_demo
 from swarmgrad.simulations.allreduce_peer import PeerProcess
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """Under xdist (``scripts/test.sh``: ``-n 2``), the swarm tests never run side by side."""
-    from tests.lanes import make_scheduler
-
-    return make_scheduler(config, log)
 
 
 class Peers:

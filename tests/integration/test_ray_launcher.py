@@ -11,7 +11,7 @@ from swarmgrad.simulations.profiles import SimulationError
 from swarmgrad.simulations.swarm import SimulationConfig, simulate
 
 
-@pytest.mark.timeout(300)  # ~85 s alone; longer beside the other lane (tests/lanes.py)
+@pytest.mark.timeout(300)  # ~85 s on a 2-core machine: room for a slower one
 def test_a_ray_launched_swarm_matches_the_local_launchers_summary(tmp_path: Path) -> None:
     results = {}
     for launcher in ("local", "ray"):

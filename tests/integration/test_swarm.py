@@ -24,7 +24,7 @@ from tests.helpers import light, wait_until
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.timeout(300)  # ~95 s alone; longer beside the other lane (tests/lanes.py)
+@pytest.mark.timeout(300)  # ~95 s on a 2-core machine: room for a slower one
 def test_four_nodes_learn_together_and_refuse_another_spec(tmp_path: Path, cache_dir: Path) -> None:
     rounds = 20
     result: dict[str, Any] = {}
