@@ -58,8 +58,7 @@ quiet() { grep -v -e "is ignored: it is neither a file nor a directory" >&2 || t
 # searched as pip searches them (the best match from any). Without a uv for this platform,
 # pip does it.
 install=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
-if "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-        -c requirements/constraints.txt uv 2> >(quiet); then
+if "${install[@]}" -c requirements/constraints.txt uv 2> >(quiet); then
     install=("$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --compile-bytecode
              --index-strategy unsafe-best-match)
     while IFS='=' read -r key value; do
