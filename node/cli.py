@@ -22,7 +22,6 @@ from swarmgrad.node.config import ConfigError
 from swarmgrad.node.discovery.base import DiscoveryError
 from swarmgrad.node.discovery.directory import SpecMismatch
 from swarmgrad.node.runspec import RunSpecError
-from swarmgrad.node.training.data import load_demo
 from swarmgrad.protocol.errors import PeerUnavailable, SetupError
 
 app = typer.Typer(
@@ -598,6 +597,8 @@ def prepare_data(
     cache_dir: Annotated[Path | None, typer.Option(help="Cache folder.")] = None,
 ) -> None:
     """Fetch and tokenize the demo corpus once (set-up runs this), so nodes start fast."""
+    from swarmgrad.node.training.data import load_demo
+
     _logging(False)
     try:
         folder = cache_dir or node_config.home() / "cache"

@@ -23,14 +23,15 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarmgrad.node.files import atomic_write
 from swarmgrad.node.runspec import NodeSection, RunSpec, RunSpecError
-from swarmgrad.node.swarm_config import SwarmConfig
-from swarmgrad.node.training.model import InitWeightsError, init_weights
 from swarmgrad.node.trust.allowlist import PEER_ID
 from swarmgrad.protocol.errors import SetupError
+
+if TYPE_CHECKING:
+    from swarmgrad.node.swarm_config import SwarmConfig
 
 #: Each [node] setting and its type's name ("int" or "str").
 SETTINGS = {f.name: str(f.type) for f in dataclasses.fields(NodeSection)}
@@ -223,6 +224,11 @@ def node_config(
     environ: Mapping[str, str] | None = None,
 ) -> NodeConfig:
     """Build and check a node's configuration: run spec < environment < ``cli`` (options)."""
+    # Here, not at the top: the swarm's and the model's modules import torch, which the commands
+    # that only read this module's files and settings (status, run-key, --help) need not pay for.
+    from swarmgrad.node.swarm_config import SwarmConfig
+    from swarmgrad.node.training.model import InitWeightsError, init_weights
+
     cli = cli or CommandLine()
     environ = _environment(environ)
     base = home(environ)

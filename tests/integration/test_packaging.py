@@ -39,6 +39,16 @@ def test_no_bare_top_level_imports(folder: str) -> None:
     assert not bare, f"import through the namespace (swarmgrad.X), not {sorted(bare)}"
 
 
+def test_the_cli_starts_without_torch() -> None:
+    # `swarmgrad --help`, `status`, `run-key` paid ~3 s for torch they never use; the commands
+    # that train import it themselves.
+    code = "import sys, swarmgrad.node.cli; print(sorted({'torch', 'hivemind'} & set(sys.modules)))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout.strip() == "[]"
+
+
 def test_editable_install_maps_the_folders() -> None:
     import swarmgrad.compression
     import swarmgrad.protocol

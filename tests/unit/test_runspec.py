@@ -132,3 +132,21 @@ def test_the_readme_example_profile_is_valid(tmp_path: Path) -> None:
     path.write_text("[[peer]]\nslowdwn = 2\n")
     with pytest.raises(SimulationError, match="slowdwn"):
         load_profile(path, 1)
+
+
+def test_the_spec_knows_every_built_in_codec_and_one_registered_from_python(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from swarmgrad.compression import base, codec_names, register
+    from swarmgrad.compression.floating import Float16
+    from swarmgrad.node.runspec import BUILTIN_CODECS
+
+    assert set(codec_names()) == BUILTIN_CODECS
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))  # the registration ends here
+
+    @register
+    class Halves(Float16):  # a user's own codec, known only to the registry
+        name = "test-halves"
+
+    spec = RunSpec.from_toml(MINIMAL + "[averaging]\ncodec = 'test-halves'\n")
+    assert spec.averaging.codec == "test-halves"
