@@ -121,13 +121,57 @@ def _exit_with(owner: int, started_at: str | None) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+#: Tries at joining through the bootstrap peers before a start gives up: on a loaded machine the
+#: daemon's first connect to a busy bootstrap can fail; a wrong address fails every try (~1 s each).
+JOIN_ATTEMPTS = 3
+JOIN_RETRY_SECONDS = 1.0
+
+
 async def start_dht(
     initial_peers: Sequence[str], *, host: str, port: int, start_timeout_seconds: float
 ) -> Any:
     """A running ``hivemind.DHT`` (its own process), joined through ``initial_peers`` if any.
 
     A DHT that is not up within the deadline is killed: no process or thread is left waiting.
+    A failed join through bootstrap peers is tried again (``JOIN_ATTEMPTS`` in all) while the
+    deadline allows.
     """
+    deadline = time.monotonic() + start_timeout_seconds
+    peers = ", ".join(initial_peers) or "none"
+    attempt = 1
+    while True:
+        try:
+            return await _start_dht_once(
+                initial_peers,
+                host=host,
+                port=port,
+                timeout_seconds=deadline - time.monotonic(),
+                start_timeout_seconds=start_timeout_seconds,
+            )
+        except _JoinFailed as failed:
+            pause_seconds = JOIN_RETRY_SECONDS * attempt
+            if (
+                not initial_peers
+                or attempt == JOIN_ATTEMPTS
+                or time.monotonic() + pause_seconds >= deadline
+            ):
+                tries = f" ({attempt} tries)" if attempt > 1 else ""
+                raise DiscoveryError(
+                    f"could not join the DHT (bootstrap: {peers}){tries}: {failed.error}"
+                ) from failed.error
+            log.warning("could not join the DHT (%s); trying again", failed.error)
+            await asyncio.sleep(pause_seconds)
+            attempt += 1
+
+
+async def _start_dht_once(
+    initial_peers: Sequence[str],
+    *,
+    host: str,
+    port: int,
+    timeout_seconds: float,
+    start_timeout_seconds: float,
+) -> Any:
     dht = _DHT(
         initial_peers=list(initial_peers),
         host_maddrs=[f"/ip4/{host}/tcp/{port}"],
@@ -138,7 +182,7 @@ async def start_dht(
 
     def start() -> None:
         dht.run_in_background(await_ready=False)
-        deadline = time.monotonic() + start_timeout_seconds
+        deadline = time.monotonic() + timeout_seconds
         while True:
             try:
                 dht.wait_until_ready(timeout=min(0.5, start_timeout_seconds))
@@ -166,12 +210,17 @@ async def start_dht(
         ) from None
     except Exception as error:  # hivemind raises plain exceptions from its daemon
         _kill(dht)
-        peers = ", ".join(initial_peers) or "none"
-        raise DiscoveryError(f"could not join the DHT (bootstrap: {peers}): {error}") from error
+        raise _JoinFailed(error) from error
     except BaseException:  # cancelled while it starts: the thread gives up within the deadline
         _kill(dht)
         raise
     return dht
+
+
+class _JoinFailed(Exception):
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 class _ExitedEarly(Exception):

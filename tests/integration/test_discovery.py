@@ -394,10 +394,48 @@ async def test_a_round_withdrawn_can_be_announced_again(start: Starter) -> None:
     assert [r.peer_id for r in await node_b.find()] == [a.peer_id]
 
 
-async def test_unreachable_bootstrap_is_reported_clearly(start: Starter) -> None:
+async def test_unreachable_bootstrap_is_reported_clearly(
+    start: Starter, request: pytest.FixtureRequest
+) -> None:
     dead = "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
-    with pytest.raises(DiscoveryError, match=r"could not join the DHT .*tcp/9"):
+    tries = r" \(3 tries\)" if "hivemind" in request.node.name else ""
+    with pytest.raises(
+        DiscoveryError, match=rf"could not join the DHT \(bootstrap: .*tcp/9.*\){tries}:"
+    ):
         await start(Identity.generate(), initial_peers=[dead])
+
+
+async def test_a_join_that_fails_once_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # What a loaded machine saw: the daemon gave up on its first connect to a busy bootstrap.
+    from swarmgrad.node.discovery import hivemind_dht
+
+    real, calls = hivemind_dht._start_dht_once, []
+
+    async def first_fails(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs["timeout_seconds"])
+        if len(calls) == 1:
+            error = RuntimeError("Daemon failed to start: failed to connect to bootstrap peers")
+            raise hivemind_dht._JoinFailed(error)
+        return await real(*args, **kwargs)
+
+    a_id, b_id = Identity.generate(), Identity.generate()
+    a = await HivemindDiscovery.start(a_id, DiscoveryConfig(), run_id=RUN, spec_hash=SPEC)
+    try:
+        monkeypatch.setattr(hivemind_dht, "_start_dht_once", first_fails)
+        config = DiscoveryConfig(initial_peers=tuple(a.visible_maddrs()))
+        b = await HivemindDiscovery.start(b_id, config, run_id=RUN, spec_hash=SPEC)
+        try:
+            assert len(calls) == 2
+            assert calls[1] < calls[0] <= config.start_timeout_seconds  # one deadline for both
+            assert "failed to connect to bootstrap peers); trying again" in caplog.text
+            await b.announce(live(b_id))  # b joined a's DHT: what it announces, a finds
+            await wait_for(a, lambda records: len(records) == 1)
+        finally:
+            await b.close()
+    finally:
+        await a.close()
 
 
 async def holders(nodes: list[Any], count: int) -> list[Any]:
