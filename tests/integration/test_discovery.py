@@ -131,6 +131,21 @@ def test_forged_misfiled_or_malformed_values_are_refused(
         validate(KEY, slot, value(), expires, now=1001.0)
 
 
+def test_a_value_checked_before_is_checked_again_against_the_clock_and_its_copies() -> None:
+    # Opened values are remembered (the signature check is most of a DHT node's work): what is
+    # remembered must be exactly those bytes, and never the verdict on its time.
+    value = sealed(ME, record(ME, ttl=30.0))
+    first = validate(KEY, ME.peer_id, value, 1030.0, now=1001.0)
+    assert validate(KEY, ME.peer_id, bytes(value), 1030.0, now=1002.0) == first
+    with pytest.raises(RecordError, match="expired"):
+        validate(KEY, ME.peer_id, value, 1030.0, now=1031.0)
+    with pytest.raises(RecordError, match="another expiry"):
+        validate(KEY, ME.peer_id, value, 1090.0, now=1001.0)
+    forged = value[:-1] + bytes([value[-1] ^ 1])
+    with pytest.raises(RecordError, match="bad signature"):
+        validate(KEY, ME.peer_id, forged, 1030.0, now=1001.0)
+
+
 def test_a_stage_replicas_record_round_trips() -> None:
     fields = {"stage": 2, "span_start": 4, "span_end": 6, "state": "serving", "version": 40}
     sent = PeerRecord.create(
