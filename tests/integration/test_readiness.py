@@ -11,6 +11,7 @@ between), and the two would compute different group ids on every attempt: the li
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -37,7 +38,7 @@ async def test_a_stalled_attempt_withdraws_its_readiness_record(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     stall_seconds = WITHDRAW_MARGIN_SECONDS + 6.0
-    stalled = asyncio.Event()
+    stalled, released = asyncio.Event(), asyncio.Event()
 
     async with Swarm(SPEC, Identity.generate(), SwarmConfig()) as first:
         bootstrap = tuple(first.visible_maddrs())  # type: ignore[union-attr]
@@ -46,7 +47,9 @@ async def test_a_stalled_attempt_withdraws_its_readiness_record(
 
             async def stall(vector: torch.Tensor, group: Group, **options: Any) -> RoundResult:
                 stalled.set()  # the group formed; this member is slow to start its all-reduce
-                await asyncio.sleep(stall_seconds)
+                with contextlib.suppress(TimeoutError):  # until the test has seen enough
+                    async with asyncio.timeout(stall_seconds):
+                        await released.wait()
                 return await all_reduce(vector, group, **options)
 
             monkeypatch.setattr(first._averager, "all_reduce", stall)
@@ -70,6 +73,7 @@ async def test_a_stalled_attempt_withdraws_its_readiness_record(
                 await asyncio.sleep(0.2)
             assert asyncio.get_running_loop().time() - formed < stall_seconds - 1.0
             assert not rounds[0].done()  # still in its attempt
+            released.set()
             async with asyncio.timeout(60):
                 results = await asyncio.gather(*rounds)
     # The stall made the attempt late, not wrong: nothing mixed, and no one hung.
