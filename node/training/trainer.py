@@ -210,12 +210,12 @@ class Trainer:
         if spec.trust.open and spec.trust.spot_checks and isinstance(replica, DiLoCo):
             diloco = replica
             self.swarm.use_loss_probe(LossProbe(spec, corpus, theta=lambda: diloco.outer.theta))
-        progress.initial_val_loss = evaluate(model, validation, device)
+        progress.initial_val_loss = progress.val_loss = evaluate(model, validation, device)
         restored = self.checkpoints.latest() if self.checkpoints is not None else None
         if restored is not None:
             self._restore(restored, replica, optimizer, batches)
+            progress.val_loss = evaluate(model, validation, device)
         feed = Prefetched(batches, device, cursor=batches.cursor)
-        progress.val_loss = evaluate(model, validation, device)
         with contextlib.suppress(concurrent.futures.CancelledError):  # stopped while waiting
             caught_up = replica.catch_up()
             if caught_up is not None:
