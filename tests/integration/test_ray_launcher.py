@@ -8,16 +8,25 @@ from pathlib import Path
 import pytest
 
 from swarmgrad.simulations.profiles import SimulationError
-from swarmgrad.simulations.swarm import SimulationConfig, simulate
+from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
+from tests.helpers import light
 
 
 @pytest.mark.timeout(300)  # ~85 s on a 2-core machine: room for a slower one
 def test_a_ray_launched_swarm_matches_the_local_launchers_summary(tmp_path: Path) -> None:
+    # ``light``: what is compared is where the processes run, not the model.
+    spec = tmp_path / "run.toml"
+    spec.write_text(light(DEMO_SPEC))
     results = {}
     for launcher in ("local", "ray"):
         results[launcher] = simulate(
             SimulationConfig(
-                nodes=4, rounds=3, out_dir=tmp_path / launcher, seed=7, launcher=launcher
+                nodes=4,
+                rounds=3,
+                spec_path=spec,
+                out_dir=tmp_path / launcher,
+                seed=7,
+                launcher=launcher,
             )
         )
     local, ray = results["local"], results["ray"]
