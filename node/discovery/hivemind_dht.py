@@ -142,12 +142,10 @@ async def start_dht(
     while True:
         try:
             return await _start_dht_once(
-                initial_peers,
-                host=host,
-                port=port,
-                timeout_seconds=deadline - time.monotonic(),
-                start_timeout_seconds=start_timeout_seconds,
+                initial_peers, host=host, port=port, timeout_seconds=deadline - time.monotonic()
             )
+        except TimeoutError:
+            raise DiscoveryError(f"the DHT did not start in {start_timeout_seconds:g} s") from None
         except _JoinFailed as failed:
             pause_seconds = JOIN_RETRY_SECONDS * attempt
             if (
@@ -165,13 +163,10 @@ async def start_dht(
 
 
 async def _start_dht_once(
-    initial_peers: Sequence[str],
-    *,
-    host: str,
-    port: int,
-    timeout_seconds: float,
-    start_timeout_seconds: float,
+    initial_peers: Sequence[str], *, host: str, port: int, timeout_seconds: float
 ) -> Any:
+    """One try; TimeoutError if not up within ``timeout_seconds``, _JoinFailed if hivemind
+    raised (the DHT's process killed either way)."""
     dht = _DHT(
         initial_peers=list(initial_peers),
         host_maddrs=[f"/ip4/{host}/tcp/{port}"],
@@ -185,7 +180,7 @@ async def _start_dht_once(
         deadline = time.monotonic() + timeout_seconds
         while True:
             try:
-                dht.wait_until_ready(timeout=min(0.5, start_timeout_seconds))
+                dht.wait_until_ready(timeout=min(0.5, timeout_seconds))
                 return
             except TimeoutError:
                 if not dht.is_alive():
@@ -197,7 +192,7 @@ async def _start_dht_once(
         await asyncio.to_thread(start)
     except TimeoutError:
         _kill(dht)
-        raise DiscoveryError(f"the DHT did not start in {start_timeout_seconds:g} s") from None
+        raise
     except _ExitedEarly as exited:
         hint = (
             " (it was started from multiprocessing's fork server, which imports the main script"
