@@ -34,10 +34,9 @@ import torch
 from swarmgrad.node import config as node_config
 from swarmgrad.node.runspec import AlgorithmSection, RunSpec
 from swarmgrad.node.training.data import Batches, Corpus, load_corpus
-from swarmgrad.node.training.diloco import OuterOptimizer
-from swarmgrad.node.training.model import GPT, build_model, flatten, unflatten
+from swarmgrad.node.training.model import GPT, build_model
 from swarmgrad.node.training.trainer import set_lr
-from swarmgrad.simulations.baseline import warm_start
+from swarmgrad.simulations.baseline import diloco_exact, warm_start
 from swarmgrad.simulations.swarm import DEMO_SPEC
 
 
@@ -108,24 +107,16 @@ class Study:
         outer_momentum: float,
     ) -> list[float]:
         """Validation loss after each outer round."""
-        models = [copy.deepcopy(self.initial) for _ in range(self.replicas)]
-        optimizers = [_adamw(m, schedule.inner_lr) for m in models]
-        streams = self.streams()
-        outer = OuterOptimizer(
-            flatten(list(self.initial.parameters())), lr=outer_lr, momentum=outer_momentum
+        return diloco_exact(
+            self.initial,
+            self.streams(),
+            self.windows,
+            rounds=steps // inner_steps,
+            schedule=schedule,
+            inner_steps=inner_steps,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
         )
-        curve = []
-        for round_ in range(steps // inner_steps):
-            deltas = []
-            for model, optimizer, stream in zip(models, optimizers, streams, strict=True):
-                for i in range(inner_steps):
-                    _step(model, optimizer, stream, schedule.lr_at(round_ * inner_steps + i))
-                deltas.append(outer.pseudo_gradient(flatten(list(model.parameters()))))
-            theta = outer.step(torch.stack(deltas).mean(0), own=deltas[0])
-            for model in models:
-                unflatten(theta, list(model.parameters()))
-            curve.append(_loss(models[0], self.windows))
-        return curve
 
 
 def main() -> None:

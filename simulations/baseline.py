@@ -1,19 +1,25 @@
-"""The yardstick for a swarm's loss: the same model and data trained by one process alone.
+"""Yardsticks for a swarm's loss, trained in this one process with no network.
 
-Same initial weights, same data stream as the swarm's first peer, the same inner optimizer, and
-no averaging; evaluated on the same validation windows as the nodes. Also a warm start: a model
-trained alone for a while on a stream no peer sees, saved for a spec's ``model.init``.
+``train_alone``: the same model and data trained by one process alone (same initial weights, the
+same inner optimizer, no averaging). ``train_together``: the same swarm with nobody lost and the
+averaging exact: one replica per peer, each on that peer's data stream, DiLoCo's rounds with the
+node's own outer optimizer on the fp32 mean of their deltas. Both are evaluated on the nodes'
+validation windows. Also a warm start: a model trained alone for a while on a stream no peer
+sees, saved for a spec's ``model.init``.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from swarmgrad.node.runspec import RunSpec
-from swarmgrad.node.training.data import Corpus, load_corpus
-from swarmgrad.node.training.model import CausalLM, build_model, save_weights
+from swarmgrad.node.runspec import AlgorithmSection, RunSpec
+from swarmgrad.node.training.data import Batches, Corpus, load_corpus
+from swarmgrad.node.training.diloco import OuterOptimizer
+from swarmgrad.node.training.model import CausalLM, build_model, flatten, save_weights, unflatten
 from swarmgrad.node.training.trainer import evaluate, set_lr
 
 
@@ -37,6 +43,89 @@ def train_alone(
     steps = max(1, samples // spec.data.batch_size)
     _train(model, spec, corpus, batch_size=spec.data.batch_size, peer_id=peer_id, steps=steps)
     return initial, evaluate(model, windows, cpu)
+
+
+def train_together(
+    spec: RunSpec,
+    *,
+    peer_ids: Sequence[str],
+    rounds: int,
+    cache_dir: Path,
+    eval_windows: int = 32,
+    threads: int | None = None,
+) -> tuple[float, list[float]]:
+    """The DiLoCo run of a swarm of ``peer_ids`` that loses nobody and averages exactly, for
+    ``rounds`` outer rounds of the spec's inner steps; returns (initial validation loss, the
+    validation loss after each round)."""
+    if spec.algorithm.name != "diloco":
+        raise ValueError(f"train_together runs DiLoCo, not {spec.algorithm.name!r}")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    corpus = load_corpus(spec.data, vocab_size=spec.model.vocab_size, cache_dir=cache_dir)
+    windows = corpus.validation(seq_len=spec.model.seq_len, num_windows=eval_windows)
+    model = build_model(spec.model, seed=spec.data.seed)
+    initial = evaluate(model, windows, torch.device("cpu"))
+    streams = [
+        corpus.batches(
+            seq_len=spec.model.seq_len,
+            batch_size=spec.data.batch_size,
+            seed=spec.data.seed,
+            peer_id=peer_id,
+        )
+        for peer_id in peer_ids
+    ]
+    algorithm = spec.algorithm
+    curve = diloco_exact(
+        model,
+        streams,
+        windows,
+        rounds=rounds,
+        schedule=algorithm,
+        inner_steps=algorithm.inner_steps,
+        outer_lr=algorithm.outer_lr,
+        outer_momentum=algorithm.outer_momentum,
+    )
+    return initial, curve
+
+
+def diloco_exact(
+    initial: CausalLM,
+    streams: Sequence[Batches],
+    windows: torch.Tensor,
+    *,
+    rounds: int,
+    schedule: AlgorithmSection,
+    inner_steps: int,
+    outer_lr: float,
+    outer_momentum: float,
+) -> list[float]:
+    """DiLoCo with one replica of ``initial`` per stream, averaged exactly in fp32: each round,
+    ``inner_steps`` AdamW steps per replica (lr from ``schedule``, its optimizer kept across
+    rounds, as a node keeps it), then the node's outer step on the mean delta. The validation loss
+    after each round."""
+    models = [copy.deepcopy(initial) for _ in streams]
+    optimizers = [
+        torch.optim.AdamW(m.parameters(), lr=schedule.inner_lr, weight_decay=0.0) for m in models
+    ]
+    outer = OuterOptimizer(
+        flatten(list(initial.parameters())), lr=outer_lr, momentum=outer_momentum
+    )
+    cpu, curve = torch.device("cpu"), []
+    for round_ in range(rounds):
+        deltas = []
+        for model, optimizer, stream in zip(models, optimizers, streams, strict=True):
+            for i in range(inner_steps):
+                inputs, targets = next(stream)
+                model.loss(inputs, targets).backward()  # type: ignore[no-untyped-call]
+                set_lr(optimizer, schedule.lr_at(round_ * inner_steps + i))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            deltas.append(outer.pseudo_gradient(flatten(list(model.parameters()))))
+        theta = outer.step(torch.stack(deltas).mean(0), own=deltas[0])
+        for model in models:
+            unflatten(theta, list(model.parameters()))
+        curve.append(evaluate(models[0], windows, cpu))
+    return curve
 
 
 def warm_start(

@@ -1,7 +1,8 @@
 """Shared fixtures: child processes are reaped whatever happens to the test.
 
 ``tests/unit/`` needs no sockets; ``tests/integration/`` starts real servers, DHT nodes and
-processes. Waiting helpers are in ``tests/helpers.py``.
+processes. Waiting helpers are in ``tests/helpers.py``; ``tests/lanes.py`` splits the suite in
+two lanes for ``pytest -n 2``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,16 @@ import pytest_asyncio
 from swarmgrad.node.config import home
 from swarmgrad.node.training.data import load_demo
 from swarmgrad.simulations.allreduce_peer import PeerProcess
+from tests import lanes
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """Under ``-n N`` (xdist's default ``--dist load``), the two lanes of ``tests/lanes.py``;
+    another ``--dist`` keeps xdist's own scheduler."""
+    if config.getoption("dist") != "load":
+        return None
+    return lanes.make_scheduler(config, log)
 
 
 class Peers:
