@@ -24,6 +24,7 @@ import re
 import shutil
 import signal
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -175,6 +176,10 @@ class SimulationConfig:
     #: (``zygote.py``; each start skips ~2.5 CPU-seconds of imports), or each a fresh
     #: interpreter (Ray's processes always do).
     fork_nodes: bool = True
+    #: When given, the nodes that finished stay in the swarm (and the DHT) until it is set: a
+    #: caller inspecting the live swarm (``swarmgrad status``, Prometheus) is not raced by its
+    #: end. ``timeout_seconds`` still bounds the whole run.
+    hold: threading.Event | None = None
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.rounds < 1:
@@ -373,6 +378,7 @@ class _SwarmRun:
                 and self.armed is None
                 # Attackers need not finish: banned, they may never reach the last epoch.
                 and all(current[n.index].get("finished") for n in running if not n.attack)
+                and (self.config.hold is None or self.config.hold.is_set())
             ):
                 # Every one is done: now they may leave.
                 stop_all([node.process for node in running if node.process is not None])

@@ -1,7 +1,12 @@
 """A writer without any swarm member's key, attacking a live swarm's DHT: run as a script (one
 backend per process: hivemind and libp2p never share one).
 
-    python tests/integration/dht_forger.py {hivemind,libp2p} --run ID --spec HEX --epoch N MADDR...
+    python tests/integration/dht_forger.py {hivemind,libp2p} --run ID --spec HEX [--epoch N] \
+        MADDR...
+
+Without ``--epoch`` it joins first, prints ``ready``, and attacks when a line with the swarm's
+epoch arrives on stdin: a test starts it early, so its start-up (an interpreter, a DHT join)
+is not what decides the epoch it strikes at.
 
 hivemind: a plain ``hivemind.DHT`` client (no validator of its own) joins through MADDR and
 stores through the DHT's own routing. libp2p: a plain libp2p host on swarmgrad's public network
@@ -19,8 +24,10 @@ afterwards.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import json
+import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -35,7 +42,11 @@ Read = Callable[[str], Awaitable[dict[str, tuple[bytes, float]]]]
 
 
 async def attack(
-    args: argparse.Namespace, store: Store, read: Read, read_afresh: Read
+    args: argparse.Namespace,
+    store: Store,
+    read: Read,
+    read_afresh: Read,
+    pause: Callable[[float], Awaitable[None]],
 ) -> dict[str, Any]:
     prefix = f"run/{args.run}/{args.spec}"
     peers_key, specs_key = f"{prefix}/peers", f"run/{args.run}/specs"
@@ -76,13 +87,20 @@ async def attack(
         key = f"{prefix}/round/{round_}"
         accepted["plain round value"] += await store(key, None, b"blocked", now + 170)
         accepted["round entry"] += await store(key, mallory.peer_id, b"blocked", now + 170)
-    seen = []
-    for subkey, (value, expires) in (await read_afresh(peers_key)).items():
-        try:
-            validate(peers_key, subkey, value, expires, time.time())
-        except RecordError:
-            continue
-        seen.append(subkey)
+    # The swarm's view afterwards; a lookup can come back empty on a busy machine, so it is
+    # read again (for up to 30 s) until every member's genuine record is seen.
+    deadline = time.monotonic() + 30
+    while True:
+        seen = []
+        for subkey, (value, expires) in (await read_afresh(peers_key)).items():
+            try:
+                validate(peers_key, subkey, value, expires, time.time())
+            except RecordError:
+                continue
+            seen.append(subkey)
+        if set(members) <= set(seen) or time.monotonic() > deadline:
+            break
+        await pause(1.0)
     return {
         "members": sorted(members),
         "accepted": {name: accepted[name] for name in sorted(accepted)},
@@ -96,7 +114,10 @@ async def with_hivemind(args: argparse.Namespace) -> dict[str, Any]:
     dht = hivemind.DHT(initial_peers=args.maddrs, client_mode=True, start=True)
 
     async def store(key: str, subkey: str | None, value: bytes, expires: float) -> int:
-        stored = dht.store(key, value, expiration_time=expires, subkey=subkey)
+        # Never into its own storage: a client counts itself among the nearest nodes, keeps
+        # whatever it is given (no validator), and its "stored" would be a swarm member's
+        # refusal or its own acceptance, whichever came last.
+        stored = dht.store(key, value, expiration_time=expires, subkey=subkey, exclude_self=True)
         return int(bool(stored))
 
     def reader(dht: hivemind.DHT) -> Read:
@@ -113,7 +134,8 @@ async def with_hivemind(args: argparse.Namespace) -> dict[str, Any]:
         # The client keeps what it stored in its own cache: the swarm's view is read afresh.
         fresh = hivemind.DHT(initial_peers=args.maddrs, client_mode=True, start=True)
         try:
-            return await attack(args, store, reader(dht), reader(fresh))
+            await _epoch_from_stdin(args, asyncio.to_thread)
+            return await attack(args, store, reader(dht), reader(fresh), asyncio.sleep)
         finally:
             fresh.shutdown()
     finally:
@@ -144,6 +166,7 @@ def with_libp2p(args: argparse.Namespace) -> dict[str, Any]:
             for info in peers:
                 with trio.fail_after(10):
                     await host.connect(info)
+            await _epoch_from_stdin(args, trio.to_thread.run_sync)
 
             async def ask(info: Any, request: dict[str, Any]) -> dict[str, Any]:
                 with trio.fail_after(10):
@@ -176,10 +199,19 @@ def with_libp2p(args: argparse.Namespace) -> dict[str, Any]:
                             found[entry["subkey"]] = (value, expires)
                 return found
 
-            return await attack(args, store, read, read)
+            return await attack(args, store, read, read, trio.sleep)
 
     result: dict[str, Any] = trio.run(main)
     return result
+
+
+async def _epoch_from_stdin(
+    args: argparse.Namespace, in_thread: Callable[[Callable[[], str]], Awaitable[str]]
+) -> None:
+    """Without ``--epoch``: say ``ready`` and take the epoch from stdin's next line."""
+    if args.epoch is None:
+        print("ready", flush=True)
+        args.epoch = int(await in_thread(sys.stdin.readline))
 
 
 def main() -> None:
@@ -188,11 +220,9 @@ def main() -> None:
     parser.add_argument("maddrs", nargs="+")
     parser.add_argument("--run", required=True)
     parser.add_argument("--spec", required=True, help="the run spec's hash, hex")
-    parser.add_argument("--epoch", type=int, required=True, help="the swarm's current epoch")
+    parser.add_argument("--epoch", type=int, help="the swarm's epoch (default: from stdin)")
     args = parser.parse_args()
     if args.backend == "hivemind":
-        import asyncio
-
         result = asyncio.run(with_hivemind(args))
     else:
         import logging

@@ -53,6 +53,10 @@ def _status(path: Path) -> dict[str, Any]:
     return status
 
 
+def _tail(path: Path) -> str:
+    return path.read_text()[-3000:] if path.exists() else ""
+
+
 def _wait_epoch(out: Path, epoch: int, runner: threading.Thread, seconds: float) -> int:
     """Wait until every first node reports ``epoch``; the swarm's epoch then."""
 
@@ -105,36 +109,59 @@ def test_dht_forgeries_leave_the_swarm_training_with_its_full_group(
 
     runner = threading.Thread(target=run)
     runner.start()
+    forger: subprocess.Popen[str] | None = None
+    forged = tmp_path / "forger.out"
     try:
-        epoch = _wait_epoch(out, attack_at, runner, 240)
+        # The forger starts as soon as every node is up and strikes at ``attack_at``: its own
+        # start-up (an interpreter, a DHT join) must not push the attack towards the run's end.
+        _wait_epoch(out, 1, runner, 240)
         spec = RunSpec.load(out / "run.toml")
         if backend == "hivemind":
             maddrs = json.loads((out / "bootstrap.json").read_text())["maddrs"]
         else:  # every node's sidecar: the forger writes to each replica itself
             logs = [(out / f"node-{i}.log").read_text() for i in range(3)]
             maddrs = [re.search(r"DHT \(libp2p\) (\S+)", text)[1] for text in logs]  # type: ignore[index]
-        forged = subprocess.run(
-            [
-                sys.executable,
-                str(FORGER),
-                backend,
-                *maddrs,
-                "--run",
-                spec.run.id,
-                "--spec",
-                spec.hash.hex(),
-                "--epoch",
-                str(epoch),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=180,
+        with forged.open("w") as stdout, (tmp_path / "forger.log").open("w") as stderr:
+            forger = subprocess.Popen(
+                [
+                    sys.executable,
+                    str(FORGER),
+                    backend,
+                    *maddrs,
+                    "--run",
+                    spec.run.id,
+                    "--spec",
+                    spec.hash.hex(),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=stdout,
+                stderr=stderr,
+                text=True,
+            )
+
+        def alive() -> None:
+            assert forger is not None
+            assert forger.poll() is None, _tail(tmp_path / "forger.log")
+
+        wait_until(
+            lambda: forged.read_text().startswith("ready\n"),
+            timeout_seconds=120,
+            what="the forger joined",
+            check=alive,
         )
+        epoch = _wait_epoch(out, attack_at, runner, 240)
+        assert forger.stdin is not None
+        forger.stdin.write(f"{epoch}\n")
+        forger.stdin.close()
+        forger.wait(timeout=180)
         attacked_at = max(_status(out / f"node-{i}.json").get("epoch", 0) for i in range(3))
     finally:
+        if forger is not None and forger.poll() is None:
+            forger.kill()
+            forger.wait()
         runner.join(timeout=500)
-    assert forged.returncode == 0, forged.stderr[-3000:]
-    report = json.loads(forged.stdout.strip().splitlines()[-1])
+    assert forger.returncode == 0, _tail(tmp_path / "forger.log")
+    report = json.loads(forged.read_text().strip().splitlines()[-1])
     assert set(report["accepted"].values()) == {0}, report["accepted"]
     # Every member's genuine record is still there; the only one beside them is the joiner's,
     # if it started before the attack's last read (a loaded machine) and not the forger's own.

@@ -62,11 +62,16 @@ def test_prometheus_and_status_see_the_swarm_train(tmp_path: Path) -> None:
     spec.write_text(light(DEMO_SPEC).replace("group_size = 4", "group_size = 2"))
     out = tmp_path / "sim"
     result: dict[str, Any] = {}
+    # The nodes stay in the swarm until status has seen them (on a busy machine the 20 rounds
+    # can end before the checks below do); 20 rounds: the counters rise for Prometheus to see.
+    seen = threading.Event()
 
-    def run() -> None:  # 20 rounds: still in the swarm when status asks, after Prometheus's checks
+    def run() -> None:
         try:
             result["summary"] = simulate(
-                SimulationConfig(nodes=2, rounds=20, spec_path=spec, profile_path=None, out_dir=out)
+                SimulationConfig(
+                    nodes=2, rounds=20, spec_path=spec, profile_path=None, out_dir=out, hold=seen
+                )
             )
         except Exception as error:  # reported by the main thread
             result["error"] = error
@@ -164,6 +169,7 @@ def test_prometheus_and_status_see_the_swarm_train(tmp_path: Path) -> None:
         assert "2 peer(s)" in table.stdout
         assert peers[0]["peer_id"][:10] in table.stdout
     finally:
+        seen.set()
         if prometheus is not None:
             prometheus.terminate()
             prometheus.wait(timeout=30)
