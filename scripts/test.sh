@@ -11,6 +11,6 @@ links=.venv/mypy-path/swarmgrad
 rm -rf "$links" && mkdir -p "$links"
 for pkg in node protocol compression simulations; do ln -s "$PWD/$pkg" "$links/$pkg"; done
 echo "== mypy" && "$bin/mypy"
-# One process, one test after another: the two-lane split (-n 2, tests/lanes.py) is ~25% faster
-# but not yet reliable here (README, "Development").
+# One process, one test after another: the two-lane split (-n 2, tests/lanes.py) is 10-26% faster
+# here but not yet reliable (README, "Development").
 echo "== pytest" && "$bin/python" -m pytest "$@"
