@@ -36,25 +36,13 @@ from swarmgrad.node.runspec import AlgorithmSection, RunSpec
 from swarmgrad.node.training.data import Batches, Corpus, load_corpus
 from swarmgrad.node.training.model import GPT, build_model
 from swarmgrad.node.training.trainer import set_lr
-from swarmgrad.simulations.baseline import diloco_exact, warm_start
+from swarmgrad.simulations.baseline import adamw_step, diloco_exact, inner_optimizer, warm_start
 from swarmgrad.simulations.swarm import DEMO_SPEC
 
 
 def _loss(model: GPT, windows: torch.Tensor) -> float:
     with torch.no_grad():
         return float(model.loss(windows[:, :-1], windows[:, 1:]))
-
-
-def _adamw(model: GPT, lr: float) -> torch.optim.AdamW:
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-
-
-def _step(model: GPT, optimizer: torch.optim.Optimizer, batches: Batches, lr: float) -> None:
-    inputs, targets = next(batches)
-    model.loss(inputs, targets).backward()  # type: ignore[no-untyped-call]
-    set_lr(optimizer, lr)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 class Study:
@@ -79,7 +67,7 @@ class Study:
 
     def sync(self, steps: int, schedule: AlgorithmSection) -> float:
         model = copy.deepcopy(self.initial)
-        optimizer, streams = _adamw(model, schedule.inner_lr), self.streams()
+        optimizer, streams = inner_optimizer(model, schedule.inner_lr), self.streams()
         for step in range(steps):
             for stream in streams:  # gradients add up: one step on the mean over N micro-batches
                 inputs, targets = next(stream)
@@ -92,9 +80,9 @@ class Study:
 
     def alone(self, steps: int, schedule: AlgorithmSection) -> float:
         model = copy.deepcopy(self.initial)
-        optimizer, stream = _adamw(model, schedule.inner_lr), self.streams(names=1)[0]
+        optimizer, stream = inner_optimizer(model, schedule.inner_lr), self.streams(names=1)[0]
         for step in range(steps):
-            _step(model, optimizer, stream, schedule.lr_at(step))
+            adamw_step(model, optimizer, stream, schedule.lr_at(step))
         return _loss(model, self.windows)
 
     def diloco(

@@ -33,16 +33,10 @@ def train_alone(
     threads: int | None = None,
 ) -> tuple[float, float]:
     """Train on ``samples`` samples with plain AdamW; returns (initial, final) validation loss."""
-    if threads is not None:
-        torch.set_num_threads(threads)
-    corpus = load_corpus(spec.data, vocab_size=spec.model.vocab_size, cache_dir=cache_dir)
-    windows = corpus.validation(seq_len=spec.model.seq_len, num_windows=eval_windows)
-    model = build_model(spec.model, seed=spec.data.seed)
-    cpu = torch.device("cpu")
-    initial = evaluate(model, windows, cpu)
+    corpus, windows, model, initial = _untrained(spec, cache_dir, eval_windows, threads)
     steps = max(1, samples // spec.data.batch_size)
     _train(model, spec, corpus, batch_size=spec.data.batch_size, peer_id=peer_id, steps=steps)
-    return initial, evaluate(model, windows, cpu)
+    return initial, evaluate(model, windows, torch.device("cpu"))
 
 
 def train_together(
@@ -59,12 +53,7 @@ def train_together(
     validation loss after each round)."""
     if spec.algorithm.name != "diloco":
         raise ValueError(f"train_together runs DiLoCo, not {spec.algorithm.name!r}")
-    if threads is not None:
-        torch.set_num_threads(threads)
-    corpus = load_corpus(spec.data, vocab_size=spec.model.vocab_size, cache_dir=cache_dir)
-    windows = corpus.validation(seq_len=spec.model.seq_len, num_windows=eval_windows)
-    model = build_model(spec.model, seed=spec.data.seed)
-    initial = evaluate(model, windows, torch.device("cpu"))
+    corpus, windows, model, initial = _untrained(spec, cache_dir, eval_windows, threads)
     streams = [
         corpus.batches(
             seq_len=spec.model.seq_len,
@@ -104,9 +93,7 @@ def diloco_exact(
     rounds, as a node keeps it), then the node's outer step on the mean delta. The validation loss
     after each round."""
     models = [copy.deepcopy(initial) for _ in streams]
-    optimizers = [
-        torch.optim.AdamW(m.parameters(), lr=schedule.inner_lr, weight_decay=0.0) for m in models
-    ]
+    optimizers = [inner_optimizer(m, schedule.inner_lr) for m in models]
     outer = OuterOptimizer(
         flatten(list(initial.parameters())), lr=outer_lr, momentum=outer_momentum
     )
@@ -115,11 +102,7 @@ def diloco_exact(
         deltas = []
         for model, optimizer, stream in zip(models, optimizers, streams, strict=True):
             for i in range(inner_steps):
-                inputs, targets = next(stream)
-                model.loss(inputs, targets).backward()  # type: ignore[no-untyped-call]
-                set_lr(optimizer, schedule.lr_at(round_ * inner_steps + i))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                adamw_step(model, optimizer, stream, schedule.lr_at(round_ * inner_steps + i))
             deltas.append(outer.pseudo_gradient(flatten(list(model.parameters()))))
         theta = outer.step(torch.stack(deltas).mean(0), own=deltas[0])
         for model in models:
@@ -164,11 +147,35 @@ def _train(
     batches = corpus.batches(
         seq_len=spec.model.seq_len, batch_size=batch_size, seed=spec.data.seed, peer_id=peer_id
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.algorithm.inner_lr, weight_decay=0.0)
+    optimizer = inner_optimizer(model, spec.algorithm.inner_lr)
     for step in range(steps):
-        inputs, targets = next(batches)
-        model.loss(inputs, targets).backward()  # type: ignore[no-untyped-call]
-        if schedule:
-            set_lr(optimizer, spec.algorithm.lr_at(step))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        adamw_step(model, optimizer, batches, spec.algorithm.lr_at(step) if schedule else None)
+
+
+def inner_optimizer(model: CausalLM, lr: float) -> torch.optim.AdamW:
+    """A node's inner optimizer, as the yardsticks run it on CPU: AdamW, no weight decay."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+
+
+def adamw_step(
+    model: CausalLM, optimizer: torch.optim.Optimizer, batches: Batches, lr: float | None
+) -> None:
+    """One inner step on the next batch, at ``lr`` (None: the optimizer's as it is)."""
+    inputs, targets = next(batches)
+    model.loss(inputs, targets).backward()  # type: ignore[no-untyped-call]
+    if lr is not None:
+        set_lr(optimizer, lr)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _untrained(
+    spec: RunSpec, cache_dir: Path, eval_windows: int, threads: int | None
+) -> tuple[Corpus, torch.Tensor, CausalLM, float]:
+    """The spec's corpus, the nodes' validation windows, its initial model and that model's loss."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    corpus = load_corpus(spec.data, vocab_size=spec.model.vocab_size, cache_dir=cache_dir)
+    windows = corpus.validation(seq_len=spec.model.seq_len, num_windows=eval_windows)
+    model = build_model(spec.model, seed=spec.data.seed)
+    return corpus, windows, model, evaluate(model, windows, torch.device("cpu"))
