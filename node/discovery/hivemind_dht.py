@@ -9,20 +9,23 @@ nodes, only swarmgrad's sealed values filed where their seal says.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import multiprocessing
 import os
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import hivemind
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
 from swarmgrad.node.discovery.base import DiscoveryError, SignedDirectory
 from swarmgrad.node.discovery.envelope import RecordError, open_envelope
@@ -78,11 +81,20 @@ class _DHT(hivemind.DHT):  # type: ignore[misc]
     process, a test process) can leave the child spinning on a lock it inherited held; such
     children come from multiprocessing's fork server instead, a process started clean (exec)
     that forks them on request. The fork server exits with this process, and its children with it.
+
+    hivemind serializes the replies that its DHT processes write into the pipe back to their
+    node (``MPFuture._update_lock``) with a semaphore made once, at import, and shared by every
+    process forked after it. A DHT process killed while it holds it (stopped with SIGKILL or
+    SIGTERM mid-reply) leaves it held for good: every later DHT process forked from the same
+    parent hangs at its first reply, before it can even say it is ready (seen: a test process's
+    fork server, after ~30 DHTs killed mid-call). Here the replies to one node take a
+    :class:`ReplyLock` instead, which the kernel releases when its holder dies.
     """
 
     def __init__(self, *args: Any, from_clean_process: bool, **kwargs: Any) -> None:
         self.from_clean_process = from_clean_process
         self._owner = os.getpid(), _started_at(os.getpid())
+        self._reply_lock = ReplyLock.of_this_process()
         super().__init__(*args, **kwargs)
 
     @staticmethod
@@ -92,8 +104,58 @@ class _DHT(hivemind.DHT):  # type: ignore[misc]
         return hivemind.DHT._Popen(process_obj)
 
     def run(self) -> None:
-        threading.Thread(target=_exit_with, args=self._owner, daemon=True).start()
+        self._prepare()
         super().run()
+
+    def _prepare(self) -> None:
+        """In the DHT's process, before hivemind runs."""
+        threading.Thread(target=_exit_with, args=self._owner, daemon=True).start()
+        # Before anything takes them. SharedBytes' lock guards only this process's own buffer.
+        MPFuture._update_lock = self._reply_lock
+        SharedBytes._lock = threading.Lock()
+
+
+class ReplyLock:
+    """A lock between the DHT processes that reply to one node, released by the kernel if its
+    holder dies: a POSIX record lock (``lockf``) on a nameless file the node holds open, taken
+    by one thread of a process at a time. It travels by path (``/proc/<node>/fd/<n>``), so the
+    fork server's children share it too, and nothing is left on disk."""
+
+    _mine: ClassVar[tuple[int, ReplyLock] | None] = None
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._threads = threading.Lock()
+
+    @classmethod
+    def of_this_process(cls) -> ReplyLock:
+        """This process's lock for the replies to it, made on first use."""
+        if cls._mine is None or cls._mine[0] != os.getpid():
+            fd, path = tempfile.mkstemp(prefix="swarmgrad-dht-replies-")
+            os.unlink(path)  # only the open file is needed, and it goes with this process
+            cls._mine = os.getpid(), cls(f"/proc/{os.getpid()}/fd/{fd}")
+        return cls._mine[1]
+
+    def __reduce__(self) -> tuple[type[ReplyLock], tuple[str]]:
+        return ReplyLock, (self.path,)
+
+    def __enter__(self) -> None:
+        self._threads.acquire()
+        try:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_RDWR)
+            fcntl.lockf(self._fd, fcntl.LOCK_EX)
+        except BaseException:
+            self._threads.release()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            assert self._fd is not None
+            fcntl.lockf(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._threads.release()
 
 
 def _fork_server() -> Any:

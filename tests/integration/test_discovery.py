@@ -8,8 +8,11 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -496,6 +499,22 @@ async def test_frozen_peers_do_not_slow_lookups_past_a_bound(start: Starter) -> 
 
 
 # -- hivemind backend: its own process ------------------------------------------------------------
+
+
+def test_a_dht_killed_mid_reply_does_not_hang_the_next_one() -> None:
+    # hivemind's DHT processes from one parent shared a lock around their replies: one killed
+    # holding it left every later DHT from that fork server unable to say it was ready.
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("dht_dies_replying.py"))],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["victim_exitcode"] == -signal.SIGKILL
+    assert result["from_clean_process"]  # from the fork server the victim came from
+    assert result["stored"] is False  # it answered (refusing a value that is not sealed)
 
 
 async def test_a_dht_started_after_grpc_comes_from_a_clean_process() -> None:
