@@ -1,6 +1,6 @@
-"""Two lanes for ``pytest -n 2`` (``scripts/test.sh -n 2``; CI runs the suite serially until the
-split is reliable, see the README's "Development"): the swarm tests one after another on one
-worker, everything else one after another on the other.
+"""Two lanes for ``pytest -n 2`` (what ``scripts/test.sh`` and CI run; see the README's
+"Development"): the swarm tests one after another on one worker, everything else one after
+another on the other.
 
 A swarm test keeps both cores of a two-core machine busy and holds deadlines (matchmaking, a
 round, a rejoin) that two swarms at once would miss; the tests in the other lane mostly wait

@@ -110,8 +110,10 @@ class _DHT(hivemind.DHT):  # type: ignore[misc]
     def _prepare(self) -> None:
         """In the DHT's process, before hivemind runs."""
         threading.Thread(target=_exit_with, args=self._owner, daemon=True).start()
-        # Before anything takes them. SharedBytes' lock guards only this process's own buffer.
+        # Before anything takes them. hivemind's two other process-wide locks guard only this
+        # process's own state (its reply backend, its shared bytes): a thread lock each.
         MPFuture._update_lock = self._reply_lock
+        MPFuture._initialization_lock = threading.Lock()
         SharedBytes._lock = threading.Lock()
 
 
