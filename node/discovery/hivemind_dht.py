@@ -124,6 +124,7 @@ class ReplyLock:
     fork server's children share it too, and nothing is left on disk."""
 
     _mine: ClassVar[tuple[int, ReplyLock] | None] = None
+    _making: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -132,12 +133,14 @@ class ReplyLock:
 
     @classmethod
     def of_this_process(cls) -> ReplyLock:
-        """This process's lock for the replies to it, made on first use."""
-        if cls._mine is None or cls._mine[0] != os.getpid():
-            fd, path = tempfile.mkstemp(prefix="swarmgrad-dht-replies-")
-            os.unlink(path)  # only the open file is needed, and it goes with this process
-            cls._mine = os.getpid(), cls(f"/proc/{os.getpid()}/fd/{fd}")
-        return cls._mine[1]
+        """This process's lock for the replies to it, made on first use (one, whichever
+        thread starts a DHT first)."""
+        with cls._making:
+            if cls._mine is None or cls._mine[0] != os.getpid():
+                fd, path = tempfile.mkstemp(prefix="swarmgrad-dht-replies-")
+                os.unlink(path)  # only the open file is needed, and it goes with this process
+                cls._mine = os.getpid(), cls(f"/proc/{os.getpid()}/fd/{fd}")
+            return cls._mine[1]
 
     def __reduce__(self) -> tuple[type[ReplyLock], tuple[str]]:
         return ReplyLock, (self.path,)
