@@ -6,7 +6,11 @@ One checkpoint is one directory, ``epoch-000012-step-000000650/``, holding ``sta
 size of each file, and small JSON metadata such as the data cursor). A checkpoint is written into
 a ``.tmp-*`` directory, each file and the directory are fsynced, then the directory is renamed into
 place and its parent fsynced: a kill at any moment leaves either the whole checkpoint or a temp
-directory that the next start deletes. The newest ``keep`` checkpoints are kept.
+directory that the next start deletes. The newest ``keep`` checkpoints of this run spec are
+kept, the one just written always among them; an old one is renamed to a ``.tmp-*`` name before it
+is deleted, so a kill mid-delete leaves nothing half-gone under a checkpoint's name. Checkpoints of
+another spec (a run id's earlier spec sharing its folder) and ones found damaged are left alone and
+not counted: they never push this run's own checkpoints out.
 
 Reading goes newest first and takes the first checkpoint that is whole and ours: a manifest that
 does not parse, a spec hash that is not this run's, a file whose sha256 differs, a safetensors file
@@ -87,7 +91,7 @@ def read(path: Path, *, spec: RunSpec | None = None) -> Checkpoint:
         theirs = RunSpec.from_dict(json.loads(manifest["spec"]))
         epoch, step, files = int(manifest["epoch"]), int(manifest["step"]), manifest["files"]
         meta = dict(manifest.get("meta", {}))
-    except (KeyError, TypeError, ValueError, RunSpecError) as error:
+    except (KeyError, TypeError, ValueError, OverflowError, RunSpecError) as error:
         raise CheckpointError(f"{path}: malformed manifest ({error})") from None
     if spec is not None and theirs.hash != spec.hash:
         differences = "; ".join(spec.differences(theirs.canonical())) or "unknown fields"
@@ -95,7 +99,11 @@ def read(path: Path, *, spec: RunSpec | None = None) -> Checkpoint:
             f"{path}: belongs to another run spec ({theirs.run.id} {theirs.short_hash}, this "
             f"node runs {spec.run.id} {spec.short_hash}): {differences}"
         )
-    if not isinstance(files, dict) or set(files) != {STATE_FILE}:
+    if (
+        not isinstance(files, dict)
+        or set(files) != {STATE_FILE}
+        or not all(isinstance(entry, dict) for entry in files.values())
+    ):
         raise CheckpointError(f"{path}: the manifest must list exactly {STATE_FILE}")
     for name, expected in files.items():
         file = path / name
@@ -110,6 +118,16 @@ def read(path: Path, *, spec: RunSpec | None = None) -> Checkpoint:
     except (SafetensorError, OSError) as error:
         raise CheckpointError(f"{path}: {STATE_FILE} does not load ({error})") from None
     return Checkpoint(path=path, spec=theirs, epoch=epoch, step=step, tensors=tensors, meta=meta)
+
+
+def spec_hash_of(path: Path) -> str | None:
+    """The spec hash a checkpoint's manifest names (hex), unchecked; None if it names none."""
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    named = manifest.get("spec_hash") if isinstance(manifest, dict) else None
+    return named if isinstance(named, str) else None
 
 
 def candidates(folder: Path) -> list[Path]:
@@ -131,6 +149,7 @@ class Checkpointer:
         self.folder, self.spec, self.keep = folder, spec, keep
         #: Checkpoints found unusable, with why, in the order met.
         self.rejected: list[str] = []
+        self._unusable: set[Path] = set()
         self._lock: int | None = None
 
     def __enter__(self) -> Checkpointer:
@@ -169,6 +188,7 @@ class Checkpointer:
                 return read(path, spec=self.spec)
             except CheckpointError as error:
                 self.rejected.append(str(error))
+                self._unusable.add(path)
                 log.warning("skipping checkpoint: %s", error)
         return None
 
@@ -206,14 +226,43 @@ class Checkpointer:
             f.flush()
             os.fsync(f.fileno())
         _fsync(temporary)
-        if final.exists():  # saved twice at one step (a stop right after a round): keep the first
-            shutil.rmtree(temporary)
+        if final.exists() and self._usable(final):
+            shutil.rmtree(temporary)  # saved twice at one step (a stop right after a round)
             return final
+        if final.exists():  # damaged or another spec's, at the step this run has just reached
+            log.warning("replacing %s (damaged, or another run spec's) with this run's", final)
+            self._discard(final)
         temporary.rename(final)
         _fsync(self.folder)
-        for old in self.candidates()[self.keep :]:
-            shutil.rmtree(old, ignore_errors=True)
+        self._unusable.discard(final)  # what was found there before is gone
+        self._retire(final)
         return final
+
+    def _usable(self, path: Path) -> bool:
+        try:
+            read(path, spec=self.spec)
+        except CheckpointError:
+            return False
+        return True
+
+    def _retire(self, kept: Path) -> None:
+        """Delete this spec's checkpoints beyond the newest ``keep`` (``kept`` always counted
+        among them), leaving another spec's and damaged ones alone."""
+        ours = self.spec.hash.hex()
+        others = [
+            path
+            for path in self.candidates()
+            if path != kept and path not in self._unusable and spec_hash_of(path) == ours
+        ]
+        for old in others[self.keep - 1 :]:
+            self._discard(old)
+
+    def _discard(self, path: Path) -> None:
+        """Delete a checkpoint: first out of its name (one rename), then its files."""
+        doomed = self.folder / f".tmp-retired-{path.name}-{os.getpid()}"
+        path.rename(doomed)
+        _fsync(self.folder)
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], Any]:

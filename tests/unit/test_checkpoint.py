@@ -13,6 +13,7 @@ import torch
 
 from swarmgrad.compression import get_codec
 from swarmgrad.node.runspec import ModelSection, RunSpec
+from swarmgrad.node.state import checkpoint as checkpoint_module
 from swarmgrad.node.state.checkpoint import (
     MANIFEST_FILE,
     STATE_FILE,
@@ -20,6 +21,7 @@ from swarmgrad.node.state.checkpoint import (
     CheckpointError,
     load_optimizer_state,
     optimizer_state,
+    spec_hash_of,
 )
 from swarmgrad.node.training.api import DiLoCo, SyncDataParallel
 from swarmgrad.node.training.model import build_model
@@ -94,6 +96,94 @@ def test_an_interrupted_write_leaves_nothing_that_loads_and_is_cleaned_up(tmp_pa
         assert latest is not None
         assert latest.epoch == 1
         assert checkpoints.rejected == []
+
+
+def test_another_specs_checkpoints_never_push_out_this_runs_own(tmp_path: Path) -> None:
+    # The run id's folder still holds an earlier spec's newest checkpoints (an edited outer_lr).
+    earlier = RunSpec.from_toml('[run]\nid = "r"\n[algorithm]\nouter_lr = 0.5\n')
+    with Checkpointer(tmp_path, earlier, keep=2) as old_run:
+        for epoch in range(1, 6):
+            _save(old_run, epoch, value=-1.0)
+    with Checkpointer(tmp_path, SPEC, keep=2) as checkpoints:
+        assert checkpoints.latest() is None  # both of the earlier spec's are refused
+        for epoch in range(1, 5):
+            _save(checkpoints, epoch, value=float(epoch))
+            latest = checkpoints.latest()
+            assert latest is not None
+            assert latest.epoch == epoch, f"the save of epoch {epoch} did not stay"
+        # At the step where the earlier spec has one, this run's replaces it (and stays).
+        _save(checkpoints, 5, value=5.0)
+        latest = checkpoints.latest()
+    assert latest is not None
+    assert latest.epoch == 5
+    assert torch.equal(latest.tensors["w"], torch.full((64,), 5.0))
+    names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    # keep=2 of this run's; the earlier spec's two were replaced where this run reached them.
+    assert names == [f"epoch-00000{e}-step-0000000{e}0" for e in (4, 5)]
+    assert {spec_hash_of(tmp_path / name) for name in names} == {SPEC.hash.hex()}
+
+
+def test_a_damaged_newest_checkpoint_is_replaced_when_the_run_gets_there_again(
+    tmp_path: Path,
+) -> None:
+    with Checkpointer(tmp_path, SPEC, keep=3) as checkpoints:
+        paths = [_save(checkpoints, epoch, value=float(epoch)) for epoch in range(1, 6)]
+    for damaged in paths[3:]:  # epochs 4 and 5: torn writes
+        (damaged / STATE_FILE).write_bytes((damaged / STATE_FILE).read_bytes()[:50])
+    with Checkpointer(tmp_path, SPEC, keep=3) as checkpoints:
+        resumed = checkpoints.latest()
+        assert resumed is not None
+        assert resumed.epoch == 3
+        for epoch in (4, 5, 6):  # the resumed run saves at the steps it reaches again
+            _save(checkpoints, epoch, value=10.0 + epoch)
+            latest = checkpoints.latest()
+            assert latest is not None
+            assert latest.epoch == epoch
+            assert torch.equal(latest.tensors["w"], torch.full((64,), 10.0 + epoch))
+        kept = [p.name[:12] for p in checkpoints.candidates()]
+    assert kept == ["epoch-000006", "epoch-000005", "epoch-000004"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("files", {STATE_FILE: None}), ("files", {STATE_FILE: "x"}), ("epoch", float("inf"))],
+)
+def test_a_manifest_of_the_wrong_types_is_skipped(tmp_path: Path, field: str, value: Any) -> None:
+    with Checkpointer(tmp_path, SPEC, keep=3) as checkpoints:
+        _save(checkpoints, 1)
+        newest = _save(checkpoints, 2)
+        manifest = json.loads((newest / MANIFEST_FILE).read_text())
+        manifest[field] = value
+        (newest / MANIFEST_FILE).write_text(json.dumps(manifest))  # inf: JSON's Infinity
+        latest = checkpoints.latest()
+    assert latest is not None
+    assert latest.epoch == 1
+    assert len(checkpoints.rejected) == 1
+
+
+def test_a_kill_while_an_old_checkpoint_is_deleted_leaves_no_half_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with Checkpointer(tmp_path, SPEC, keep=1) as checkpoints:
+        _save(checkpoints, 1)
+        rmtree = checkpoint_module.shutil.rmtree
+
+        def die_after_one_file(path: Path, ignore_errors: bool = False) -> None:
+            if not Path(path).name.startswith(".tmp-retired-"):
+                return rmtree(path, ignore_errors=ignore_errors)
+            (Path(path) / STATE_FILE).unlink()
+            raise SystemExit("killed")  # what is on disk now is what a kill -9 leaves
+
+        monkeypatch.setattr(checkpoint_module.shutil, "rmtree", die_after_one_file)
+        with pytest.raises(SystemExit):
+            _save(checkpoints, 2)
+    monkeypatch.undo()
+    with Checkpointer(tmp_path, SPEC, keep=1) as checkpoints:
+        latest = checkpoints.latest()
+        assert [p.name[:12] for p in checkpoints.candidates()] == ["epoch-000002"]
+    assert latest is not None
+    assert (latest.epoch, checkpoints.rejected) == (2, [])
+    assert not list(tmp_path.glob(".tmp-*"))  # the half-deleted one, gone at the next start
 
 
 def test_two_nodes_cannot_share_a_checkpoint_folder(tmp_path: Path) -> None:
