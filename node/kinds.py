@@ -44,6 +44,7 @@ class Failure(enum.StrEnum):
     ABORTED_ROUND = "aborted_round"  # a round produced nothing
     DISCOVERY = "discovery"  # the DHT did not answer
     STATE_DOWNLOAD = "state_download"  # a state download failed (unreachable or lying donor)
+    INTERNAL = "internal"  # an unexpected error in this node's own round code (logged in full)
 
 
 class RoundOutcome(enum.StrEnum):

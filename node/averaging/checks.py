@@ -166,6 +166,7 @@ class CheckBox:
             ok = len(statement.report.parts) <= n and all(
                 p.part < n
                 and len(p.projections) <= PROJECTIONS * chunks
+                and len(p.projections) % PROJECTIONS == 0
                 and len(p.payload_sha256) <= chunks
                 for p in statement.report.parts
             )
@@ -457,11 +458,12 @@ def reported_projections(
         return None
     entry = next((p for p in report.parts if p.part == part.part), None)
     count = sum(member in c.contributors for c in part.account.chunks)
-    k = len(entry.projections) // count if entry is not None and count else 0
-    if entry is None or k == 0 or len(entry.projections) != k * count:
+    # Exactly PROJECTIONS a chunk, as every honest member computes them: a report of another
+    # shape is no report (rows of the wrong length would break every sum over them).
+    if entry is None or not count or len(entry.projections) != PROJECTIONS * count:
         return None
     values = list(entry.projections)
-    return [values[i * k : (i + 1) * k] for i in range(count)]
+    return [values[i * PROJECTIONS : (i + 1) * PROJECTIONS] for i in range(count)]
 
 
 def _verify(

@@ -7,6 +7,18 @@ import math
 import struct
 from dataclasses import dataclass
 
+#: The largest relative bandwidth a member may offer: a million times another's share says nothing
+#: an honest peer would, and a larger number (1e308 is finite) overflows the partition's sums.
+MAX_BANDWIDTH = 1e6
+#: The largest weight (samples since the last round) a member's values may carry, far above any
+#: real round's; a sum of such weights stays exact in float64.
+MAX_WEIGHT = 1e12
+
+
+def bounded(bandwidth: float, weight: float) -> bool:
+    """Whether a peer's bandwidth and weight may enter a group (finite, in range)."""
+    return 0 <= bandwidth <= MAX_BANDWIDTH and 0 < weight <= MAX_WEIGHT
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Member:
@@ -25,10 +37,10 @@ class Member:
     def __post_init__(self) -> None:
         if not self.peer_id or len(self.peer_id) > 256:
             raise ValueError(f"bad peer id {self.peer_id!r}")
-        if not math.isfinite(self.bandwidth) or self.bandwidth < 0:
-            raise ValueError(f"bandwidth of {self.peer_id} must be finite and >= 0")
-        if not math.isfinite(self.weight) or self.weight <= 0:
-            raise ValueError(f"weight of {self.peer_id} must be finite and > 0")
+        if not 0 <= self.bandwidth <= MAX_BANDWIDTH:  # NaN fails too
+            raise ValueError(f"bandwidth of {self.peer_id} must be in [0, {MAX_BANDWIDTH:g}]")
+        if not 0 < self.weight <= MAX_WEIGHT:
+            raise ValueError(f"weight of {self.peer_id} must be in (0, {MAX_WEIGHT:g}]")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

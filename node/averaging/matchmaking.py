@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 
-from swarmgrad.node.averaging.group import Group, Member
+from swarmgrad.node.averaging.group import Group, Member, bounded
 from swarmgrad.node.discovery.base import Discovery, dht_time
 from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS
 from swarmgrad.node.discovery.records import PeerRecord, ReadyRecord
@@ -247,7 +247,16 @@ class Matchmaker:
             liveness.close()
         await asyncio.sleep(self.settle_seconds)
         candidates = await self._candidates(round_)
-        by_id = {r.peer_id: r for r in candidates if census.in_bucket(r.peer_id)}
+        # A peer whose offer is out of range has come (nobody waits for it) but joins no group:
+        # every member leaves it out alike, so all still cut the same groups.
+        by_id = {
+            r.peer_id: r
+            for r in candidates
+            if census.in_bucket(r.peer_id) and bounded(r.bandwidth, r.weight)
+        }
+        refused = [r.peer_id for r in candidates if not bounded(r.bandwidth, r.weight)]
+        if refused:
+            log.info("round %d: left out %s (bandwidth or weight out of range)", round_, refused)
         for members in assign_groups(round_, list(by_id), self.group_size):
             if self._identity.peer_id in members:
                 if not any(by_id[p].bandwidth > 0 for p in members):
@@ -290,7 +299,5 @@ class Matchmaker:
 
     async def _candidates(self, round_: int) -> list[ReadyRecord]:
         return [
-            r
-            for r in await self._discovery.find_ready(round_)
-            if r.weight > 0 and r.bandwidth >= 0 and not self._excluded(r.peer_id)
+            r for r in await self._discovery.find_ready(round_) if not self._excluded(r.peer_id)
         ]

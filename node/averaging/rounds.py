@@ -26,7 +26,7 @@ import torch
 
 from swarmgrad.node.averaging.allreduce import RoundResult
 from swarmgrad.node.averaging.averager import Averager
-from swarmgrad.node.averaging.group import Group
+from swarmgrad.node.averaging.group import MAX_BANDWIDTH, Group
 from swarmgrad.node.averaging.matchmaking import Matchmaker
 from swarmgrad.node.discovery.base import DiscoveryError
 from swarmgrad.node.discovery.directory import PeerDirectory
@@ -68,8 +68,8 @@ class RoundsConfig:
     budget_seconds: float = 120.0
 
     def __post_init__(self) -> None:
-        if not self.bandwidth > 0:
-            raise ValueError("bandwidth must be positive")
+        if not 0 < self.bandwidth <= MAX_BANDWIDTH:
+            raise ValueError(f"bandwidth must be positive and at most {MAX_BANDWIDTH:g}")
         if self.reachability_wait_seconds < 0 or not self.budget_seconds > 0:
             raise ValueError("reachability_wait_seconds and budget_seconds must be positive")
 
@@ -163,6 +163,10 @@ class Rounds:
         except RoundAborted as error:
             parts.tallies.failed("aborted", Failure.ABORTED_ROUND)
             return Averaged(Outcome.ABORTED, group=group, error=str(error))
+        except Exception as error:  # a bug a peer's input reached: one round lost, not the node
+            log.exception("epoch %d: the round failed on an unexpected error", epoch)
+            parts.tallies.failed("aborted", Failure.INTERNAL)
+            return Averaged(Outcome.ABORTED, group=group, error=f"internal error: {error!r}")
         finally:
             # Also when the round ends (early or not): a peer arriving late for this round must
             # not form a group with peers that have moved on, and the delayed withdrawal must

@@ -293,6 +293,31 @@ async def test_a_member_that_frames_an_owner_with_false_reports_is_convicted_ins
         assert all(isinstance(r, RoundResult) and r.complete for r in results[:4])
 
 
+@pytest.mark.parametrize("projections_per_chunk", [1, 4])
+async def test_a_check_report_of_the_wrong_shape_is_refused_and_the_round_goes_on(
+    monkeypatch: pytest.MonkeyPatch, projections_per_chunk: int
+) -> None:
+    """Every honest member computes 8 projections a chunk; a report with another count is no
+    report (refused at the door when it cannot fit any part), never rows of a length that breaks
+    the honest members' sums."""
+    async with swarm(5) as peers:
+        honest, sender = peers[:4], peers[4]
+        honest_report = checks._report
+
+        def reshaped(run: checks.CheckRun, part: checks.CheckedPart) -> averaging_pb2.PartReport:
+            report = honest_report(run, part)
+            if run.signer.peer_id == sender.peer_id and report.projections:
+                chunks = len(report.projections) // 8
+                del report.projections[:]
+                report.projections.extend([0.5] * projections_per_chunk * chunks)
+            return report
+
+        monkeypatch.setattr(checks, "_report", reshaped)
+        results = await average(peers, honest_updates(0, 5), 0)
+        assert all(isinstance(r, RoundResult) for r in results[:4]), results
+        assert not any(p.ledger.bans.keys() - {sender.peer_id} for p in honest)
+
+
 async def test_check_messages_from_strangers_and_forgers_are_refused() -> None:
     async with swarm(3) as peers:
         target = peers[0]

@@ -176,6 +176,26 @@ async def test_banned_peers_are_neither_candidates_nor_waited_for() -> None:
     assert sorted(m.peer_id for m in group.members) == sorted([me.peer_id, "friend"])
 
 
+async def test_a_peer_offering_an_absurd_share_or_weight_is_left_out_of_the_group() -> None:
+    """1e308 is finite and passes a record's checks, but it would overflow the partition (or
+    the weighted average) of every member of its group: such a peer is no candidate."""
+    me = Identity.from_seed("mm-rules/me")
+    board = Board()
+    now = dht_time()
+    offers = {"friend": (1.0, 3.0), "greedy": (1e308, 1.0), "heavy": (1.0, 1e300)}
+    for name, (bandwidth, weight) in offers.items():
+        await board.announce_ready(
+            ReadyRecord(peer_id=name, run_id=RUN, spec_hash=SPEC.hex(), endpoint=f"{name}:1",
+                        round=3, bandwidth=bandwidth, weight=weight, issued_at=now,
+                        expires_at=now + 60)
+        )  # fmt: skip
+    peers = [peer(name, 3) for name in (me.peer_id, *offers)]
+    group = await maker(board, me, peers).form_group(3, endpoint="me:1")
+    assert group is not None
+    assert sorted(m.peer_id for m in group.members) == sorted([me.peer_id, "friend"])
+    assert [end - start for start, end in group.partition(1000)] == [500, 500]
+
+
 def test_buckets_keep_every_group_whole_in_a_large_swarm() -> None:
     assert bucket_count(3, [f"p{i}" for i in range(15)], 4) == 1  # under four groups: one bucket
     for size in (16, 64, 1000, 5000):

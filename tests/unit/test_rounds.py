@@ -152,6 +152,36 @@ async def test_a_round_in_time_reports_what_the_all_reduce_did(aborts: bool) -> 
     assert "round/3" in directory.withdrawn
 
 
+async def test_an_unexpected_error_in_a_round_loses_the_round_not_the_node(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def form_group(*args: Any, **kwargs: Any) -> Group:
+        return GROUP
+
+    calls = 0
+
+    async def all_reduce(vector: torch.Tensor, group: Group, keep_sent: bool) -> RoundResult:
+        nonlocal calls
+        calls += 1
+        if calls == 1:  # what a peer's input once reached: an IndexError deep in the checks
+            raise IndexError("list index out of range")
+        return RoundResult(
+            averaged=vector, contributors=("a", "b"), partial=(), missing=(), failures={}
+        )
+
+    node, tallies, directory, spawned = rounds(
+        form_group=form_group, all_reduce=all_reduce, budget_seconds=5.0
+    )
+    failed = await node.run(torch.ones(8), epoch=3, weight=1.0)
+    assert failed.outcome is Outcome.ABORTED
+    assert "IndexError" in failed.error
+    assert tallies.failures["internal"] == 1
+    assert "the round failed on an unexpected error" in caplog.text  # with its traceback
+    assert (await node.run(torch.ones(8), epoch=4, weight=1.0)).outcome is Outcome.AVERAGED
+    await asyncio.gather(*spawned)
+    assert "round/3" in directory.withdrawn
+
+
 async def test_a_first_round_announces_the_endpoint_its_reachability_verdict_gave() -> None:
     # A NAT'd node that learns it is relayed while it waits must announce the relay's address,
     # not the LAN one it had when the round was asked for (the NAT lab saw peers dial
