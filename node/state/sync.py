@@ -3,8 +3,8 @@
 A trainer publishes its replicated state after every round (:meth:`StateSync.publish`, from
 its own thread); the State service serves the last few published states by root, so a download
 that began before this node moved on still completes. A replica that is behind the swarm, or at
-its epoch with another checksum, picks donors (:func:`pick_donors`: the newest epoch, then the
-checksum most peers share) and downloads from several at once, each chunk checked against the
+its epoch with another checksum, picks donors (:func:`pick_donors`: the newest epoch, in open runs
+the newest most peers have reached, then the checksum most peers share) and downloads from several at once, each chunk checked against the
 signed manifest (``protocol/state.py``).
 """
 
@@ -54,18 +54,32 @@ class StateSyncConfig:
             raise ValueError("download_timeout_seconds and max_donors must be positive")
 
 
-def pick_donors(peers: list[PeerRecord], me: str, epoch: int, checksum: str) -> list[PeerRecord]:
+def pick_donors(
+    peers: list[PeerRecord], me: str, epoch: int, checksum: str, *, open_run: bool = False
+) -> list[PeerRecord]:
     """The peers to resync from (all hold the same state), or none if this replica is in step.
 
     The swarm's state is the newest epoch any peer announces, and at that epoch the checksum
     most peers share (ties go to the smallest checksum, so every replica picks the same one;
     this replica's own vote counts). A replica behind that epoch, or at it with another
     checksum, downloads the state from the peers that have it.
+
+    In an open run an epoch is a claim anyone can make: one peer announcing epoch 10**6 with a
+    state of its own making would be the only donor. There the swarm's epoch is the newest that
+    at least half of the other peers have reached (the upper median of their epochs), which a
+    minority can neither raise nor lower past the honest peers' range; a replica ahead of it
+    stays as it is.
     """
     others = [p for p in peers if p.peer_id != me and p.checksum]
     if not others:
         return []
-    newest = max(epoch, *(p.epoch for p in others))
+    if open_run:
+        epochs = sorted((p.epoch for p in others), reverse=True)
+        newest = epochs[len(epochs) // 2]
+        if newest < epoch:
+            return []
+    else:
+        newest = max(epoch, *(p.epoch for p in others))
     votes = Counter(p.checksum for p in others if p.epoch == newest)
     if epoch == newest:
         votes[checksum] += 1
@@ -123,7 +137,10 @@ class StateSync:
     def find_donors(self, peers: list[PeerRecord], epoch: int, checksum: str) -> list[PeerRecord]:
         """Peers to download state from if this node is behind or diverged (:func:`pick_donors`),
         at most ``max_donors``, in random order (joiners spread over the donors)."""
-        donors = pick_donors(peers, self._parts.identity.peer_id, epoch, checksum)
+        parts = self._parts
+        donors = pick_donors(
+            peers, parts.identity.peer_id, epoch, checksum, open_run=parts.spec.trust.open
+        )
         donors = [d for d in donors if d.reachability != Reach.UNREACHABLE]  # nobody can dial them
         random.shuffle(donors)
         return donors[: self.config.max_donors]

@@ -169,6 +169,27 @@ def test_a_replica_behind_or_diverged_resyncs_from_the_majority() -> None:
     assert pick_donors(tied, "me", 5, "bb") == tied
 
 
+def test_in_an_open_run_one_peer_claiming_a_far_epoch_is_no_donor() -> None:
+    honest = [_record(10, "aa") for _ in range(7)]
+    liar = _record(10**6, "ff")
+    assert pick_donors([*honest, liar], "me", 10, "aa", open_run=True) == []
+    assert pick_donors([*honest, liar], "me", 3, "bb", open_run=True) == honest  # a joiner
+    # (A trusted run believes the newest epoch anyone announces.)
+    assert pick_donors([*honest, liar], "me", 10, "aa") == [liar]
+    # Liars at the honest epoch with another state lose the vote there.
+    liars = [_record(10, "00") for _ in range(3)]
+    assert pick_donors([*honest, *liars], "me", 3, "bb", open_run=True) == honest
+
+
+def test_in_an_open_run_a_replica_follows_the_epoch_most_peers_have_reached() -> None:
+    ahead, behind = [_record(11, "cc") for _ in range(4)], [_record(10, "aa") for _ in range(3)]
+    assert pick_donors(ahead + behind, "me", 10, "aa", open_run=True) == ahead
+    assert pick_donors(ahead[:3] + behind, "me", 9, "xx", open_run=True) == behind
+    assert pick_donors(ahead[:3] + behind, "me", 10, "aa", open_run=True) == []
+    assert pick_donors(behind, "me", 12, "dd", open_run=True) == []  # ahead of them all
+    assert pick_donors(ahead[:1], "me", 2, "xx", open_run=True) == ahead[:1]  # the only peer
+
+
 # -- configuration ------------------------------------------------------------------------------
 
 
