@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -124,6 +125,18 @@ class OuterOptimizer:
         self.carry = state["carry"].to(device, copy=True)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Restored:
+    """A round that was in flight when the checkpoint it came back from was written: its outcome
+    is unknown (it may have landed in the swarm with this replica's progress in it, or not)."""
+
+    epoch: int
+    fragment: int | None
+    offset: int
+    weight: int
+    boundary: torch.Tensor  # the local parameters of its range when it started
+
+
 class DiLoCo(Replica):
     """DiLoCo's outer loop around a model trained by any inner optimizer (Douillard et al. 2023).
 
@@ -184,6 +197,9 @@ class DiLoCo(Replica):
         #: overlap: the round in flight, and the local parameters when it started.
         self._in_flight: PendingRound | None = None
         self._boundary: torch.Tensor | None = None
+        #: overlap: the round in flight at the checkpoint this replica resumed from, until it is
+        #: known to have landed (the swarm is past it) or not (this replica lands its epoch).
+        self._restored: Restored | None = None
         self.publish()
 
     def state_vector(self) -> torch.Tensor:
@@ -217,26 +233,90 @@ class DiLoCo(Replica):
         counts = meta.get("fragment_samples") or [0] * self.fragments
         self._fragment_samples = [int(c) for c in counts][: self.fragments]
         self._fragment_samples += [0] * (self.fragments - len(self._fragment_samples))
+        self._restored = self._restore_in_flight(meta.get("in_flight"), tensors)
+
+    def _restore_in_flight(
+        self, record: object, tensors: dict[str, torch.Tensor]
+    ) -> Restored | None:
+        """The round in flight at the checkpoint (None: none, or a checkpoint from before the
+        boundary was kept, whose round a resync drops). Its samples count again until it is
+        known to have landed."""
+        boundary = tensors.get("in_flight.boundary")
+        if not isinstance(record, dict) or boundary is None:
+            return None
+        fragment = None if record["fragment"] is None else int(record["fragment"])
+        offset, weight = int(record["offset"]), int(record["weight"])
+        start, end = self.bounds[fragment or 0]
+        if (fragment is not None and not 0 <= fragment < self.fragments) or (
+            offset != start or boundary.shape != (end - start,)
+        ):
+            raise ValueError("the round in flight in the state does not match the model")
+        if fragment is None:
+            self.samples += weight
+        else:
+            self._fragment_samples[fragment] += weight
+        return Restored(
+            epoch=int(record["epoch"]),
+            fragment=fragment,
+            offset=offset,
+            weight=weight,
+            boundary=boundary.to(self.device, torch.float32, copy=True),
+        )
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """As the base's; a round in flight is named (``in_flight``: its epoch) but not kept: a
-        restart cannot collect it, and its progress is still in the local parameters, so the
-        next round sends it (or a resync drops it, if the swarm has moved on meanwhile)."""
+        """As the base's, with the round in flight, if any: its epoch, range and weight, and
+        the local parameters of its range when it started (``in_flight.boundary``). A restart
+        cannot collect it, so the replica that resumes does not know whether it landed: if the
+        swarm is past it, it did (with this replica's progress up to the boundary in it, which
+        is then not sent again); otherwise the next round sends that progress."""
         tensors, meta = super().state_dict()
-        in_flight = self._in_flight.epoch if self._in_flight is not None else None
+        record: dict[str, Any] | None = None
+        if self._in_flight is not None and self._boundary is not None:
+            pending = self._in_flight
+            record = {
+                "epoch": pending.epoch,
+                "fragment": self._in_flight_fragment,
+                "offset": pending.offset,
+                "weight": int(pending.weight),
+            }
+            tensors["in_flight.boundary"] = self._boundary.cpu().clone()
+        elif self._restored is not None:
+            restored = self._restored
+            record = {
+                "epoch": restored.epoch,
+                "fragment": restored.fragment,
+                "offset": restored.offset,
+                "weight": restored.weight,
+            }
+            tensors["in_flight.boundary"] = restored.boundary.cpu().clone()
+            # Its samples are back in the counts (see _restore_in_flight): out again, as saved.
+            if restored.fragment is None:
+                meta["samples"] -= restored.weight
         return tensors, meta | {
             "steps": self._steps,
-            "in_flight": in_flight,
-            "fragment_samples": list(self._fragment_samples),
+            "in_flight": record,
+            "fragment_samples": self._saved_fragment_samples(),
         }
+
+    def _saved_fragment_samples(self) -> list[int]:
+        counts = list(self._fragment_samples)
+        restored = self._restored
+        if self._in_flight is None and restored is not None and restored.fragment is not None:
+            counts[restored.fragment] -= restored.weight
+        return counts
 
     @property
     def schedule_step(self) -> int:
         """The next inner step's place in the run, for the learning-rate schedule: the same on
         every member (epoch x inner_steps + steps into this round, counting a round in flight),
         resumed or resynced."""
-        rounds = self.epoch + (self._in_flight is not None)
+        rounds = self.epoch + self._pending
         return rounds * self.sync_every + self._steps % self.sync_every
+
+    @property
+    def _pending(self) -> bool:
+        """A round is in flight, or was at the checkpoint resumed and may have landed."""
+        return self._in_flight is not None or self._restored is not None
 
     def count(self, samples: int) -> None:
         """Count one inner step of ``samples``, running no round (a pipeline stage's rounds
@@ -297,9 +377,11 @@ class DiLoCo(Replica):
         pending, boundary, fragment = self._in_flight, self._boundary, self._in_flight_fragment
         assert pending is not None
         assert boundary is not None
-        self._in_flight = self._boundary = self._in_flight_fragment = None
+        # A stop while waiting leaves the round in flight, so the last checkpoint keeps it.
         averaged = self._finish_average(pending)  # usually done by now
+        self._in_flight = self._boundary = self._in_flight_fragment = None
         if averaged.outcome is Outcome.AVERAGED:
+            self._restored = None  # this replica's epoch had not landed: its round now has
             assert averaged.result is not None
             assert averaged.sent is not None
             start, end = pending.offset, pending.offset + boundary.numel()
@@ -322,10 +404,29 @@ class DiLoCo(Replica):
         return self._report(averaged, started)
 
     def _progress(self) -> torch.Tensor:
-        return flatten(self.params) - self.outer.theta
+        local = flatten(self.params)
+        progress = local - self.outer.theta
+        restored = self._restored
+        if restored is not None:
+            # The swarm is past the round resumed in flight: it landed, with this replica's
+            # progress up to its boundary (which must not be sent twice); what came after goes.
+            start, end = restored.offset, restored.offset + restored.boundary.numel()
+            progress[start:end] = local[start:end] - restored.boundary
+        return progress
 
     def _carry(self, progress: torch.Tensor) -> None:
         unflatten(self.outer.theta + progress, self.params)
+
+    def _resynced(self, *, carried: bool) -> None:
+        restored, self._restored = self._restored, None
+        if not carried:
+            self._fragment_samples = [0] * self.fragments
+        elif restored is not None:  # its samples landed with it
+            if restored.fragment is None:
+                self.samples = max(0, self.samples - restored.weight)
+            else:
+                counts = self._fragment_samples
+                counts[restored.fragment] = max(0, counts[restored.fragment] - restored.weight)
 
     def drain(self) -> RoundReport | None:
         """Land the round in flight, if any, starting none."""
@@ -337,7 +438,7 @@ class DiLoCo(Replica):
     def rounds_started(self) -> int:
         """Rounds landed, and the one in flight: a run of ``max_epochs`` rounds stops training
         once it has started its last (overlap), and :meth:`finish` lands it."""
-        return self.epoch + (self._in_flight is not None)
+        return self.epoch + self._pending
 
     def finish(self) -> list[RoundReport]:
         """The run's end: land every sample's progress in the global parameters. The round in

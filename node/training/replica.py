@@ -96,10 +96,10 @@ class Replica:
         residual = tensors.get("residual")
         if residual is None or residual.shape != (self.numel,):
             raise ValueError("the state's residual does not match the model")
-        self._load_state_tensors(tensors, meta)
-        self._residual = residual.to(self.device, torch.float32, copy=True)
         self.epoch, self.samples = int(meta["epoch"]), int(meta["samples"])
         self._samples_total = int(meta["samples_total"])
+        self._load_state_tensors(tensors, meta)  # after the counts: a subclass may add to them
+        self._residual = residual.to(self.device, torch.float32, copy=True)
         self.publish()
 
     def _named(self, prefix: str, vector: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -185,6 +185,7 @@ class Replica:
             self._carry(progress)
         else:
             self.samples = 0
+        self._resynced(carried=progress is not None)
         self.epoch = downloaded.epoch
         self._residual.zero_()
         self.publish()
@@ -203,6 +204,9 @@ class Replica:
     def _carry(self, progress: torch.Tensor) -> None:
         """Put ``progress`` back onto the (just loaded) global parameters."""
         raise NotImplementedError(f"{type(self).__name__} does not carry progress over a resync")
+
+    def _resynced(self, *, carried: bool) -> None:
+        """After a resync, the subclass's own counts (``carried``: the progress was kept)."""
 
     def _average(self, vector: torch.Tensor) -> Averaged:
         """One round of ``vector`` plus the error-feedback residual. The residual moves on only

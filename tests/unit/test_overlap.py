@@ -6,10 +6,13 @@ group that averages once every member has started the round."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import json
 import threading
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 from swarmgrad.node.averaging.plan import RoundResult
@@ -166,8 +169,9 @@ def test_the_schedule_position_counts_the_round_in_flight() -> None:
     train_round(made, 0)
     assert replica.epoch == 0
     assert replica.schedule_step == H  # round 1's first step, though round 0 has not landed
-    _, meta = replica.state_dict()
-    assert meta["in_flight"] == 0
+    tensors, meta = replica.state_dict()
+    assert meta["in_flight"]["epoch"] == 0
+    assert tensors["in_flight.boundary"].shape == (replica.numel,)
 
 
 def move(made: list[tuple[torch.nn.Linear, DiLoCo]], steps: int, salt: float) -> list[Any]:
@@ -279,3 +283,77 @@ def test_a_replica_the_swarm_left_behind_carries_its_progress_into_the_swarms_st
     torch.testing.assert_close(
         replica._in_flight.compensated, torch.full_like(swarm_theta, -progress)
     )
+
+
+def linked(made: list[tuple[torch.nn.Linear, DiLoCo]]) -> None:
+    """Each replica resyncs from the others' published states (the newest epoch's holder)."""
+    for _, replica in made:
+        others = [r for _, r in made if r is not replica]
+
+        def donors(epoch: int, checksum: str, others: list[DiLoCo] = others) -> list[Any]:
+            ahead = [r for r in others if r.swarm.snapshot.epoch > epoch]
+            return [max(ahead, key=lambda r: r.swarm.snapshot.epoch).swarm] if ahead else []
+
+        replica.swarm.find_donors = donors
+        replica.swarm.download_state = lambda donors, numel: donors[0].snapshot
+
+
+def restarted(made: list[tuple[torch.nn.Linear, DiLoCo]], i: int) -> None:
+    """Replica ``i`` from its checkpoint, in a new model (a kill and restart): what it had in
+    flight is never collected."""
+    tensors, meta = made[i][1].state_dict()
+    hub = made[i][1].swarm
+    model, replica = replicas(Hub(members=1), 1)[0]
+    replica.swarm = hub
+    replica.load_state_dict(tensors, json.loads(json.dumps(meta)))
+    made[i] = (model, replica)
+    linked(made)
+
+
+@pytest.mark.parametrize("landed", [True, False])
+def test_a_round_in_flight_at_a_restart_is_applied_once_whether_it_landed_or_not(
+    landed: bool,
+) -> None:
+    """Restarted right after a boundary, a replica cannot know whether the round it had just
+    started landed: if the swarm is past it, its progress up to the boundary is in the swarm's
+    state and is not sent again; if not, the next round sends it with its samples. Either way
+    the swarm ends where it would have without the restart."""
+
+    def run(restart: bool) -> tuple[torch.Tensor, list[int]]:
+        made = replicas(Hub(members=2, failing=() if landed else (2,)), 2)
+        linked(made)
+        schedule = []
+        for round_ in range(7):
+            train_round(made, round_)
+            if restart and round_ == 2:  # round 2 was started at this boundary
+                # The one that steps second: at the next boundary, the other has landed (or
+                # failed) round 2 before it looks (the hub has no matchmaking to time out).
+                restarted(made, 1)
+                schedule = [r.schedule_step for _, r in made]
+        for _, replica in made:
+            replica.drain()
+        thetas = {r.outer.checksum() for _, r in made}
+        assert len(thetas) == 1
+        return made[1][1].outer.theta, schedule
+
+    expected, _ = run(restart=False)
+    theta, schedule = run(restart=True)
+    torch.testing.assert_close(theta, expected)
+    assert schedule[0] == schedule[1]  # the learning-rate schedule did not fall a round behind
+
+
+def test_a_stop_while_waiting_for_a_round_keeps_it_in_the_checkpoint() -> None:
+    made = replicas(Hub(members=2), 2)
+    train_round(made, 0)  # round 0 in flight on both
+    replica = made[0][1]
+    pending = replica._in_flight
+    assert pending is not None
+    stopped: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    stopped.cancel()  # what the node's loop does to a round when it stops
+    replica._in_flight = dataclasses.replace(pending, future=stopped)
+    with pytest.raises(concurrent.futures.CancelledError):
+        replica.drain()
+    tensors, meta = replica.state_dict()
+    assert meta["in_flight"] == {"epoch": 0, "fragment": None, "offset": 0, "weight": H}
+    assert "in_flight.boundary" in tensors
+    assert meta["samples"] == 0  # its samples are the round's, not counted twice
