@@ -3,9 +3,9 @@
 A trainer publishes its replicated state after every round (:meth:`StateSync.publish`, from
 its own thread); the State service serves the last few published states by root, so a download
 that began before this node moved on still completes. A replica that is behind the swarm, or at
-its epoch with another checksum, picks donors (:func:`pick_donors`: the newest epoch, in open runs
-the newest most peers have reached, then the checksum most peers share) and downloads from several at once, each chunk checked against the
-signed manifest (``protocol/state.py``).
+its epoch with another checksum, picks donors (:func:`pick_donors`: the newest epoch, in open
+runs the newest most peers have reached, then the checksum most peers share) and downloads from
+several at once, each chunk checked against the signed manifest (``protocol/state.py``).
 """
 
 from __future__ import annotations
