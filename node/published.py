@@ -60,6 +60,8 @@ class PublishedRun:
             raw = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError):
             raise RunSpecError("a published run that is not JSON") from None
+        except RecursionError:  # anyone may file a value under "runs": "[[[[..." included
+            raise RunSpecError("a published run nested too deeply") from None
         names = {"run_id": str, "spec_hash": str, "spec_toml": str, "published_at": float}
         if not isinstance(raw, dict) or set(raw) != set(names):
             raise RunSpecError("a published run with other fields than a run's")

@@ -630,7 +630,7 @@ class RunSpec:
         """``section.key: here X, there Y`` for each field where another spec differs from this."""
         try:
             theirs = json.loads(other_canonical)
-        except ValueError:
+        except (ValueError, RecursionError):  # any peer may file a spec: "[[[[..." included
             return ["the other spec is not readable"]
         if not isinstance(theirs, dict):
             return ["the other spec is not readable"]
@@ -656,6 +656,8 @@ class RunSpec:
             raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as error:
             raise RunSpecError(f"not valid TOML: {error}") from None
+        except RecursionError:  # tomllib recurses per nested array: a published spec is a peer's
+            raise RunSpecError("not valid TOML: nested too deeply") from None
         return cls.from_dict(raw)
 
     @classmethod

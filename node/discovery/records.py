@@ -205,6 +205,8 @@ def _fields_of(body: bytes, kind: type[PeerRecord] | type[ReadyRecord]) -> dict[
         raw = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise RecordError("record is not JSON") from None
+    except RecursionError:  # 4 KiB of "[[[[..." is deeper than the parser's stack allows
+        raise RecordError("record nested too deeply") from None
     if not isinstance(raw, dict):
         raise RecordError("record is not a JSON object")
     names = {f.name: f.type for f in fields(kind)}

@@ -93,6 +93,8 @@ async def read_frame(reader: asyncio.StreamReader, timeout_seconds: float) -> di
         message = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise RelayError("a frame that is not JSON") from None
+    except RecursionError:  # 4 KiB of "[[[[..." is deeper than the parser's stack allows
+        raise RelayError("a frame nested too deeply") from None
     if not isinstance(message, dict) or len(message) > 4:
         raise RelayError("a frame that is not a small JSON object")
     return message

@@ -46,6 +46,8 @@ class Allowlist:
             raw = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError):
             raise AllowlistError("not JSON") from None
+        except RecursionError:  # "[[[[..." is deeper than the parser's stack allows
+            raise AllowlistError("nested too deeply") from None
         if not isinstance(raw, dict) or set(raw) != {"version", "peers"}:
             raise AllowlistError("not an allowlist")
         version, peers = raw["version"], raw["peers"]

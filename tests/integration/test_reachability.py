@@ -350,6 +350,40 @@ async def test_a_relay_refuses_impostors_and_strangers_and_bounds_its_clients(
         await full.close()
 
 
+async def test_nested_json_from_either_end_of_a_relay_is_a_relay_error(relay: RelayServer) -> None:
+    nested = b"[" * 2040 + b"]" * 2040  # 4 KiB, deeper than the JSON parser's stack
+    frame = struct.pack(">I", len(nested)) + nested
+    # From a client: hung up on and counted, and the relay goes on serving.
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    writer.write(frame)
+    await writer.drain()
+    assert await asyncio.wait_for(reader.read(), 5)  # the greeting, then EOF
+    writer.close()
+    assert relay.counts["refused: protocol"] == 1
+    honest = RelayClient(f"127.0.0.1:{relay.port}", Identity.generate(), target=("127.0.0.1", 9))
+    try:
+        await honest.connect()
+    finally:
+        await honest.close()
+
+    # From a relay: connect() raises RelayError, which reachability takes as "try another relay".
+    async def greet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(frame)
+        await writer.drain()
+        await reader.read()  # until the client hangs up
+        writer.close()
+
+    hostile = await asyncio.start_server(greet, "127.0.0.1", 0)
+    port = hostile.sockets[0].getsockname()[1]
+    client = RelayClient(f"127.0.0.1:{port}", Identity.generate(), target=("127.0.0.1", 9))
+    try:
+        with pytest.raises(RelayError, match="nested too deeply"):
+            await client.connect()
+    finally:
+        await client.close()
+        hostile.close()
+
+
 async def test_a_client_learns_within_seconds_that_its_relay_died(
     node: tuple[Identity, peer.PeerServicer, int],
 ) -> None:

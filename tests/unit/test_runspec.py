@@ -95,6 +95,7 @@ def test_the_inner_lr_warms_up_then_decays_to_its_floor_and_stays() -> None:
         (MINIMAL + "[network]\nbootstrap = 'x'\n", "list of strings"),
         (MINIMAL + "model = 3\n", r"unknown key.*run.model"),
         ("[run\n", "not valid TOML"),
+        (MINIMAL + "x = " + "[" * 3000 + "]" * 3000, "nested too deeply"),
     ],
 )
 def test_bad_specs_are_refused_with_the_key_named(toml: str, match: str) -> None:
