@@ -5,8 +5,9 @@ needs is in the payload and in :class:`Meta` (shape, dtype, integer parameters s
 size), so a receiver decodes any peer's message with :func:`decode` without knowing how the sender
 configured its codec. ``decode`` treats both arguments as hostile: it checks the codec name and
 version, the shape, the parameters and the exact payload length before it allocates anything, and
-it checks scales and values for NaN/Inf, raising :class:`CodecError` (a ``ValueError``) instead of
-returning a garbage tensor.
+it checks scales and values for NaN/Inf (finite fp32 values beyond the range of the declared dtype,
+say 1e6 declared ``float16``, count: the cast would make them Inf), raising :class:`CodecError` (a
+``ValueError``) instead of returning a garbage tensor.
 
 Payloads are little-endian; the byte layout of each codec is documented in its class.
 
@@ -277,7 +278,9 @@ def decode(
     if meta.dtype not in DTYPES:
         raise CodecError(f"unsupported dtype {meta.dtype!r}")
     if len(meta.shape) > MAX_NDIM or any(
-        not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in meta.shape
+        # A dimension over MAX_NUMEL beside a 0 has no elements, but torch cannot make it.
+        not isinstance(d, int) or isinstance(d, bool) or not 0 <= d <= MAX_NUMEL
+        for d in meta.shape
     ):
         raise CodecError(f"bad shape {meta.shape!r}")
     if meta.numel > min(max_numel, MAX_NUMEL):
@@ -470,12 +473,21 @@ def _pinned(nbytes: int) -> torch.Tensor:
     return buffer[:nbytes]
 
 
-def check_finite(tensor: torch.Tensor, what: str) -> None:
-    """Raise CodecError if ``tensor`` holds NaN or Inf.
+def check_finite(tensor: torch.Tensor, what: str, *, dtype: torch.dtype | None = None) -> None:
+    """Raise CodecError if ``tensor`` holds NaN or Inf, or, given ``dtype``, a value that casting
+    to ``dtype`` turns into Inf.
 
-    One read pass with no temporary: min and max propagate NaN, and are finite iff every value is.
+    One read pass with no temporary: min and max propagate NaN, and are finite iff every value is;
+    a cast is monotonic, so they alone say whether every value fits ``dtype``.
     """
     if tensor.numel():
         lo, hi = torch.aminmax(tensor.reshape(-1))
         if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
             raise NonFiniteError(f"{what} contains NaN or Inf")
+        if dtype is not None and not fits(torch.stack((lo, hi)), dtype):
+            raise NonFiniteError(f"{what} overflows {dtype_name(dtype)}")
+
+
+def fits(values: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether every one of ``values`` stays finite once cast to ``dtype``."""
+    return bool(values.to(dtype).isfinite().all())

@@ -19,6 +19,7 @@ from swarmgrad.compression.base import (
 )
 
 _FP16_MAX = torch.finfo(torch.float16).max
+_BF16_BELOW_FP16_MAX = 65280.0  # the largest bfloat16 value that float16 holds
 #: Values per part of a GPU payload (each part copied to the host while the next is cast).
 _DEVICE_PART_VALUES = 1 << 22
 
@@ -77,13 +78,14 @@ class _CastCodec(DevicePayloadCodec):
             stop = min(start + step, n)
             part = wire[start:stop]
             part.copy_(flat[start:stop])
-            self._fix_range(part)
+            self._fix_range(part, flat.dtype)
             if ready is not None:
                 ready(payload, start * size, stop * size)
         return payload, self._meta(tensor)
 
-    def _fix_range(self, wire: torch.Tensor) -> None:
-        """Adjust the cast values in place (bf16 has fp32's range: nothing to do)."""
+    def _fix_range(self, wire: torch.Tensor, source: torch.dtype) -> None:
+        """Adjust the cast values in place so that they are finite in both the wire dtype and
+        the ``source`` dtype they decode back into."""
 
     @classmethod
     def payload_nbytes(cls, meta: Meta) -> int:
@@ -93,7 +95,9 @@ class _CastCodec(DevicePayloadCodec):
     @classmethod
     def _decode_into(cls, data: Wire, meta: Meta, out: torch.Tensor) -> None:
         wire = from_bytes(data, cls.wire_dtype)
-        check_finite(wire, f"{cls.name} payload")  # on the 16-bit values: half the bytes to read
+        # On the 16-bit values (half the bytes to read), in the same pass: whether they fit out's
+        # dtype (a bf16 value over 65504 would be Inf in a float16 out).
+        check_finite(wire, f"{cls.name} payload", dtype=out.dtype)
         out.copy_(wire)
 
 
@@ -105,7 +109,7 @@ class Float16(_CastCodec):
     version = 1
     wire_dtype = torch.float16
 
-    def _fix_range(self, wire: torch.Tensor) -> None:
+    def _fix_range(self, wire: torch.Tensor, source: torch.dtype) -> None:
         # Cast first, then clamp the (half-size) result in place: what overflowed became +-Inf
         # and is clamped back to +-65504; NaN stays NaN.
         wire.clamp_(-_FP16_MAX, _FP16_MAX)
@@ -118,3 +122,9 @@ class BFloat16(_CastCodec):
     name = "bf16"
     version = 1
     wire_dtype = torch.bfloat16
+
+    def _fix_range(self, wire: torch.Tensor, source: torch.dtype) -> None:
+        # bf16 has fp32's range, but rounds float16's largest values (from 65408) up to 65536,
+        # which decodes to Inf in float16 (and is refused): keep them at bf16's largest below.
+        if source == torch.float16:
+            wire.clamp_(-_BF16_BELOW_FP16_MAX, _BF16_BELOW_FP16_MAX)

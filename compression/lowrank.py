@@ -95,7 +95,8 @@ class PowerSGD(Codec):
         check_finite(p, "powersgd P")
         check_finite(q, "powersgd Q")
         out = (p @ q.T).reshape(-1)[:n]
-        check_finite(out, "powersgd product")  # finite factors can still overflow
+        # Finite factors can still overflow, in fp32 or in the narrower dtype cast to here.
+        check_finite(out, "powersgd product", dtype=DTYPES[meta.dtype])
         return out.to(DTYPES[meta.dtype]).reshape(meta.shape)
 
     @staticmethod

@@ -29,8 +29,10 @@ from swarmgrad.compression.base import (
     NonFiniteError,
     Ready,
     Wire,
+    check_finite,
     device_flat,
     expect_params,
+    fits,
     from_bytes,
     register,
     scratch_bytes,
@@ -215,6 +217,12 @@ class _BlockwiseAbsmax(DevicePayloadCodec):
             lo, hi = torch.stack(torch.aminmax(scales)).tolist()
             if not (0 <= lo <= hi <= _F32_MAX / 256):  # False for NaN; Inf is above the limit
                 raise NonFiniteError(f"{cls.name} payload has a NaN, Inf, negative or absurd scale")
+            # No value exceeds the largest scale times the largest code (|-128|, |-8|): when that
+            # bound fits out's dtype, nothing more is read; else (a float16 out, values that may
+            # pass 65504) out is read once, for any Inf the cast made.
+            bound = torch.tensor(hi * (1 << (cls.bits - 1)), dtype=torch.float32)
+            if not fits(bound, out.dtype):
+                check_finite(out, f"{cls.name} payload as {meta.dtype}")
 
     # -- storage of the integer codes, per bit width ------------------------------------------
 

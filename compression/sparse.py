@@ -29,6 +29,7 @@ from swarmgrad.compression.base import (
     Codec,
     CodecError,
     Meta,
+    check_finite,
     expect_params,
     flat_float32,
     from_bytes,
@@ -86,6 +87,8 @@ class TopK(Codec):
         out = torch.zeros(n, dtype=torch.float32)
         out[positions] = values
         if meta.dtype != "float32":
+            # The k values, not the dense result: fp32 values a float16 cast would make Inf.
+            check_finite(values, "topk values", dtype=DTYPES[meta.dtype])
             out = out.to(DTYPES[meta.dtype])
         return out.reshape(meta.shape)
 

@@ -280,6 +280,7 @@ def test_unknown_codec_or_version_is_rejected() -> None:
         ("dtype", "int32", "unsupported dtype"),
         ("shape", (-1, 5), "bad shape"),
         ("shape", (1,) * 9, "bad shape"),
+        ("shape", (2**63 - 1, 0), "bad shape"),  # no elements, yet torch cannot make it
         ("shape", (1 << 20, 1 << 20), "more than"),
         ("params", {"block_size": 256, "evil": 1}, "expects parameters"),
         ("params", {}, "expects parameters"),
@@ -336,6 +337,30 @@ def test_powersgd_factors_whose_product_overflows_are_rejected() -> None:
     corrupt = huge * rows + huge * cols
     with pytest.raises(CodecError, match="NaN or Inf"):
         decode(corrupt, meta)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "topk", "powersgd", "bf16"])
+def test_values_beyond_the_declared_float16_range_are_rejected_not_decoded_to_inf(
+    name: str,
+) -> None:
+    # Finite on the wire (fp32 scales and factors, bf16 values), Inf once cast to float16.
+    data, meta = get_codec(name).encode(torch.full((64,), 1e6))
+    as_float16 = dataclasses.replace(meta, dtype="float16")
+    with pytest.raises(CodecError, match=r"NaN or Inf|overflows float16"):
+        decode(data, as_float16)
+    with pytest.raises(CodecError, match=r"NaN or Inf|overflows float16"):
+        decode(data, as_float16, out=torch.empty(64, dtype=torch.float16))
+
+
+def test_float16_tensors_at_the_edge_of_their_range_still_come_back_finite() -> None:
+    # bf16 rounds 65504 up to 65536 (Inf in float16); the quantizers' cheap bound on their
+    # scales overshoots here, so their exact check must not refuse an honest payload.
+    limit = torch.finfo(torch.float16).max
+    x = torch.tensor([limit, -limit, 65400.0, 1.0] * 16, dtype=torch.float16)
+    for name in ["bf16", "int8", "int4", "topk", "powersgd"]:
+        y, _, _ = roundtrip(name, x)
+        assert y.dtype == torch.float16
+        assert torch.isfinite(y).all(), name
 
 
 def test_topk_positions_outside_the_tensor_are_rejected() -> None:
