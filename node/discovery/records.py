@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -101,6 +102,8 @@ class PeerRecord:
         """A record from an envelope's body; RecordError unless it has exactly the known fields,
         each of the right type."""
         raw = _fields_of(body, cls)
+        _check_endpoint("endpoint", raw["endpoint"])
+        _check_endpoint("relay", raw["relay"])
         if raw["role"] not in ROLES:
             raise RecordError(f"unknown role {raw['role']!r}")
         if raw["reachability"] not in REACHABILITY:
@@ -158,7 +161,21 @@ class ReadyRecord:
 
     @classmethod
     def parse(cls, body: bytes) -> ReadyRecord:
-        return cls(**_fields_of(body, cls))
+        raw = _fields_of(body, cls)
+        _check_endpoint("endpoint", raw["endpoint"])
+        return cls(**raw)
+
+
+#: ``host:port`` as nodes announce it: a DNS name or IPv4 address, or an IPv6 one in brackets.
+_ENDPOINT = re.compile(r"(?:\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252}):([0-9]{1,5})")
+
+
+def _check_endpoint(name: str, value: str) -> None:
+    """Refuse an endpoint that is not a plain ``host:port``: gRPC would also dial a target
+    such as ``unix:/run/some.sock`` or ``dns://resolver/name`` that a peer put in its record."""
+    match = _ENDPOINT.fullmatch(value)
+    if value and (match is None or not 0 < int(match[1]) < 65536):
+        raise RecordError(f"record field {name} is not host:port")
 
 
 def validate(key: str, subkey: str, value: object, expires: float, now: float) -> Envelope:

@@ -181,6 +181,12 @@ def test_a_stage_replicas_record_round_trips() -> None:
         ({"stage": -2}, "a layer span"),
         ({"queue_depth": -1}, "below zero"),
         ({"version": -3}, "below zero"),
+        # gRPC dials more than host:port: a record must not point a node at a local socket
+        # or another resolver.
+        ({"endpoint": "unix:/run/some.sock"}, "endpoint is not host:port"),
+        ({"endpoint": "dns://203.0.113.7/node.example:443"}, "endpoint is not host:port"),
+        ({"endpoint": "127.0.0.1:0"}, "endpoint is not host:port"),
+        ({"relay": "ipv4:203.0.113.7:80"}, "relay is not host:port"),
     ],
 )
 def test_records_with_unknown_fields_or_values_are_refused(
@@ -190,6 +196,14 @@ def test_records_with_unknown_fields_or_values_are_refused(
     body.update(change)
     with pytest.raises(RecordError, match=match):
         PeerRecord.parse(json.dumps(body).encode())
+
+
+def test_a_readiness_record_names_a_plain_host_and_port() -> None:
+    body = json.loads(ready_record(ME, 3).body())
+    for endpoint in ("[::1]:5000", "node.example.org:443", "203.0.113.7:5000"):
+        assert ReadyRecord.parse(json.dumps(body | {"endpoint": endpoint}).encode())
+    with pytest.raises(RecordError, match="not host:port"):
+        ReadyRecord.parse(json.dumps(body | {"endpoint": "unix:/run/some.sock"}).encode())
 
 
 def ready_record(
