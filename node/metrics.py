@@ -335,6 +335,11 @@ class NodeMetrics:
         self.checkpoints = Counter(
             "swarmgrad_checkpoints", "Checkpoints written.", registry=registry
         )
+        self.checkpoint_failures = Counter(
+            "swarmgrad_checkpoint_failures",
+            "Checkpoints that could not be written (a full disk): training went on.",
+            registry=registry,
+        )
         self.checkpoint_duration = Histogram(
             "swarmgrad_checkpoint_duration_seconds",
             "Time to write (and fsync) one checkpoint.",

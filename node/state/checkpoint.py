@@ -195,12 +195,28 @@ class Checkpointer:
     def save(
         self, *, epoch: int, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
     ) -> Path:
-        """Write one checkpoint atomically, then drop all but the newest ``keep``."""
+        """Write one checkpoint atomically, then drop all but the newest ``keep``;
+        CheckpointError if it cannot be written (the checkpoints before it stand)."""
         if self._lock is None:
             raise RuntimeError("use the Checkpointer as a context manager")
         name = f"epoch-{epoch:06d}-step-{step:09d}"
         final = self.folder / name
         temporary = self.folder / f".tmp-{name}-{os.getpid()}"
+        try:
+            return self._write(final, temporary, epoch, step, tensors, meta)
+        except (OSError, SafetensorError) as error:  # a full disk, a folder gone read-only
+            shutil.rmtree(temporary, ignore_errors=True)  # nothing half-written left to fill it
+            raise CheckpointError(f"{final}: not written ({error})") from None
+
+    def _write(
+        self,
+        final: Path,
+        temporary: Path,
+        epoch: int,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        meta: dict[str, Any],
+    ) -> Path:
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir()
         state = temporary / STATE_FILE
@@ -235,7 +251,10 @@ class Checkpointer:
         temporary.rename(final)
         _fsync(self.folder)
         self._unusable.discard(final)  # what was found there before is gone
-        self._retire(final)
+        try:
+            self._retire(final)
+        except OSError as error:  # the new checkpoint stands; the old ones wait for the next save
+            log.warning("old checkpoints not deleted: %s", error)
         return final
 
     def _usable(self, path: Path) -> bool:

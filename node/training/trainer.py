@@ -292,9 +292,15 @@ class Trainer:
                 "initial_val_loss": progress.initial_val_loss,
             },
         }
-        path = self.checkpoints.save(
-            epoch=replica.epoch, step=progress.steps, tensors=tensors, meta=meta
-        )
+        try:
+            path = self.checkpoints.save(
+                epoch=replica.epoch, step=progress.steps, tensors=tensors, meta=meta
+            )
+        except CheckpointError as error:
+            # Training goes on (the last checkpoint stands); the next save tries again.
+            self.metrics.checkpoint_failures.inc()
+            log.error("checkpoint failed, training goes on: %s", error)
+            return
         progress.checkpoint = str(path)
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_duration.observe(time.monotonic() - started)

@@ -5,7 +5,9 @@ restart would look."""
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -134,3 +136,41 @@ def test_kill_9_mid_checkpoint_never_leaves_a_corrupt_one(tmp_path: Path) -> Non
     assert epochs[-1] >= KILLS
     # ... and most kills really landed while a checkpoint was half-written.
     assert mid_write >= KILLS // 2, f"only {mid_write} of {KILLS} kills landed mid-write"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_full_disk_fails_checkpoints_not_the_node(tmp_path: Path) -> None:
+    """Every checkpoint (~25 MB) overflows a 4 MiB filesystem: each save is logged as failed and
+    leaves nothing half-written to fill it, and the node trains its epochs to the end."""
+    load_demo(home() / "cache", vocab_size=2048, prepare=False)  # prepared by set-up
+    spec_path = tmp_path / "run.toml"
+    spec_path.write_text(SPEC)
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
+    try:
+        folder = small / "checkpoints"
+        log = tmp_path / "node.log"
+        command = [
+            sys.executable, "-m", "swarmgrad.node.cli", "node", str(spec_path),
+            "--identity", str(tmp_path / "node.key"),
+            "--cache-dir", str(home() / "cache"),
+            "--checkpoint-dir", str(folder),
+            "--display", "log",
+            "--threads", "1",
+            "--max-epochs", "3",
+        ]  # fmt: skip
+        node = LocalProcess("node", command, log, dict(os.environ), warm=True).popen
+        try:
+            returncode = node.wait(timeout=180)
+        finally:
+            node.kill()
+            node.wait()
+        text = log.read_text()
+        assert returncode == 0, text[-3000:]
+        assert text.count("checkpoint failed, training goes on") >= 3  # each round's, the last
+        assert "No space left on device" in text
+        assert re.search(r"stopped at epoch 3\b", text), text[-3000:]
+        assert [p.name for p in folder.iterdir()] == [".lock"]  # no temp folder left behind
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=True)

@@ -186,6 +186,28 @@ def test_a_kill_while_an_old_checkpoint_is_deleted_leaves_no_half_checkpoint(
     assert not list(tmp_path.glob(".tmp-*"))  # the half-deleted one, gone at the next start
 
 
+def test_a_checkpoint_that_cannot_be_written_is_an_error_that_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with Checkpointer(tmp_path, SPEC, keep=3) as checkpoints:
+        _save(checkpoints, 1, value=1.0)
+
+        def full(tensors: Any, path: Path, metadata: Any) -> None:
+            Path(path).write_bytes(b"\0" * 100)  # what fitted before the disk was full
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(checkpoint_module, "save_file", full)
+        with pytest.raises(CheckpointError, match="not written.*No space left"):
+            _save(checkpoints, 2)
+        monkeypatch.undo()
+        assert not list(tmp_path.glob(".tmp-*"))
+        latest = checkpoints.latest()
+        assert latest is not None
+        assert latest.epoch == 1
+        _save(checkpoints, 3)  # space again: the next save goes through
+        assert [p.name[:12] for p in checkpoints.candidates()] == ["epoch-000003", "epoch-000001"]
+
+
 def test_two_nodes_cannot_share_a_checkpoint_folder(tmp_path: Path) -> None:
     with (
         Checkpointer(tmp_path, SPEC, keep=1),
