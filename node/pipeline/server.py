@@ -368,12 +368,13 @@ class StageWorker:
             return
         tensors, replica_meta = self.replica.state_dict()
         optimizer_tensors, optimizer_meta = optimizer_state(self.optimizer)
+        meta = {"replica": replica_meta, "optimizer": optimizer_meta, "version": self.version}
         try:
             path = self.checkpoints.save(
                 epoch=self.replica.epoch,
                 step=self.version,
                 tensors=tensors | optimizer_tensors,
-                meta={"replica": replica_meta, "optimizer": optimizer_meta, "version": self.version},
+                meta=meta,
             )
         except CheckpointError as error:  # the stage serves on; the last checkpoint stands
             log.error("checkpoint failed, serving goes on: %s", error)

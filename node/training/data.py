@@ -88,6 +88,23 @@ class Batches:
         self._generator = torch.Generator().manual_seed(self._seed)
         self.cursor = 0
 
+    @property
+    def train_tokens(self) -> int:
+        """Tokens the windows are drawn from: the sequence a cursor names holds only for these."""
+        return len(self._train)
+
+    def resume(self, cursor: int, train_tokens: int | None) -> str | None:
+        """:meth:`seek` to a checkpoint's cursor; what to warn of if the checkpoint counted
+        through other data (``train_tokens`` then; None: a checkpoint that did not say)."""
+        self.seek(cursor)
+        if train_tokens is None or train_tokens == self.train_tokens:
+            return None
+        return (
+            f"the training data changed since the checkpoint ({train_tokens} tokens then, "
+            f"{self.train_tokens} now: shards added or removed?): the batches from cursor "
+            f"{cursor} on are not the ones that came next"
+        )
+
     def seek(self, cursor: int) -> None:
         """Continue as if ``cursor`` batches had been drawn (a restart resumes its sequence)."""
         self._generator.manual_seed(self._seed)

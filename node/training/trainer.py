@@ -155,6 +155,7 @@ class Trainer:
         self._on_progress = on_progress
         self._losses: list[torch.Tensor] = []  # steps' losses not yet read from the device
         self._peak = math.nan
+        self._data_tokens = 0  # the training tokens the data cursor counts through
 
     def train(self, stop: threading.Event) -> Progress:
         spec, settings, progress = self.config.spec, self.config.settings, self.progress
@@ -171,6 +172,7 @@ class Trainer:
             seed=spec.data.seed,
             peer_id=self.swarm.peer_id,
         )
+        self._data_tokens = batches.train_tokens
         validation = corpus.validation(
             seq_len=spec.model.seq_len, num_windows=self.config.eval_windows
         )
@@ -285,6 +287,7 @@ class Trainer:
             "replica": replica_meta,
             "optimizer": optimizer_meta,
             "data_cursor": feed.cursor,
+            "data_tokens": self._data_tokens,
             "progress": {
                 "steps": progress.steps,
                 "samples": progress.samples,
@@ -317,7 +320,12 @@ class Trainer:
         try:
             load_optimizer_state(optimizer, tensors, meta["optimizer"])
             replica.load_state_dict(tensors, meta["replica"])
-            batches.seek(int(meta["data_cursor"]))
+            tokens = meta.get("data_tokens")  # absent from checkpoints before it was kept
+            changed = batches.resume(
+                int(meta["data_cursor"]), None if tokens is None else int(tokens)
+            )
+            if changed is not None:
+                log.warning("%s: %s", checkpoint.path.name, changed)
             torch.set_rng_state(tensors["rng.torch"])
             counters = meta["progress"]
             progress.steps, progress.samples = int(counters["steps"]), int(counters["samples"])

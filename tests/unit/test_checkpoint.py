@@ -197,7 +197,7 @@ def test_a_checkpoint_that_cannot_be_written_is_an_error_that_leaves_nothing_beh
             raise OSError(28, "No space left on device")
 
         monkeypatch.setattr(checkpoint_module, "save_file", full)
-        with pytest.raises(CheckpointError, match="not written.*No space left"):
+        with pytest.raises(CheckpointError, match=r"not written.*No space left"):
             _save(checkpoints, 2)
         monkeypatch.undo()
         assert not list(tmp_path.glob(".tmp-*"))

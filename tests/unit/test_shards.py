@@ -76,16 +76,33 @@ def test_a_peers_batches_resume_exactly_from_the_checkpointed_cursor(tmp_path: P
     kwargs = {"seq_len": 16, "batch_size": 4, "seed": 3, "peer_id": "peer-a"}
     run = Prefetched(corpus.batches(**kwargs), torch.device("cpu"))
     uninterrupted = [next(run)[0] for _ in range(9)]
-    feed = Prefetched(corpus.batches(**kwargs), torch.device("cpu"))
+    drawn = corpus.batches(**kwargs)
+    feed = Prefetched(drawn, torch.device("cpu"))
     for _ in range(5):
         next(feed)
     cursor = feed.cursor  # what the checkpoint's data_cursor holds
     restarted = load_corpus(data, vocab_size=512, cache_dir=tmp_path / "cache").batches(**kwargs)
-    restarted.seek(cursor)
+    assert restarted.resume(cursor, drawn.train_tokens) is None  # the same data
     resumed = Prefetched(restarted, torch.device("cpu"), cursor=restarted.cursor)
     assert all(torch.equal(next(resumed)[0], uninterrupted[i]) for i in range(5, 9))
     other = corpus.batches(**{**kwargs, "peer_id": "peer-b"})
     assert not torch.equal(next(other)[0], uninterrupted[0])  # another peer, other windows
+
+
+def test_a_cursor_resumed_over_other_data_is_named(tmp_path: Path) -> None:
+    """A glob that matches one more shard after a restart: the cursor's batch sequence is not
+    the one the checkpoint was counting through, and the restart says so."""
+    tokenizer_path, digest = make_shards(tmp_path / "data")
+    data = files_section(tmp_path / "data", tokenizer_path, digest)
+    kwargs = {"seq_len": 16, "batch_size": 4, "seed": 3, "peer_id": "peer-a"}
+    before = load_corpus(data, vocab_size=512, cache_dir=tmp_path / "cache").batches(**kwargs)
+    (tmp_path / "data" / "b-2.jsonl").write_text(json.dumps({"text": LINES[0]}) + "\n")
+    after = load_corpus(data, vocab_size=512, cache_dir=tmp_path / "cache").batches(**kwargs)
+    warning = after.resume(5, before.train_tokens)
+    assert warning is not None
+    assert f"{before.train_tokens} tokens then, {after.train_tokens} now" in warning
+    assert after.cursor == 5  # it resumes all the same
+    assert after.resume(5, None) is None  # a checkpoint from before the count was kept
 
 
 def test_bad_files_and_tokenizers_are_named(tmp_path: Path) -> None:
