@@ -3,13 +3,18 @@
 Every service (Averaging, State, Peer) registers on the node's one ``grpc.aio`` server before it
 starts, so they share its port, its limits and its graceful stop. Clients borrow the cached
 channel to a peer from :meth:`Transport.channel`, with the same limits; a route hook (hole
-punching) may send the connection elsewhere. Every upload (a member's chunks, an owner's results,
+punching) may send the connection elsewhere. The cache holds the :data:`MAX_CHANNELS` channels
+used last (endpoints come from peers' records: many peers, or one peer announcing endpoint
+after endpoint, would otherwise hold a socket each for good); one pushed out closes after the
+grace period its calls get. Every upload (a member's chunks, an owner's results,
 a donor's state chunks) passes through :meth:`Transport.pace`, a token bucket when the node caps
 its uplink (simulated slow links), nothing otherwise.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,6 +25,10 @@ from swarmgrad.protocol.peer import endpoint_of
 from swarmgrad.protocol.server import ServerLimits, open_channel, start_server
 
 Register = Callable[[grpc.aio.Server], None]
+
+#: Channels kept open at once, the most recently used (a group, its donors and relays are far
+#: fewer).
+MAX_CHANNELS = 256
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,7 +59,8 @@ class Transport:
         self._route = route
         self._services: list[Register] = []
         self._server: grpc.aio.Server | None = None
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
+        self._closing: set[asyncio.Task[None]] = set()
         self._bucket = (
             TokenBucket(config.upload_bytes_per_second)
             if config.upload_bytes_per_second is not None
@@ -87,14 +97,24 @@ class Transport:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+        await asyncio.gather(*self._closing)
 
     def channel(self, endpoint: str) -> grpc.aio.Channel:
         """The cached channel to ``endpoint`` (routed), with the node's transport limits."""
         if self._route is not None:
             endpoint = self._route(endpoint)
         channel = self._channels.get(endpoint)
-        if channel is None:
-            channel = self._channels[endpoint] = open_channel(endpoint, self.limits)
+        if channel is not None:
+            self._channels.move_to_end(endpoint)
+            return channel
+        channel = self._channels[endpoint] = open_channel(endpoint, self.limits)
+        while len(self._channels) > MAX_CHANNELS:
+            _, oldest = self._channels.popitem(last=False)
+            closing = asyncio.get_running_loop().create_task(
+                oldest.close(self.limits.grace_seconds), name="close-channel"
+            )
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
         return channel
 
     async def pace(self, num_bytes: int) -> None:

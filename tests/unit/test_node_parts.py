@@ -11,6 +11,7 @@ from pydoc_data.topics import topics
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -25,6 +26,7 @@ from swarmgrad.node.state.sync import pick_donors
 from swarmgrad.node.training.api import DiLoCo
 from swarmgrad.node.training.data import DataError, load_demo
 from swarmgrad.node.training.model import build_model, flatten, unflatten
+from swarmgrad.node.transport.transport import MAX_CHANNELS, Transport, TransportConfig
 
 TEXT = "\n".join(topics.values())
 
@@ -269,3 +271,20 @@ async def test_no_upnp_gateway_is_said_plainly(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "miniupnpc", SimpleNamespace(UPnP=NobodyAnswers))
     with pytest.raises(PortMapError, match=r"^no UPnP gateway answered on this network$"):
         await map_port("127.0.0.1", 1234, discover_ms=1)
+
+
+async def test_the_channel_cache_keeps_the_channels_used_last() -> None:
+    """Endpoints come from peers' records; one peer naming endpoint after endpoint must not
+    make the node hold a channel to each for good. (Channels connect lazily: no socket here.)"""
+    transport = Transport(TransportConfig())
+    first = transport.channel("127.0.0.1:1")
+    kept = transport.channel("127.0.0.1:2")
+    for port in range(3, MAX_CHANNELS + 3):
+        transport.channel(f"127.0.0.1:{port}")
+        transport.channel("127.0.0.1:2")  # in use all along: never the oldest
+    assert transport.channel("127.0.0.1:2") is kept
+    assert len(transport._channels) == MAX_CHANNELS
+    await transport.close()
+    assert first.get_state() is grpc.ChannelConnectivity.SHUTDOWN  # pushed out, then closed
+    assert transport.channel("127.0.0.1:1") is not first  # opened afresh when needed again
+    await transport.close()
