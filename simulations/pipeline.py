@@ -316,6 +316,10 @@ class PipelineSimulation:
             raise SimulationError("--trainers and --rounds must be at least 1")
 
 
+#: Churn events a pipeline simulation plays on its stage servers.
+PIPELINE_ACTIONS = ("kill", "stop", "start")
+
+
 def simulate_pipeline(config: PipelineSimulation) -> dict[str, Any]:
     """Run the pipeline swarm until every trainer is done; its summary (also summary.json)."""
     out = config.out_dir
@@ -335,6 +339,11 @@ def simulate_pipeline(config: PipelineSimulation) -> dict[str, Any]:
     for event in events:
         if event.during:
             raise SimulationError("a pipeline simulation's kills do not wait for a phase")
+        if event.action not in PIPELINE_ACTIONS:  # the others would restart the server
+            raise SimulationError(
+                f"{event.describe()}: a pipeline simulation's events are "
+                f"{', '.join(PIPELINE_ACTIONS)}"
+            )
     steps = config.rounds * spec.algorithm.inner_steps
     started = time.monotonic()
     fired: list[dict[str, Any]] = []

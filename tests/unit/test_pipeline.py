@@ -16,6 +16,8 @@ from swarmgrad.node.pipeline.model import Pipeline, build_stage, parameter_bytes
 from swarmgrad.node.pipeline.trainer import BAN_SECONDS, Router
 from swarmgrad.node.runspec import PipelineSection, RunSpec, RunSpecError
 from swarmgrad.node.status import ScoresError, read_traffic, stage_summary, stages_table
+from swarmgrad.simulations.pipeline import PipelineSimulation, simulate_pipeline
+from swarmgrad.simulations.profiles import SimulationError
 
 BASE = """
 [run]
@@ -179,3 +181,14 @@ def test_traffic_reads_a_trainers_status_file_and_refuses_others(tmp_path: Path)
         read_traffic(node)
     with pytest.raises(ScoresError, match="cannot read"):
         read_traffic(tmp_path / "missing.json")
+
+
+def test_a_pipeline_simulation_refuses_events_it_cannot_play(tmp_path: Path) -> None:
+    churn = tmp_path / "churn.toml"
+    churn.write_text("[[event]]\nat_epoch = 1\naction = \"pause\"\nnode = 0\n"
+                     "[[event]]\nat_epoch = 2\naction = \"resume\"\nnode = 0\n")  # fmt: skip
+    config = PipelineSimulation(
+        stages=2, nodes=2, trainers=1, rounds=1, churn_path=churn, out_dir=tmp_path / "out"
+    )
+    with pytest.raises(SimulationError, match="pause node 0: a pipeline simulation's events"):
+        simulate_pipeline(config)
