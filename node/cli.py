@@ -58,27 +58,35 @@ def node(
     ] = None,
     port: Annotated[int | None, typer.Option(help="gRPC port (0: any free port) [0].")] = None,
     public_host: Annotated[
-        str | None, typer.Option(help="Address peers dial, if not --host (a container's name).")
+        str | None,
+        typer.Option(help="Address peers dial, if not --host (a container's name) \\[unset]."),
     ] = None,
     discovery: Annotated[
         str | None,
-        typer.Option(help="DHT backend: hivemind, or libp2p (pure Python, anywhere) [hivemind]."),
+        typer.Option(help="DHT backend: hivemind, or libp2p (pure Python, anywhere) \\[hivemind]."),
     ] = None,
     dht_secret: Annotated[
         str | None,
-        typer.Option(help="libp2p: a private run's DHT key; nodes without it cannot connect."),
+        typer.Option(
+            help="libp2p: a private run's DHT key; nodes without it cannot connect \\[unset]."
+        ),
     ] = None,
-    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda [auto].")] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda \\[auto].")] = None,
     threads: Annotated[
         int | None, typer.Option(help="Torch CPU threads (0: torch's default) [0].")
     ] = None,
     compile: Annotated[
         str | None,
-        typer.Option(help="on: torch.compile the training step (faster on GPUs, slow start) [off]"),
+        typer.Option(
+            help="on: torch.compile the training step (faster on GPUs, slow start) \\[off]."
+        ),
     ] = None,
     peak_tflops: Annotated[
         int | None,
-        typer.Option(help="The device's dense bf16 TFLOP/s for MFU (0: known GPUs' figure) [0]."),
+        typer.Option(
+            help="The device's dense bf16 peak for MFU, in whole TFLOP/s (0: known GPUs' "
+            "figure) [0]."
+        ),
     ] = None,
     metrics_address: Annotated[
         str | None,
@@ -141,10 +149,10 @@ def node(
 ) -> None:
     """Train with the run's peers: join, average every round, leave gracefully on Ctrl-C.
 
-    A pipeline run ([pipeline] stages > 1) has two kinds of node: stage servers (--stage K)
+    A pipeline run (\\[pipeline] stages > 1) has two kinds of node: stage servers (--stage K)
     hold one span of the model's layers, trainers (--role trainer) own the data.
 
-    Settings in [brackets] can also come from the run spec's [node] table and from
+    Settings in \\[brackets] can also come from the run spec's \\[node] table and from
     SWARMGRAD_<SETTING> variables; the command line wins, then the environment, then the spec.
     """
     from swarmgrad.node import main
@@ -265,10 +273,10 @@ def status(
         Path | None, typer.Option(help="Read multiaddrs from a bootstrap's --maddrs-file.")
     ] = None,
     discovery: Annotated[
-        str | None, typer.Option(help="DHT backend [the spec's node.discovery, or hivemind].")
+        str | None, typer.Option(help="DHT backend \\[the spec's node.discovery, or hivemind].")
     ] = None,
     dht_secret: Annotated[
-        str | None, typer.Option(help="libp2p: a private run's DHT key [the spec's].")
+        str | None, typer.Option(help="libp2p: a private run's DHT key \\[the spec's].")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON, not a table.")] = False,
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 30.0,
@@ -418,7 +426,9 @@ def simulate(
     profile: Annotated[
         Path | None,
         typer.Option(
-            help="TOML, one [[peer]] table each: slowdown, upload_bytes_per_second, bandwidth."
+            help="TOML, one \\[\\[peer]] table each (cycled over the nodes): slowdown, bandwidth, "
+            "upload_bytes_per_second, download_bytes_per_second, latency_ms, jitter_ms, loss, nat, "
+            "session_seconds, offline_seconds, attack."
         ),
     ] = None,
     out: Annotated[
@@ -426,7 +436,11 @@ def simulate(
     ] = Path("simulation"),
     churn: Annotated[
         Path | None,
-        typer.Option(help="TOML, one [[event]] each: at_epoch, action (kill/stop/start), node."),
+        typer.Option(
+            help="TOML, one \\[\\[event]] each: at_epoch, node, action (kill, stop, start, pause, "
+            "resume, partition, heal; real processes partition only with --netem; --stages: "
+            "kill, stop, start), and for a kill optionally during (round or state_download)."
+        ),
     ] = None,
     discovery: Annotated[
         str, typer.Option(help="DHT backend of the bootstrap and the nodes: hivemind or libp2p.")
@@ -576,7 +590,8 @@ def export(
     ],
     out_dir: Annotated[Path, typer.Argument(help="New (or empty) folder to write.")],
     cache_dir: Annotated[
-        Path | None, typer.Option(help="Data cache, for the tokenizer (default: $SWARMGRAD_HOME).")
+        Path | None,
+        typer.Option(help="Data cache, for the tokenizer (default: $SWARMGRAD_HOME/cache)."),
     ] = None,
 ) -> None:
     """Write a checkpoint's model as a Hugging Face directory (config.json, model.safetensors,
@@ -594,7 +609,9 @@ def export(
 @app.command("prepare-data")
 def prepare_data(
     vocab_size: Annotated[int, typer.Option(help="BPE vocabulary size.")] = 2048,
-    cache_dir: Annotated[Path | None, typer.Option(help="Cache folder.")] = None,
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="Cache folder (default: $SWARMGRAD_HOME/cache).")
+    ] = None,
 ) -> None:
     """Fetch and tokenize the demo corpus once (set-up runs this), so nodes start fast."""
     from swarmgrad.node.training.data import load_demo

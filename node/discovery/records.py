@@ -33,7 +33,7 @@ MAX_RECORD_BYTES = 4096
 MAX_SPEC_BYTES = 16 * 1024
 ROLES = ("trainer", "bootstrap", "observer")
 #: How peers reach a node's endpoint: not known yet (no peer has dialed it back), directly, through
-#: a port its router mapped (UPnP / NAT-PMP), through a relay peer, or not at all.
+#: a port its router mapped (UPnP IGD), through a relay peer, or not at all.
 REACHABILITY = tuple(Reach)
 #: A stage replica's state: catching up with its group, serving, or leaving ("" off pipelines).
 STAGE_STATES = ("", "joining", "serving", "draining")

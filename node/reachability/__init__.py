@@ -1,1 +1,1 @@
-"""Reachability of the node's gRPC endpoint: dial-back, UPnP/NAT-PMP, relays, punching."""
+"""Reachability of the node's gRPC endpoint: dial-back, UPnP IGD, relays, punching."""

@@ -5,7 +5,7 @@ never trusts its own view of its address. It asks a few peers to dial its port b
 (``protocol/peer.py``): any success makes it *direct*. If helpers answered and none got through,
 it is behind a NAT or a firewall; it then, in order:
 
-1. asks its router for a port mapping (UPnP IGD / NAT-PMP, ``portmap.py``), and has peers dial
+1. asks its router for a port mapping (UPnP IGD, ``portmap.py``), and has peers dial
    the mapped port back: *upnp*;
 2. otherwise takes a relay: a peer not known to be NAT'd that offers one (its record's ``relay``)
    carries connections to this node (``relay.py``): *relayed*, announced with the relay's

@@ -117,7 +117,7 @@ def test_the_readme_example_spec_is_valid() -> None:
     blocks = [block.split("```", 1)[0] for block in readme.split("```toml\n")[1:]]
     (example,) = [block for block in blocks if "[run]" in block]
     spec = RunSpec.from_toml(example)
-    assert spec.run.id == "shakespeare-demo"
+    assert spec.run.id == "shakespeare-example"
     assert spec == RunSpec.from_toml(example)
 
 
