@@ -110,6 +110,13 @@ class _DHT(hivemind.DHT):  # type: ignore[misc]
     def _prepare(self) -> None:
         """In the DHT's process, before hivemind runs."""
         threading.Thread(target=_exit_with, args=self._owner, daemon=True).start()
+        # A Ctrl-C in the node's terminal reaches every process of its group: the node leaves
+        # the swarm through this DHT and then shuts it down, so neither this process nor its
+        # p2pd (an ignored SIGINT survives exec; Go keeps it ignored) may die of it first. And
+        # SIGTERM must end it: hivemind's last resort when a shutdown hangs, but the node's own
+        # handler for it (asyncio's, inherited by the fork) would swallow it.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         # Before anything takes them. hivemind's two other process-wide locks guard only this
         # process's own state (its reply backend, its shared bytes): a thread lock each.
         MPFuture._update_lock = self._reply_lock

@@ -94,8 +94,6 @@ class Sidecar:
                 str(theirs.fileno()),
                 "--listen",
                 f"/ip4/{self._host}/tcp/{self._port}",
-                "--network-key",
-                self._network_key,
                 "--log-level",  # the sidecar logs to this process's stderr, at this module's level
                 logging.getLevelName(min(log.getEffectiveLevel(), logging.WARNING)),
                 "--bootstrap",
@@ -106,7 +104,7 @@ class Sidecar:
         finally:
             theirs.close()
         assert process.stdin is not None
-        process.stdin.write(self._seed.hex().encode() + b"\n")
+        process.stdin.write(f"{self._seed.hex()}\n{self._network_key}\n".encode())
         process.stdin.close()
         reader, writer = await asyncio.open_unix_connection(sock=ours, limit=MAX_LINE_BYTES)
         try:

@@ -5,15 +5,19 @@ Run by :mod:`swarmgrad.node.discovery.libp2p_dht` (never imported by the node: l
 cannot share a process)::
 
     python -m swarmgrad.node.discovery.libp2p_sidecar --fd 3 --listen /ip4/127.0.0.1/tcp/0 \\
-        [--bootstrap MADDR ...] [--network-key HEX]
+        [--bootstrap MADDR ...]
 
-The node's Ed25519 private key (32 bytes, hex) comes on standard input, so the DHT peer id and
-multiaddr stay the same across restarts. The node talks over the inherited socket ``--fd``: one
-JSON object per line each way. First the sidecar says ``{"event": "ready", "maddrs": [...]}`` or
-``{"event": "failed", "error": ...}``; then it answers requests ``{"id", "op", ...}`` with
-``{"id", ...}`` or ``{"id", "error"}``. Ops: ``store`` (key, subkey, value (base64), expires),
-``get`` (key), ``closest`` (key: the peers holding it), ``maddrs``, ``stats``. It exits when
-that socket closes (the node died or left).
+Two lines come on standard input, never on the command line (which any local user can read in
+``/proc``): the node's Ed25519 private key (32 bytes, hex), so the DHT peer id and multiaddr stay
+the same across restarts, and the network's pre-shared key (64 hex digits: a private run's is
+derived from its secret). The sidecar ignores SIGINT: a Ctrl-C in the node's terminal reaches
+every process of the group, and the node, which leaves the swarm through this sidecar, stops it.
+
+The node talks over the inherited socket ``--fd``: one JSON object per line each way. First the
+sidecar says ``{"event": "ready", "maddrs": [...]}`` or ``{"event": "failed", "error": ...}``;
+then it answers requests ``{"id", "op", ...}`` with ``{"id", ...}`` or ``{"id", "error"}``. Ops:
+``store`` (key, subkey, value (base64), expires), ``get`` (key), ``closest`` (key: the peers
+holding it), ``maddrs``, ``stats``. It exits when that socket closes (the node died or left).
 
 Where records live: Kademlia's routing finds the ``REPLICAS`` peers closest to SHA-256(key);
 each keeps, per key, one entry per subkey (the latest expiry wins), like hivemind's dictionary
@@ -44,6 +48,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import signal
 import socket
 import sys
 from contextlib import AsyncExitStack
@@ -203,7 +208,6 @@ def main() -> None:
     parser.add_argument("--fd", type=int, required=True, help="the node's end of a socket pair")
     parser.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0")
     parser.add_argument("--bootstrap", nargs="*", default=[])
-    parser.add_argument("--network-key", default=network_key())
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args()
     # py-libp2p logs every failed dial (routine in a swarm) as an error, some through the root
@@ -216,9 +220,15 @@ def main() -> None:
     logging.getLogger().handlers[:] = [logging.NullHandler()]
     logging.getLogger().setLevel(logging.CRITICAL)
     logging.getLogger("libp2p").handlers[:] = [logging.NullHandler()]
-    seed = bytes.fromhex(sys.stdin.readline().strip())
-    if len(seed) != 32:
-        sys.exit("expected the 32-byte Ed25519 private key (hex) on standard input")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # before trio.run, which then leaves it be
+    try:
+        seed = bytes.fromhex(sys.stdin.readline().strip())
+        args.network_key = sys.stdin.readline().strip()
+        psk_ok = len(bytes.fromhex(args.network_key)) == 32
+    except ValueError:
+        seed, psk_ok = b"", False
+    if len(seed) != 32 or not psk_ok:
+        sys.exit("expected the Ed25519 private key and the network key (hex) on standard input")
     trio.run(run, args, seed)
 
 

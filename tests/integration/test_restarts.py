@@ -4,6 +4,7 @@ restart would look."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -12,6 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 from swarmgrad.node.config import home
@@ -174,3 +176,55 @@ def test_a_full_disk_fails_checkpoints_not_the_node(tmp_path: Path) -> None:
         assert [p.name for p in folder.iterdir()] == [".lock"]  # no temp folder left behind
     finally:
         subprocess.run(["umount", "-l", str(small)], check=True)
+
+
+@pytest.mark.parametrize("discovery", ["hivemind", "libp2p"])
+def test_a_ctrl_c_in_the_nodes_terminal_stops_it_gracefully(tmp_path: Path, discovery: str) -> None:
+    """A terminal's Ctrl-C reaches every process of the foreground group: the node, its DHT
+    process or sidecar, and p2pd. The node must still leave the swarm through its DHT, write its
+    checkpoint and exit 0, and leave no process behind."""
+    load_demo(home() / "cache", vocab_size=2048, prepare=False)  # prepared by set-up
+    spec_path = tmp_path / "run.toml"
+    spec_path.write_text(
+        SPEC.replace("checkpoint_every_rounds = 1", "checkpoint_every_rounds = 1000")
+    )
+    log = tmp_path / "node.log"
+    command = [
+        sys.executable, "-m", "swarmgrad.node.cli", "node", str(spec_path),
+        "--identity", str(tmp_path / "node.key"),
+        "--cache-dir", str(home() / "cache"),
+        "--checkpoint-dir", str(tmp_path / "checkpoints"),
+        "--display", "log",
+        "--threads", "1",
+        "--discovery", discovery,
+    ]  # fmt: skip
+    with log.open("w") as out:
+        # A session of its own: the test's process group is not the one the "terminal" signals.
+        node = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        wait_for_pattern(log, r"epoch 2\b", timeout_seconds=120, check=_alive_popen(node, log))
+        family = psutil.Process(node.pid).children(recursive=True)
+        assert family, "the node runs its DHT in processes of its own"
+        os.killpg(node.pid, signal.SIGINT)
+        returncode = node.wait(timeout=60)
+        text = log.read_text()
+        assert returncode == 0, text[-3000:]
+        assert "Traceback" not in text, text[-3000:]
+        assert "could not announce leave" not in text
+        assert re.search(r"checkpoint epoch-\d+-step-\d+ ", text), text[-3000:]
+        assert re.search(r"stopped at epoch \d+", text)
+        _, alive = psutil.wait_procs(family, timeout=10)
+        assert not alive, f"left behind: {[p.name() for p in alive]}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.pid, signal.SIGKILL)
+        node.wait()
+
+
+def _alive_popen(process: subprocess.Popen[bytes], log: Path) -> Callable[[], None]:
+    def check() -> None:
+        assert process.poll() is None, log.read_text()[-3000:]
+
+    return check
