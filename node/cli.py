@@ -355,24 +355,34 @@ def status(
     )
     try:
         rows = tasks.run(
-            lambda stop: run_peers(
-                bootstrap=maddrs,
-                run_id=run_id,
-                spec_hash=loaded.hash if loaded is not None else None,
-                timeout_seconds=timeout,
-                backend=discovery or (loaded.node.discovery if loaded is not None else "hivemind"),
-                network_secret=(
-                    dht_secret
-                    if dht_secret is not None
-                    else (loaded.node.dht_secret if loaded is not None else "")
+            lambda stop: tasks.unless_stopped(
+                stop,
+                run_peers(
+                    bootstrap=maddrs,
+                    run_id=run_id,
+                    spec_hash=loaded.hash if loaded is not None else None,
+                    timeout_seconds=timeout,
+                    backend=discovery
+                    or (loaded.node.discovery if loaded is not None else "hivemind"),
+                    network_secret=(
+                        dht_secret
+                        if dht_secret is not None
+                        else (loaded.node.dht_secret if loaded is not None else "")
+                    ),
+                    stages=[(stage.run.id, stage.hash) for stage in stage_specs],
                 ),
-                stages=[(stage.run.id, stage.hash) for stage in stage_specs],
             )
         )
+    except tasks.Stopped:
+        raise typer.Exit(130) from None
     except ValueError as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
-    except (DiscoveryError, TimeoutError) as error:
+    except DiscoveryError as error:
         raise _fail(EXIT_NETWORK, f"could not read the run's peers: {error}") from None
+    except TimeoutError:
+        raise _fail(
+            EXIT_NETWORK, f"could not read the run's peers: no answer from the DHT in {timeout:g} s"
+        ) from None
     stages = (
         stage_summary(rows, pipeline.spans(loaded.model.n_layers))
         if loaded is not None and pipeline is not None

@@ -189,7 +189,20 @@ def bootstrap_addresses(
     from_environment = re.split(r"[\s,]+", environ.get("SWARMGRAD_BOOTSTRAP", "").strip())
     from_file = read_bootstrap_file(bootstrap_file) if bootstrap_file is not None else []
     every = (*from_spec, *from_environment, *from_options, *from_file)
+    for maddr in every:
+        if maddr and not _MULTIADDR.fullmatch(maddr):
+            raise ConfigError(
+                f"bootstrap address {maddr!r} is not a peer's multiaddr: expected one like "
+                f"/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW... (what `swarmgrad bootstrap` prints)"
+            )
     return tuple(dict.fromkeys(m for m in every if m))
+
+
+#: A DHT peer's multiaddr as bootstraps print them: an address, a transport, the peer id.
+_MULTIADDR = re.compile(
+    r"/(?:ip4|ip6|dns|dns4|dns6)/[^/\s]+/(?:tcp|udp)/\d{1,5}(?:/[a-z0-9-]+)*"
+    r"/p2p/[1-9A-HJ-NP-Za-km-z]{1,128}"
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -50,7 +50,7 @@ def _read_dht(
 ) -> T:
     """``read`` on a short-lived DHT reader, all of it within ``timeout`` seconds."""
 
-    async def run(stop: asyncio.Event) -> T:
+    async def run() -> T:
         async with asyncio.timeout(timeout):
             dht = await start_reader(
                 maddrs, backend=backend, network_secret=secret, timeout_seconds=timeout
@@ -60,7 +60,10 @@ def _read_dht(
             finally:
                 await dht.close()
 
-    return tasks.run(run)
+    try:
+        return tasks.run(lambda stop: tasks.unless_stopped(stop, run()))
+    except tasks.Stopped:  # a Ctrl-C: nothing was written, nothing to say
+        raise typer.Exit(130) from None
 
 
 def run_key(

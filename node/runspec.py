@@ -663,9 +663,11 @@ class RunSpec:
     @classmethod
     def load(cls, path: Path) -> RunSpec:
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as error:
             raise RunSpecError(f"cannot read run spec {path}: {error.strerror}") from None
+        except UnicodeDecodeError:
+            raise RunSpecError(f"run spec {path} is not UTF-8 text (TOML must be)") from None
         try:
             spec = cls.from_toml(text)
         except RunSpecError as error:

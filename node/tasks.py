@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -99,6 +100,14 @@ class LoopBridge:
 
         Raises ``concurrent.futures.CancelledError`` once released.
         """
+        loop = self._loop
+        if loop is not None and _running_loop() is loop:
+            coroutine.close()
+            # It would wait for the loop it blocks: a silent deadlock.
+            raise RuntimeError(
+                "a swarm's blocking calls (step, round, catch_up) run off its event loop: call "
+                "them from a thread (asyncio.to_thread), not from a coroutine on that loop"
+            )
         return self.submit(coroutine).result()  # CancelledError once released
 
     def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
@@ -107,8 +116,36 @@ class LoopBridge:
             coroutine.close()
             if self._loop is None:
                 raise RuntimeError("the swarm is not running")
-            raise concurrent.futures.CancelledError()
+            raise concurrent.futures.CancelledError("the swarm is stopping or closed")
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
         return future
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # this thread runs no loop
+        return None
+
+
+class Stopped(Exception):
+    """Work that :func:`unless_stopped` cut short: a signal came first."""
+
+
+async def unless_stopped(stop: asyncio.Event, work: Coroutine[Any, Any, T]) -> T:
+    """``work``'s result, or :class:`Stopped` (``work`` cancelled) if ``stop`` is set first: a
+    command that only reads (``status``, ``runs``) ends at the first Ctrl-C."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise Stopped()

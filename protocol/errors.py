@@ -13,6 +13,7 @@
         +-- ConfigError, RunSpecError, IdentityError, CheckpointError, DataError,
         |   InitWeightsError, ExportError          (each in its module under node/)
         +-- SpecMismatch     the run's peers train another spec (node/discovery/directory.py)
+        +-- BindError        the gRPC server cannot listen where it was told (protocol/server.py)
 
 A failed round is never raised to a trainer: it is an outcome (node/averaging/rounds.py). The
 CLI maps the three roots a node's start can raise to its exit codes (node/cli.py). Codecs raise
@@ -80,6 +81,11 @@ class SwarmgradError(Exception):
 class SetupError(SwarmgradError):
     """This node cannot start as configured (a file, a setting, a run spec, a key, a
     checkpoint); the message says what to fix."""
+
+
+class BindError(SetupError, OSError):
+    """The gRPC server cannot listen on the address and port it was given (in use, or not an
+    address of this machine). An OSError too, as a failed bind is."""
 
 
 class PeerUnavailable(SwarmgradError):

@@ -21,7 +21,7 @@ from typing import Any, Final, TypeAlias, TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from swarmgrad.protocol.errors import ProtocolViolation
+from swarmgrad.protocol.errors import BindError, ProtocolViolation
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
 log = logging.getLogger(__name__)
@@ -95,9 +95,15 @@ async def start_server(
         options=limits.options(), maximum_concurrent_rpcs=limits.max_concurrent_rpcs
     )
     register(server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio 1.8x raises where older versions returned 0
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not bind a gRPC server to {host}:{port}")
+        raise BindError(
+            f"cannot listen on {host}:{port}: the port is in use, or {host} is not an address "
+            f"of this machine (--host, --port)"
+        )
     await server.start()
     return server, bound
 

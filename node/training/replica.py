@@ -56,11 +56,20 @@ class Replica:
     def __init__(self, swarm: Swarm, model: nn.Module) -> None:
         self.swarm = swarm
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters: nothing to average")
+        first, device = named[0][0], named[0][1].device
+        elsewhere = next(((n, p.device) for n, p in named if p.device != device), None)
+        if elsewhere is not None:  # one flat vector a round: one device
+            raise ValueError(
+                f"the model's parameters must be on one device: {first} is on {device}, "
+                f"{elsewhere[0]} on {elsewhere[1]}"
+            )
         self.names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.numel = sum(p.numel() for p in self.params)
         #: Where the replica's vectors live: the model's device (rounds encode and decode there).
-        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.device = self.params[0].device
         self.epoch = 0
         self.samples = 0  # since the last round: this replica's weight in it
         self._residual = torch.zeros(self.numel, device=self.device)

@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -228,3 +229,27 @@ def _alive_popen(process: subprocess.Popen[bytes], log: Path) -> Callable[[], No
         assert process.poll() is None, log.read_text()[-3000:]
 
     return check
+
+
+def test_a_ctrl_c_ends_a_status_read_at_once(tmp_path: Path) -> None:
+    """`swarmgrad status` only reads: the first Ctrl-C ends it (it used to say it was stopping,
+    then wait out its whole timeout against a bootstrap that never answers)."""
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWMoN3kBu4HcwWGjRoiFSbDvaxpCRWUJfaQphoC82cVQx8"
+    command = [sys.executable, "-m", "swarmgrad.node.cli", "status", "--run", "r",
+               "--timeout", "60", "--bootstrap", dead]  # fmt: skip
+    log = tmp_path / "status.log"
+    with log.open("w") as out:
+        reader = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        wait_for_pattern(log, r"could not join the DHT", timeout_seconds=60)  # it is waiting
+        started = time.monotonic()
+        os.killpg(reader.pid, signal.SIGINT)
+        assert reader.wait(timeout=30) == 130, log.read_text()[-2000:]
+        assert time.monotonic() - started < 20  # its DHT's teardown, not the 60 s timeout
+        assert "Traceback" not in log.read_text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(reader.pid, signal.SIGKILL)
+        reader.wait()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -208,6 +209,24 @@ def test_the_cli_explains_bad_input(tmp_path: Path) -> None:
     no_windows = swarmgrad("node", str(good), "--eval-windows", "0")
     assert no_windows.returncode == 2
     assert "--eval-windows must be at least 1" in no_windows.stderr
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes('[run]\nid = "r"\n# caf\xe9\n'.encode("latin-1"))
+    not_utf8 = swarmgrad("node", str(latin))
+    assert (not_utf8.returncode, "Traceback" in not_utf8.stderr) == (2, False)
+    assert "is not UTF-8 text" in not_utf8.stderr
+    no_maddr = swarmgrad("node", str(good), "--bootstrap", "127.0.0.1:4000")
+    assert (no_maddr.returncode, "Traceback" in no_maddr.stderr) == (2, False)
+    assert "is not a peer's multiaddr" in no_maddr.stderr
+    with socket.socket() as taken:  # a port another program listens on
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        in_use = swarmgrad(
+            "node", str(good), "--port", port, "--identity", str(tmp_path / "k"),
+            "--checkpoint-dir", str(tmp_path / "checkpoints"), "--metrics-address", "off",
+        )  # fmt: skip
+    assert (in_use.returncode, "Traceback" in in_use.stderr) == (2, False), in_use.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in in_use.stderr
 
 
 def _start_lone_node(tmp_path: Path, cache_dir: Path) -> subprocess.Popen[str]:

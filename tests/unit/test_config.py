@@ -124,6 +124,17 @@ def test_bootstrap_addresses_from_every_layer_are_used_together(spec: Path, tmp_
         node_config(spec_path=spec, environ=env, cli=CommandLine(bootstrap_file=maddrs_file))
 
 
+@pytest.mark.parametrize(
+    "maddr", ["foo", "127.0.0.1:4000", "/ip4/203.0.113.5/tcp/31337", "/ip4/1.2.3.4/tcp/x/p2p/A"]
+)
+def test_a_bootstrap_address_that_is_no_multiaddr_is_a_config_error(
+    spec: Path, tmp_path: Path, maddr: str
+) -> None:
+    # Not a network failure to retry: nothing was dialed, and the message says what is expected.
+    with pytest.raises(ConfigError, match=r"is not a peer's multiaddr: expected one like /ip4/"):
+        node_config(spec_path=spec, environ=_env(tmp_path), cli=CommandLine(bootstrap=[maddr]))
+
+
 def test_listening_everywhere_needs_an_address_to_announce(spec: Path, tmp_path: Path) -> None:
     everywhere = r"--host 0\.0\.0\.0 listens everywhere: set node\.public_host"
     with pytest.raises(ConfigError, match=everywhere):

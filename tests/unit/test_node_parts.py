@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import shutil
 import sys
@@ -23,6 +24,7 @@ from swarmgrad.node.identity import Identity
 from swarmgrad.node.reachability.portmap import PortMapError, map_port
 from swarmgrad.node.runspec import ModelSection, RunSpec, RunSpecError
 from swarmgrad.node.state.sync import pick_donors
+from swarmgrad.node.tasks import LoopBridge
 from swarmgrad.node.training.api import DiLoCo
 from swarmgrad.node.training.data import DataError, load_demo
 from swarmgrad.node.training.model import build_model, flatten, unflatten
@@ -288,3 +290,28 @@ async def test_the_channel_cache_keeps_the_channels_used_last() -> None:
     assert first.get_state() is grpc.ChannelConnectivity.SHUTDOWN  # pushed out, then closed
     assert transport.channel("127.0.0.1:1") is not first  # opened afresh when needed again
     await transport.close()
+
+
+def test_a_model_a_replica_cannot_average_is_refused_with_a_reason() -> None:
+    swarm: Any = SimpleNamespace(publish=lambda snapshot, throughput: None)
+    frozen = torch.nn.Linear(4, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        DiLoCo(swarm, frozen, inner_steps=2, outer_lr=0.7, outer_momentum=0.9)
+    split = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Linear(2, 2, device="meta"))
+    with pytest.raises(ValueError, match=r"one device: 0.weight is on cpu, 1.weight on meta"):
+        DiLoCo(swarm, split, inner_steps=2, outer_lr=0.7, outer_momentum=0.9)
+
+
+async def test_a_blocking_swarm_call_from_its_own_loop_is_an_error_not_a_deadlock() -> None:
+    bridge = LoopBridge()
+    bridge.attach(asyncio.get_running_loop())
+
+    async def answer() -> int:
+        return 42
+
+    with pytest.raises(RuntimeError, match="run off its event loop"):
+        bridge.call(answer())  # on the loop's own thread: it would wait for itself
+    assert await asyncio.to_thread(bridge.call, answer()) == 42  # from a thread: fine
+    bridge.release()
+    with pytest.raises(asyncio.CancelledError, match="stopping or closed"):  # via to_thread
+        await asyncio.to_thread(bridge.call, answer())
