@@ -59,6 +59,20 @@ metrics_address = "off"
 KILLS = 12
 
 
+def _node_command(tmp_path: Path, spec_path: Path, folder: Path, *extra: str) -> list[str]:
+    """``swarmgrad node`` on ``spec_path`` with its key in ``tmp_path`` and its checkpoints in
+    ``folder``, logging plain lines, one torch thread."""
+    return [
+        sys.executable, "-m", "swarmgrad.node.cli", "node", str(spec_path),
+        "--identity", str(tmp_path / "node.key"),
+        "--cache-dir", str(home() / "cache"),
+        "--checkpoint-dir", str(folder),
+        "--display", "log",
+        "--threads", "1",
+        *extra,
+    ]  # fmt: skip
+
+
 def _newest_whole(folder: Path, spec: RunSpec) -> Path | None:
     """The checkpoint a restart must resume from; fails the test on any corrupt one."""
     candidates = Checkpointer(folder, spec, keep=3).candidates()  # not entered: leaves .tmp-*
@@ -87,14 +101,7 @@ def test_kill_9_mid_checkpoint_never_leaves_a_corrupt_one(tmp_path: Path) -> Non
     spec_path.write_text(SPEC)
     spec = RunSpec.load(spec_path)
     folder = tmp_path / "checkpoints"
-    command = [
-        sys.executable, "-m", "swarmgrad.node.cli", "node", str(spec_path),
-        "--identity", str(tmp_path / "node.key"),
-        "--cache-dir", str(home() / "cache"),
-        "--checkpoint-dir", str(folder),
-        "--display", "log",
-        "--threads", "1",
-    ]  # fmt: skip
+    command = _node_command(tmp_path, spec_path, folder)
     mid_write, epochs = 0, []
     expected: Path | None = None
     for attempt in range(KILLS + 1):
@@ -154,15 +161,7 @@ def test_a_full_disk_fails_checkpoints_not_the_node(tmp_path: Path) -> None:
     try:
         folder = small / "checkpoints"
         log = tmp_path / "node.log"
-        command = [
-            sys.executable, "-m", "swarmgrad.node.cli", "node", str(spec_path),
-            "--identity", str(tmp_path / "node.key"),
-            "--cache-dir", str(home() / "cache"),
-            "--checkpoint-dir", str(folder),
-            "--display", "log",
-            "--threads", "1",
-            "--max-epochs", "3",
-        ]  # fmt: skip
+        command = _node_command(tmp_path, spec_path, folder, "--max-epochs", "3")
         node = LocalProcess("node", command, log, dict(os.environ), warm=True).popen
         try:
             returncode = node.wait(timeout=180)
@@ -190,15 +189,7 @@ def test_a_ctrl_c_in_the_nodes_terminal_stops_it_gracefully(tmp_path: Path, disc
         SPEC.replace("checkpoint_every_rounds = 1", "checkpoint_every_rounds = 1000")
     )
     log = tmp_path / "node.log"
-    command = [
-        sys.executable, "-m", "swarmgrad.node.cli", "node", str(spec_path),
-        "--identity", str(tmp_path / "node.key"),
-        "--cache-dir", str(home() / "cache"),
-        "--checkpoint-dir", str(tmp_path / "checkpoints"),
-        "--display", "log",
-        "--threads", "1",
-        "--discovery", discovery,
-    ]  # fmt: skip
+    command = _node_command(tmp_path, spec_path, tmp_path / "checkpoints", "--discovery", discovery)
     with log.open("w") as out:
         # A session of its own: the test's process group is not the one the "terminal" signals.
         node = subprocess.Popen(
