@@ -166,6 +166,8 @@ class Swarm:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Swarm:
+        if self._bridge.released:  # its transport, averager and tasks are closed for good
+            raise RuntimeError("this Swarm was closed: make a new one to join again")
         self._bridge.attach(asyncio.get_running_loop())
         spec, config = self.spec, self.config
         self._discovery = await start_discovery(

@@ -84,6 +84,11 @@ class LoopBridge:
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
 
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` was called (the node stopped)."""
+        return self._closing
+
     def soon(self, callback: Callable[[], object]) -> None:
         """Run ``callback`` on the loop soon (nothing if it is not running yet)."""
         if self._loop is not None:

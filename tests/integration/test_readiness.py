@@ -105,3 +105,6 @@ async def test_a_peer_that_found_nobody_takes_its_readiness_record_down() -> Non
             assert result.outcome is Outcome.NO_GROUP
             ready = await witness.directory.discovery.find_ready(0)  # type: ignore[union-attr]
             assert lone.peer_id not in {r.peer_id for r in ready}
+    with pytest.raises(RuntimeError, match="was closed: make a new one"):  # not a half-start
+        async with lone:
+            pass
