@@ -299,6 +299,8 @@ def status(
     for a pipeline, its stage replicas and a row per stage."""
     import json
 
+    _logging(False, quiet=True)  # the table is the output; retries are warnings
+
     from rich.console import Console
     from rich.table import Table
 

@@ -11,9 +11,10 @@ import typer
 EXIT_CONFIG, EXIT_SPEC_MISMATCH, EXIT_NETWORK = 2, 3, 4
 
 
-def setup_logging(verbose: bool) -> None:
+def setup_logging(verbose: bool, *, quiet: bool = False) -> None:
+    """Log lines on stderr; ``quiet`` (a command that prints a table): warnings and worse."""
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
+        level=logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
         stream=sys.stderr,

@@ -4,8 +4,6 @@ its id (``node/published.py`` says what is signed and checked)."""
 from __future__ import annotations
 
 import asyncio
-import logging
-import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Annotated, TypeVar
@@ -155,7 +153,7 @@ def runs(
     from rich.console import Console
     from rich.table import Table
 
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    setup_logging(False, quiet=True)  # the table is the output; retries are warnings
     try:
         maddrs = _addresses(bootstrap, bootstrap_file)
     except SetupError as error:
@@ -196,7 +194,7 @@ def join(
 
     Options after the run id that ``join`` does not know go to ``swarmgrad node``.
     """
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    setup_logging(False, quiet=True)  # the run is read quietly; the node it starts logs in full
     try:
         maddrs = _addresses(bootstrap, bootstrap_file)
         known = node_config.known_run_key(run_id)
