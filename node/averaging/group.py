@@ -37,10 +37,11 @@ class Member:
     def __post_init__(self) -> None:
         if not self.peer_id or len(self.peer_id) > 256:
             raise ValueError(f"bad peer id {self.peer_id!r}")
-        if not 0 <= self.bandwidth <= MAX_BANDWIDTH:  # NaN fails too
-            raise ValueError(f"bandwidth of {self.peer_id} must be in [0, {MAX_BANDWIDTH:g}]")
-        if not 0 < self.weight <= MAX_WEIGHT:
-            raise ValueError(f"weight of {self.peer_id} must be in (0, {MAX_WEIGHT:g}]")
+        if not bounded(self.bandwidth, self.weight):  # NaN fails too
+            raise ValueError(
+                f"{self.peer_id}: bandwidth {self.bandwidth} must be in [0, {MAX_BANDWIDTH:g}] "
+                f"and weight {self.weight} in (0, {MAX_WEIGHT:g}]"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

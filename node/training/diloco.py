@@ -270,40 +270,37 @@ class DiLoCo(Replica):
         swarm is past it, it did (with this replica's progress up to the boundary in it, which
         is then not sent again); otherwise the next round sends that progress."""
         tensors, meta = super().state_dict()
-        record: dict[str, Any] | None = None
-        if self._in_flight is not None and self._boundary is not None:
-            pending = self._in_flight
-            record = {
-                "epoch": pending.epoch,
-                "fragment": self._in_flight_fragment,
-                "offset": pending.offset,
-                "weight": int(pending.weight),
-            }
-            tensors["in_flight.boundary"] = self._boundary.cpu().clone()
-        elif self._restored is not None:
-            restored = self._restored
-            record = {
-                "epoch": restored.epoch,
-                "fragment": restored.fragment,
-                "offset": restored.offset,
-                "weight": restored.weight,
-            }
-            tensors["in_flight.boundary"] = restored.boundary.cpu().clone()
-            # Its samples are back in the counts (see _restore_in_flight): out again, as saved.
-            if restored.fragment is None:
-                meta["samples"] -= restored.weight
-        return tensors, meta | {
-            "steps": self._steps,
-            "in_flight": record,
-            "fragment_samples": self._saved_fragment_samples(),
-        }
-
-    def _saved_fragment_samples(self) -> list[int]:
         counts = list(self._fragment_samples)
-        restored = self._restored
-        if self._in_flight is None and restored is not None and restored.fragment is not None:
-            counts[restored.fragment] -= restored.weight
-        return counts
+        meta |= {"steps": self._steps, "fragment_samples": counts, "in_flight": None}
+        in_flight = self._round_in_flight()
+        if in_flight is None:
+            return tensors, meta
+        meta["in_flight"] = {
+            "epoch": in_flight.epoch,
+            "fragment": in_flight.fragment,
+            "offset": in_flight.offset,
+            "weight": in_flight.weight,
+        }
+        tensors["in_flight.boundary"] = in_flight.boundary.cpu().clone()
+        if in_flight is self._restored:
+            # Its samples are back in the counts (see _restore_in_flight): out again, as saved.
+            if in_flight.fragment is None:
+                meta["samples"] -= in_flight.weight
+            else:
+                counts[in_flight.fragment] -= in_flight.weight
+        return tensors, meta
+
+    def _round_in_flight(self) -> Restored | None:
+        """The round a checkpoint keeps: the one in flight, else one resumed in flight."""
+        if self._in_flight is None or self._boundary is None:
+            return self._restored
+        return Restored(
+            epoch=self._in_flight.epoch,
+            fragment=self._in_flight_fragment,
+            offset=self._in_flight.offset,
+            weight=int(self._in_flight.weight),
+            boundary=self._boundary,
+        )
 
     @property
     def schedule_step(self) -> int:
