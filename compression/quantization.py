@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from swarmgrad.compression import kernels
 from swarmgrad.compression.base import (
     CodecError,
     DevicePayloadCodec,
@@ -42,6 +43,9 @@ _CHUNK_VALUES = 1 << 20
 _DEVICE_CHUNK_VALUES = 1 << 24
 #: Values per part of a GPU's codes (each part copied to the host while the next is rounded).
 _DEVICE_PART_VALUES = 1 << 23
+#: Values per part when one fused kernel codes a part (a launch per part, so parts can be small
+#: and the first part's copy starts sooner).
+_KERNEL_PART_VALUES = 1 << 23
 _MAX_BLOCK = 1 << 20
 _F32_MAX = torch.finfo(torch.float32).max
 
@@ -127,6 +131,9 @@ class _BlockwiseAbsmax(DevicePayloadCodec):
         nb = -(-n // block)
         scales = payload[: 4 * nb].view(torch.float32)
         codes = payload[4 * nb :].view(self._code_dtype())
+        if kernels.usable(flat, block):
+            self._encode_fused(flat, payload, ready)
+            return
         full = (n // block) * block
         work = torch.empty(full, dtype=torch.float32, device=device)
         rows = flat[:full].view(-1, block)
@@ -154,6 +161,25 @@ class _BlockwiseAbsmax(DevicePayloadCodec):
             if ready is not None:
                 ready(payload, 4 * nb + self._codes_len(full), payload.numel())
         _check_finite(absmax)
+
+    def _encode_fused(self, flat: torch.Tensor, payload: torch.Tensor, ready: Ready | None) -> None:
+        """One fused kernel per part writes its blocks' scales and codes; each part's codes are
+        copied out while the next is coded, the scales (a sixty-fourth of the input or less)
+        last; NaN/Inf read back once, from the scales."""
+        n, block = flat.numel(), self.block_size
+        nb = -(-n // block)
+        scales = payload[: 4 * nb].view(torch.float32)
+        codes = payload[4 * nb :].view(self._code_dtype())
+        part = max(1, _KERNEL_PART_VALUES // block)
+        for first in range(0, nb, part):
+            stop = min(first + part, nb)
+            kernels.encode_blocks(flat, scales, codes, block, self.bits, first, stop)
+            if ready is not None:
+                lo, hi = self._codes_len(first * block), self._codes_len(min(stop * block, n))
+                ready(payload, 4 * nb + lo, 4 * nb + hi)
+        if ready is not None and nb:
+            ready(payload, 0, 4 * nb)
+        _check_finite(scales)
 
     def _tail(self, flat: torch.Tensor, full: int) -> torch.Tensor:
         """The last, partial block as one row padded with zeros."""
@@ -198,17 +224,10 @@ class _BlockwiseAbsmax(DevicePayloadCodec):
         values = out
         if out.dtype != torch.float32:
             values = torch.empty(n, dtype=torch.float32, device=device)
-        full = (n // block) * block
-        chunk = max(block, (_chunk_values(device) // block) * block)
-        for start in range(0, full, chunk):
-            stop = min(start + chunk, full)
-            part = values[start:stop]
-            cls._load(codes, start, part, n)
-            part.view(-1, block).mul_(scales[start // block : stop // block, None])
-        if full < n:  # the last, partial block: decode a whole (padded) block, keep its head
-            tail = torch.empty(block, dtype=torch.float32, device=device)
-            cls._load(codes, full, tail, n)
-            values[full:] = tail[: n - full].mul_(scales[-1])
+        if isinstance(data, torch.Tensor) and kernels.usable(values, block):
+            kernels.decode_values(codes, scales, values, block, cls.bits)
+        else:
+            cls._dequantize(codes, scales, values, block)
         if values is not out:
             out.copy_(values)
         # Checked last (a bad payload leaves garbage in out, as decode allows): a GPU is waited
@@ -223,6 +242,24 @@ class _BlockwiseAbsmax(DevicePayloadCodec):
             bound = torch.tensor(hi * (1 << (cls.bits - 1)), dtype=torch.float32)
             if not fits(bound, out.dtype):
                 check_finite(out, f"{cls.name} payload as {meta.dtype}")
+
+    @classmethod
+    def _dequantize(
+        cls, codes: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, block: int
+    ) -> None:
+        """Eager: ``values`` (fp32) = codes times their block's scale, in passes of chunks."""
+        n = values.numel()
+        full = (n // block) * block
+        chunk = max(block, (_chunk_values(values.device) // block) * block)
+        for start in range(0, full, chunk):
+            stop = min(start + chunk, full)
+            part = values[start:stop]
+            cls._load(codes, start, part, n)
+            part.view(-1, block).mul_(scales[start // block : stop // block, None])
+        if full < n:  # the last, partial block: decode a whole (padded) block, keep its head
+            tail = torch.empty(block, dtype=torch.float32, device=values.device)
+            cls._load(codes, full, tail, n)
+            values[full:] = tail[: n - full].mul_(scales[-1])
 
     # -- storage of the integer codes, per bit width ------------------------------------------
 
