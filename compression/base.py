@@ -132,6 +132,15 @@ class Codec(ABC):
         out.copy_(cls._decode(data, meta).reshape(-1))
 
     @classmethod
+    def _decode_onto(cls, data: bytes | memoryview, meta: Meta, out: torch.Tensor) -> None:
+        """Decode host bytes into the flat ``out`` on a GPU: with ``device_decode``, only the
+        payload crosses and is decoded there; otherwise the CPU's decoding is copied across."""
+        if cls.device_decode:
+            cls._decode_into(to_device(data, out.device), meta, out)
+        else:
+            out.copy_(cls._decode(data, meta).reshape(-1))
+
+    @classmethod
     @abstractmethod
     def payload_nbytes(cls, meta: Meta) -> int:
         """Exact payload size implied by ``meta``; raises CodecError for bad parameters."""
@@ -320,10 +329,8 @@ def _decode_on(
     """Decode into the flat ``out`` on its device: on a GPU, only the payload crosses."""
     if out.device.type == "cpu":
         cls._decode_into(payload, meta, out)
-    elif cls.device_decode:
-        cls._decode_into(to_device(payload, out.device), meta, out)
     else:
-        out.copy_(cls._decode(payload, meta).reshape(-1))
+        cls._decode_onto(payload, meta, out)
 
 
 def expect_params(meta: Meta, *names: str) -> dict[str, int]:
@@ -398,8 +405,12 @@ def to_device(data: bytes | memoryview, device: torch.device) -> torch.Tensor:
         return out
     stream = torch.cuda.current_stream(device)
     slots = _staging()
-    for i, start in enumerate(range(0, len(data), STAGE_BYTES)):
-        stop = min(start + STAGE_BYTES, len(data))
+    # Parts of equal size (a 17 MB payload in two halves, not 16 MiB and a remnant), so the
+    # second part's host copy overlaps as much of the first part's crossing as it can.
+    parts = -(-len(data) // STAGE_BYTES)
+    size = -(-len(data) // parts)
+    for i, start in enumerate(range(0, len(data), size)):
+        stop = min(start + size, len(data))
         buffer, done = slots[i % 2]
         done.synchronize()  # the copy out of this buffer, two parts ago, is over
         part = buffer[: stop - start]
@@ -409,9 +420,10 @@ def to_device(data: bytes | memoryview, device: torch.device) -> torch.Tensor:
     return out
 
 
-#: Bytes per part when host data is staged to a GPU. On an H100 (2026-11-26), parts of 16 MiB
-#: took 17 / 34 / 64 MB across in 0.75 / 1.08 / 1.79 ms, one part 0.76 / 1.26 / 2.11 ms; parts
-#: of 4 MiB were slower than one for 64 MB (2.42 ms in another run).
+#: Most bytes per part when host data is staged to a GPU. On an H100 (2026-11-26), parts of 16
+#: MiB took 17 / 34 / 64 MB across in 0.75 / 1.08 / 1.79 ms, one part 0.76 / 1.26 / 2.11 ms; parts
+#: of 4 MiB were slower than one for 64 MB (2.42 ms in another run). A pool of host threads
+#: copying parts of 1-8 MiB with memmove took 1.3-1.7 ms for 17 MB (2026-11-27): not faster.
 STAGE_BYTES = 16 << 20
 
 
@@ -481,10 +493,11 @@ def check_finite(tensor: torch.Tensor, what: str, *, dtype: torch.dtype | None =
     a cast is monotonic, so they alone say whether every value fits ``dtype``.
     """
     if tensor.numel():
-        lo, hi = torch.aminmax(tensor.reshape(-1))
-        if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
+        bounds = torch.stack(torch.aminmax(tensor.reshape(-1))).tolist()  # one read back
+        if not all(math.isfinite(bound) for bound in bounds):
             raise NonFiniteError(f"{what} contains NaN or Inf")
-        if dtype is not None and not fits(torch.stack((lo, hi)), dtype):
+        # The bounds are exact in float64 (they came from a narrower float).
+        if dtype is not None and not fits(torch.tensor(bounds, dtype=torch.float64), dtype):
             raise NonFiniteError(f"{what} overflows {dtype_name(dtype)}")
 
 

@@ -13,9 +13,11 @@ Payload layout (little-endian), ``nb = ceil(numel / block_size)``:
 Speed: the work runs over chunks of ~1 Mi values so that the temporaries of each eager op stay in
 cache; fused this way an 8-bit encode + decode of 16 Mi fp32 values takes ~45 ms on two cores
 (benchmarks/codecs.py), instead of ~85 ms for the same ops over the whole tensor. A CUDA tensor is
-encoded on its GPU in few launches (there each op costs the host more than the GPU): the scales
-in one pass, the codes in parts of 8 Mi values, each part's payload copied to the host while the
-next is rounded; decoding into a GPU tensor likewise takes only the payload across.
+encoded on its GPU in parts of 8 Mi values, each part's payload copied to the host while the next
+is coded: with Triton (a CUDA torch ships it) one fused kernel a part writes the scales and codes
+(``kernels.py``), else eager ops in few launches (the scales in one pass, then the codes). Decoding
+onto a GPU takes only the payload across; the scales are checked on the host, from the received
+bytes, while the payload crosses, and one kernel (or a few eager ops) decodes.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from swarmgrad.compression.base import (
     from_bytes,
     register,
     scratch_bytes,
+    to_device,
 )
 
 _CHUNK_VALUES = 1 << 20
@@ -216,32 +219,64 @@ class _BlockwiseAbsmax(DevicePayloadCodec):
 
     @classmethod
     def _decode_into(cls, data: Wire, meta: Meta, out: torch.Tensor) -> None:
+        scales, codes = cls._split(data, meta)
+        cls._values(codes, scales, out, meta.params["block_size"], isinstance(data, torch.Tensor))
+        # Checked last (a bad payload leaves garbage in out, as decode allows): a GPU is waited
+        # for once, when all is queued.
+        if scales.numel() and cls._check_scales(scales, out.dtype):
+            check_finite(out, f"{cls.name} payload as {meta.dtype}")
+
+    @classmethod
+    def _decode_onto(cls, data: bytes | memoryview, meta: Meta, out: torch.Tensor) -> None:
+        """Onto a GPU: the scales are checked on the host, from the received bytes, while the
+        payload's last part crosses; the GPU is not waited for (the decode is queued on the
+        current stream, after the copy)."""
+        payload = to_device(data, out.device)
+        host_scales, _ = cls._split(data, meta)
+        if host_scales.numel() and cls._check_scales(host_scales, out.dtype):
+            cls._decode_into(payload, meta, out)  # a float16 out: its values are read once
+            return
+        scales, codes = cls._split(payload, meta)
+        cls._values(codes, scales, out, meta.params["block_size"], fused=True)
+
+    @classmethod
+    def _split(cls, data: Wire, meta: Meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The payload's block scales and codes, as views."""
         n, block = meta.numel, meta.params["block_size"]
-        device = out.device
         nb = -(-n // block)
         scales = from_bytes(data, torch.float32, 0, nb)
-        codes = from_bytes(data, cls._code_dtype(), 4 * nb, cls._codes_len(n))
+        return scales, from_bytes(data, cls._code_dtype(), 4 * nb, cls._codes_len(n))
+
+    @classmethod
+    def _values(
+        cls, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int, fused: bool
+    ) -> None:
+        """``out`` = each code times its block's scale (through fp32, as the CPU computes it;
+        ``fused``: the payload is on the device, where a fused kernel may decode it)."""
+        n = out.numel()
         values = out
         if out.dtype != torch.float32:
-            values = torch.empty(n, dtype=torch.float32, device=device)
-        if isinstance(data, torch.Tensor) and kernels.usable(values, block):
+            values = torch.empty(n, dtype=torch.float32, device=out.device)
+        if fused and kernels.usable(values, block):
             kernels.decode_values(codes, scales, values, block, cls.bits)
         else:
             cls._dequantize(codes, scales, values, block)
         if values is not out:
             out.copy_(values)
-        # Checked last (a bad payload leaves garbage in out, as decode allows): a GPU is waited
-        # for once, when all is queued. One pass and one read back; NaN propagates through both.
-        if nb:
-            lo, hi = torch.stack(torch.aminmax(scales)).tolist()
-            if not (0 <= lo <= hi <= _F32_MAX / 256):  # False for NaN; Inf is above the limit
-                raise NonFiniteError(f"{cls.name} payload has a NaN, Inf, negative or absurd scale")
-            # No value exceeds the largest scale times the largest code (|-128|, |-8|): when that
-            # bound fits out's dtype, nothing more is read; else (a float16 out, values that may
-            # pass 65504) out is read once, for any Inf the cast made.
-            bound = torch.tensor(hi * (1 << (cls.bits - 1)), dtype=torch.float32)
-            if not fits(bound, out.dtype):
-                check_finite(out, f"{cls.name} payload as {meta.dtype}")
+
+    @classmethod
+    def _check_scales(cls, scales: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Raise NonFiniteError for a NaN, Inf, negative or absurd scale (one pass, one read
+        back; NaN propagates through both). True when ``dtype`` may not hold every decoded
+        value, so the values must be read for Inf."""
+        lo, hi = torch.stack(torch.aminmax(scales)).tolist()
+        if not (0 <= lo <= hi <= _F32_MAX / 256):  # False for NaN; Inf is above the limit
+            raise NonFiniteError(f"{cls.name} payload has a NaN, Inf, negative or absurd scale")
+        # No value exceeds the largest scale times the largest code (|-128|, |-8|): when that
+        # bound fits the dtype, nothing more is read; else (a float16 out, values that may
+        # pass 65504) the values are read once, for any Inf the cast made.
+        bound = torch.tensor(hi * (1 << (cls.bits - 1)), dtype=torch.float32)
+        return not fits(bound, dtype)
 
     @classmethod
     def _dequantize(

@@ -3,10 +3,13 @@ at hand) encoding on it and decoding onto it give the CPU's bytes and bits."""
 
 from __future__ import annotations
 
+import math
+import struct
+
 import pytest
 import torch
 
-from swarmgrad.compression import decode, get_codec, quantization
+from swarmgrad.compression import NonFiniteError, decode, get_codec, quantization
 from swarmgrad.compression.base import STAGE_BYTES, DevicePayloadCodec, to_device
 
 DENSE = ["none", "fp16", "bf16", "int8", "int4"]
@@ -117,3 +120,24 @@ def test_gpu_encode_of_nan_raises_and_the_next_encode_is_right() -> None:
     good = _values(1 << 22, seed=9)
     wire, _ = get_codec("int8").encode_view(good.cuda())
     assert bytes(wire) == get_codec("int8").encode(good)[0]
+
+
+@cuda
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_gpu_decode_refuses_bad_scales_and_float16_overflow_from_received_bytes(name: str) -> None:
+    codec = get_codec(name)
+    payload, meta = codec.encode(_values(5000))
+    for scale in (math.nan, math.inf, -1.0):
+        bad = bytearray(payload)
+        bad[4:8] = struct.pack("<f", scale)  # the second block's scale
+        with pytest.raises(NonFiniteError, match="scale"):
+            decode(bytes(bad), meta, device="cuda")
+    # A float16 tensor's payload whose scale makes a value pass 65504: Inf once cast, refused.
+    half, half_meta = codec.encode(torch.full((300,), 60000.0, dtype=torch.float16))
+    big = bytearray(half)
+    big[0:4] = struct.pack("<f", 1e6)
+    with pytest.raises(NonFiniteError, match="float16"):
+        decode(bytes(big), half_meta, device="cuda")
+    assert torch.equal(
+        decode(half, half_meta, device="cuda").cpu(), decode(half, half_meta)
+    )  # in range: decoded as the CPU does
