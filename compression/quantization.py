@@ -169,6 +169,7 @@ class _BlockwiseAbsmax(DevicePayloadCodec):
         """One fused kernel per part writes its blocks' scales and codes; each part's codes are
         copied out while the next is coded, the scales (a sixty-fourth of the input or less)
         last; NaN/Inf read back once, from the scales."""
+        flat = flat.contiguous()  # the kernel reads the values at their flat offsets
         n, block = flat.numel(), self.block_size
         nb = -(-n // block)
         scales = payload[: 4 * nb].view(torch.float32)

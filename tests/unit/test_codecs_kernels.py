@@ -31,6 +31,10 @@ CHECK = textwrap.dedent(
                 x *= torch.logspace(-3, 2, numel)
                 expected, meta = codec.encode(x)
                 payload = torch.empty(len(expected), dtype=torch.uint8)
+                # A strided view (every other value of a longer tensor) codes as its copy does.
+                strided = torch.stack((x, torch.full_like(x, 1e9)), dim=1)[:, 0]
+                codec._encode_fused(strided, payload, None)
+                assert payload.numpy().tobytes() == expected, (name, block, numel, "strided")
                 reported = []
                 codec._encode_fused(x, payload, lambda _p, a, b: reported.append(b - a))
                 assert payload.numpy().tobytes() == expected, (name, block, numel)
