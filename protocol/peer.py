@@ -124,6 +124,20 @@ class PeerServicer:
         self.dial_backs: dict[str, int] = {"reachable": 0, "unreachable": 0}
         self.punches = 0
 
+    def _caller(self, context: grpc.aio.ServicerContext[object, object]) -> str:
+        """The host that made this call. A call relayed to this node reaches its server from its
+        own relay client (a local address): the caller is the host the relay saw dial, and a
+        relayed call whose dialer the relay did not name is refused (dialing or punching towards
+        the local address would reach this machine's own sockets)."""
+        relayed = self._origin(local_endpoint(context.peer())) if self._origin else None
+        if relayed is None:
+            return host_of(context.peer())
+        if not relayed:
+            raise ProtocolViolation(
+                ResultCode.WRONG_ADDRESS, "a relayed call from an address the relay did not name"
+            )
+        return relayed
+
     def _check_run(self, run_id: str, spec_hash: bytes) -> None:
         if run_id != self._me.run_id or spec_hash != self._me.spec_hash:
             raise ProtocolViolation(
@@ -153,7 +167,7 @@ class PeerServicer:
         self, request: peer_pb2.DialBackRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> peer_pb2.DialBackReply:
         self._check_run(request.run_id, request.spec_hash)
-        host = host_of(context.peer())
+        host = self._caller(context)
         if not 0 < request.port < 65536 or not host:
             raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "bad port or caller address")
         self._verifier.verify(
@@ -196,8 +210,7 @@ class PeerServicer:
             fields=punch_fields(request),
             sender=request.peer_id,
         )
-        came_from = self._origin(local_endpoint(context.peer())) if self._origin else None
-        came_from = came_from or host_of(context.peer())
+        came_from = self._caller(context)
         if request.host != came_from:
             raise ProtocolViolation(
                 ResultCode.WRONG_ADDRESS,

@@ -298,8 +298,14 @@ class RelayClient:
         self._address: tuple[str, int] | None = None
         self.traffic: Counter[str] = Counter()
         #: For each relayed connection spliced to the target now: the local end's ``host:port``
-        #: (what the target sees as its peer) -> the host the dialer connected to the relay from.
+        #: (what the target sees as its peer) -> the host the dialer connected to the relay from
+        #: ("" if the relay did not say).
         self.origins: dict[str, str] = {}
+        #: Relayed connections attached or attaching at most (the relay's own limit per client).
+        self._max_attached = self.limits.max_connections_per_client
+        self._opening: set[str] = set()
+        #: ``open`` requests ignored: over the limit, or a connection id already attaching.
+        self.refused_opens = 0
         self.endpoint = ""
 
     async def connect(self) -> str:
@@ -350,11 +356,19 @@ class RelayClient:
         try:
             while True:
                 message = await read_frame(self._reader, self.limits.silence_seconds)
-                if isinstance(message.get("open"), str):
-                    origin = message.get("from")
-                    self._tasks.spawn(
-                        self._attach(message["open"], origin if isinstance(origin, str) else "")
-                    )
+                connection_id = message.get("open")
+                if not isinstance(connection_id, str):
+                    continue
+                if connection_id in self._opening or len(self._tasks) >= self._max_attached:
+                    # A relay asking for more than it may carry (or twice for one dialer) is
+                    # not obeyed: each attach costs this node two sockets.
+                    self.refused_opens += 1
+                    continue
+                origin = message.get("from")
+                self._opening.add(connection_id)
+                self._tasks.spawn(
+                    self._attach(connection_id, origin if isinstance(origin, str) else "")
+                )
         finally:
             pinger.cancel()
             await asyncio.gather(pinger, return_exceptions=True)
@@ -367,6 +381,12 @@ class RelayClient:
                 await asyncio.sleep(self.limits.ping_seconds)
 
     async def _attach(self, connection_id: str, origin: str) -> None:
+        try:
+            await self._attach_once(connection_id, origin)
+        finally:
+            self._opening.discard(connection_id)
+
+    async def _attach_once(self, connection_id: str, origin: str) -> None:
         assert self._address is not None  # connected
         timeout = self.limits.handshake_timeout_seconds
         relay: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
@@ -383,7 +403,7 @@ class RelayClient:
             return
         sockname = local[1].get_extra_info("sockname")
         here = endpoint_of(sockname[0], sockname[1]) if isinstance(sockname, tuple) else ""
-        if here and origin:
+        if here:  # "" when the relay did not say: the server refuses what needs the caller
             self.origins[here] = origin[:64]
         try:
             await splice(relay, local, self.traffic)

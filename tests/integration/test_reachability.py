@@ -25,6 +25,7 @@ from swarmgrad.protocol.auth import Verifier, sign_request
 from swarmgrad.protocol.errors import STATUS_OF, PeerUnavailable, ProtocolViolation
 from swarmgrad.protocol.server import open_channel, start_server
 from swarmgrad.protocol.v1 import peer_pb2
+from tests.helpers import until
 
 RUN, SPEC = "run-r", b"\x05" * 32
 
@@ -409,3 +410,143 @@ def test_grpc_peer_strings_parse() -> None:
     assert peer.host_of("ipv6:[::1]:5") == "::1"
     assert peer.host_of("unix:/tmp/x") == ""
     assert peer.endpoint_of("::1", 5) == "[::1]:5"
+
+
+async def _forward_from(source_host: str, target: tuple[str, int]) -> tuple[asyncio.Server, int]:
+    """A loopback port whose connections reach ``target`` from ``source_host`` (so a relay sees
+    a dialer at another address than the node's own)."""
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        far_reader, far_writer = await asyncio.open_connection(*target, local_addr=(source_host, 0))
+        await asyncio.gather(pipe(reader, far_writer), pipe(far_reader, writer))
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_a_relayed_dial_back_dials_the_caller_not_the_nodes_own_sockets() -> None:
+    # The node's server sees a relayed call come from its own relay client (127.0.0.1): dialing
+    # "the caller" there would reach any port of the node's own machine (a port scanner behind
+    # its NAT). The relay says the dialer came from 127.0.0.2; that is where it dials.
+    me, caller = Identity.generate(), Identity.generate()
+    clients: list[RelayClient] = []
+    servicer = servicer_of(me, origin=lambda local: clients[0].origins.get(local))
+    server, port = await start_server(lambda s: peer.add_to_server(servicer, s), host="127.0.0.1")
+    relay = RelayServer(host="127.0.0.3", limits=FAST)
+    await relay.start()
+    reached: list[object] = []
+
+    async def private(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        reached.append(writer.get_extra_info("peername"))
+        writer.close()
+
+    local_service = await asyncio.start_server(private, "127.0.0.1", 0)
+    local_port = local_service.sockets[0].getsockname()[1]
+    clients.append(RelayClient(f"127.0.0.3:{relay.port}", me, target=("127.0.0.1", port)))
+    relayed = await clients[0].connect()
+    forwarder, via = await _forward_from("127.0.0.2", ("127.0.0.3", int(relayed.split(":")[1])))
+    try:
+        reply = await peer.ask_dial_back(
+            f"127.0.0.1:{via}",
+            signer=caller,
+            helper_id=me.peer_id,
+            port=local_port,
+            run_id=RUN,
+            spec_hash=SPEC,
+        )
+        assert reply.observed_host == "127.0.0.2"
+        assert not reply.reachable
+        assert reached == [], "the node dialed a socket of its own machine for a stranger"
+        # A relayed call whose dialer the relay did not name is refused, not dialed locally.
+        clients[0].origins = _Unnamed()
+        with pytest.raises(ProtocolViolation, match="did not name"):
+            await peer.ask_dial_back(
+                f"127.0.0.1:{via}",
+                signer=caller,
+                helper_id=me.peer_id,
+                port=local_port,
+                run_id=RUN,
+                spec_hash=SPEC,
+            )
+        assert reached == []
+    finally:
+        forwarder.close()
+        local_service.close()
+        await clients[0].close()
+        await relay.close()
+        await server.stop(None)
+
+
+class _Unnamed(dict[str, str]):
+    """Origins as a relay that names no dialer leaves them: every relayed end maps to ""."""
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        return ""
+
+
+async def test_a_relay_cannot_make_its_client_open_sockets_without_limit() -> None:
+    # Each "open" costs the client two sockets (to the relay, to its own server): a relay that
+    # asks 400 times gets at most its per-client limit, and one id asked twice is attached once.
+    async def frame(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
+        body = json.dumps(message).encode()
+        writer.write(struct.pack(">I", len(body)) + body)
+        await writer.drain()
+
+    to_target: list[asyncio.StreamWriter] = []
+    data: list[asyncio.StreamWriter] = []
+    control = asyncio.Event()
+
+    async def target(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        to_target.append(writer)
+
+    async def hostile_relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await frame(writer, {"relay": "swarmgrad/1", "nonce": "00" * 16})
+        if control.is_set():  # a data connection: hold it open
+            data.append(writer)
+            await asyncio.sleep(60)
+            return
+        control.set()
+        (size,) = struct.unpack(">I", await reader.readexactly(4))
+        await reader.readexactly(size)  # the hello
+        await frame(writer, {"ready": 40000})
+        await frame(writer, {"open": "0" * 32, "from": "127.0.0.9"})
+        for i in range(400):
+            await frame(writer, {"open": f"{i:032x}", "from": "127.0.0.9"})
+        while True:
+            await frame(writer, {"ping": 0})
+            await asyncio.sleep(0.5)
+
+    target_server = await asyncio.start_server(target, "127.0.0.1", 0)
+    relay_server = await asyncio.start_server(hostile_relay, "127.0.0.1", 0)
+    limits = RelayLimits(max_connections_per_client=8, ping_seconds=0.5, silence_seconds=3)
+    client = RelayClient(
+        f"127.0.0.1:{relay_server.sockets[0].getsockname()[1]}",
+        Identity.generate(),
+        target=("127.0.0.1", target_server.sockets[0].getsockname()[1]),
+        limits=limits,
+    )
+    try:
+        await client.connect()
+
+        async def settled() -> bool:
+            return client.refused_opens == 400 - 8 + 1 and len(to_target) == 8
+
+        await until(settled, timeout_seconds=10, what="the opens over the limit refused")
+        assert len(data) == 8
+        assert len(to_target) == 8
+    finally:
+        await client.close()
+        for writer in data + to_target:
+            writer.close()
+        relay_server.close()
+        target_server.close()
