@@ -22,7 +22,7 @@ spliced connection to that address while the connection lasts.
 
 Both sides ping every ``ping_seconds`` and give up on silence after ``silence_seconds``, so a
 client learns within seconds that its relay died. Load is bounded (clients per relay, pending and
-open connections per client) and counted.
+open connections per client and per dialer address) and counted.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ class RelayError(PeerUnavailable):
 class RelayLimits:
     max_clients: int = 8
     max_connections_per_client: int = 32  # pending + open
+    #: Of those, from any one dialer address: one host cannot hold every slot of a client.
+    max_connections_per_dialer: int = 8
     handshake_timeout_seconds: float = 5.0
     #: How long a dialer waits for the client to attach its side before it is hung up on.
     attach_timeout_seconds: float = 10.0
@@ -65,7 +67,11 @@ class RelayLimits:
     silence_seconds: float = 6.0
 
     def __post_init__(self) -> None:
-        if self.max_clients < 0 or self.max_connections_per_client < 1:
+        if (
+            self.max_clients < 0
+            or self.max_connections_per_client < 1
+            or self.max_connections_per_dialer < 1
+        ):
             raise ValueError("relay limits must be positive")
         if not 0 < self.ping_seconds < self.silence_seconds:
             raise ValueError("ping_seconds must be positive and below silence_seconds")
@@ -113,6 +119,8 @@ class _Client:
         default_factory=dict
     )
     connections: int = 0
+    #: Connections pending or open, by the dialer's address.
+    dialers: Counter[str] = field(default_factory=Counter)
 
 
 class RelayServer:
@@ -231,19 +239,24 @@ class RelayServer:
         self, client: _Client, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         """Someone connected to ``client``'s relayed port: ask the client to attach, splice."""
+        dialer = writer.get_extra_info("peername")
+        origin = str(dialer[0]) if isinstance(dialer, tuple) else ""
         if client.connections >= self.limits.max_connections_per_client:
             self.counts["refused: busy"] += 1
             close_quietly(writer)
             return
+        if client.dialers[origin] >= self.limits.max_connections_per_dialer:
+            self.counts["refused: busy dialer"] += 1
+            close_quietly(writer)
+            return
         client.connections += 1
+        client.dialers[origin] += 1
         connection_id = secrets.token_hex(16)
         attached: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]]
         attached = asyncio.get_running_loop().create_future()
         client.pending[connection_id] = attached
         self._pending[connection_id] = client
         try:
-            dialer = writer.get_extra_info("peername")
-            origin = str(dialer[0]) if isinstance(dialer, tuple) else ""
             await write_frame(client.writer, {"open": connection_id, "from": origin})
             async with asyncio.timeout(self.limits.attach_timeout_seconds):
                 other = await attached
@@ -259,6 +272,9 @@ class RelayServer:
             client.pending.pop(connection_id, None)
             self._pending.pop(connection_id, None)
             client.connections -= 1
+            client.dialers[origin] -= 1
+            if not client.dialers[origin]:
+                del client.dialers[origin]
 
     def _attach(
         self, connection_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter

@@ -6,6 +6,7 @@ The NAT lab tests (``test_nat.py``) put the same parts behind real masquerading 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -504,6 +505,7 @@ async def test_a_relay_cannot_make_its_client_open_sockets_without_limit() -> No
 
     to_target: list[asyncio.StreamWriter] = []
     data: list[asyncio.StreamWriter] = []
+    controls: list[asyncio.StreamWriter] = []
     control = asyncio.Event()
 
     async def target(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -513,18 +515,19 @@ async def test_a_relay_cannot_make_its_client_open_sockets_without_limit() -> No
         await frame(writer, {"relay": "swarmgrad/1", "nonce": "00" * 16})
         if control.is_set():  # a data connection: hold it open
             data.append(writer)
-            await asyncio.sleep(60)
             return
         control.set()
+        controls.append(writer)
         (size,) = struct.unpack(">I", await reader.readexactly(4))
         await reader.readexactly(size)  # the hello
         await frame(writer, {"ready": 40000})
         await frame(writer, {"open": "0" * 32, "from": "127.0.0.9"})
         for i in range(400):
             await frame(writer, {"open": f"{i:032x}", "from": "127.0.0.9"})
-        while True:
-            await frame(writer, {"ping": 0})
-            await asyncio.sleep(0.5)
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            while not writer.is_closing():
+                await frame(writer, {"ping": 0})
+                await asyncio.sleep(0.5)
 
     target_server = await asyncio.start_server(target, "127.0.0.1", 0)
     relay_server = await asyncio.start_server(hostile_relay, "127.0.0.1", 0)
@@ -546,7 +549,44 @@ async def test_a_relay_cannot_make_its_client_open_sockets_without_limit() -> No
         assert len(to_target) == 8
     finally:
         await client.close()
-        for writer in data + to_target:
+        for writer in data + to_target + controls:
             writer.close()
         relay_server.close()
         target_server.close()
+        await relay_server.wait_closed()
+        await target_server.wait_closed()
+
+
+async def test_one_dialer_address_cannot_hold_every_connection_of_a_relayed_node(
+    node: tuple[Identity, peer.PeerServicer, int],
+) -> None:
+    me, _, port = node
+    limits = RelayLimits(max_connections_per_client=6, max_connections_per_dialer=2)
+    relay = RelayServer(host="127.0.0.1", limits=limits)
+    await relay.start()
+    client = RelayClient(f"127.0.0.1:{relay.port}", me, target=("127.0.0.1", port), limits=limits)
+    relayed_port = int((await client.connect()).split(":")[1])
+    held: list[asyncio.StreamWriter] = []
+    try:
+        for _ in range(2):  # a squatter's idle connections from one address
+            _, writer = await asyncio.open_connection(
+                "127.0.0.1", relayed_port, local_addr=("127.0.0.2", 0)
+            )
+            held.append(writer)
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", relayed_port, local_addr=("127.0.0.2", 0)
+        )
+        held.append(writer)
+        async with asyncio.timeout(5):
+            assert await reader.read() == b"", "a third connection from one address was kept"
+        assert relay.counts["refused: busy dialer"] == 1
+        # Everyone else still gets through.
+        info = await peer.get_info(
+            f"127.0.0.1:{relayed_port}", run_id=RUN, spec_hash=SPEC, timeout_seconds=5
+        )
+        assert info.peer_id == me.peer_id
+    finally:
+        for writer in held:
+            writer.close()
+        await client.close()
+        await relay.close()
