@@ -103,6 +103,8 @@ class Reachability:
         self._public_host = public_host
         #: Set once a verdict other than "unknown" is in.
         self.settled = asyncio.Event()
+        #: Checks that failed with an unexpected error (logged, and tried again).
+        self.failures = 0
 
     @property
     def behind_nat(self) -> bool:
@@ -128,22 +130,32 @@ class Reachability:
             if (self._public_host or self._host) not in _WILDCARDS:
                 await self._start_relay_server(self.endpoint)
             while True:
-                verdict = await self._probe(self._port)
-                if verdict is None:
-                    await asyncio.sleep(self.config.retry_seconds)
-                    continue
-                if verdict.reachable:
-                    await self._become_reachable(Reach.DIRECT, self._direct_endpoint(verdict))
-                    await asyncio.sleep(self.config.recheck_seconds)
-                    continue
-                self.observed_host = verdict.observed_host
-                await self._stop_relay_server()
-                if await self._try_port_mapping():
-                    await asyncio.sleep(self.config.recheck_seconds)
-                    continue
-                await self._relay_until_recheck()
+                try:
+                    pause = await self._check()
+                except Exception:  # a bug or an answer nobody foresaw must not end the checks
+                    self.failures += 1
+                    log.exception(
+                        "reachability check failed; again in %g s", self.config.retry_seconds
+                    )
+                    pause = self.config.retry_seconds
+                await asyncio.sleep(pause)
         finally:
             await self.close()
+
+    async def _check(self) -> float:
+        """One pass: probe, then be direct, mapped or relayed; the seconds until the next."""
+        verdict = await self._probe(self._port)
+        if verdict is None:
+            return self.config.retry_seconds
+        if verdict.reachable:
+            await self._become_reachable(Reach.DIRECT, self._direct_endpoint(verdict))
+            return self.config.recheck_seconds
+        self.observed_host = verdict.observed_host
+        await self._stop_relay_server()
+        if await self._try_port_mapping():
+            return self.config.recheck_seconds
+        await self._relay_until_recheck()
+        return 0.0
 
     def _direct_endpoint(self, verdict: DialBack) -> str:
         host = self._public_host or self._host
@@ -216,8 +228,10 @@ class Reachability:
             log.info("the mapped port %d is not reachable either", self._mapping.external_port)
             await self._unmap()
             return False
+        # The address the helper saw and dialed back, not the one the gateway reports: behind
+        # a second NAT the gateway's own WAN address reaches nobody.
         await self._become_reachable(
-            Reach.UPNP, endpoint_of(self._mapping.external_host, self._mapping.external_port)
+            Reach.UPNP, endpoint_of(verdict.observed_host, self._mapping.external_port)
         )
         return True
 

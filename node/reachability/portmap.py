@@ -10,6 +10,7 @@ deletes it on exit.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -92,6 +93,13 @@ async def map_port(
     except PortMapError as error:
         raise PortMapError(f"no UPnP internet gateway on this network ({error})") from None
     external_host = await _call(upnp.externalipaddress, timeout_seconds=timeout_seconds)
+    try:  # "" (no WAN address yet) and garbage are common gateway answers
+        if ipaddress.ip_address(str(external_host)).is_unspecified:
+            raise ValueError
+    except ValueError:
+        raise PortMapError(
+            f"the gateway reports no usable public address ({str(external_host)[:64]!r})"
+        ) from None
     internal_host = host if host not in ("0.0.0.0", "::", "") else upnp.lanaddr
     mapping = PortMapping(internal_host, port, str(external_host), port, upnp, timeout_seconds)
     for external_port in (port, 0):  # the same port if free, else any

@@ -10,7 +10,7 @@ import tarfile
 from pathlib import Path
 from pydoc_data.topics import topics
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -21,7 +21,9 @@ from swarmgrad.compression import get_codec
 from swarmgrad.node.config import CommandLine, ConfigError, home, node_config
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.reachability.dialback import Reach, Reachability, ReachabilityConfig
 from swarmgrad.node.reachability.portmap import PortMapError, map_port
+from swarmgrad.node.reachability.relay import RelayLimits
 from swarmgrad.node.runspec import ModelSection, RunSpec, RunSpecError
 from swarmgrad.node.state.sync import pick_donors
 from swarmgrad.node.tasks import LoopBridge
@@ -29,6 +31,7 @@ from swarmgrad.node.training.api import DiLoCo
 from swarmgrad.node.training.data import DataError, load_demo
 from swarmgrad.node.training.model import build_model, flatten, unflatten
 from swarmgrad.node.transport.transport import MAX_CHANNELS, Transport, TransportConfig
+from swarmgrad.protocol.peer import DialBack
 
 TEXT = "\n".join(topics.values())
 
@@ -273,6 +276,84 @@ async def test_no_upnp_gateway_is_said_plainly(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "miniupnpc", SimpleNamespace(UPnP=NobodyAnswers))
     with pytest.raises(PortMapError, match=r"^no UPnP gateway answered on this network$"):
         await map_port("127.0.0.1", 1234, discover_ms=1)
+
+
+class _Gateway:
+    """miniupnpc.UPnP as a LAN gateway answers it; ``external`` is its WAN address answer."""
+
+    discoverdelay = 0
+    lanaddr = "192.168.1.10"
+    external = ""
+
+    def discover(self) -> int:
+        return 1
+
+    def selectigd(self) -> str:
+        return "http://gateway/control"
+
+    def externalipaddress(self) -> str:
+        return type(self).external
+
+    def addportmapping(self, *args: object) -> bool:
+        return True
+
+    def deleteportmapping(self, *args: object) -> bool:
+        return True
+
+
+async def test_a_gateway_without_a_public_address_maps_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "miniupnpc", SimpleNamespace(UPnP=_Gateway))
+    for answer in ("", "0.0.0.0", "not an address"):  # "" while the WAN link is still down
+        monkeypatch.setattr(_Gateway, "external", answer)
+        with pytest.raises(PortMapError, match="no usable public address"):
+            await map_port("127.0.0.1", 1234, discover_ms=1)
+
+
+async def test_upnp_announces_the_address_dialed_back_and_a_failed_check_is_retried(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Behind a second NAT the gateway's own WAN address (100.64.x.x, carrier-grade NAT) reaches
+    # nobody: the node announces where the helper's dial-back reached it. A check that fails
+    # with an error nobody foresaw is logged, counted and tried again: the checks go on.
+    monkeypatch.setitem(sys.modules, "miniupnpc", SimpleNamespace(UPnP=_Gateway))
+    monkeypatch.setattr(_Gateway, "external", "100.64.3.9")
+    spec = SimpleNamespace(run=SimpleNamespace(id="run"), hash=b"\5" * 32)
+    transport = SimpleNamespace(config=SimpleNamespace(host="0.0.0.0", public_host=""), port=4242)
+
+    async def no_peers() -> list[PeerRecord]:
+        return []
+
+    reach = Reachability(
+        cast(Any, SimpleNamespace(peer_id="me")),
+        cast(Any, spec),
+        cast(Any, transport),
+        peers=no_peers,
+        changed=lambda: None,
+        config=ReachabilityConfig(retry_seconds=0.01, relay_limits=RelayLimits(max_clients=0)),
+    )
+    probes: list[int] = []
+
+    async def probe(port: int) -> DialBack:
+        probes.append(port)
+        if len(probes) == 1:
+            raise RuntimeError("a bug in the first check")
+        # The node's own port is not reachable; the mapped one is, seen at 203.0.113.7.
+        return DialBack("helper", len(probes) > 2, "203.0.113.7", "")
+
+    monkeypatch.setattr(reach, "_probe", probe)
+    task = asyncio.create_task(reach.run())
+    try:
+        async with asyncio.timeout(5):
+            await reach.settled.wait()
+        assert reach.kind == Reach.UPNP
+        assert reach.endpoint == "203.0.113.7:4242"
+        assert reach.failures == 1
+        assert not task.done()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 async def test_the_channel_cache_keeps_the_channels_used_last() -> None:
