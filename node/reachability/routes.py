@@ -4,11 +4,14 @@ A reachable node is dialed by relayed peers (they reach it through their own out
 a node behind a NAT that wants to stream to a relayed peer asks that peer (through its relay) to
 punch towards it, and dials the punched link through a local listener (``punch.py``): the
 transport's route hook sends the channel there. Where punching fails, the route falls back to the
-relay. ``PunchRoutes`` keeps one route per relayed endpoint, made on first need.
+relay. ``PunchRoutes`` keeps one route per relayed endpoint, made on first need: one per peer (a
+peer's new endpoint, after its relay changed, replaces its old route) and at most
+``MAX_ROUTES``, the least recently dialed closed first.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from swarmgrad.node.discovery.records import PeerRecord
@@ -17,6 +20,9 @@ from swarmgrad.node.kinds import Link, Reach
 from swarmgrad.node.reachability.punch import PunchCall, PunchRoute
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.protocol import peer
+
+#: Routes kept at most (each holds a listening socket): more than a run's groups need at once.
+MAX_ROUTES = 64
 
 
 class PunchRoutes:
@@ -35,12 +41,17 @@ class PunchRoutes:
         NAT, else ""; routes are made only while it is known, and only if ``enabled``."""
         self._identity, self._spec = identity, spec
         self._host, self._public_host, self._enabled = host, public_host, enabled
-        self._routes: dict[str, PunchRoute] = {}
+        self._routes: OrderedDict[str, PunchRoute] = OrderedDict()  # least recently dialed first
+        self._peer_of: dict[str, str] = {}  # routed endpoint -> its peer
+        self._endpoint_of: dict[str, str] = {}  # peer -> its routed endpoint
 
     def resolve(self, endpoint: str) -> str:
         """Where to dial ``endpoint``: its route's local end, or the endpoint itself."""
         route = self._routes.get(endpoint)
-        return route.endpoint if route is not None else endpoint
+        if route is None:
+            return endpoint
+        self._routes.move_to_end(endpoint)
+        return route.endpoint
 
     def punched(self, endpoint: str) -> bool:
         route = self._routes.get(endpoint)
@@ -67,6 +78,9 @@ class PunchRoutes:
                 continue
             if record.peer_id == self._identity.peer_id:
                 continue
+            stale = self._endpoint_of.get(record.peer_id)
+            if stale is not None:  # the peer moved (a new relay): its old route leads nowhere
+                await self._drop(stale)
             route = PunchRoute(
                 host=self._host,
                 relayed=endpoint,
@@ -75,6 +89,18 @@ class PunchRoutes:
             )
             await route.start()
             self._routes[endpoint] = route
+            self._peer_of[endpoint] = record.peer_id
+            self._endpoint_of[record.peer_id] = endpoint
+            while len(self._routes) > MAX_ROUTES:
+                await self._drop(next(iter(self._routes)))
+
+    async def _drop(self, endpoint: str) -> None:
+        route = self._routes.pop(endpoint, None)
+        peer_id = self._peer_of.pop(endpoint, None)
+        if peer_id is not None and self._endpoint_of.get(peer_id) == endpoint:
+            del self._endpoint_of[peer_id]
+        if route is not None:
+            await route.close()
 
     def _asker(self, endpoint: str, callee: str) -> PunchCall:
         async def ask(host: str, port: int) -> tuple[str, int]:
@@ -91,6 +117,5 @@ class PunchRoutes:
         return ask
 
     async def close(self) -> None:
-        for route in self._routes.values():
-            await route.close()
-        self._routes.clear()
+        for endpoint in list(self._routes):
+            await self._drop(endpoint)

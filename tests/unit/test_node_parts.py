@@ -21,9 +21,11 @@ from swarmgrad.compression import get_codec
 from swarmgrad.node.config import CommandLine, ConfigError, home, node_config
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.reachability import routes as routes_module
 from swarmgrad.node.reachability.dialback import Reach, Reachability, ReachabilityConfig
 from swarmgrad.node.reachability.portmap import PortMapError, map_port
 from swarmgrad.node.reachability.relay import RelayLimits
+from swarmgrad.node.reachability.routes import PunchRoutes
 from swarmgrad.node.runspec import ModelSection, RunSpec, RunSpecError
 from swarmgrad.node.state.sync import pick_donors
 from swarmgrad.node.tasks import LoopBridge
@@ -396,3 +398,41 @@ async def test_a_blocking_swarm_call_from_its_own_loop_is_an_error_not_a_deadloc
     bridge.release()
     with pytest.raises(asyncio.CancelledError, match="stopping or closed"):  # via to_thread
         await asyncio.to_thread(bridge.call, answer())
+
+
+async def test_punch_routes_keep_one_route_a_peer_and_a_bounded_number(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A relayed peer's endpoint changes with every relay it takes (and a peer may announce a
+    # new one every round): each route holds a listening socket, so old ones must go.
+    me = Identity.generate()
+    spec = cast(Any, SimpleNamespace(run=SimpleNamespace(id="run"), hash=b"\5" * 32))
+    monkeypatch.setattr(routes_module, "MAX_ROUTES", 4)
+    routes = PunchRoutes(me, spec, host="127.0.0.1", public_host=lambda: "127.0.0.1", enabled=True)
+
+    def relayed(peer: Identity, port: int) -> PeerRecord:
+        return PeerRecord.create(
+            peer.peer_id,
+            run_id="run",
+            spec_hash=spec.hash,
+            endpoint=f"127.0.0.1:{port}",
+            now=0.0,
+            ttl_seconds=60,
+            reachability="relayed",
+            via="relay",
+        )
+
+    try:
+        mover = Identity.generate()
+        for port in range(20000, 20050):  # one peer, a new relay port each round
+            record = relayed(mover, port)
+            await routes.prepare([record.endpoint], [record])
+        assert list(routes._routes) == ["127.0.0.1:20049"]
+        assert routes.resolve("127.0.0.1:20048") == "127.0.0.1:20048"  # the old one: no route
+        others = [relayed(Identity.generate(), 21000 + i) for i in range(6)]
+        await routes.prepare([r.endpoint for r in others], others)
+        assert len(routes._routes) == 4
+        assert set(routes._routes) == {r.endpoint for r in others[2:]}
+    finally:
+        await routes.close()
+    assert not routes._routes
