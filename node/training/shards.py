@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 _FORMAT = 1
 #: Shard suffixes read as rows (``datasets``' builder for each); anything else is one text.
 ROWS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+#: Compressions Hugging Face datasets reads a json(l) shard through.
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 BATCH_DOCUMENTS = 1024
 
 
@@ -65,12 +67,19 @@ def documents(paths: list[Path], text_field: str) -> Iterator[str]:
     """Every document of the shards, in order; DataError for an unreadable shard or a row
     without the text field."""
     for path in paths:
-        kind = ROWS.get(path.suffix.lower())
+        kind = _kind(path)
         if kind is None:
             try:
-                yield path.read_text(encoding="utf-8", errors="replace")
+                raw = path.read_bytes()
             except OSError as error:
                 raise DataError(f"cannot read data file {path}: {error.strerror}") from None
+            if b"\0" in raw[:65536]:
+                raise DataError(
+                    f"{path} is not text (a NUL byte near its start): text shards are UTF-8; "
+                    f"jsonl and parquet shards are read by suffix ({', '.join(sorted(ROWS))}, "
+                    f"jsonl/json also compressed: .gz, .bz2, .xz, .zst)"
+                )
+            yield raw.decode("utf-8", errors="replace")
             continue
         try:
             rows = _stream(kind, path)
@@ -86,6 +95,14 @@ def documents(paths: list[Path], text_field: str) -> Iterator[str]:
             raise
         except Exception as error:  # datasets/pyarrow raise many kinds for a damaged file
             raise DataError(f"cannot read data file {path}: {error}") from None
+
+
+def _kind(path: Path) -> str | None:
+    """How a shard is read: ``json`` / ``parquet`` rows (``.jsonl.gz`` too), or None: text."""
+    suffixes = [suffix.lower() for suffix in path.suffixes]
+    if len(suffixes) >= 2 and suffixes[-1] in COMPRESSED and ROWS.get(suffixes[-2]) == "json":
+        return "json"
+    return ROWS.get(path.suffix.lower())
 
 
 def _stream(kind: str, path: Path) -> Iterator[dict[str, Any]]:
@@ -115,12 +132,24 @@ def load_tokenizer(data: DataSection, vocab_size: int) -> Tokenizer:
         tokenizer = Tokenizer.from_str(raw.decode())
     except Exception as error:  # tokenizers raises a plain Exception for a bad file
         raise DataError(f"data.tokenizer: {path} is not a tokenizer.json: {error}") from None
-    if tokenizer.get_vocab_size() > vocab_size:
-        raise DataError(
-            f"data.tokenizer: {path} has {tokenizer.get_vocab_size()} tokens, more than "
-            f"model.vocab_size {vocab_size}"
-        )
+    check_ids(tokenizer, vocab_size, f"data.tokenizer: {path}")
     return tokenizer
+
+
+def largest_id(tokenizer: Tokenizer) -> int:
+    """The largest token id (ids need not be dense: a tokenizer may skip some)."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+
+
+def check_ids(tokenizer: Tokenizer, vocab_size: int, what: str) -> None:
+    """DataError unless every id of ``tokenizer`` is below ``model.vocab_size`` (the model's
+    embedding has that many rows: a larger id crashes the first step)."""
+    top = largest_id(tokenizer)
+    if top >= vocab_size:
+        raise DataError(
+            f"{what}: token ids reach {top}, but model.vocab_size is {vocab_size}: "
+            f"set model.vocab_size to at least {top + 1}"
+        )
 
 
 def cache_key(paths: list[Path], tokenizer: Tokenizer, text_field: str) -> str:
@@ -134,7 +163,7 @@ def cache_key(paths: list[Path], tokenizer: Tokenizer, text_field: str) -> str:
 
 
 def token_dtype(tokenizer: Tokenizer) -> np.dtype[Any]:
-    return np.dtype("<u2") if tokenizer.get_vocab_size() <= 1 << 16 else np.dtype("<u4")
+    return np.dtype("<u2") if largest_id(tokenizer) < 1 << 16 else np.dtype("<u4")
 
 
 def build_cache(

@@ -4,6 +4,7 @@ is named."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 from pathlib import Path
@@ -127,8 +128,24 @@ def test_bad_files_and_tokenizers_are_named(tmp_path: Path) -> None:
         load(tokenizer_sha256="0" * 64)
     big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(600)}, unk_token="w0"))
     big.save(str(tmp_path / "big.json"))
-    with pytest.raises(DataError, match=r"more than model\.vocab_size 512"):
+    with pytest.raises(DataError, match=r"ids reach 599, but model\.vocab_size is 512"):
         load(tokenizer=str(tmp_path / "big.json"), tokenizer_sha256="")
+    # Few tokens, but ids beyond the model's embedding (ids need not be dense).
+    sparse = Tokenizer(models.WordLevel({"fox": 0, "dog": 1, "cat": 5000}, unk_token="fox"))
+    sparse.save(str(tmp_path / "sparse.json"))
+    with pytest.raises(DataError, match=r"ids reach 5000, but model\.vocab_size is 512"):
+        load(tokenizer=str(tmp_path / "sparse.json"), tokenizer_sha256="")
+    # A BPE trained on the shards has the 256 bytes at least.
+    with pytest.raises(DataError, match=r"trained on data\.paths .* at least 2\d\d"):
+        load_corpus(
+            DataSection(source="files", paths=(str(folder / "a.txt"),)),
+            vocab_size=128,
+            cache_dir=cache,
+        )
+    # Compressed or binary shards are not read as text.
+    (folder / "packed.txt.gz").write_bytes(gzip.compress(b"the quick brown fox"))
+    with pytest.raises(DataError, match=r"packed\.txt\.gz is not text"):
+        load(paths=(str(folder / "packed.txt.gz"),))
     (folder / "bad.jsonl").write_text('{"body": "no text field"}\n')
     with pytest.raises(DataError, match="row 0 has no text in 'text'"):
         load(paths=(str(folder / "bad.jsonl"),))
@@ -142,7 +159,28 @@ def test_bad_files_and_tokenizers_are_named(tmp_path: Path) -> None:
 def test_large_vocabularies_are_stored_in_32_bits() -> None:
     small = Tokenizer(models.WordLevel({f"w{i}": i for i in range(100)}, unk_token="w0"))
     large = Tokenizer(models.WordLevel({f"w{i}": i for i in range(70_000)}, unk_token="w0"))
-    assert (token_dtype(small), token_dtype(large)) == (np.dtype("<u2"), np.dtype("<u4"))
+    sparse = Tokenizer(models.WordLevel({"w0": 0, "w1": 70_000}, unk_token="w0"))  # by id
+    assert (token_dtype(small), token_dtype(large), token_dtype(sparse)) == (
+        np.dtype("<u2"),
+        np.dtype("<u4"),
+        np.dtype("<u4"),
+    )
+
+
+def test_compressed_jsonl_shards_are_read_as_rows(tmp_path: Path) -> None:
+    tokenizer_path, digest = make_shards(tmp_path / "data")
+    rows = "".join(json.dumps({"text": line}) + "\n" for line in LINES[:50])
+    (tmp_path / "data" / "z.jsonl.gz").write_bytes(gzip.compress(rows.encode()))
+    data = DataSection(
+        source="files",
+        paths=(str(tmp_path / "data" / "z.jsonl.gz"),),
+        tokenizer=str(tokenizer_path),
+        tokenizer_sha256=digest,
+    )
+    corpus = load_corpus(data, vocab_size=512, cache_dir=tmp_path / "cache")
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    expected = np.concatenate([tokenizer.encode(line).ids for line in LINES[:50]])
+    assert np.array_equal(np.asarray(corpus.tokens), expected)
 
 
 def test_a_pinned_tokenizer_is_hashed_by_content_not_by_where_it_lies(tmp_path: Path) -> None:
