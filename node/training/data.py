@@ -218,6 +218,23 @@ def load_files(data: DataSection, *, vocab_size: int, cache_dir: Path) -> Corpus
     return Corpus(tokens=tokens, tokenizer=tokenizer)
 
 
+#: The checkpoint tensor that holds the tokenizer a replica trained with (its tokenizer.json).
+TOKENIZER_TENSOR = "data.tokenizer"
+
+
+def tokenizer_tensor(tokenizer: Tokenizer) -> torch.Tensor:
+    """``tokenizer`` as a uint8 tensor, for a checkpoint."""
+    return torch.frombuffer(bytearray(tokenizer.to_str().encode()), dtype=torch.uint8)
+
+
+def tokenizer_of(tensor: torch.Tensor) -> Tokenizer:
+    """The tokenizer a checkpoint kept; DataError if it is not one."""
+    try:
+        return Tokenizer.from_str(bytes(tensor.numpy()).decode())
+    except Exception as error:  # tokenizers raises a plain Exception for a bad file
+        raise DataError(f"the checkpoint's tokenizer is damaged: {error}") from None
+
+
 def load_corpus(data: DataSection, *, vocab_size: int, cache_dir: Path) -> Corpus:
     """The corpus a run spec's ``[data]`` names: the demo corpus, or its own shards."""
     if data.source == "demo":

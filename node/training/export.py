@@ -4,10 +4,10 @@ A ``kind = "hf"`` model is written by transformers itself (``save_pretrained``).
 (``model.py``) is GPT-2's architecture with exact GELU: learned positions, pre-norm blocks, fused
 q/k/v, tied embeddings. So its export is a GPT-2 directory: ``config.json``
 (``GPT2LMHeadModel``), ``model.safetensors`` with GPT-2's parameter names (its ``Conv1D`` weights
-are stored ``[in, out]``, the transpose of ``nn.Linear``'s). Either way the run's tokenizer comes
-along (``tokenizer.json`` and its config). The swarm's parameters are exported (``model.<name>``
-in the checkpoint), not a replica's mid-round ones. transformers is not needed to export a GPT,
-only to load it.
+are stored ``[in, out]``, the transpose of ``nn.Linear``'s). Either way the tokenizer the replica
+trained with comes along (``tokenizer.json`` and its config), from the checkpoint itself. The
+swarm's parameters are exported (``model.<name>`` in the checkpoint), not a replica's mid-round
+ones. transformers is not needed to export a GPT, only to load it.
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.state.checkpoint import Checkpoint, CheckpointError, candidates, read
-from swarmgrad.node.training.data import load_corpus
+from swarmgrad.node.training.data import TOKENIZER_TENSOR, load_corpus, tokenizer_of
 from swarmgrad.node.training.hf import build_hf, save_hf
 from swarmgrad.node.training.model import skeleton
+from swarmgrad.node.training.shards import check_ids, load_tokenizer
 from swarmgrad.protocol.errors import SetupError
 
 LAYER_NORM_EPSILON = 1e-5  # torch's nn.LayerNorm default, which the GPT uses
@@ -71,6 +73,20 @@ def gpt2_tensors(model: dict[str, torch.Tensor], n_layers: int) -> dict[str, tor
     return {name: t.detach().float().contiguous().clone() for name, t in out.items()}
 
 
+def _tokenizer(found: Checkpoint, cache_dir: Path) -> Tokenizer:
+    """The tokenizer the checkpoint's replica trained with: kept in the checkpoint (the shards
+    may have changed since, and a BPE trained on them again would differ), else (a checkpoint
+    from before it was kept) the pinned ``data.tokenizer``, else the run's corpus again."""
+    spec = found.spec
+    if TOKENIZER_TENSOR in found.tensors:
+        tokenizer = tokenizer_of(found.tensors[TOKENIZER_TENSOR])
+        check_ids(tokenizer, spec.model.vocab_size, f"{found.path}: its tokenizer")
+        return tokenizer
+    if spec.data.source == "files" and spec.data.tokenizer:
+        return load_tokenizer(spec.data, spec.model.vocab_size)
+    return load_corpus(spec.data, vocab_size=spec.model.vocab_size, cache_dir=cache_dir).tokenizer
+
+
 def export(checkpoint: Path, out_dir: Path, *, cache_dir: Path) -> Path:
     """Write ``checkpoint``'s model (a checkpoint, or a node's checkpoint folder: its newest) to
     ``out_dir`` as a Hugging Face directory; returns the checkpoint exported."""
@@ -85,9 +101,7 @@ def export(checkpoint: Path, out_dir: Path, *, cache_dir: Path) -> Path:
     shapes = {name: t.shape for name, t in model.items()}
     if shapes != expected:
         raise ExportError(f"{found.path}: its model is not the run spec's {spec.model.kind}")
-    tokenizer = load_corpus(
-        spec.data, vocab_size=spec.model.vocab_size, cache_dir=cache_dir
-    ).tokenizer
+    tokenizer = _tokenizer(found, cache_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     metadata = {
         "run_id": spec.run.id,

@@ -31,7 +31,7 @@ from swarmgrad.node.state.checkpoint import (
 from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.tracking import Tracker
 from swarmgrad.node.training.api import DiLoCo, RoundReport, SyncDataParallel
-from swarmgrad.node.training.data import Batches, load_corpus
+from swarmgrad.node.training.data import TOKENIZER_TENSOR, Batches, load_corpus, tokenizer_tensor
 from swarmgrad.node.training.device import (
     Prefetched,
     autocast,
@@ -156,6 +156,7 @@ class Trainer:
         self._losses: list[torch.Tensor] = []  # steps' losses not yet read from the device
         self._peak = math.nan
         self._data_tokens = 0  # the training tokens the data cursor counts through
+        self._tokenizer: torch.Tensor | None = None
 
     def train(self, stop: threading.Event) -> Progress:
         spec, settings, progress = self.config.spec, self.config.settings, self.progress
@@ -173,6 +174,7 @@ class Trainer:
             peer_id=self.swarm.peer_id,
         )
         self._data_tokens = batches.train_tokens
+        self._tokenizer = tokenizer_tensor(corpus.tokenizer)  # export writes the one trained with
         validation = corpus.validation(
             seq_len=spec.model.seq_len, num_windows=self.config.eval_windows
         )
@@ -283,6 +285,8 @@ class Trainer:
         tensors, replica_meta = replica.state_dict()
         optimizer_tensors, optimizer_meta = optimizer_state(optimizer)
         tensors |= optimizer_tensors | {"rng.torch": torch.get_rng_state()}
+        if self._tokenizer is not None:
+            tensors[TOKENIZER_TENSOR] = self._tokenizer
         meta = {
             "replica": replica_meta,
             "optimizer": optimizer_meta,

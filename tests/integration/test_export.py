@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from tokenizers import Tokenizer
 
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.state.checkpoint import Checkpointer
-from swarmgrad.node.training.data import load_corpus
+from swarmgrad.node.training.data import TOKENIZER_TENSOR, load_corpus, tokenizer_tensor
 from swarmgrad.node.training.export import ExportError, export
 from swarmgrad.node.training.model import GPT, build_model
 from swarmgrad.node.training.trainer import evaluate
@@ -164,3 +165,30 @@ def test_a_llama_swarm_trains_and_its_export_reloads_with_the_same_logits(
         )
     status = json.loads((out / "node-1.json").read_text())
     assert evaluate(node_model, windows, torch.device("cpu")) < status["initial_val_loss"]
+
+
+def test_export_writes_the_tokenizer_the_checkpoint_trained_with(tmp_path: Path) -> None:
+    # The shards change after training (more data collected): a BPE trained on them again would
+    # differ, and the exported model would read other ids than it learned. The checkpoint keeps
+    # its tokenizer; export needs neither the shards nor the cache.
+    shard = tmp_path / "shard.txt"
+    shard.write_text("\n".join(f"alpha beta gamma {i} delta" for i in range(300)))
+    spec = RunSpec.from_toml(
+        '[run]\nid = "x"\n[model]\nvocab_size = 300\nd_model = 16\nn_layers = 1\nn_heads = 2\n'
+        f'seq_len = 8\n[data]\nsource = "files"\npaths = ["{shard}"]\n'
+    )
+    trained = load_corpus(spec.data, vocab_size=300, cache_dir=tmp_path / "cache").tokenizer
+    model = build_model(spec.model, seed=0)
+    tensors = {f"model.{n}": p.detach() for n, p in model.named_parameters()}
+    with Checkpointer(tmp_path / "ck", spec, keep=1) as checkpoints:
+        checkpoints.save(
+            epoch=1,
+            step=1,
+            tensors=tensors | {TOKENIZER_TENSOR: tokenizer_tensor(trained)},
+            meta={},
+        )
+    shard.write_text("\n".join(f"zeta theta omicron {i} kappa" for i in range(300)))
+    export(tmp_path / "ck", tmp_path / "out", cache_dir=tmp_path / "other-cache")
+    exported = (tmp_path / "out" / "tokenizer.json").read_text()
+    assert Tokenizer.from_str(exported).to_str() == trained.to_str()
+    assert not (tmp_path / "other-cache").exists()
