@@ -500,6 +500,13 @@ def simulate(
             help="des: one inner step's seconds at slowdown 1 (default: timed here, 1 thread)."
         ),
     ] = None,
+    codec_rate: Annotated[
+        float | None,
+        typer.Option(
+            help="des: values/s the run's codec encodes and decodes (default: measured here); "
+            "with --step-seconds and --seed, runs repeat exactly on any machine."
+        ),
+    ] = None,
     stages: Annotated[
         int,
         typer.Option(
@@ -526,6 +533,10 @@ def simulate(
     _logging(False)
     if engine not in ("processes", "des"):
         raise _fail(EXIT_CONFIG, f"--engine must be processes or des, got {engine!r}")
+    if engine == "des" and (netem or launcher != "local" or ray_address):
+        raise _fail(EXIT_CONFIG, "--engine des models the swarm: no --netem, --launcher or Ray")
+    if engine == "processes" and (step_seconds is not None or codec_rate is not None):
+        raise _fail(EXIT_CONFIG, "--step-seconds and --codec-rate are for --engine des")
     if stages:
         from swarmgrad.simulations import pipeline
 
@@ -569,6 +580,7 @@ def simulate(
                     churn_path=churn,
                     seed=seed or 0,
                     step_seconds=step_seconds,
+                    codec_values_per_second=codec_rate,
                 )
             )
         else:

@@ -74,9 +74,13 @@ def parse(value: Any, what: str) -> Distribution:
             raise DistributionError(f"{what}: choice needs a non-empty list of values")
         weights = table.get("weights")
         if weights is not None and (
-            len(weights) != len(values) or not all(_number(w) and w >= 0 for w in weights)
+            not isinstance(weights, Sequence)
+            or isinstance(weights, str)
+            or len(weights) != len(values)
+            or not all(_number(w) and w >= 0 for w in weights)
+            or not sum(weights) > 0
         ):
-            raise DistributionError(f"{what}: weights must be one number >= 0 per value")
+            raise DistributionError(f"{what}: weights must be one number >= 0 per value, not all 0")
         return Distribution(kind, (("values", tuple(values)), ("weights", weights)))
     if not all(_number(v) for v in table.values()):
         raise DistributionError(f"{what}: the parameters of {kind} must be finite numbers")

@@ -10,12 +10,14 @@ download caps and loss (``netem.py``); the discrete-event model (``--engine des`
 
 from __future__ import annotations
 
+import math
 import random
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from swarmgrad.node.averaging.group import MAX_BANDWIDTH
 from swarmgrad.simulations.attacks import Attack
 from swarmgrad.simulations.distributions import DistributionError, parse
 
@@ -42,6 +44,14 @@ class PeerProfile:
     attack: Attack | None = None  # a malicious peer: what it sends instead of its update
 
     def __post_init__(self) -> None:
+        for name in (f.name for f in fields(self) if f.name not in ("nat", "attack")):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise SimulationError(f"{name} must be finite, got {value}")
+        if self.bandwidth > MAX_BANDWIDTH:
+            raise SimulationError(
+                f"bandwidth must be at most {MAX_BANDWIDTH:g}, got {self.bandwidth}"
+            )
         positive = {
             "slowdown": self.slowdown,
             "upload_bytes_per_second": self.upload_bytes_per_second,
@@ -87,6 +97,8 @@ def load_profile(path: Path | None, nodes: int, *, seed: int = 0) -> list[PeerPr
     known = [f.name for f in fields(PeerProfile)]
     tables = []
     for i, table in enumerate(peers):
+        if not isinstance(table, dict):
+            raise SimulationError(f"{path}: peer {i} is not a table: write [[peer]] sections")
         unknown = set(table) - set(known)
         if unknown:
             raise SimulationError(f"{path}: peer {i}: unknown key(s) {', '.join(sorted(unknown))}")
@@ -103,6 +115,8 @@ def load_profile(path: Path | None, nodes: int, *, seed: int = 0) -> list[PeerPr
             profiles.append(_profile(drawn))
         except SimulationError as error:
             raise SimulationError(f"{path}: peer {i} (node {node}): {error}") from None
+    if not any(p.bandwidth > 0 for p in profiles):
+        raise SimulationError(f"{path}: every node has bandwidth 0: nobody could own a part")
     return profiles
 
 

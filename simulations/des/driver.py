@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -29,13 +30,20 @@ class DesConfig:
     seed: int = 0
     #: One inner step at slowdown 1 (None: timed on this machine, as ``simulate``'s nodes run).
     step_seconds: float | None = None
+    #: Values the run's codec encodes and decodes a second (None: measured on this machine; a
+    #: model too large to measure here assumes its codec costs nothing).
+    codec_values_per_second: float | None = None
     dht_seconds: float = 0.05
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.rounds < 1:
             raise SimulationError("--nodes and --rounds must be at least 1")
-        if self.step_seconds is not None and not self.step_seconds > 0:
-            raise SimulationError("--step-seconds must be positive")
+        for flag, value in (
+            ("--step-seconds", self.step_seconds),
+            ("--codec-rate", self.codec_values_per_second),
+        ):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise SimulationError(f"{flag} must be a positive finite number, got {value}")
 
 
 def load_spec(path: Path | None) -> RunSpec:
@@ -57,9 +65,10 @@ def model_config(config: DesConfig) -> ModelConfig:
     if step is None:
         step = calibrate.step_seconds(spec)
         log.info("one inner step takes %.4f s here (1 thread)", step)
-    codec_rate = None
-    if parameter_count(spec) <= calibrate.MAX_MEASURED_PARAMETERS:
+    codec_rate = config.codec_values_per_second
+    if codec_rate is None and parameter_count(spec) <= calibrate.MAX_MEASURED_PARAMETERS:
         codec_rate = calibrate.codec_values_per_second(spec)
+        log.info("the codec does %.3g values/s here (pass --codec-rate to fix it)", codec_rate)
     return ModelConfig(
         spec=spec,
         nodes=config.nodes,
