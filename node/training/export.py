@@ -13,6 +13,8 @@ ones. transformers is not needed to export a GPT, only to load it.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +104,31 @@ def export(checkpoint: Path, out_dir: Path, *, cache_dir: Path) -> Path:
     if shapes != expected:
         raise ExportError(f"{found.path}: its model is not the run spec's {spec.model.kind}")
     tokenizer = _tokenizer(found, cache_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # Written into a sibling folder and renamed into place: a failed export leaves no half
+    # directory behind (which a second try would refuse as "not an empty folder").
+    partial = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        _write(spec, model, tokenizer, found, partial)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        partial.rename(out_dir)
+    except OSError as error:
+        raise ExportError(f"cannot write {out_dir}: {error.strerror or error}") from None
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return found.path
+
+
+def _write(
+    spec: RunSpec,
+    model: dict[str, torch.Tensor],
+    tokenizer: Tokenizer,
+    found: Checkpoint,
+    out_dir: Path,
+) -> None:
     metadata = {
         "run_id": spec.run.id,
         "spec_hash": spec.hash.hex(),
@@ -124,7 +150,6 @@ def export(checkpoint: Path, out_dir: Path, *, cache_dir: Path) -> Path:
         "clean_up_tokenization_spaces": False,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
-    return found.path
 
 
 def _save_gpt2(

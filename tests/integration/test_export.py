@@ -14,7 +14,12 @@ from tokenizers import Tokenizer
 
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.state.checkpoint import Checkpointer
-from swarmgrad.node.training.data import TOKENIZER_TENSOR, load_corpus, tokenizer_tensor
+from swarmgrad.node.training.data import (
+    TOKENIZER_TENSOR,
+    load_corpus,
+    tokenizer_tensor,
+    train_tokenizer,
+)
 from swarmgrad.node.training.export import ExportError, export
 from swarmgrad.node.training.model import GPT, build_model
 from swarmgrad.node.training.trainer import evaluate
@@ -90,6 +95,39 @@ def test_export_refuses_a_used_folder_and_a_missing_checkpoint(tmp_path: Path) -
         export(tmp_path, used, cache_dir=tmp_path)
     with pytest.raises(ExportError, match="no usable checkpoint"):
         export(tmp_path / "nothing", tmp_path / "out", cache_dir=tmp_path)
+
+
+def test_an_export_that_cannot_be_written_says_so_and_leaves_nothing(tmp_path: Path) -> None:
+    spec = RunSpec.from_toml(
+        '[run]\nid = "x"\n[model]\nvocab_size = 300\nd_model = 16\nn_layers = 1\n'
+        'n_heads = 2\nseq_len = 8\n[data]\nsource = "files"\npaths = ["unused.txt"]\n'
+    )
+    tokenizer = train_tokenizer(["alpha beta gamma delta"], 300)
+    model = build_model(spec.model, seed=0)
+    tensors = {f"model.{n}": p.detach() for n, p in model.named_parameters()}
+    tensors[TOKENIZER_TENSOR] = tokenizer_tensor(tokenizer)
+    with Checkpointer(tmp_path / "ck", spec, keep=1) as checkpoints:
+        checkpoints.save(epoch=1, step=1, tensors=tensors, meta={})
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ExportError, match="cannot write"):
+        export(tmp_path / "ck", tmp_path / "a-file" / "out", cache_dir=tmp_path)
+    # A failure half-way (the disk full, say) leaves no half folder a second try would refuse.
+    target = tmp_path / "out"
+    real_save = Tokenizer.save
+
+    def full_disk(self: Tokenizer, path: str, pretty: bool = True) -> None:
+        raise OSError(28, "No space left on device")
+
+    Tokenizer.save = full_disk  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ExportError, match="No space left"):
+            export(tmp_path / "ck", target, cache_dir=tmp_path)
+    finally:
+        Tokenizer.save = real_save  # type: ignore[method-assign]
+    assert not target.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    export(tmp_path / "ck", target, cache_dir=tmp_path)
+    assert (target / "tokenizer.json").is_file()
 
 
 @pytest.mark.slow
