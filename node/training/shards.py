@@ -172,6 +172,7 @@ def build_cache(
     """Tokenize the shards batch by batch into ``folder`` (temporary file, fsync, rename; the
     manifest last, vouching for the tokens)."""
     folder.mkdir(parents=True, exist_ok=True)
+    _sweep_partials(folder)
     dtype = token_dtype(tokenizer)
     target = folder / "tokens.bin"
     partial = folder / f".tokens.bin.{os.getpid()}"
@@ -203,6 +204,25 @@ def build_cache(
     }
     atomic_write(folder / "manifest.json", json.dumps(manifest, indent=1).encode())
     log.info("data: %d documents, %d tokens, cached in %s", docs, count, folder)
+
+
+def _sweep_partials(folder: Path) -> None:
+    """Delete the partial token files of builds killed before they could (their process is
+    gone); a build still running elsewhere keeps its own."""
+    for path in folder.glob(".tokens.bin.*"):
+        pid = path.name.rsplit(".", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def encode(tokenizer: Tokenizer, texts: Sequence[str], dtype: np.dtype[Any]) -> np.ndarray:

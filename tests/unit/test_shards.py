@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -194,3 +195,18 @@ def test_a_pinned_tokenizer_is_hashed_by_content_not_by_where_it_lies(tmp_path: 
     assert spec("/a/tokenizer.json").hash != spec("/a/tokenizer.json", "b" * 64).hash
     plain = RunSpec.from_toml('[run]\nid = "x"\n')
     assert b"text_field" not in plain.canonical()  # runs from before keep their hash
+
+
+def test_a_killed_builds_partial_file_is_swept_by_the_next_build(tmp_path: Path) -> None:
+    tokenizer_path, digest = make_shards(tmp_path / "data")
+    data = files_section(tmp_path / "data", tokenizer_path, digest)
+    load_corpus(data, vocab_size=512, cache_dir=tmp_path / "cache")
+    (folder,) = (tmp_path / "cache").iterdir()
+    orphan = folder / f".tokens.bin.{2**22 + 1}"  # above any pid Linux gives: a dead build
+    orphan.write_bytes(b"half a corpus")
+    running = folder / f".tokens.bin.{os.getppid()}"  # a build still running elsewhere
+    running.write_bytes(b"in progress")
+    (folder / "manifest.json").unlink()  # the cache is rebuilt
+    load_corpus(data, vocab_size=512, cache_dir=tmp_path / "cache")
+    assert not orphan.exists()
+    assert running.exists()
