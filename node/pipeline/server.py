@@ -248,9 +248,9 @@ class StageWorker:
         inputs, labels = self._here(inputs), self._here(labels)
         x = inputs if self.module.first else inputs.detach().requires_grad_()
         loss = self.module.loss(x, labels)
-        grad = self._backpropagate(mb, loss * scale, x, None)
+        grad, fresh = self._backpropagate(mb, loss * scale, x, None)
         version = self.version
-        self._count(mb, len(inputs), started)
+        self._count(len(inputs) if fresh else 0, started)
         seconds = time.monotonic() - started
         return Computed(grad, version, seconds, self.pending_samples, float(loss.detach()))
 
@@ -284,9 +284,9 @@ class StageWorker:
             )
         x = inputs if self.module.first else inputs.detach().requires_grad_()
         outputs = self.module(x)  # recomputed: the forward kept no activations
-        grad = self._backpropagate(mb, outputs, x, grad_outputs)
+        grad, fresh = self._backpropagate(mb, outputs, x, grad_outputs)
         version = self.version
-        self._count(mb, len(inputs), started)
+        self._count(len(inputs) if fresh else 0, started)
         return Computed(grad, version, time.monotonic() - started, self.pending_samples)
 
     def _backpropagate(
@@ -295,22 +295,22 @@ class StageWorker:
         outputs: torch.Tensor,
         x: torch.Tensor,
         grad_outputs: torch.Tensor | None,
-    ) -> torch.Tensor | None:
-        """The inputs' gradient (None on stage 0); the parameters' gradients accumulate once
-        per microbatch."""
+    ) -> tuple[torch.Tensor | None, bool]:
+        """The inputs' gradient (None on stage 0), and whether the parameters' gradients were
+        accumulated: once per microbatch, so a retry's are not."""
         self.stats.backwards += 1
         if mb.key in self._accumulated:
             self.stats.duplicates += 1
             if self.module.first:
-                return None
+                return None, False
             (grad,) = torch.autograd.grad(outputs, [x], grad_outputs)
-            return grad
+            return grad, False
         outputs.backward(grad_outputs)  # type: ignore[no-untyped-call]
         self.gradients.collect()
         self._accumulated[mb.key] = None
         while len(self._accumulated) > DEDUP_MEMORY:
             self._accumulated.popitem(last=False)
-        return None if self.module.first else x.grad
+        return (None if self.module.first else x.grad), True
 
     def _keep(self, mb: Microbatch, inputs: torch.Tensor) -> None:
         old = self._cache.pop(mb.key, None)
@@ -335,8 +335,11 @@ class StageWorker:
         if self.slowdown > 1:  # a slower machine, simulated
             time.sleep((time.monotonic() - started) * (self.slowdown - 1))
 
-    def _count(self, mb: Microbatch, samples: int, started: float) -> None:
-        """One microbatch's backward done: measure it, and step once a batch has accumulated."""
+    def _count(self, samples: int, started: float) -> None:
+        """One microbatch's backward done: measure it, and step once a batch has accumulated.
+        A retried microbatch counts no samples (its gradient was accumulated the first time):
+        counted again, it stepped on part of a batch, or on a zero gradient that AdamW's
+        momentum still moved the weights with."""
         self._done()
         self._slow(started)
         self._work_seconds += time.monotonic() - started

@@ -368,3 +368,35 @@ async def _spoil_middle(
             codes[expected] += 1
             sent += 1
     return sent
+
+
+async def test_a_retried_microbatch_adds_neither_gradient_nor_samples() -> None:
+    # The trainer retries a step with the same microbatch ids (a lost reply, a failed step):
+    # the replica accumulates each microbatch once, and steps only on a whole batch's worth.
+    replica = await _replica(1, Identity.generate())
+    worker = replica.worker
+    try:
+        inputs = torch.randn(BATCH, SPEC.model.seq_len, SPEC.model.d_model)
+        labels = _tokens(1)
+        first = stage_protocol.Microbatch("trainer", 7, 0, 0)
+        await worker.forward_loss(first, inputs, labels, 0.5)
+        assert (worker.pending_samples, worker.version) == (BATCH, 0)
+        retry = stage_protocol.Microbatch("trainer", 7, 0, 1)
+        await worker.forward_loss(retry, inputs, labels, 0.5)
+        assert (worker.pending_samples, worker.version) == (BATCH, 0), "a retry counted"
+        assert worker.stats.duplicates == 1
+        second = stage_protocol.Microbatch("trainer", 7, 1, 0)
+        await worker.forward_loss(second, inputs, _tokens(2), 0.5)
+        assert (worker.pending_samples, worker.version, worker.stats.samples) == (0, 1, 8)
+        # The whole step retried after it landed: no step on a zero gradient.
+        before = [p.detach().clone() for p in worker.module.parameters()]
+        for index in (0, 1):
+            await worker.forward_loss(
+                stage_protocol.Microbatch("trainer", 7, index, 2), inputs, labels, 0.5
+            )
+        assert worker.version == 1
+        assert all(
+            torch.equal(a, p) for a, p in zip(before, worker.module.parameters(), strict=True)
+        )
+    finally:
+        await replica.stop()
