@@ -57,12 +57,20 @@ from swarmgrad.node.transport.transport import Transport
 from swarmgrad.node.trust.allowlist import AllowlistWatcher
 from swarmgrad.node.trust.board import BanBoard
 from swarmgrad.node.trust.ledger import TrustLedger
-from swarmgrad.protocol import state
+from swarmgrad.protocol import stage, state
 from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.server import Rejections, ServerLimits
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def stage_message_bytes(spec: RunSpec) -> int:
+    """The largest request a pipeline stage server takes: a microbatch as large as the whole
+    batch, its inputs and their gradients in fp32, plus headers (0 without a pipeline)."""
+    if spec.pipeline.stages < 2:
+        return 0
+    return stage.max_message_bytes(spec.data.batch_size, spec.model.seq_len, spec.model.d_model)
 
 
 class Swarm:
@@ -102,7 +110,9 @@ class Swarm:
             enabled=config.reachability.punch,
         )
         limits = ServerLimits(
-            max_message_bytes=max(2 * rounds.max_chunk_bytes, state.MAX_MESSAGE_BYTES)
+            max_message_bytes=max(
+                2 * rounds.max_chunk_bytes, state.MAX_MESSAGE_BYTES, stage_message_bytes(spec)
+            )
         )
         self.transport = Transport(config.transport(limits), route=self.routes.resolve)
         self.state = StateSync(

@@ -73,7 +73,13 @@ class StageSchema:
     @property
     def max_message_bytes(self) -> int:
         """The largest request or reply this schema allows (fp32 activations, plus headers)."""
-        return 4 * self.max_batch * self.seq_len * max(self.d_model, 2) * 2 + 64 * 1024
+        return max_message_bytes(self.max_batch, self.seq_len, self.d_model)
+
+
+def max_message_bytes(max_batch: int, seq_len: int, d_model: int) -> int:
+    """The largest Stage request or reply: a microbatch of ``max_batch`` sequences, its inputs
+    and their gradients in fp32 (a Backward that resends its inputs), plus headers."""
+    return 4 * max_batch * seq_len * max(d_model, 2) * 2 + 64 * 1024
 
 
 # -- what a signature covers --------------------------------------------------------------------

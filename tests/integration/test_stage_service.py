@@ -19,6 +19,8 @@ from swarmgrad.node.identity import Identity
 from swarmgrad.node.pipeline.model import build_stage
 from swarmgrad.node.pipeline.server import StageWorker, schema_of
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.swarm import Swarm
+from swarmgrad.node.swarm_config import SwarmConfig
 from swarmgrad.protocol import stage as stage_protocol
 from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.server import open_channel, start_server
@@ -400,3 +402,20 @@ async def test_a_retried_microbatch_adds_neither_gradient_nor_samples() -> None:
         )
     finally:
         await replica.stop()
+
+
+def test_a_stage_servers_transport_takes_its_largest_request() -> None:
+    # Its limit was the averaging chunk's (~16 MiB): a 1024-wide model of 2048 tokens refused
+    # one microbatch's activations (33.6 MB) with RESOURCE_EXHAUSTED, and no step could run.
+    spec = RunSpec.from_toml(
+        '[run]\nid = "wide"\n[model]\nvocab_size = 256\nd_model = 1024\nn_layers = 4\n'
+        "n_heads = 8\nseq_len = 2048\n[data]\nbatch_size = 32\n[pipeline]\nstages = 2\n"
+        "microbatches = 4\n"
+    )
+    swarm = Swarm(spec.stage_spec(0), Identity.generate(), SwarmConfig())
+    limit = swarm.transport.limits.max_message_bytes
+    assert limit >= schema_of(spec, 0).max_message_bytes
+    activations = 32 // 4 * 2048 * 1024 * 2  # one microbatch, bf16
+    assert limit > 2 * activations
+    whole = Swarm(RunSpec.from_toml('[run]\nid = "one"\n'), Identity.generate(), SwarmConfig())
+    assert whole.transport.limits.max_message_bytes < limit  # only stage servers pay for it
