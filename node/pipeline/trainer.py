@@ -106,6 +106,10 @@ class StageReplica:
     failures: int = 0
 
 
+#: The most compute seconds a replica's report counts for (longer calls miss their deadline).
+MAX_REPORTED_SECONDS = 3600.0
+
+
 class Router:
     """Per stage, the replicas known and how fast they answer."""
 
@@ -171,8 +175,12 @@ class Router:
         self, replica: StageReplica, compute_seconds: float, samples: int, *, forward: bool
     ) -> None:
         """A call of ``samples`` that took the replica ``compute_seconds`` (as it says; its
-        queue is not its pace) was answered (``forward``: counted in the replica's share)."""
-        per_sample = compute_seconds / max(samples, 1)
+        queue is not its pace) was answered (``forward``: counted in the replica's share).
+        The replica's word is kept to a non-negative finite number: a negative pace would win
+        it every pick."""
+        if not math.isfinite(compute_seconds) or compute_seconds < 0:
+            compute_seconds = 0.0 if compute_seconds < 0 else MAX_REPORTED_SECONDS
+        per_sample = min(compute_seconds, MAX_REPORTED_SECONDS) / max(samples, 1)
         ema = replica.seconds_per_sample
         replica.seconds_per_sample = (
             per_sample if ema is None else EMA_ALPHA * per_sample + (1 - EMA_ALPHA) * ema
@@ -410,8 +418,11 @@ class PipelineClient:
                 waited_since = now if waited_since is None else waited_since
                 if now - waited_since > self._wait:
                     raise StageUnavailable(stage, now - waited_since)
-                if excluded and not self.router.live(stage):
-                    excluded.clear()  # every one failed once: they may be back
+                live = self.router.live(stage)
+                if excluded and all(r.peer_id in excluded for r in live):
+                    # Every live replica failed this call once (a missed deadline, a moment of
+                    # overload): try them again rather than wait the whole wait out for none.
+                    excluded.clear()
                 await asyncio.sleep(0.2)
                 counters.wait_seconds += time.monotonic() - now
                 await self.refresh(stage)
@@ -448,7 +459,12 @@ class PipelineClient:
             if failed_at is not None:
                 counters.failover_seconds.append(time.monotonic() - failed_at)
                 counters.failover_steps.append(step)
-            self.router.done(replica, reply.compute_seconds, samples, forward=method != "Backward")
+            self.router.done(
+                replica,
+                min(reply.compute_seconds, self._timeout),
+                samples,
+                forward=method != "Backward",
+            )
             return reply, replica.peer_id
 
     def _pick(

@@ -5,10 +5,13 @@ documented status, crash nothing, and leave honest microbatches' results unchang
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -18,18 +21,19 @@ import torch
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.pipeline.model import build_stage
 from swarmgrad.node.pipeline.server import StageWorker, schema_of
+from swarmgrad.node.pipeline.trainer import PipelineClient
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.swarm_config import SwarmConfig
+from swarmgrad.node.transport.transport import Transport
 from swarmgrad.protocol import stage as stage_protocol
 from swarmgrad.protocol.auth import Verifier
-from swarmgrad.protocol.server import open_channel, start_server
+from swarmgrad.protocol.server import ServerLimits, open_channel, start_server
 from swarmgrad.protocol.v1 import stage_pb2
 
 pytestmark = pytest.mark.timeout(120)
 
-SPEC = RunSpec.from_toml(
-    """
+_SPEC_TEXT = """
 [run]
 id = "stage-service"
 [model]
@@ -46,7 +50,7 @@ microbatches = 2
 activations = "none"
 gradients = "none"
 """
-)
+SPEC = RunSpec.from_toml(_SPEC_TEXT)
 BATCH = 4
 
 
@@ -419,3 +423,47 @@ def test_a_stage_servers_transport_takes_its_largest_request() -> None:
     assert limit > 2 * activations
     whole = Swarm(RunSpec.from_toml('[run]\nid = "one"\n'), Identity.generate(), SwarmConfig())
     assert whole.transport.limits.max_message_bytes < limit  # only stage servers pay for it
+
+
+async def test_a_stages_only_replica_that_missed_one_deadline_is_tried_again() -> None:
+    # It missed one call's deadline (a pause): excluded for that call, it was never tried
+    # again while it stayed live, and the step failed "no live replica" after the whole wait.
+    spec = RunSpec.from_toml(_SPEC_TEXT + "call_timeout_seconds = 1.0\nwait_seconds = 4.0\n")
+    identity = Identity.generate()
+    worker = StageWorker(build_stage(spec.model, spec.pipeline, 0, seed=0), spec, peer_id="x")
+    worker.state = "serving"
+    slow = [True]
+
+    class SlowOnce:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(worker, name)
+
+        async def forward(self, mb: stage_protocol.Microbatch, inputs: torch.Tensor) -> Any:
+            if slow.pop() if slow else False:
+                await asyncio.sleep(1.5)
+            return await worker.forward(mb, inputs)
+
+    servicer = stage_protocol.StageServicer(
+        schema_of(spec, 0), cast(Any, SlowOnce()), verifier=Verifier(identity.peer_id)
+    )
+    server, port = await start_server(lambda s: stage_protocol.add_to_server(servicer, s))
+    transport = Transport(SwarmConfig().transport(ServerLimits()))
+    try:
+        async with transport:
+
+            async def refresh(stage: int) -> list[tuple[str, str]]:
+                return [(identity.peer_id, f"127.0.0.1:{port}")]
+
+            client = PipelineClient(spec, Identity.generate(), transport, refresh=refresh)
+            await client.refresh(0)
+            request = stage_pb2.ForwardRequest(
+                inputs=stage_pb2.StageInputs(tokens=stage_protocol.token_bytes(_tokens(0)), batch=4)
+            )
+            started = time.monotonic()
+            _, peer = await client._call(0, 0, 0, 4, "Forward", request)
+            assert peer == identity.peer_id
+            assert time.monotonic() - started < 3.5  # the deadline, then at once: not the wait
+            assert client.counters[0].failures == {"DEADLINE_EXCEEDED": 1}
+    finally:
+        await server.stop(0)
+        worker.close()

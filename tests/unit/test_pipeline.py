@@ -4,6 +4,7 @@ initialization, the router's choices, the rebalancing plan, and the status rows 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,24 @@ def test_the_router_prefers_the_replica_that_finishes_first_and_bans_the_dead() 
     router.update(0, [])
     assert list(router.replicas[0]) == ["fast"]
     assert router.pick(0, 1) is None
+
+
+def test_a_replica_that_reports_a_negative_or_absurd_pace_wins_no_picks() -> None:
+    router = Router(1)
+    router.update(0, [("liar", "b:1"), ("honest", "a:1")])
+    router.done(router.replicas[0]["honest"], 0.1, 1, forward=True)
+    for seconds in (-1000.0, math.nan, -math.inf):
+        router.done(router.replicas[0]["liar"], seconds, 1, forward=True)
+        assert router.replicas[0]["liar"].seconds_per_sample is not None
+        assert router.replicas[0]["liar"].seconds_per_sample >= 0
+    picks = []
+    for _ in range(50):
+        replica = router.pick(0, 4)
+        assert replica is not None
+        router.reserve(replica, 4)
+        picks.append(replica.peer_id)
+    assert "honest" in picks
+    assert router.replicas[0]["liar"].reserved >= 0
 
 
 def test_auto_fills_the_weakest_stage_and_rebalancing_moves_one_replica_once() -> None:
