@@ -26,7 +26,7 @@ from swarmgrad.node.identity import Identity
 from swarmgrad.node.pipeline.model import GradientSum, Pipeline, Stage, parameter_bytes
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.training.data import load_corpus
-from swarmgrad.simulations.churn import load_schedule
+from swarmgrad.simulations.churn import ScheduleError, load_schedule
 from swarmgrad.simulations.launchers import LocalProcess
 from swarmgrad.simulations.processes import node_command
 from swarmgrad.simulations.profiles import SimulationError, load_profile
@@ -335,8 +335,16 @@ def simulate_pipeline(config: PipelineSimulation) -> dict[str, Any]:
             f"--stages {config.stages}, but the spec's [pipeline] has {spec.pipeline.stages}"
         )
     profiles = load_profile(config.profile_path, config.nodes, seed=config.seed)
-    events = load_schedule(config.churn_path, nodes=config.nodes) if config.churn_path else []
+    try:
+        events = load_schedule(config.churn_path, nodes=config.nodes) if config.churn_path else []
+    except ScheduleError as error:
+        raise SimulationError(str(error)) from None
     for event in events:
+        if event.node >= config.nodes:  # a new node: it would need a profile and a stage
+            raise SimulationError(
+                f"{event.describe()}: a pipeline simulation's events are for its --nodes "
+                f"stage servers (0..{config.nodes - 1}), not new ones"
+            )
         if event.during:
             raise SimulationError("a pipeline simulation's kills do not wait for a phase")
         if event.action not in PIPELINE_ACTIONS:  # the others would restart the server

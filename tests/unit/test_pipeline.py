@@ -211,3 +211,10 @@ def test_a_pipeline_simulation_refuses_events_it_cannot_play(tmp_path: Path) -> 
     )
     with pytest.raises(SimulationError, match="pause node 0: a pipeline simulation's events"):
         simulate_pipeline(config)
+    # A schedule that does not parse, and a start of a node beyond --nodes: said, no traceback.
+    churn.write_text('[[event]]\nat_epoch = 1\naction = "kill"\nnode = 5\n')
+    with pytest.raises(SimulationError, match="node 5 is not running then"):
+        simulate_pipeline(config)
+    churn.write_text('[[event]]\nat_epoch = 1\naction = "start"\nnode = 2\n')
+    with pytest.raises(SimulationError, match="not new ones"):
+        simulate_pipeline(config)
