@@ -8,7 +8,8 @@ the run and spec (WRONG_RUN), the stage (WRONG_STAGE), the signature (UNAUTHENTI
 tensor's codec (BAD_CODEC), shape and size against the stage's schema (BAD_SHAPE), the payload
 (BAD_PAYLOAD), its values (NON_FINITE; token ids outside the vocabulary are BAD_PAYLOAD), and
 the loss scale. A replica that is leaving answers DRAINING (UNAVAILABLE); one that no longer
-holds a microbatch's inputs NEED_INPUTS (FAILED_PRECONDITION), and the trainer resends them.
+holds a microbatch's inputs NEED_INPUTS (FAILED_PRECONDITION), and the trainer resends them; one
+holding ``MAX_QUEUED`` requests already OVERLOADED (RESOURCE_EXHAUSTED), before decoding more.
 
 Tensors travel through the run's codecs: activations forward as ``pipeline.activations``
 (bf16 by default), their gradients back as ``pipeline.gradients`` (blockwise int8 by default);
@@ -17,9 +18,10 @@ Tensors travel through the run's codecs: activations forward as ``pipeline.activ
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,7 +29,7 @@ import grpc
 import numpy as np
 import torch
 
-from swarmgrad.compression import CodecError, get_codec
+from swarmgrad.compression import CodecError, NonFiniteError, get_codec
 from swarmgrad.protocol.auth import Field, Signer, Verifier, sign_request
 from swarmgrad.protocol.errors import ProtocolViolation, quote
 from swarmgrad.protocol.server import Rejections, unary
@@ -222,6 +224,11 @@ class StageBackend(Protocol):
         ...
 
 
+#: Compute requests a replica holds at once (decoded, waiting for its worker thread): a
+#: pipeline's trainers times their microbatches in flight, with room to spare.
+MAX_QUEUED = 64
+
+
 class StageServicer:
     """Checks Stage requests against ``schema``, then hands them to ``backend``."""
 
@@ -243,6 +250,7 @@ class StageServicer:
         #: Payload bytes received and sent, by kind ("activations", "gradients", "tokens").
         self.bytes_in: dict[str, int] = {}
         self.bytes_out: dict[str, int] = {}
+        self._queued = 0  # compute requests admitted and not yet answered
 
     # -- the service's methods ----------------------------------------------------------------
 
@@ -256,6 +264,12 @@ class StageServicer:
         self, request: stage_pb2.ForwardRequest, context: object
     ) -> stage_pb2.ForwardReply:
         mb = self._admit(FORWARD_METHOD, request)
+        with self._slot():
+            return await self._forward(mb, request)
+
+    async def _forward(
+        self, mb: Microbatch, request: stage_pb2.ForwardRequest
+    ) -> stage_pb2.ForwardReply:
         if self.schema.last:
             raise ProtocolViolation(
                 ResultCode.WRONG_STAGE, "the last stage takes ForwardLoss (it needs the labels)"
@@ -272,6 +286,12 @@ class StageServicer:
         self, request: stage_pb2.ForwardLossRequest, context: object
     ) -> stage_pb2.ForwardLossReply:
         mb = self._admit(FORWARD_LOSS_METHOD, request)
+        with self._slot():
+            return await self._forward_loss(mb, request)
+
+    async def _forward_loss(
+        self, mb: Microbatch, request: stage_pb2.ForwardLossRequest
+    ) -> stage_pb2.ForwardLossReply:
         if not self.schema.last:
             raise ProtocolViolation(
                 ResultCode.WRONG_STAGE, f"stage {self.schema.stage} is not the last stage"
@@ -297,6 +317,12 @@ class StageServicer:
         self, request: stage_pb2.BackwardRequest, context: object
     ) -> stage_pb2.BackwardReply:
         mb = self._admit(BACKWARD_METHOD, request)
+        with self._slot():
+            return await self._backward(mb, request)
+
+    async def _backward(
+        self, mb: Microbatch, request: stage_pb2.BackwardRequest
+    ) -> stage_pb2.BackwardReply:
         if self.schema.last:
             raise ProtocolViolation(
                 ResultCode.WRONG_STAGE, "the last stage's backward runs in ForwardLoss"
@@ -327,6 +353,21 @@ class StageServicer:
         mb = self._admit(SYNC_METHOD, request)
         epoch, outcome = await self.backend.sync(request.round, mb.trainer)
         return stage_pb2.SyncReply(epoch=epoch, outcome=outcome)
+
+    @contextlib.contextmanager
+    def _slot(self) -> Iterator[None]:
+        """Room for one more compute request, before its tensors are decoded: each waits
+        for the replica's one worker thread holding its inputs in memory, so beyond
+        ``MAX_QUEUED`` the caller is told OVERLOADED (a trainer goes to another replica)."""
+        if self._queued >= MAX_QUEUED:
+            raise ProtocolViolation(
+                ResultCode.OVERLOADED, f"{self._queued} requests are queued here already"
+            )
+        self._queued += 1
+        try:
+            yield
+        finally:
+            self._queued -= 1
 
     # -- checks -------------------------------------------------------------------------------
 
@@ -419,6 +460,8 @@ class StageServicer:
             )
         try:
             values = tensor_from_proto(message, max_numel=meta.numel)
+        except NonFiniteError as error:  # the decoder checks the values (or scales) itself
+            raise ProtocolViolation(ResultCode.NON_FINITE, f"{what}: {error}") from None
         except CodecError as error:
             raise ProtocolViolation(ResultCode.BAD_PAYLOAD, f"{what}: {error}") from None
         if not bool(torch.isfinite(values).all()):

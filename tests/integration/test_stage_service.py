@@ -30,6 +30,7 @@ from swarmgrad.protocol import stage as stage_protocol
 from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.server import ServerLimits, open_channel, start_server
 from swarmgrad.protocol.v1 import stage_pb2
+from tests.helpers import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -467,3 +468,57 @@ async def test_a_stages_only_replica_that_missed_one_deadline_is_tried_again() -
     finally:
         await server.stop(0)
         worker.close()
+
+
+async def test_nan_values_are_refused_as_non_finite_and_a_full_queue_as_overloaded(
+    channels: dict[int, grpc.aio.Channel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = Identity.generate()
+    replica = await _replica(1, Identity.generate())
+    channel = channels[1] = open_channel(f"127.0.0.1:{replica.port}")
+    call = _call(channel, "ForwardLoss", stage_pb2.ForwardLossReply)
+    shape = (BATCH, SPEC.model.seq_len, SPEC.model.d_model)
+
+    def request(step: int, values: torch.Tensor) -> stage_pb2.ForwardLossRequest:
+        message = stage_pb2.ForwardLossRequest(
+            header=_header(trainer, 1, step),
+            inputs=stage_pb2.StageInputs(activations=stage_protocol.encode("none", values)),
+            labels=stage_protocol.token_bytes(_tokens(step)),
+            loss_scale=0.5,
+        )
+        stage_protocol.sign(
+            trainer, stage_protocol.FORWARD_LOSS_METHOD, replica.identity.peer_id, message
+        )
+        return message
+
+    try:
+        nan = torch.randn(shape)
+        nan[0, 0, 0] = float("nan")
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call(request(1, nan), timeout=10)
+        assert "NON_FINITE" in (refused.value.details() or "")
+        # The worker thread busy: beyond MAX_QUEUED the replica refuses before decoding more.
+        monkeypatch.setattr(stage_protocol, "MAX_QUEUED", 2)
+        release = asyncio.Event()
+        real = replica.worker.forward_loss
+
+        async def held(*args: Any) -> Any:
+            await release.wait()
+            return await real(*args)
+
+        monkeypatch.setattr(replica.worker, "forward_loss", held)
+        queued = [asyncio.ensure_future(call(request(10 + i, torch.randn(shape)), timeout=10))
+                  for i in range(2)]  # fmt: skip
+
+        async def both_admitted() -> bool:
+            return replica.servicer._queued == 2
+
+        await until(both_admitted, timeout_seconds=10, what="two requests queued")
+        with pytest.raises(grpc.aio.AioRpcError) as overloaded:
+            await call(request(20, torch.randn(shape)), timeout=10)
+        assert overloaded.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "OVERLOADED" in (overloaded.value.details() or "")
+        release.set()
+        await asyncio.gather(*queued)
+    finally:
+        await replica.stop()
