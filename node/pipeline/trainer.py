@@ -36,12 +36,13 @@ import contextlib
 import json
 import logging
 import math
+import secrets
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import grpc
 import torch
@@ -277,6 +278,10 @@ class PipelineClient:
         refresh: Callable[[int], Awaitable[list[tuple[str, str]]]],
     ) -> None:
         self.spec, self.signer, self.transport = spec, signer, transport
+        #: Added to every microbatch's step: a trainer restarted under the same identity counts
+        #: its steps from its start again, and replicas de-duplicate by (trainer, step, index):
+        #: its new microbatches must not look like retries of its old ones.
+        self.session = secrets.randbits(30) << 32
         self.stages = spec.pipeline.stages
         self.router = Router(self.stages)
         self.counters = [StageCounters() for _ in range(self.stages)]
@@ -315,7 +320,7 @@ class PipelineClient:
         batch = len(inputs)
         losses = await asyncio.gather(
             *(
-                self._microbatch(step, index, x, y, len(x) / batch)
+                self._microbatch(self.session + step, index, x, y, len(x) / batch)
                 for index, (x, y) in enumerate(
                     zip(inputs.chunk(parts), targets.chunk(parts), strict=True)
                 )
@@ -458,7 +463,7 @@ class PipelineClient:
                 self.router.release(replica, reserved)
             if failed_at is not None:
                 counters.failover_seconds.append(time.monotonic() - failed_at)
-                counters.failover_steps.append(step)
+                counters.failover_steps.append(step - self.session)
             self.router.done(
                 replica,
                 min(reply.compute_seconds, self._timeout),
@@ -570,6 +575,25 @@ def _count_reply(counters: StageCounters, reply: Any) -> None:
 # -- the trainer process ------------------------------------------------------------------------
 
 
+class _StageView(Protocol):
+    async def find(self) -> list[PeerRecord]: ...
+
+
+async def stages_round(views: Sequence[_StageView]) -> int:
+    """The round every stage has reached (the lowest stage's highest epoch among its serving
+    replicas), from each stage's records: a restarted trainer asks for the round after it, not
+    for rounds the stages answer "done" to at once (0 when a stage cannot be read)."""
+    reached = []
+    for stage, view in enumerate(views):
+        try:
+            records = await view.find()
+        except SwarmgradError:
+            return 0
+        epochs = [r.epoch for r in records if r.stage == stage and r.state == "serving"]
+        reached.append(max(epochs, default=0))
+    return min(reached, default=0)
+
+
 async def train_pipeline(config: NodeConfig, stop: asyncio.Event) -> int:
     """Train through the run's stages until stopped (or ``config.max_steps``)."""
     spec = config.spec
@@ -620,7 +644,14 @@ async def train_pipeline(config: NodeConfig, stop: asyncio.Event) -> int:
                 spec.pipeline.microbatches,
                 spec.data.batch_size // spec.pipeline.microbatches,
             )
-            return await _train(config, client, iter(batches), stop, identity.peer_id)
+            first_round = await stages_round(views)
+            if first_round:
+                log.info("the stages are at round %d: this trainer's rounds go on from there",
+                         first_round)  # fmt: skip
+            first_step = first_round * spec.algorithm.inner_steps
+            return await _train(
+                config, client, iter(batches), stop, identity.peer_id, first_step=first_step
+            )
     finally:
         await discovery.close()
 
@@ -642,8 +673,10 @@ async def _train(
     batches: Any,
     stop: asyncio.Event,
     peer_id: str,
+    *,
+    first_step: int = 0,
 ) -> int:
-    status = TrainerStatus(peer_id)
+    status = TrainerStatus(peer_id, step=first_step)
     inputs, targets = next(batches)
     while not stop.is_set() and (config.max_steps is None or status.step < config.max_steps):
         started = time.monotonic()

@@ -522,3 +522,28 @@ async def test_nan_values_are_refused_as_non_finite_and_a_full_queue_as_overload
         await asyncio.gather(*queued)
     finally:
         await replica.stop()
+
+
+async def test_a_restarted_trainers_microbatches_are_not_taken_for_retries() -> None:
+    # Replicas de-duplicate by (trainer, step, index); a trainer restarted under its identity
+    # counts steps from 0 again: its new batches' gradients were dropped as "duplicates".
+    trainer = Identity.generate()
+    replicas = [await _replica(k, Identity.generate()) for k in range(2)]
+    transport = Transport(SwarmConfig().transport(ServerLimits()))
+    try:
+        async with transport:
+
+            async def refresh(stage: int) -> list[tuple[str, str]]:
+                return [(replicas[stage].identity.peer_id, f"127.0.0.1:{replicas[stage].port}")]
+
+            for run in range(2):  # the trainer, then the trainer restarted
+                client = PipelineClient(SPEC, trainer, transport, refresh=refresh)
+                tokens = _tokens(100 + run)
+                targets = _tokens(200 + run)
+                await client.step(0, tokens, targets)
+            assert replicas[1].worker.stats.duplicates == 0
+            assert replicas[0].worker.stats.duplicates == 0
+            assert replicas[1].worker.stats.samples == 2 * BATCH  # both batches stepped on
+    finally:
+        for replica in replicas:
+            await replica.stop()

@@ -12,9 +12,10 @@ import pytest
 import torch
 from rich.console import Console
 
+from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.pipeline.balance import Move, Replica, choose_stage, plan_move
 from swarmgrad.node.pipeline.model import Pipeline, build_stage, parameter_bytes
-from swarmgrad.node.pipeline.trainer import BAN_SECONDS, Router
+from swarmgrad.node.pipeline.trainer import BAN_SECONDS, Router, stages_round
 from swarmgrad.node.runspec import PipelineSection, RunSpec, RunSpecError
 from swarmgrad.node.status import ScoresError, read_traffic, stage_summary, stages_table
 from swarmgrad.simulations.pipeline import PipelineSimulation, simulate_pipeline
@@ -218,3 +219,34 @@ def test_a_pipeline_simulation_refuses_events_it_cannot_play(tmp_path: Path) -> 
     churn.write_text('[[event]]\nat_epoch = 1\naction = "start"\nnode = 2\n')
     with pytest.raises(SimulationError, match="not new ones"):
         simulate_pipeline(config)
+
+
+async def test_a_restarted_trainer_resumes_at_the_round_the_stages_reached() -> None:
+    # Replicas at epoch E answer "done" at once to every round <= E: a trainer counting rounds
+    # from 0 again ran no averaging until it had redone E rounds of steps.
+    def record(stage: int, epoch: int, state: str = "serving") -> PeerRecord:
+        return PeerRecord.create(
+            f"peer-{stage}-{epoch}-{state}",
+            run_id="p",
+            spec_hash=b"\5" * 32,
+            endpoint="127.0.0.1:1",
+            now=0.0,
+            ttl_seconds=60,
+            stage=stage,
+            epoch=epoch,
+            state=state,
+        )
+
+    class View:
+        def __init__(self, records: list[PeerRecord]) -> None:
+            self.records = records
+
+        async def find(self) -> list[PeerRecord]:
+            return self.records
+
+    views = [
+        View([record(0, 5), record(0, 4), record(0, 9, "joining")]),
+        View([record(1, 6)]),
+    ]
+    assert await stages_round(views) == 5
+    assert await stages_round([View([record(0, 3)]), View([])]) == 0  # a stage nobody serves
