@@ -91,6 +91,23 @@ class StageUnavailable(PeerUnavailable):
         self.stage = stage
 
 
+class FaultyReplica(PeerUnavailable):
+    """A replica's output was refused by the next stage (NaN, a wrong shape or codec): it is
+    banned, and the step did not happen."""
+
+    def __init__(self, stage: int, peer: str, refused: ProtocolViolation) -> None:
+        super().__init__(
+            f"stage {stage} replica {peer} sent what the next stage refused: {refused}"
+        )
+        self.stage = stage
+
+
+#: What a replica refuses a tensor for: the tensor's fault, so its producer's.
+_BAD_TENSOR = frozenset(
+    {ResultCode.NON_FINITE, ResultCode.BAD_PAYLOAD, ResultCode.BAD_SHAPE, ResultCode.BAD_CODEC}
+)
+
+
 @dataclass(slots=True)
 class StageReplica:
     """What the trainer knows of one replica of one stage."""
@@ -373,27 +390,55 @@ class PipelineClient:
         first = stage_pb2.StageInputs(tokens=stage_protocol.token_bytes(tokens), batch=samples)
         sent: list[tuple[stage_pb2.StageInputs, str, int]] = []  # per stage: inputs, peer, version
         inputs = first
+        producer: tuple[int, str] | None = None  # who computed the tensor being passed on
         for stage in range(self.stages - 1):
             request = stage_pb2.ForwardRequest(inputs=inputs)
-            reply, peer = await self._call(stage, step, index, samples, "Forward", request)
+            reply, peer = await self._checked(
+                producer, self._call(stage, step, index, samples, "Forward", request)
+            )
             assert isinstance(reply, stage_pb2.ForwardReply)
             sent.append((inputs, peer, reply.version))
             inputs = stage_pb2.StageInputs(activations=reply.outputs)
+            producer = (stage, peer)
         last = stage_pb2.ForwardLossRequest(
             inputs=inputs, labels=stage_protocol.token_bytes(labels), loss_scale=scale
         )
-        reply, _ = await self._call(self.stages - 1, step, index, samples, "ForwardLoss", last)
+        reply, peer = await self._checked(
+            producer, self._call(self.stages - 1, step, index, samples, "ForwardLoss", last)
+        )
         assert isinstance(reply, stage_pb2.ForwardLossReply)
         loss, grad = reply.loss, reply.grad_inputs
+        producer = (self.stages - 1, peer)
         for stage in reversed(range(self.stages - 1)):
-            kept, peer, version = sent[stage]
+            kept, forward_peer, version = sent[stage]
             back = stage_pb2.BackwardRequest(version=version, grad_outputs=grad)
-            reply, _ = await self._call(
-                stage, step, index, samples, "Backward", back, prefer=peer, inputs=kept
+            reply, peer = await self._checked(
+                producer,
+                self._call(
+                    stage, step, index, samples, "Backward", back, prefer=forward_peer, inputs=kept
+                ),
             )
             assert isinstance(reply, stage_pb2.BackwardReply)
             grad = reply.grad_inputs
+            producer = (stage, peer)
         return loss
+
+    async def _checked(
+        self, producer: tuple[int, str] | None, call: Awaitable[tuple[Any, str]]
+    ) -> tuple[Any, str]:
+        """``call``, which passes on a tensor ``producer`` (a replica of another stage)
+        computed: when it is refused for its values or form, that replica is at fault, not this
+        trainer's request. It is banned, and the step fails to be tried again (elsewhere)."""
+        try:
+            return await call
+        except ProtocolViolation as refused:
+            if producer is None or refused.code not in _BAD_TENSOR:
+                raise
+            stage, peer = producer
+            replica = self.router.replicas[stage].get(peer)
+            if replica is not None:
+                self.router.ban(replica)
+            raise FaultyReplica(stage, peer, refused) from None
 
     async def _call(
         self,
@@ -682,7 +727,7 @@ async def _train(
         started = time.monotonic()
         try:
             loss = await client.step(status.step, inputs, targets)
-        except StageUnavailable as error:
+        except (StageUnavailable, FaultyReplica) as error:
             status.failed_steps += 1
             client.counters[error.stage].lost_samples += len(inputs)
             status.last_error = str(error)

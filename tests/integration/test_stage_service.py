@@ -6,6 +6,7 @@ documented status, crash nothing, and leave honest microbatches' results unchang
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections import Counter
@@ -21,7 +22,7 @@ import torch
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.pipeline.model import build_stage
 from swarmgrad.node.pipeline.server import StageWorker, schema_of
-from swarmgrad.node.pipeline.trainer import PipelineClient
+from swarmgrad.node.pipeline.trainer import FaultyReplica, PipelineClient
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.swarm_config import SwarmConfig
@@ -546,4 +547,41 @@ async def test_a_restarted_trainers_microbatches_are_not_taken_for_retries() -> 
             assert replicas[1].worker.stats.samples == 2 * BATCH  # both batches stepped on
     finally:
         for replica in replicas:
+            await replica.stop()
+
+
+async def test_a_replica_whose_outputs_the_next_stage_refuses_is_banned_not_fatal() -> None:
+    # A faulty stage-0 replica answers NaN activations: stage 1 refuses them (NON_FINITE). The
+    # trainer's request was fine: the step fails to be tried again, the faulty one banned (the
+    # trainer exited on it before, and the replica kept its place).
+    trainer = Identity.generate()
+    bad = await _replica(0, Identity.generate())
+    good = await _replica(0, Identity.generate())
+    last = await _replica(1, Identity.generate())
+    real = bad.worker.forward
+
+    async def nan_outputs(*args: Any) -> Any:
+        done = await real(*args)
+        return dataclasses.replace(done, tensor=torch.full_like(done.tensor, float("nan")))
+
+    bad.worker.forward = nan_outputs  # type: ignore[method-assign]
+    serving = {0: [bad], 1: [last]}
+    transport = Transport(SwarmConfig().transport(ServerLimits()))
+    try:
+        async with transport:
+
+            async def refresh(stage: int) -> list[tuple[str, str]]:
+                return [(r.identity.peer_id, f"127.0.0.1:{r.port}") for r in serving[stage]]
+
+            client = PipelineClient(SPEC, trainer, transport, refresh=refresh)
+            with pytest.raises(FaultyReplica) as fault:
+                await client.step(0, _tokens(0), _tokens(50))
+            assert fault.value.stage == 0
+            assert bad.identity.peer_id not in {r.peer_id for r in client.router.live(0)}
+            serving[0].append(good)
+            await client.refresh(0)
+            await client.step(0, _tokens(0), _tokens(50))  # the step again, on the good one
+            assert good.worker.stats.forwards
+    finally:
+        for replica in (bad, good, last):
             await replica.stop()
