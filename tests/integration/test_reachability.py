@@ -456,8 +456,9 @@ async def test_a_relayed_dial_back_dials_the_caller_not_the_nodes_own_sockets() 
     clients.append(RelayClient(f"127.0.0.3:{relay.port}", me, target=("127.0.0.1", port)))
     relayed = await clients[0].connect()
     forwarder, via = await _forward_from("127.0.0.2", ("127.0.0.3", int(relayed.split(":")[1])))
-    try:
-        reply = await peer.ask_dial_back(
+
+    async def dial_back() -> peer.DialBack:
+        return await peer.ask_dial_back(
             f"127.0.0.1:{via}",
             signer=caller,
             helper_id=me.peer_id,
@@ -465,20 +466,16 @@ async def test_a_relayed_dial_back_dials_the_caller_not_the_nodes_own_sockets() 
             run_id=RUN,
             spec_hash=SPEC,
         )
+
+    try:
+        reply = await dial_back()
         assert reply.observed_host == "127.0.0.2"
         assert not reply.reachable
         assert reached == [], "the node dialed a socket of its own machine for a stranger"
         # A relayed call whose dialer the relay did not name is refused, not dialed locally.
         clients[0].origins = _Unnamed()
         with pytest.raises(ProtocolViolation, match="did not name"):
-            await peer.ask_dial_back(
-                f"127.0.0.1:{via}",
-                signer=caller,
-                helper_id=me.peer_id,
-                port=local_port,
-                run_id=RUN,
-                spec_hash=SPEC,
-            )
+            await dial_back()
         assert reached == []
     finally:
         forwarder.close()
