@@ -44,11 +44,10 @@ from swarmgrad.compression.base import (
 
 _CHUNK_VALUES = 1 << 20
 _DEVICE_CHUNK_VALUES = 1 << 24
-#: Values per part of a GPU's codes (each part copied to the host while the next is rounded).
+#: Values per part of a GPU's codes (each part copied to the host while the next is coded),
+#: eager or fused alike (on an H100, fused parts of 1/2/4/8 Mi values encoded 64 MiB in
+#: 1.85/0.75/0.50/0.48 ms).
 _DEVICE_PART_VALUES = 1 << 23
-#: Values per part when one fused kernel codes a part (a launch per part, so parts can be small
-#: and the first part's copy starts sooner).
-_KERNEL_PART_VALUES = 1 << 23
 _MAX_BLOCK = 1 << 20
 _F32_MAX = torch.finfo(torch.float32).max
 
@@ -81,6 +80,8 @@ class _BlockwiseAbsmax(DevicePayloadCodec):
         payload = scratch_bytes(4 * -(-n // self.block_size) + self._codes_len(n), flat.device)
         if flat.device.type == "cpu":
             self._encode_in_chunks(flat, payload, ready)
+        elif kernels.usable(flat, self.block_size):
+            self._encode_fused(flat, payload, ready)
         else:
             self._encode_in_passes(flat, payload, ready)
         return payload, meta
@@ -134,9 +135,6 @@ class _BlockwiseAbsmax(DevicePayloadCodec):
         nb = -(-n // block)
         scales = payload[: 4 * nb].view(torch.float32)
         codes = payload[4 * nb :].view(self._code_dtype())
-        if kernels.usable(flat, block):
-            self._encode_fused(flat, payload, ready)
-            return
         full = (n // block) * block
         work = torch.empty(full, dtype=torch.float32, device=device)
         rows = flat[:full].view(-1, block)
@@ -174,7 +172,7 @@ class _BlockwiseAbsmax(DevicePayloadCodec):
         nb = -(-n // block)
         scales = payload[: 4 * nb].view(torch.float32)
         codes = payload[4 * nb :].view(self._code_dtype())
-        part = max(1, _KERNEL_PART_VALUES // block)
+        part = max(1, _DEVICE_PART_VALUES // block)
         for first in range(0, nb, part):
             stop = min(first + part, nb)
             kernels.encode_blocks(flat, scales, codes, block, self.bits, first, stop)
@@ -234,11 +232,11 @@ class _BlockwiseAbsmax(DevicePayloadCodec):
         current stream, after the copy)."""
         payload = to_device(data, out.device)
         host_scales, _ = cls._split(data, meta)
-        if host_scales.numel() and cls._check_scales(host_scales, out.dtype):
-            cls._decode_into(payload, meta, out)  # a float16 out: its values are read once
-            return
+        read_values = bool(host_scales.numel()) and cls._check_scales(host_scales, out.dtype)
         scales, codes = cls._split(payload, meta)
         cls._values(codes, scales, out, meta.params["block_size"], fused=True)
+        if read_values:  # a float16 out: its values are read once, for an Inf the cast made
+            check_finite(out, f"{cls.name} payload as {meta.dtype}")
 
     @classmethod
     def _split(cls, data: Wire, meta: Meta) -> tuple[torch.Tensor, torch.Tensor]:

@@ -124,16 +124,25 @@ class StageReplica:
     failures: int = 0
 
 
-#: The most compute seconds a replica's report counts for (longer calls miss their deadline).
+#: The most compute seconds a replica's report counts for, unless its calls' deadline is less.
 MAX_REPORTED_SECONDS = 3600.0
 
 
 class Router:
     """Per stage, the replicas known and how fast they answer."""
 
-    def __init__(self, stages: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        stages: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_seconds: float = MAX_REPORTED_SECONDS,
+    ) -> None:
+        """``max_seconds``: the most a replica's reported compute time counts for (a call's
+        deadline: a longer one would have missed it)."""
         self.replicas: list[dict[str, StageReplica]] = [{} for _ in range(stages)]
         self._clock = clock
+        self._max_seconds = max_seconds
 
     def update(self, stage: int, records: list[tuple[str, str]]) -> None:
         """The stage's replicas as its DHT records say (peer id, endpoint): new ones are added,
@@ -196,9 +205,9 @@ class Router:
         queue is not its pace) was answered (``forward``: counted in the replica's share).
         The replica's word is kept to a non-negative finite number: a negative pace would win
         it every pick."""
-        if not math.isfinite(compute_seconds) or compute_seconds < 0:
-            compute_seconds = 0.0 if compute_seconds < 0 else MAX_REPORTED_SECONDS
-        per_sample = min(compute_seconds, MAX_REPORTED_SECONDS) / max(samples, 1)
+        if math.isnan(compute_seconds):
+            compute_seconds = self._max_seconds
+        per_sample = min(max(compute_seconds, 0.0), self._max_seconds) / max(samples, 1)
         ema = replica.seconds_per_sample
         replica.seconds_per_sample = (
             per_sample if ema is None else EMA_ALPHA * per_sample + (1 - EMA_ALPHA) * ema
@@ -300,7 +309,10 @@ class PipelineClient:
         #: its new microbatches must not look like retries of its old ones.
         self.session = secrets.randbits(30) << 32
         self.stages = spec.pipeline.stages
-        self.router = Router(self.stages)
+        self.router = Router(
+            self.stages,
+            max_seconds=min(spec.pipeline.call_timeout_seconds, MAX_REPORTED_SECONDS),
+        )
         self.counters = [StageCounters() for _ in range(self.stages)]
         self._refresh = refresh
         self._wait = spec.pipeline.wait_seconds
@@ -509,12 +521,7 @@ class PipelineClient:
             if failed_at is not None:
                 counters.failover_seconds.append(time.monotonic() - failed_at)
                 counters.failover_steps.append(step - self.session)
-            self.router.done(
-                replica,
-                min(reply.compute_seconds, self._timeout),
-                samples,
-                forward=method != "Backward",
-            )
+            self.router.done(replica, reply.compute_seconds, samples, forward=method != "Backward")
             return reply, replica.peer_id
 
     def _pick(

@@ -317,9 +317,7 @@ class RelayClient:
         #: (what the target sees as its peer) -> the host the dialer connected to the relay from
         #: ("" if the relay did not say).
         self.origins: dict[str, str] = {}
-        #: Relayed connections attached or attaching at most (the relay's own limit per client).
-        self._max_attached = self.limits.max_connections_per_client
-        self._opening: set[str] = set()
+        self._opening: set[str] = set()  # connection ids attaching or attached
         #: ``open`` requests ignored: over the limit, or a connection id already attaching.
         self.refused_opens = 0
         self.endpoint = ""
@@ -375,9 +373,12 @@ class RelayClient:
                 connection_id = message.get("open")
                 if not isinstance(connection_id, str):
                     continue
-                if connection_id in self._opening or len(self._tasks) >= self._max_attached:
-                    # A relay asking for more than it may carry (or twice for one dialer) is
-                    # not obeyed: each attach costs this node two sockets.
+                if (
+                    connection_id in self._opening
+                    or len(self._opening) >= self.limits.max_connections_per_client
+                ):
+                    # A relay asking for more than it may carry (its own limit per client), or
+                    # twice for one dialer, is not obeyed: each attach costs two sockets.
                     self.refused_opens += 1
                     continue
                 origin = message.get("from")

@@ -111,7 +111,7 @@ def export(checkpoint: Path, out_dir: Path, *, cache_dir: Path) -> Path:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
-        _write(spec, model, tokenizer, found, partial)
+        _write(found, model, tokenizer, partial)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         partial.rename(out_dir)
@@ -123,12 +123,9 @@ def export(checkpoint: Path, out_dir: Path, *, cache_dir: Path) -> Path:
 
 
 def _write(
-    spec: RunSpec,
-    model: dict[str, torch.Tensor],
-    tokenizer: Tokenizer,
-    found: Checkpoint,
-    out_dir: Path,
+    found: Checkpoint, model: dict[str, torch.Tensor], tokenizer: Tokenizer, out_dir: Path
 ) -> None:
+    spec = found.spec
     metadata = {
         "run_id": spec.run.id,
         "spec_hash": spec.hash.hex(),

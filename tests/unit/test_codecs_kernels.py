@@ -20,7 +20,7 @@ CHECK = textwrap.dedent(
     import torch
     from swarmgrad.compression import decode, get_codec, kernels, quantization
 
-    quantization._KERNEL_PART_VALUES = 1 << 12  # several parts
+    quantization._DEVICE_PART_VALUES = 1 << 12  # several parts
     for name in ("int8", "int4"):
         for block in (None, 6, 1000):
             for numel in (3, 5000, 9077):
