@@ -389,62 +389,35 @@ def to_bytes(tensor: torch.Tensor) -> bytes:
     return flat.numpy().tobytes()
 
 
-#: Told by :func:`to_device` that the copy of bytes ``[start, stop)`` of its result is queued on
-#: the device's current stream: work queued there on those bytes runs while later parts are
-#: still staged on the host.
-Arrived = Callable[[torch.Tensor, int, int], None]
+def to_device(data: bytes | memoryview, device: torch.device) -> torch.Tensor:
+    """``data`` as a uint8 tensor on ``device``.
 
-
-def to_device(
-    data: bytes | memoryview,
-    device: torch.device,
-    arrived: Arrived | None = None,
-    *,
-    align: int = 1,
-) -> torch.Tensor:
-    """``data`` as a uint8 tensor on ``device``, copied in parts whose bounds are multiples of
-    ``align``; ``arrived`` is told of each part as its copy is queued.
-
-    Page-locked data crosses directly (and the host waits for it: the caller may free it).
-    Other data (bytes received from the wire) is staged through two page-locked buffers in turn:
-    the host copies one part into a buffer while the part before it crosses PCIe from the other.
+    Page-locked data crosses in one copy. Other data (bytes received from the wire) is staged
+    through two page-locked buffers in turn: the host copies one part into a buffer while the
+    part before it crosses PCIe from the other.
     """
     out = torch.empty(len(data), dtype=torch.uint8, device=device)
     if not len(data):
         return out
     source = from_bytes(data, torch.uint8)
-    stream = torch.cuda.current_stream(device)
     if source.is_pinned():
-        for start, stop in stage_parts(len(data), align):
-            out[start:stop].copy_(source[start:stop], non_blocking=True)
-            if arrived is not None:
-                arrived(out, start, stop)
-        stream.synchronize()
+        out.copy_(source)
         return out
+    stream = torch.cuda.current_stream(device)
     slots = _staging()
-    for i, (start, stop) in enumerate(stage_parts(len(data), align)):
+    # Parts of equal size (a 17 MB payload in two halves, not 16 MiB and a remnant), so the
+    # second part's host copy overlaps as much of the first part's crossing as it can.
+    parts = -(-len(data) // STAGE_BYTES)
+    size = -(-len(data) // parts)
+    for i, start in enumerate(range(0, len(data), size)):
+        stop = min(start + size, len(data))
         buffer, done = slots[i % 2]
         done.synchronize()  # the copy out of this buffer, two parts ago, is over
         part = buffer[: stop - start]
         part.copy_(source[start:stop])
         out[start:stop].copy_(part, non_blocking=True)
         done.record(stream)
-        if arrived is not None:
-            arrived(out, start, stop)
     return out
-
-
-def stage_parts(nbytes: int, align: int = 1) -> list[tuple[int, int]]:
-    """``[start, stop)`` of the parts :func:`to_device` copies ``nbytes`` in: as few as hold at
-    most :data:`STAGE_BYTES` each, of equal size (17 MB as two halves, not 16 MiB and a remnant,
-    so the second part's host copy overlaps as much of the first's crossing as it can), every
-    bound but the last a multiple of ``align``."""
-    if align < 1 or STAGE_BYTES % align:
-        raise ValueError(f"parts cannot be aligned to {align} bytes")
-    parts = -(-nbytes // STAGE_BYTES)
-    size = -(-nbytes // max(parts, 1))
-    size = -(-size // align) * align  # still <= STAGE_BYTES: it is a multiple of align
-    return [(start, min(start + size, nbytes)) for start in range(0, nbytes, size)]
 
 
 #: Most bytes per part when host data is staged to a GPU. On an H100 (2026-11-26), parts of 16
@@ -514,32 +487,18 @@ def _pinned(nbytes: int) -> torch.Tensor:
 
 def check_finite(tensor: torch.Tensor, what: str, *, dtype: torch.dtype | None = None) -> None:
     """Raise CodecError if ``tensor`` holds NaN or Inf, or, given ``dtype``, a value that casting
-    to ``dtype`` turns into Inf."""
+    to ``dtype`` turns into Inf.
+
+    One read pass with no temporary: min and max propagate NaN, and are finite iff every value is;
+    a cast is monotonic, so they alone say whether every value fits ``dtype``.
+    """
     if tensor.numel():
-        check_bounds([value_bounds(tensor)], what, dtype=dtype)
-
-
-def value_bounds(tensor: torch.Tensor) -> torch.Tensor:
-    """The least and greatest of ``tensor``'s (non-empty) values, as two values where it lives:
-    one read pass, no temporary, nothing read back. NaN propagates into both."""
-    return torch.stack(torch.aminmax(tensor.reshape(-1)))
-
-
-def check_bounds(
-    bounds: list[torch.Tensor], what: str, *, dtype: torch.dtype | None = None
-) -> None:
-    """:func:`check_finite` from the :func:`value_bounds` of the parts of a tensor, all read back
-    at once: the bounds are finite iff every value is, and since a cast is monotonic they alone
-    say whether every value fits ``dtype``."""
-    if not bounds:
-        return
-    values = torch.cat(bounds).tolist()  # one read back (it waits for the work queued before)
-    if not all(math.isfinite(bound) for bound in values):
-        raise NonFiniteError(f"{what} contains NaN or Inf")
-    # The bounds are exact in float64 (they came from a narrower float).
-    extremes = torch.tensor([min(values), max(values)], dtype=torch.float64)
-    if dtype is not None and not fits(extremes, dtype):
-        raise NonFiniteError(f"{what} overflows {dtype_name(dtype)}")
+        bounds = torch.stack(torch.aminmax(tensor.reshape(-1))).tolist()  # one read back
+        if not all(math.isfinite(bound) for bound in bounds):
+            raise NonFiniteError(f"{what} contains NaN or Inf")
+        # The bounds are exact in float64 (they came from a narrower float).
+        if dtype is not None and not fits(torch.tensor(bounds, dtype=torch.float64), dtype):
+            raise NonFiniteError(f"{what} overflows {dtype_name(dtype)}")
 
 
 def fits(values: torch.Tensor, dtype: torch.dtype) -> bool:

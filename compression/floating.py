@@ -10,15 +10,12 @@ from swarmgrad.compression.base import (
     Meta,
     Ready,
     Wire,
-    check_bounds,
     check_finite,
     device_flat,
     expect_params,
     from_bytes,
     register,
     scratch_bytes,
-    to_device,
-    value_bounds,
 )
 
 _FP16_MAX = torch.finfo(torch.float16).max
@@ -62,10 +59,6 @@ class NoCompression(DevicePayloadCodec):
         check_finite(wire, "none payload")
         out.copy_(wire)
 
-    @classmethod
-    def _decode_onto(cls, data: bytes | memoryview, meta: Meta, out: torch.Tensor) -> None:
-        _cast_onto(data, DTYPES[meta.dtype], out, "none payload")
-
 
 class _CastCodec(DevicePayloadCodec):
     """Cast to a 16-bit float on the wire, back to the original dtype on decode."""
@@ -106,29 +99,6 @@ class _CastCodec(DevicePayloadCodec):
         # dtype (a bf16 value over 65504 would be Inf in a float16 out).
         check_finite(wire, f"{cls.name} payload", dtype=out.dtype)
         out.copy_(wire)
-
-    @classmethod
-    def _decode_onto(cls, data: bytes | memoryview, meta: Meta, out: torch.Tensor) -> None:
-        _cast_onto(data, cls.wire_dtype, out, f"{cls.name} payload")
-
-
-def _cast_onto(
-    data: bytes | memoryview, wire_dtype: torch.dtype, out: torch.Tensor, what: str
-) -> None:
-    """Decode host bytes of ``wire_dtype`` values into ``out`` on a GPU: each part, once its
-    copy is queued, is checked and cast there while the host stages the next; the bounds of
-    every part are read back once, at the end (``out`` holds the values even when they are
-    refused: a decode's ``out`` may hold partial values on error)."""
-    size = wire_dtype.itemsize
-    bounds: list[torch.Tensor] = []
-
-    def arrived(payload: torch.Tensor, start: int, stop: int) -> None:
-        wire = payload[start:stop].view(wire_dtype)
-        bounds.append(value_bounds(wire))
-        out[start // size : stop // size].copy_(wire)
-
-    to_device(data, out.device, arrived, align=size)
-    check_bounds(bounds, what, dtype=out.dtype)
 
 
 @register
