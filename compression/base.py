@@ -424,6 +424,8 @@ def to_device(data: bytes | memoryview, device: torch.device) -> torch.Tensor:
 #: MiB took 17 / 34 / 64 MB across in 0.75 / 1.08 / 1.79 ms, one part 0.76 / 1.26 / 2.11 ms; parts
 #: of 4 MiB were slower than one for 64 MB (2.42 ms in another run). A pool of host threads
 #: copying parts of 1-8 MiB with memmove took 1.3-1.7 ms for 17 MB (2026-11-27): not faster.
+#: Later that day 32 MiB took 1.17 ms in two parts and 1.18 ms through one buffer, no overlap:
+#: a part crosses slower while the host copies the next (docs/benchmarks.md).
 STAGE_BYTES = 16 << 20
 
 
