@@ -100,6 +100,28 @@ def test_gpu_encode_and_decode_match_the_cpu_bit_for_bit(name: str, numel: int) 
 
 
 @cuda
+@pytest.mark.parametrize("name", ["none", "fp16", "bf16"])
+def test_gpu_decode_refuses_a_nan_in_any_staged_part_and_float16_overflow(name: str) -> None:
+    numel = STAGE_BYTES  # 2-4 staged parts of payload
+    codec = get_codec(name)
+    payload, meta = codec.encode(_values(numel))
+    wire = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+    nan = torch.tensor([math.nan], dtype=wire).view(torch.uint8).numpy().tobytes()
+    for index in (5, numel - 3):  # in the first part, in the last
+        bad = bytearray(payload)
+        bad[index * wire.itemsize : (index + 1) * wire.itemsize] = nan
+        with pytest.raises(NonFiniteError, match="NaN or Inf"):
+            decode(bytes(bad), meta, device="cuda")
+    if name == "bf16":  # 65536 is a bfloat16 value; as float16 it is Inf: refused
+        values = torch.full((numel,), 1.0, dtype=torch.bfloat16)
+        values[-1] = 65536.0
+        half_meta = get_codec("bf16").encode(torch.ones(numel, dtype=torch.float16))[1]
+        with pytest.raises(NonFiniteError, match="float16"):
+            decode(values.view(torch.uint8).numpy().tobytes(), half_meta, device="cuda")
+    assert torch.equal(decode(payload, meta, device="cuda").cpu(), decode(payload, meta))
+
+
+@cuda
 def test_staged_copies_to_the_gpu_are_exact_back_to_back() -> None:
     generator = torch.Generator().manual_seed(3)
     blobs = [
