@@ -4,9 +4,13 @@ one, never half of one."""
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -17,6 +21,25 @@ def atomic_write(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(f.name, path)
+
+
+def write_json(path: Path, value: Any) -> None:
+    """:func:`atomic_write` of ``value`` as strict JSON: every float that is not finite (NaN: not
+    known, e.g. the MFU on a CPU) written as null. Python's bare ``NaN`` is not JSON: strict
+    parsers (a browser's, Node's) refuse the whole file."""
+    atomic_write(path, json.dumps(jsonable(value), allow_nan=False).encode())
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with each float in it (through dicts, lists and tuples) that is not finite made
+    None, which JSON writes as null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {key: jsonable(each) for key, each in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(each) for each in value]
+    return value
 
 
 def read_pinned(path: Path, sha256: str, *, key: str, what: str, error: type[Exception]) -> bytes:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import logging
 import threading
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 from swarmgrad.node.config import NodeConfig
 from swarmgrad.node.discovery.start import DiscoveryConfig, start_discovery
 from swarmgrad.node.display import Display
-from swarmgrad.node.files import atomic_write
+from swarmgrad.node.files import write_json
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.metrics import MetricsServer, serving
 from swarmgrad.node.pipeline.server import serve_stage
@@ -35,8 +34,9 @@ log = logging.getLogger(__name__)
 
 
 def write_status(path: Path, status: dict[str, Any]) -> None:
-    """Replace ``path`` atomically, so a reader never sees half a file."""
-    atomic_write(path, json.dumps(status).encode())
+    """Replace ``path`` atomically, so a reader never sees half a file (strict JSON: null where
+    a number is not known)."""
+    write_json(path, status)
 
 
 async def run(config: NodeConfig, stop: asyncio.Event) -> int:

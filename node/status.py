@@ -1,7 +1,7 @@
 """``swarmgrad status``: a run's peers as the DHT shows them, read by a short-lived DHT node (a
 pipeline's stage replicas too, with a row per stage), and from a node's status file what one node
 of an open run thinks of each peer (``--scores``) or what a pipeline trainer saw of each stage
-(``--traffic``)."""
+(``--traffic``). Status files are strict JSON: a number not known (NaN) is null there."""
 
 from __future__ import annotations
 
@@ -153,8 +153,8 @@ def traffic_table(traffic: dict[str, Any]) -> Table:
         failures = ", ".join(f"{k} {v}" for k, v in stage.get("failures", {}).items())
         table.add_row(
             str(index),
-            f"{stage.get('bytes_up_per_sample', 0.0):,.0f}",
-            f"{stage.get('bytes_down_per_sample', 0.0):,.0f}",
+            _cell(stage.get("bytes_up_per_sample"), ",.0f"),
+            _cell(stage.get("bytes_down_per_sample"), ",.0f"),
             str(stage.get("calls", 0)),
             str(stage.get("retries", 0)),
             str(stage.get("resends", 0)),
@@ -208,7 +208,7 @@ def scores_table(scores: dict[str, Any]) -> Table:
         )
     rows = sorted(
         scores["peers"].items(),
-        key=lambda item: (not item[1].get("banned"), item[1].get("cosine_ema", 0.0)),
+        key=lambda item: (not item[1].get("banned"), item[1].get("cosine_ema") or 0.0),
     )
     for peer, row in rows:
         ban = row.get("banned")
@@ -216,14 +216,19 @@ def scores_table(scores: dict[str, Any]) -> Table:
         table.add_row(
             peer,
             str(row.get("rounds", 0)),
-            f"{row.get('clip_ema', 0.0):.2f}",
-            f"{row.get('cosine_ema', 0.0):.2f}",
+            _cell(row.get("clip_ema"), ".2f"),
+            _cell(row.get("cosine_ema"), ".2f"),
             _gain_cell(row),
             flags or "-",
             str(row.get("disputes", 0)),
             _ban_cell(ban),
         )
     return table
+
+
+def _cell(value: float | None, spec: str) -> str:
+    """A number as a cell; "-" where the status file has none (null: not known)."""
+    return "-" if value is None else format(value, spec)
 
 
 def _gain_cell(row: dict[str, Any]) -> str:

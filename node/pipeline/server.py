@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import logging
 import os
 import random
@@ -45,7 +44,7 @@ import torch
 from swarmgrad.node.config import NodeConfig
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.discovery.start import start_discovery
-from swarmgrad.node.files import atomic_write
+from swarmgrad.node.files import write_json
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.metrics import serving
 from swarmgrad.node.pipeline.balance import Move, choose_stage, plan_move
@@ -760,4 +759,4 @@ def _attach(worker: StageWorker, swarm: Swarm) -> DiLoCo:
 
 
 def _write(path: Path, status: dict[str, Any]) -> None:
-    atomic_write(path, json.dumps(status).encode())
+    write_json(path, status)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import secrets
@@ -50,7 +49,7 @@ import torch
 from swarmgrad.node.config import NodeConfig
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.discovery.start import start_discovery
-from swarmgrad.node.files import atomic_write
+from swarmgrad.node.files import write_json
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.training.data import load_corpus
@@ -789,7 +788,7 @@ def _write_status(path: Path | None, status: TrainerStatus, client: PipelineClie
         ],
     }
     with contextlib.suppress(OSError):
-        atomic_write(path, json.dumps(body).encode())
+        write_json(path, body)
 
 
 def _activation_bytes(spec: RunSpec) -> int:

@@ -73,8 +73,11 @@ class Replica:
         self.epoch = 0
         self.samples = 0  # since the last round: this replica's weight in it
         self._residual = torch.zeros(self.numel, device=self.device)
+        #: The announced throughput is this process's: the samples it trained (the lifetime
+        #: total less what it restored) over the seconds since this replica was made.
         self._started = time.monotonic()
         self._samples_total = 0
+        self._samples_restored = 0
 
     # -- what a subclass provides ---------------------------------------------------------------
 
@@ -106,7 +109,9 @@ class Replica:
         if residual is None or residual.shape != (self.numel,):
             raise ValueError("the state's residual does not match the model")
         self.epoch, self.samples = int(meta["epoch"]), int(meta["samples"])
+        trained_here = self._samples_total - self._samples_restored
         self._samples_total = int(meta["samples_total"])
+        self._samples_restored = self._samples_total - trained_here
         self._load_state_tensors(tensors, meta)  # after the counts: a subclass may add to them
         self._residual = residual.to(self.device, torch.float32, copy=True)
         self.publish()
@@ -161,10 +166,13 @@ class Replica:
 
     def publish(self) -> None:
         values = self.state_vector().cpu()  # what donors serve: host memory
+        self.swarm.publish(state.Snapshot.of(self.epoch, values), throughput=self.throughput)
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second this process trained: what peers size their shares by."""
         elapsed = max(time.monotonic() - self._started, 1e-9)
-        self.swarm.publish(
-            state.Snapshot.of(self.epoch, values), throughput=self._samples_total / elapsed
-        )
+        return (self._samples_total - self._samples_restored) / elapsed
 
     def _resync_if_needed(self, *, carry: bool = False) -> RoundReport | None:
         """Download the swarm's state if this replica is behind or diverged. ``carry``: keep

@@ -67,7 +67,7 @@ class Progress:
     loss: float = math.nan  # moving average of the training loss
     val_loss: float = math.nan
     initial_val_loss: float = math.nan
-    tokens_per_second: float = 0.0
+    tokens_per_second: float = 0.0  # this process's: its own tokens over its own seconds
     parameters: int = 0
     #: Model FLOPs utilization: 6 x parameters x tokens/s over the device's bf16 peak (NaN:
     #: unknown peak, e.g. a CPU).
@@ -75,6 +75,8 @@ class Progress:
     lr: float = math.nan  # the inner optimizer's learning rate at the last step
     peers: int = 0
     group_size: int = 0
+    #: Like steps, samples and tokens, these are the node's totals over its restarts (kept in
+    #: its checkpoints): they never go down.
     bytes_sent: int = 0
     bytes_received: int = 0
     last_round_seconds: float = 0.0
@@ -157,6 +159,12 @@ class Trainer:
         self._peak = math.nan
         self._data_tokens = 0  # the training tokens the data cursor counts through
         self._tokenizer: torch.Tensor | None = None
+        #: Rates are this process's own: the tokens it trained since it began stepping over the
+        #: seconds since (a resumed run's totals count the earlier processes' work too).
+        self._session_started = time.monotonic()
+        self._session_tokens = 0
+        #: Averaging bytes before this process (from the checkpoint): its swarm counts from zero.
+        self._bytes_restored = {"sent": 0, "received": 0}
 
     def train(self, stop: threading.Event) -> Progress:
         spec, settings, progress = self.config.spec, self.config.settings, self.progress
@@ -225,7 +233,7 @@ class Trainer:
             if caught_up is not None:
                 self._record_round(caught_up, replica, evaluate(model, validation, device))
         saved_epoch = replica.epoch
-        started = time.monotonic()
+        self._session_started, self._session_tokens = time.monotonic(), progress.tokens
         done = self._done(replica)
         while not stop.is_set() and not done:
             step_started = time.monotonic()
@@ -237,7 +245,7 @@ class Trainer:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 time.sleep((time.monotonic() - step_started) * (self.config.slowdown - 1))
-            self._count_step(len(inputs), inputs.numel(), loss, started)  # reads losses at times
+            self._count_step(len(inputs), inputs.numel(), loss)  # reads losses at times
             # On a GPU the step runs ahead of the host: its time shows when the losses are read.
             progress.compute_seconds += time.monotonic() - step_started
             try:
@@ -282,6 +290,7 @@ class Trainer:
             return
         started = time.monotonic()
         progress = self.progress
+        self._count_bytes()
         tensors, replica_meta = replica.state_dict()
         optimizer_tensors, optimizer_meta = optimizer_state(optimizer)
         tensors |= optimizer_tensors | {"rng.torch": torch.get_rng_state()}
@@ -297,6 +306,10 @@ class Trainer:
                 "samples": progress.samples,
                 "tokens": progress.tokens,
                 "initial_val_loss": progress.initial_val_loss,
+                "bytes_sent": progress.bytes_sent,
+                "bytes_received": progress.bytes_received,
+                "compute_seconds": progress.compute_seconds,
+                "communication_seconds": progress.communication_seconds,
             },
         }
         try:
@@ -335,6 +348,13 @@ class Trainer:
             progress.steps, progress.samples = int(counters["steps"]), int(counters["samples"])
             progress.tokens = int(counters["tokens"])
             progress.initial_val_loss = float(counters["initial_val_loss"])
+            # Absent from checkpoints before they were kept: those count from this process.
+            self._bytes_restored = {
+                "sent": int(counters.get("bytes_sent", 0)),
+                "received": int(counters.get("bytes_received", 0)),
+            }
+            progress.compute_seconds = float(counters.get("compute_seconds", 0.0))
+            progress.communication_seconds = float(counters.get("communication_seconds", 0.0))
         except (KeyError, TypeError, ValueError, RuntimeError) as error:
             raise CheckpointError(
                 f"{checkpoint.path}: does not fit this node's model ({error!r}); move it away "
@@ -342,16 +362,18 @@ class Trainer:
             ) from None
         progress.epoch = replica.epoch
         progress.resumed_from = str(checkpoint.path)
+        self._count_bytes()
         self.metrics.epoch.set(replica.epoch)
         log.info("resumed from %s (epoch %d)", checkpoint.path, replica.epoch)
 
-    def _count_step(self, samples: int, tokens: int, loss: torch.Tensor, started: float) -> None:
+    def _count_step(self, samples: int, tokens: int, loss: torch.Tensor) -> None:
         """Count a step; its loss waits on the device until :meth:`_read_losses`."""
         progress = self.progress
         progress.steps += 1
         progress.samples += samples
         progress.tokens += tokens
-        progress.tokens_per_second = progress.tokens / max(time.monotonic() - started, 1e-9)
+        elapsed = max(time.monotonic() - self._session_started, 1e-9)
+        progress.tokens_per_second = (progress.tokens - self._session_tokens) / elapsed
         progress.mfu = model_flops_utilization(
             progress.parameters, progress.tokens_per_second, self._peak
         )
@@ -364,6 +386,12 @@ class Trainer:
         metrics.tokens.inc(tokens)
         metrics.tokens_per_second.set(progress.tokens_per_second)
         metrics.mfu.set(progress.mfu)
+
+    def _count_bytes(self) -> None:
+        """The node's averaging bytes: before this process, and this process's swarm's."""
+        traffic, restored = self.swarm.traffic, self._bytes_restored
+        self.progress.bytes_sent = restored["sent"] + traffic["sent"]
+        self.progress.bytes_received = restored["received"] + traffic["received"]
 
     def _read_losses(self) -> None:
         """Fold the steps' losses into the moving average: one host sync for all of them."""
@@ -387,8 +415,7 @@ class Trainer:
         progress.group_size = report.group_size
         progress.last_round_seconds = report.seconds
         progress.peers = len(swarm.peers)
-        progress.bytes_sent = swarm.traffic["sent"]
-        progress.bytes_received = swarm.traffic["received"]
+        self._count_bytes()
         snapshot = swarm.snapshot
         progress.checksum = snapshot.checksum if snapshot is not None else ""
         progress.outcomes[report.outcome] = progress.outcomes.get(report.outcome, 0) + 1
