@@ -32,6 +32,9 @@ FAILURE_KINDS = tuple(Failure)
 ROUND_OUTCOMES = tuple(outcome.label for outcome in RoundOutcome)
 TRAFFIC_KINDS = ("averaging", "state")
 _ROUND_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300)
+#: Open runs: per-peer score series cover the peers seen in this many of the latest rounds
+#: (ids come and go; a series per id ever seen would grow the scrape without end).
+PEER_SERIES_ROUNDS = 100
 
 #: (direction, kind) -> bytes so far; direction is "sent" or "received".
 TrafficSource = Callable[[], Mapping[tuple[str, str], int]]
@@ -202,6 +205,13 @@ class _Trust(Collector):
         for reason, count in sorted(bans.items()):
             banned.add_metric([reason], float(count))
         yield banned
+        seen = {peer: row.get("seen_round") for peer, row in table.items()}
+        newest = max((r for r in seen.values() if isinstance(r, int)), default=0)
+        recent = sorted(
+            (peer, table[peer])
+            for peer, r in seen.items()
+            if isinstance(r, int) and r > newest - PEER_SERIES_ROUNDS
+        )
         for name, key, help_text in (
             ("swarmgrad_peer_clip_ema", "clip_ema",
              "EMA of a peer's CenteredClip coefficient (1: like its peers)."),
@@ -212,7 +222,7 @@ class _Trust(Collector):
              "its update helps; node/training/spot_check.py)."),
         ):  # fmt: skip
             gauge = GaugeMetricFamily(name, help_text, labels=["peer"])
-            for peer, row in sorted(table.items()):
+            for peer, row in recent:
                 if row.get(key) is not None:  # a peer never spot-checked has no loss gain
                     gauge.add_metric([peer], float(row[key]))  # type: ignore[arg-type]
             yield gauge

@@ -18,8 +18,9 @@ A chunk that is not what the account says, other clip coefficients or another re
 the owner (``failed_audit``); with the part's seed from the checks, a contributor whose report
 the audited values prove false is convicted of a false report (the colluder). An owner that
 does not answer (gone, or the round already retired) leaves the audit inconclusive: nobody is
-blamed. Audits run after the round, off its deadline, on copies of what they need; a failed
-audit bans, it does not correct the values already applied.
+blamed. An account or chunk that breaks the audit itself fails it: what the owner signed is the
+owner's to make checkable. Audits run after the round, off its deadline, on copies of what they
+need; a failed audit bans, it does not correct the values already applied.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from swarmgrad.node.trust.aggregate import Aggregator, aggregate
 from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.protocol.auth import Signer
 from swarmgrad.protocol.averaging import CHECK_STATEMENT, check_method, chunk_signed_by, seal
-from swarmgrad.protocol.keys import peer_id_of
+from swarmgrad.protocol.keys import KEY_BYTES, peer_id_of
 from swarmgrad.protocol.v1 import averaging_pb2
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,13 @@ async def run_audit(audit: Audit) -> AuditOutcome:
         why = error.code().name if isinstance(error, grpc.aio.AioRpcError) else "timed out"
         return AuditOutcome("inconclusive", why=f"the owner did not answer ({why})")
     chunks = dict(zip(wanted, fetched, strict=True))
-    return await asyncio.to_thread(_judge, audit, chunks)
+    try:
+        return await asyncio.to_thread(_judge, audit, chunks)
+    except Exception as error:  # what the owner signed broke the audit
+        # The account and chunks are the owner's: one an audit cannot judge is one the owner
+        # cannot show to be right, and an audit that ended here would never convict anyone.
+        log.exception("round %d: the audit of %s's part broke", group.round, owner.peer_id)
+        return _failed(owner.peer_id, f"its part cannot be audited ({error!r})")
 
 
 async def _fetch(audit: Audit, index: int, member: int) -> averaging_pb2.Chunk | None:
@@ -146,6 +153,7 @@ def _judge(
         if (
             chunk is not None
             and chunk.index == index
+            and len(public_key) == KEY_BYTES
             and peer_id_of(public_key) == peer
             and chunk_signed_by(public_key, key, peer, part.part, chunk)
         ):

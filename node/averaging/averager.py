@@ -6,7 +6,10 @@ stream from a peer finds the :class:`PartReducer` of the round it belongs to. A 
 arrive a little before this node has started the same round (members start at slightly
 different times); it waits up to ``join_timeout_seconds`` for the round to appear before it is
 refused with UNKNOWN_ROUND (at most :data:`MAX_EARLY_STREAMS` wait at once: streams are
-signed, but keys cost nothing).
+signed, but keys cost nothing). Check messages wait the same way in slots of their own
+(:data:`MAX_EARLY_CHECKS`): a member checks after this node served its part, so only a node that
+owns no part sees early ones from honest members, and a stranger's flood of them for rounds that
+never come must not take the slots honest streams need.
 
 In an open run (``config.observe``) the averager keeps a :class:`TrustLedger`: after each round
 its reducer's observations of the members are scored there, and a peer the ledger bans is
@@ -70,8 +73,9 @@ class LossProbe(Protocol):
 #: How long a finished round's reducer keeps answering streams still reading their results.
 _LINGER_SECONDS = 5.0
 _FINISHED_MEMORY = 256
-#: Streams that may wait at once for a round this node has not started (yet).
+#: Streams, and check messages, that may wait at once for a round this node has not started.
 MAX_EARLY_STREAMS = 64
+MAX_EARLY_CHECKS = 64
 
 
 @dataclass(slots=True)
@@ -118,7 +122,8 @@ class Averager:
         self._finished: dict[tuple[int, bytes], None] = {}
         self._rounds_changed = asyncio.Condition()
         self._background = TaskSet()
-        self._early_streams = 0
+        #: Streams and check messages waiting for their rounds to start, by kind.
+        self._early: Counter[str] = Counter()
         self.servicer = AveragingServicer(
             self,
             verifier=verifier or Verifier(self.peer_id),
@@ -460,7 +465,7 @@ class Averager:
             raise ProtocolViolation(ResultCode.WRONG_RUN, "a check message of another run")
         if self.ledger.banned(statement.sender):
             raise ProtocolViolation(ResultCode.BANNED, f"{statement.sender} is banned here")
-        active = await self._wait_for_round((key.round, key.group_id))
+        active = await self._wait_for_round((key.round, key.group_id), checks=True)
         member = _member(active, statement.sender)
         if active.box is None:
             raise ProtocolViolation(ResultCode.UNKNOWN_ROUND, "this round runs no checks")
@@ -469,15 +474,20 @@ class Averager:
         await active.box.put(member, statement, signed)
         return None
 
-    async def _wait_for_round(self, key: tuple[int, bytes]) -> _ActiveRound:
+    async def _wait_for_round(
+        self, key: tuple[int, bytes], *, checks: bool = False
+    ) -> _ActiveRound:
+        """The round ``key``, waiting for it to start if need be (``checks``: for a check
+        message, in the check messages' slots)."""
         if key in self._finished and key not in self._rounds:
             raise ProtocolViolation(ResultCode.UNKNOWN_ROUND, f"round {key[0]} has ended here")
         if key not in self._rounds:
-            if self._early_streams >= MAX_EARLY_STREAMS:
+            kind, limit = ("checks", MAX_EARLY_CHECKS) if checks else ("streams", MAX_EARLY_STREAMS)
+            if self._early[kind] >= limit:
                 raise ProtocolViolation(
-                    ResultCode.OVERLOADED, "too many streams are waiting for rounds to start"
+                    ResultCode.OVERLOADED, f"too many {kind} are waiting for rounds to start"
                 )
-            self._early_streams += 1
+            self._early[kind] += 1
             try:
                 with contextlib.suppress(TimeoutError):
                     async with (
@@ -486,7 +496,7 @@ class Averager:
                     ):
                         await self._rounds_changed.wait_for(lambda: key in self._rounds)
             finally:
-                self._early_streams -= 1
+                self._early[kind] -= 1
         active = self._rounds.get(key)
         if active is None:
             raise ProtocolViolation(

@@ -57,7 +57,7 @@ from swarmgrad.node.trust.checks import (
     signs,
 )
 from swarmgrad.node.trust.ledger import Flag
-from swarmgrad.protocol.auth import Signer
+from swarmgrad.protocol.auth import NONCE_BYTES, Signer
 from swarmgrad.protocol.averaging import (
     ACCOUNT_STATEMENT,
     CHECK_STATEMENT,
@@ -68,6 +68,7 @@ from swarmgrad.protocol.averaging import (
     unseal,
 )
 from swarmgrad.protocol.errors import ProtocolViolation
+from swarmgrad.protocol.keys import KEY_BYTES, SIGNATURE_BYTES, peer_id_of
 from swarmgrad.protocol.tensors import meta_from_proto
 from swarmgrad.protocol.v1 import averaging_pb2
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
@@ -93,7 +94,13 @@ def verify_account(
 ) -> averaging_pb2.PartAccount:
     """The account of ``part``, once it is signed by the part's owner, is about this round and
     part, is well formed, and (where given) names the result bytes (``results``: SHA-256 by
-    chunk) and contributors this member received; ProtocolViolation otherwise."""
+    chunk) and contributors this member received; ProtocolViolation otherwise.
+
+    Well formed means exact: every hash and signature field has its one length, each stream
+    header signature is in the key of the member it is listed for, and no field is unknown. An
+    account is shown again as evidence (``evidence.py``) and read by audits (``audits.py``), so
+    its size follows from the group and the part alone, and nothing in it breaks those readers.
+    """
     owner = group.members[part].peer_id
     signer, account = unseal(signed, ACCOUNT_STATEMENT, averaging_pb2.PartAccount)
     if signer != owner:
@@ -102,6 +109,11 @@ def verify_account(
         )
     if account.key != key or account.part != part or account.owner != owner:
         raise _bad(f"{owner}'s account is not of this round's part {part}")
+    known = averaging_pb2.PartAccount()
+    known.CopyFrom(account)
+    known.DiscardUnknownFields()
+    if known.ByteSize() != account.ByteSize():
+        raise _bad(f"{owner}'s account carries fields this protocol does not have")
     if len(account.chunks) != len(numels):
         raise _bad(f"{owner}'s account has {len(account.chunks)} chunks, not {len(numels)}")
     n = len(group.members)
@@ -114,6 +126,7 @@ def verify_account(
             or len(chunk.payload_sha256) != len(members)
             or not all(math.isfinite(c) and 0.0 <= c <= 1.0 for c in chunk.clip)
             or not all(len(d) == 32 for d in chunk.payload_sha256)
+            or len(chunk.result_sha256) not in (0, 32)  # empty: the chunk has no result
         ):
             raise _bad(f"{owner}'s account of chunk {index} is malformed")
         if results is not None and index in results and chunk.result_sha256 != results[index]:
@@ -132,6 +145,15 @@ def verify_account(
         or not all(len(c) == 32 for c in account.commitments)
     ):
         raise _bad(f"{owner}'s account lists malformed commitments")
+    for member, auth in zip(account.members, account.header_auths, strict=True):
+        if (
+            len(auth.public_key) != KEY_BYTES
+            or len(auth.nonce) != NONCE_BYTES
+            or len(auth.signature) != SIGNATURE_BYTES
+            or not math.isfinite(auth.issued_at)
+            or peer_id_of(auth.public_key) != group.members[member].peer_id
+        ):
+            raise _bad(f"{owner}'s account lists a malformed header signature of member {member}")
     committed = set(account.members)
     if not all(set(chunk.contributors) <= committed for chunk in account.chunks):
         raise _bad(f"{owner}'s account counts members with no commitment")

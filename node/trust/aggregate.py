@@ -201,20 +201,18 @@ def _cosines(values: torch.Tensor, value: torch.Tensor, pull: list[float]) -> tu
     """Each row's cosine to ``value`` with the row's own share ``pull`` taken out of it.
 
     ``value`` is (at the fixed point) the pull-weighted mean of the rows, so without row i it
-    is ``(value - p_i x_i) / (1 - p_i)``; its dot products and norm follow from ``x_i . value``,
-    ``|x_i|`` and ``|value|`` alone.
+    is ``(value - p_i x_i) / (1 - p_i)``. That vector is formed in fp64: worked out from dot
+    products alone, a row far larger than the others cancels their part away (at a 1e4 scale
+    ratio, a cosine of 0.7 came out as 0.1).
     """
-    vv = float(torch.linalg.vector_norm(value)) ** 2
-    dots = (values @ value).tolist()
-    squares = [float(r) ** 2 for r in torch.linalg.vector_norm(values, dim=1)]
+    target = value.double()
     out = []
-    for dot, xx, p in zip(dots, squares, pull, strict=True):
+    for row, p in zip(values, pull, strict=True):
         if p >= 1.0:
             out.append(0.0)
             continue
-        # Scaled by (1 - p), which the cosine does not see.
-        other_dot = dot - p * xx
-        other_square = vv - 2 * p * dot + p * p * xx
-        denominator = math.sqrt(max(0.0, other_square) * xx)
-        out.append(other_dot / denominator if denominator > 0 else 0.0)
+        x = row.double()
+        others = target - p * x  # scaled by (1 - p), which the cosine does not see
+        denominator = float(torch.linalg.vector_norm(others) * torch.linalg.vector_norm(x))
+        out.append(float(others @ x) / denominator if denominator > 0 else 0.0)
     return tuple(out)

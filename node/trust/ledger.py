@@ -12,6 +12,10 @@ per peer (EMAs of clip and cosine) and decides local bans:
   replayed and duplicated updates ban after ``consecutive`` flagged rounds in a row, or
   ``window_flags`` flagged rounds of the last ``window`` (an attacker who alternates).
 
+A round is one judgement: whatever flags a peer in one round (the owner's statistics, the
+checks, an audit) counts once toward these rules. The ledger forgets an unbanned peer it has
+not seen for ``forget_after_rounds`` rounds (peer ids come and go in an open run).
+
 A member also notes the owners whose averaged chunks left its own values out (an *inclusion*
 check): a dispute, counted per owner (``disputes`` in :meth:`TrustLedger.table`, a metric),
 never a ban: the member cannot prove it, and an owner may have screened its values.
@@ -34,7 +38,7 @@ import json
 import logging
 import math
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -51,6 +55,17 @@ log = logging.getLogger(__name__)
 SKETCH_VALUES = 2048
 #: Earlier fingerprints kept per chunk position.
 SKETCH_MEMORY = 64
+#: Chunk positions with fingerprints kept, the least recently used forgotten first. Positions
+#: follow the parts' bounds, which members' declared bandwidths move, so without a bound a peer
+#: could grow them every round. At most SKETCH_POSITIONS * SKETCH_MEMORY fingerprints of
+#: SKETCH_VALUES fp64 values are kept: 256 MiB. That covers every chunk of a part of 256
+#: chunks (256 Mi values at the default chunk size); beyond, replays are looked for in the
+#: chunks seen most recently.
+SKETCH_POSITIONS = 256
+#: Rounds after which an unbanned peer this node has not seen is forgotten (its scores and
+#: flags; a ban stays). Peer ids come and go in an open run, and each one kept costs memory and
+#: a series per score on the metrics page.
+FORGET_AFTER_ROUNDS = 1000
 
 
 class Flag(enum.StrEnum):
@@ -95,6 +110,9 @@ class TrustPolicy:
     window_flags: int = 5
     #: Weight of the newest round in a peer's clip and cosine EMAs.
     ema: float = 0.2
+    #: See :data:`FORGET_AFTER_ROUNDS` and :data:`SKETCH_POSITIONS`.
+    forget_after_rounds: int = FORGET_AFTER_ROUNDS
+    sketch_positions: int = SKETCH_POSITIONS
 
     def __post_init__(self) -> None:
         if not (-1 <= self.misaligned_below < 1 and 0 <= self.clipped_below < 1):
@@ -103,6 +121,8 @@ class TrustPolicy:
             raise ValueError("replay_above must be in (0, 1) and ema in (0, 1]")
         if self.consecutive < 1 or not 1 <= self.window_flags <= self.window:
             raise ValueError("consecutive >= 1 and 1 <= window_flags <= window")
+        if self.forget_after_rounds < self.window or self.sketch_positions < 1:
+            raise ValueError("forget_after_rounds must be >= window and sketch_positions >= 1")
 
 
 @dataclass(slots=True)
@@ -147,7 +167,16 @@ class Ban:
 
 @dataclass(slots=True)
 class PeerScore:
+    #: Rounds in which this node judged the peer (its statistics and the checks of one round
+    #: are one judgement), the last of them, and that round's flags.
     rounds: int = 0
+    last_round: int = -1
+    round_flags: set[Flag] = field(default_factory=set)
+    #: Flagged rounds in a row before the last one.
+    streak_before: int = 0
+    #: The last round it was in a group with this node (judged, or a dispute): a peer not seen
+    #: for ``forget_after_rounds`` is forgotten.
+    seen_round: int = -1
     clip_ema: float = 1.0
     cosine_ema: float = 0.0
     consecutive: int = 0
@@ -205,7 +234,10 @@ class TrustLedger:
         self.bans: dict[str, Ban] = _load_bans(store) if store is not None else {}
         #: Flags raised, by kind (every round, banned or not).
         self.flag_counts: dict[Flag, int] = dict.fromkeys(Flag, 0)
-        self._sketches: dict[tuple[int, int], deque[tuple[int, str, torch.Tensor]]] = {}
+        #: Fingerprints by chunk position, the least recently used position first.
+        self._sketches: OrderedDict[tuple[int, int], deque[tuple[int, str, torch.Tensor]]] = (
+            OrderedDict()
+        )
         #: The same fingerprints stacked, with their norms and rounds, per position.
         self._stacked: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()  # a metrics scrape reads from another thread
@@ -226,6 +258,7 @@ class TrustLedger:
                 ban = self._judge(round_, peer_id, seen)
                 if ban is not None:
                     new.append(ban)
+            self._forget(round_)
         return new
 
     def note(
@@ -240,6 +273,7 @@ class TrustLedger:
                 ban = self._judge(round_, peer_id, Observation(flags={flag}), proof.get(peer_id))
                 if ban is not None:
                     new.append(ban)
+            self._forget(round_)
         return new
 
     def adopt(self, peer_id: str, flag: Flag, round_: int, evidence: bytes, source: str) -> bool:
@@ -282,7 +316,9 @@ class TrustLedger:
         """Note owners that left this node's values out of ``round_`` (never a ban)."""
         with self._lock:
             for owner in owners:
-                disputes = self.scores.setdefault(owner, PeerScore()).disputes
+                score = self.scores.setdefault(owner, PeerScore())
+                score.seen_round = max(score.seen_round, round_)
+                disputes = score.disputes
                 disputes.append(round_)
                 del disputes[:-64]
                 self.dispute_count += 1
@@ -299,20 +335,33 @@ class TrustLedger:
             if seen.clip < policy.clipped_below:
                 flags.add(Flag.CLIPPED)
         score = self.scores.setdefault(peer_id, PeerScore())
-        score.rounds += 1
+        # One round is one judgement, however many parts of it (the owner's statistics, the
+        # checks, the audits) flag the peer: the rules count rounds, as the flags' meaning does.
+        score.seen_round = max(score.seen_round, round_)
+        if round_ > score.last_round:
+            score.rounds += 1
+            score.last_round = round_
+            score.round_flags = set()
+            score.streak_before = score.consecutive
+            score.recent.append(False)
+        if round_ == score.last_round:
+            new_flags = flags - score.round_flags
+            score.round_flags |= flags
+            score.consecutive = score.streak_before + 1 if score.round_flags else 0
+            score.recent[-1] = bool(score.round_flags)
+        else:  # an earlier round's audit, done late: its flags count, the streak stays
+            new_flags = flags
         if seen.numel and not flags & DECISIVE:
             score.clip_ema += policy.ema * (seen.clip - score.clip_ema)
             score.cosine_ema += policy.ema * (seen.cosine - score.cosine_ema)
-        score.consecutive = score.consecutive + 1 if flags else 0
-        score.recent.append(bool(flags))
-        for flag in flags:
+        for flag in new_flags:
             score.flags[flag] = score.flags.get(flag, 0) + 1
             self.flag_counts[flag] += 1
         held = self.bans.get(peer_id)
         if held is not None and evidence and not held.evidence:
             self.bans[peer_id] = replace(held, evidence=evidence)
             self._save()
-        if held is not None or not flags:
+        if held is not None or not new_flags:
             return None
         window = list(score.recent)[-policy.window :]
         if (
@@ -335,9 +384,14 @@ class TrustLedger:
                 seen.flags.add(Flag.REPLAY)
         for peer_id, seen in observations.items():
             for position, fingerprint in seen.sketches.items():
-                memory = self._sketches.setdefault(position, deque(maxlen=SKETCH_MEMORY))
+                memory = self._sketches.get(position)
+                if memory is None:
+                    memory = self._sketches[position] = deque(maxlen=SKETCH_MEMORY)
+                    while len(self._sketches) > self.policy.sketch_positions:
+                        self._sketches.popitem(last=False)
+                self._sketches.move_to_end(position)
                 memory.append((round_, peer_id, fingerprint))
-                self._stacked.pop(position, None)
+        self._stacked.clear()  # built again next round from the memory as it is then
 
     def _replayed(self, round_: int, position: tuple[int, int], fingerprint: torch.Tensor) -> bool:
         """Whether ``fingerprint`` is (nearly) one remembered at ``position`` from an earlier
@@ -360,6 +414,17 @@ class TrustLedger:
         usable = (rounds < round_) & torch.isfinite(cosines) & (denominators > 0)
         return bool((cosines[usable] > self.policy.replay_above).any())
 
+    def _forget(self, round_: int) -> None:
+        """Drop the scores of unbanned peers not seen in ``forget_after_rounds`` rounds."""
+        oldest = round_ - self.policy.forget_after_rounds
+        gone = [
+            peer_id
+            for peer_id, score in self.scores.items()
+            if score.seen_round < oldest and peer_id not in self.bans
+        ]
+        for peer_id in gone:
+            del self.scores[peer_id]
+
     def table(self, peers: Iterable[str] | None = None) -> dict[str, dict[str, object]]:
         """Per peer: rounds seen, clip and cosine EMAs, flags, ban (status files, display)."""
         with self._lock:
@@ -373,6 +438,7 @@ class TrustLedger:
                 score = score or PeerScore()  # banned on published evidence, never aggregated
                 out[peer_id] = {
                     "rounds": score.rounds,
+                    "seen_round": score.seen_round if score.seen_round >= 0 else None,
                     "clip_ema": round(score.clip_ema, 4),
                     "cosine_ema": round(score.cosine_ema, 4),
                     "flags": {str(k): v for k, v in sorted(score.flags.items())},

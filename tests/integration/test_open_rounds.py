@@ -383,6 +383,57 @@ async def test_check_messages_from_strangers_and_forgers_are_refused() -> None:
         assert target.checks["failed"] == 0
 
 
+async def test_a_flood_of_check_messages_for_rounds_that_never_come_spares_honest_streams() -> None:
+    """A stranger parks signed check messages for rounds that will never exist (any fresh key
+    can): they fill only the check messages' waiting slots, so members' streams that reach an
+    owner a little before it starts its round still wait for it, and the round completes."""
+    async with swarm(3) as peers:
+        owner = peers[2]
+        mallory = Identity.from_seed("open-rounds/flooder")
+        refusals = owner.servicer.rejections
+
+        async def bogus(number: int) -> None:
+            statement = averaging_pb2.CheckStatement(
+                key=averaging_pb2.RoundKey(
+                    run_id=OPEN.run_id,
+                    spec_hash=OPEN.spec_hash,
+                    round=10**9 + number,
+                    group_id=number.to_bytes(16, "big"),
+                ),
+                sender=mallory.peer_id,
+                reveal=averaging_pb2.Reveal(secret=bytes(32)),
+            )
+            method = check_method(owner.transport.channel(owner.endpoint))
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await method(seal(mallory, CHECK_STATEMENT, statement), timeout=30)
+
+        flood = asyncio.gather(*(bogus(k) for k in range(70)))
+        try:
+
+            async def full() -> bool:  # every waiting slot taken: the rest were refused
+                return refusals.by_code()["OVERLOADED"] >= 6
+
+            await until(full, timeout_seconds=10, what="the flood to fill the slots")
+            flooded = refusals.by_code()["OVERLOADED"]
+            updates, group = honest_updates(0, 3), group_of(peers, 0)
+            early = [
+                asyncio.ensure_future(p.all_reduce(u, group))
+                for p, u in zip(peers[:2], updates, strict=False)
+            ]
+
+            async def arrived() -> bool:  # both members' streams wait at the owner (or failed)
+                waiting = owner.servicer.open_streams.keys() >= {p.peer_id for p in peers[:2]}
+                return waiting or refusals.by_code()["OVERLOADED"] > flooded
+
+            await until(arrived, timeout_seconds=10, what="the members' streams at the owner")
+            results = await asyncio.gather(*early, owner.all_reduce(updates[2], group))
+        finally:
+            flood.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flood
+        assert all(r.complete for r in results), [r.failures for r in results]
+
+
 async def test_an_owner_that_signs_two_accounts_of_its_part_is_convicted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -505,6 +556,40 @@ async def test_a_member_that_accepts_no_connections_is_not_held_silent() -> None
             assert peer.checks["failed"] == 0
 
 
+def collude(monkeypatch: pytest.MonkeyPatch, owner: Averager, colluder: Averager) -> None:
+    """``owner`` (the last of five members) lies about its part's result and ``colluder``
+    reports what cancels the lie in the projection check; every member audits that part."""
+    shifts: dict[int, torch.Tensor] = {}
+
+    def lie(index: int, value: torch.Tensor) -> torch.Tensor:
+        told = lying_result(index, value)
+        shifts[index] = told - value  # the pair share what the lie is
+        return told
+
+    honest_report = checks._report
+
+    def covering(run: checks.CheckRun, part: checks.CheckedPart) -> averaging_pb2.PartReport:
+        report = honest_report(run, part)
+        if run.signer.peer_id != colluder.peer_id or part.part != 4:
+            return report
+        cover: list[float] = []
+        for index, chunk in enumerate(part.account.chunks):
+            if run.me in chunk.contributors:  # what the lie takes from the sum, given back
+                shift, vectors = (
+                    shifts[index],
+                    signs(part.seed, index, part.numels[index]),
+                )
+                cover += project(shift, torch.zeros_like(shift), sum(chunk.clip), vectors)
+        covered = [x + c for x, c in zip(report.projections, cover, strict=True)]
+        del report.projections[:]
+        report.projections.extend(covered)
+        return report
+
+    owner.tamper_results = lie
+    monkeypatch.setattr(checks, "_report", covering)
+    monkeypatch.setattr(audits, "choose", lambda parts, _: 4 if 4 in parts else None)
+
+
 async def test_an_owner_whose_lie_a_colluding_member_covers_is_caught_by_an_audit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -514,35 +599,7 @@ async def test_an_owner_whose_lie_a_colluding_member_covers_is_caught_by_an_audi
     convicts both."""
     async with swarm(5, replace(OPEN, audit_probability=1.0)) as peers:
         honest, colluder, owner = peers[:3], peers[3], peers[4]
-        shifts: dict[int, torch.Tensor] = {}
-
-        def lie(index: int, value: torch.Tensor) -> torch.Tensor:
-            told = lying_result(index, value)
-            shifts[index] = told - value  # the pair share what the lie is
-            return told
-
-        honest_report = checks._report
-
-        def covering(run: checks.CheckRun, part: checks.CheckedPart) -> averaging_pb2.PartReport:
-            report = honest_report(run, part)
-            if run.signer.peer_id != colluder.peer_id or part.part != 4:
-                return report
-            cover: list[float] = []
-            for index, chunk in enumerate(part.account.chunks):
-                if run.me in chunk.contributors:  # what the lie takes from the sum, given back
-                    shift, vectors = (
-                        shifts[index],
-                        signs(part.seed, index, part.numels[index]),
-                    )
-                    cover += project(shift, torch.zeros_like(shift), sum(chunk.clip), vectors)
-            covered = [x + c for x, c in zip(report.projections, cover, strict=True)]
-            del report.projections[:]
-            report.projections.extend(covered)
-            return report
-
-        owner.tamper_results = lie
-        monkeypatch.setattr(checks, "_report", covering)
-        monkeypatch.setattr(audits, "choose", lambda parts, _: 4 if 4 in parts else None)
+        collude(monkeypatch, owner, colluder)
         results = await average(peers, honest_updates(0, 5), 0)
         # The check is fooled: every part passes and the lie is applied ...
         assert all(isinstance(r, RoundResult) and r.complete for r in results)
@@ -555,6 +612,51 @@ async def test_an_owner_whose_lie_a_colluding_member_covers_is_caught_by_an_audi
             assert peer.ledger.bans[owner.peer_id].flags == (Flag.FAILED_AUDIT,)
             assert peer.ledger.bans[colluder.peer_id].flags == (Flag.FALSE_REPORT,)
             assert set(peer.ledger.bans) == {owner.peer_id, colluder.peer_id}
+
+
+async def test_a_colluding_owner_whose_account_lists_a_malformed_key_is_still_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An owner that lists a malformed key for a member's header signature (one byte, not an
+    Ed25519 key) has its account refused: no member applies its lie. And an account that breaks
+    an audit fails it: the owner is banned for a failed audit, never left unjudged."""
+    async with swarm(5, replace(OPEN, audit_probability=1.0)) as peers:
+        honest, colluder, owner = peers[:3], peers[3], peers[4]
+        collude(monkeypatch, owner, colluder)
+        real = PartReducer._sign_account
+
+        def malformed(self: PartReducer) -> averaging_pb2.Signed | None:
+            signed = real(self)
+            if signed is None or self.group.members[self.part].peer_id != owner.peer_id:
+                return signed
+            account = averaging_pb2.PartAccount.FromString(signed.body)
+            account.header_auths[0].public_key = b"\x00"
+            return seal(owner.identity, ACCOUNT_STATEMENT, account)
+
+        monkeypatch.setattr(PartReducer, "_sign_account", malformed)
+        updates = honest_updates(0, 5)
+        results = await average(peers, updates, 0)
+        start, end = group_of(peers, 0).partition(SIZE)[4]
+        for peer, result, mine in zip(honest, results, updates, strict=False):
+            assert isinstance(result, RoundResult)
+            assert (start, end) in result.missing
+            assert "account" in result.failures[owner.peer_id]
+            assert torch.equal(result.averaged[start:end], mine[start:end])  # its own, not the lie
+            assert peer.checks["audit_passed"] + peer.checks["audit_failed"] == 0
+
+        # An account that passes the door but breaks the audit's reading of it.
+        monkeypatch.setattr(PartReducer, "_sign_account", real)
+
+        def broken(public_key: bytes) -> str:
+            raise ValueError(f"an Ed25519 public key has 32 bytes, got {len(public_key)}")
+
+        monkeypatch.setattr(audits, "peer_id_of", broken)
+        results = await average(peers, honest_updates(1, 5), 1)
+        assert all(isinstance(r, RoundResult) and r.complete for r in results)
+        await audited(honest, 1)
+        for peer in honest:
+            assert peer.checks["audit_failed"] == 1
+            assert peer.ledger.bans[owner.peer_id].flags == (Flag.FAILED_AUDIT,)
 
 
 async def test_an_owner_that_cannot_show_the_chunks_it_averaged_fails_its_audit(
