@@ -26,6 +26,12 @@ class SimulationError(RuntimeError):
     """The simulation could not run (bad profile, a node that failed to start); says why."""
 
 
+#: The shortest mean session a profile may ask for: every crash and restart is work for the
+#: simulation (the discrete-event model steps through each one), and sessions shorter than a
+#: second would make a run of any length mostly restarts.
+MIN_SESSION_SECONDS = 1.0
+
+
 NATS = ("direct", "relayed")
 
 
@@ -64,6 +70,11 @@ class PeerProfile:
         for name in ("bandwidth", "latency_ms", "jitter_ms", "offline_seconds"):
             if not getattr(self, name) >= 0:
                 raise SimulationError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.session_seconds is not None and not self.session_seconds >= MIN_SESSION_SECONDS:
+            raise SimulationError(
+                f"session_seconds must be at least {MIN_SESSION_SECONDS:g}, "
+                f"got {self.session_seconds}"
+            )
         if not 0 <= self.loss < 1:
             raise SimulationError(f"loss must be in [0, 1), got {self.loss}")
         if self.nat not in NATS:

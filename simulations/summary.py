@@ -13,6 +13,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from swarmgrad.node.files import jsonable
 from swarmgrad.node.runspec import RunSpec
 
 
@@ -51,8 +52,8 @@ def summarize(
     for peer in peers:
         peer["contribution"] = peer["samples"] / total_samples
     checksums = {p["checksum"] for p in peers}
-    initial = statistics.fmean(s["initial_val_loss"] for s in statuses)
-    final = statistics.fmean(s["val_loss"] for s in statuses)
+    initial = loss_mean(s["initial_val_loss"] for s in statuses)
+    final = loss_mean(s["val_loss"] for s in statuses)
     summary = {
         "ok": len(checksums) == 1 and all(p["epoch"] >= rounds for p in peers),
         "run": spec.run.id,
@@ -70,7 +71,14 @@ def summarize(
     }
     if spec.trust.open or any(attacks):
         summary["trust"] = _trust(everyone, attacks)
-    return summary
+    written: dict[str, Any] = jsonable(summary)
+    return written
+
+
+def loss_mean(values: Iterable[float | None]) -> float:
+    """The mean of losses as status files hold them: null (a loss not known, a diverged run's
+    NaN) counts as NaN, and so makes the mean NaN."""
+    return statistics.fmean(math.nan if value is None else value for value in values)
 
 
 def epoch_curves(histories: Iterable[list[dict[str, Any]]]) -> dict[str, Any]:
@@ -88,7 +96,7 @@ def epoch_curves(histories: Iterable[list[dict[str, Any]]]) -> dict[str, Any]:
             {
                 "epoch": epoch,
                 "val_loss": (
-                    statistics.fmean(e["val_loss"] for e in entries)
+                    loss_mean(e["val_loss"] for e in entries)
                     if all("val_loss" in e for e in entries)
                     else None
                 ),
@@ -139,7 +147,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     for name in ("epoch", "val loss", "round s (median / max)"):
         curve.add_column(name, justify="right")
     if not modelled:
-        curve.add_row("start", f"{summary['initial_val_loss']:.3f}", "")
+        curve.add_row("start", _loss(summary["initial_val_loss"]), "")
     times = {r["epoch"]: r for r in summary["round_seconds"]}
     points = summary["loss_curve"]
     if len(points) > 24:  # a long run: every n-th round, and the last
@@ -149,7 +157,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         t = times.get(point["epoch"])
         curve.add_row(
             str(point["epoch"]),
-            "-" if modelled else f"{point['val_loss']:.3f}",
+            _loss(point["val_loss"]),
             f"{t['median']:.2f} / {t['max']:.2f}" if t else "",
         )
     console.print(curve)
@@ -200,6 +208,11 @@ def print_summary(summary: dict[str, Any]) -> None:
         return
     console.print(
         f"{summary['nodes']} nodes, {summary['rounds']} rounds in {summary['wall_seconds']:.0f} s: "
-        f"val loss {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f}; "
+        f"val loss {_loss(summary['initial_val_loss'])} -> {_loss(summary['final_val_loss'])}; "
         f"replicas identical: {summary['replicas_identical']}"
     )
+
+
+def _loss(value: float | None) -> str:
+    """A loss for the printout ("-": none, the model's, or not a finite number)."""
+    return "-" if value is None else f"{value:.3f}"

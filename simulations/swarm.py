@@ -49,7 +49,7 @@ from swarmgrad.simulations.netem import GRPC_PORT, Wan
 from swarmgrad.simulations.netem import unavailable as netem_unavailable
 from swarmgrad.simulations.processes import adversary_command, node_command
 from swarmgrad.simulations.profiles import PeerProfile, SimulationError, load_profile
-from swarmgrad.simulations.summary import summarize
+from swarmgrad.simulations.summary import loss_mean, summarize
 
 log = logging.getLogger(__name__)
 #: A (re)started node's log line once it takes part at the swarm's epoch.
@@ -268,7 +268,7 @@ def simulate(config: SimulationConfig) -> dict[str, Any]:
             },
             "finished": [f"node-{n.index}" for n in finals],
         }
-    (config.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    (config.out_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
     return summary
 
 
@@ -474,7 +474,7 @@ def _show_progress(swarm: list[_Node], shown: int, rounds: int) -> int:
         return shown
     epoch = int(min(s["epoch"] for s in statuses))
     if epoch > shown:
-        loss = statistics.fmean(s["val_loss"] for s in statuses)
+        loss = loss_mean(s["val_loss"] for s in statuses)
         sent = statistics.fmean(s["bytes_sent"] for s in statuses) / 2**20
         log.info("epoch %d/%d: val loss %.3f, %.1f MiB sent per peer", epoch, rounds, loss, sent)
     return max(shown, epoch)

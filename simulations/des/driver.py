@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from swarmgrad.node.files import jsonable
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.simulations.churn import ScheduleError, load_schedule
 from swarmgrad.simulations.des import calibrate
@@ -94,5 +95,7 @@ def run(config: DesConfig) -> dict[str, Any]:
         "seed": model.seed,
     }
     config.out_dir.mkdir(parents=True, exist_ok=True)
-    (config.out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    return summary
+    written: dict[str, Any] = jsonable(summary)
+    text = json.dumps(written, indent=1, default=str, allow_nan=False)
+    (config.out_dir / "summary.json").write_text(text)
+    return written

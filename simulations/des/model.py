@@ -4,10 +4,13 @@ rules, on links drawn from profiles, in simulated time (SimPy).
 What each peer does, and whose rule it is:
 
 - **Train**: H inner steps (``algorithm.inner_steps``) of ``step_seconds x slowdown``.
-- **Resync**: before a round, a peer behind the newest announced epoch downloads the state (theta
-  and the outer momentum, fp32) from up to ``StateSyncConfig.max_donors`` donors at once, each
+- **Resync**: before a round, a peer behind the newest epoch that a live peer record announces
+  (``pick_donors``: a dead peer's record counts until it lapses) downloads the state (theta and
+  the outer momentum, fp32) from up to ``StateSyncConfig.max_donors`` donors at once, each
   donor's upload and its own download shared, as ``node/state`` does; a (re)started peer does it
-  first.
+  first. If no holder of that state is alive and running, the download fails (a connection
+  refused, or a paused donor's download timeout) and the peer goes on at its own epoch and reads
+  the records again at its next round, as the node does; only a download counts as a resync.
 - **Match** (``node/averaging/matchmaking.py``): announce readiness (visible to others after a
   DHT write); from the census (peer records at epoch r or r - 1, a dead peer's until its record
   lapses) take the node's bucket count and this peer's bucket; wait until every expected peer of
@@ -23,15 +26,24 @@ What each peer does, and whose rule it is:
 - **Average** (``node/averaging``): the butterfly over the node's partition by bandwidth and its
   codecs (``traffic.py``); it lasts as long as the member whose link is the bottleneck needs for
   its bytes up or down (a relayed member's bytes also cross its relay's link), plus three
-  latencies (stream, chunks, results), codec time and the per-round overhead. A member that
+  latencies (stream, chunks, results) and codec time, but never longer than the round deadline
+  (``round_timeout_seconds``): past it the chunks not yet through are missing and the round is
+  partial, or aborted if no chunk got through (each part's chunks taken to stream at one pace).
+  The per-round overhead (the outer step) follows an averaged or partial round. A member that
   dies mid-round leaves its part out (partial) after the sender timeout.
 - **Churn**: the run's schedule (``churn.py``: kill, stop, start, pause, resume at an epoch,
   a kill "during" a round or a state download), and random sessions from the profiles
-  (``session_seconds``: mean of exponential sessions, then ``offline_seconds`` away).
+  (``session_seconds``: mean of exponential sessions, then ``offline_seconds`` away). A crash
+  loses what the peer trained since its last averaged round (``samples_dropped``); the compute
+  or round it was in counts in its time all the same.
+
+Only DiLoCo is modelled (``algorithm.name = "sync"`` is refused). A peer's ``tokens_per_second``
+is over its own time online (its sessions together) up to its last inner step, not the run's.
 
 Not modelled: the loss (the model predicts time, bytes and rounds, not convergence), open runs'
-checks, contention between different groups on one relay, and a partition's local training (a
-partitioned peer is modelled as paused).
+checks, contention between different groups on one relay, a partition's local training (a
+partitioned peer is modelled as paused), and owners dropping a live member whose chunks come
+slower than the sender timeout (a slow link shows as the round deadline, not as that drop).
 """
 
 from __future__ import annotations
@@ -109,6 +121,14 @@ class ModelConfig:
             raise SimulationError("one profile per node slot is needed")
         if not self.step_seconds > 0 or self.dht_seconds < 0 or self.round_overhead_seconds < 0:
             raise SimulationError("step_seconds must be positive, the overheads >= 0")
+        if self.spec.algorithm.name != "diloco":
+            # Sync averages every step's gradients and its state holds the optimizer's moments:
+            # the model's rounds (H inner steps, then one exchange of theta) are DiLoCo's.
+            raise SimulationError(
+                f"the discrete-event model runs DiLoCo only, not algorithm.name = "
+                f'{self.spec.algorithm.name!r}: model the run with algorithm.name = "diloco" '
+                f"or simulate it with real processes (--engine processes)"
+            )
 
 
 @dataclass(slots=True)
@@ -130,9 +150,12 @@ class _Peer:
     exchange: _Exchange | None = None  # the all-reduce it is in now
     samples: int = 0
     unaveraged: int = 0  # samples since its last averaged round
-    dropped: int = 0  # samples a resync threw away (its state replaced by the swarm's)
+    dropped: int = 0  # samples thrown away: by a resync (the swarm's state), or a crash
     compute_seconds: float = 0.0
     communication_seconds: float = 0.0
+    online_seconds: float = 0.0  # its ended sessions' time (a pause counts: the node runs on)
+    online_since: float = 0.0  # when its current session began
+    trained_online: float = 0.0  # its time online at its last inner step (for tokens/s)
     bytes_sent: int = 0
     bytes_received: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
@@ -166,6 +189,9 @@ class _Exchange:
     process: simpy.Process | None = None
     dead: list[int] = field(default_factory=list)
     traffic: dict[int, Traffic] = field(default_factory=dict)
+    #: The share of the vector's chunks averaged: less than 1 when the round deadline passed
+    #: first (the rest is missing), 0 when no chunk made it (the node's RoundAborted).
+    share: float = 1.0
 
 
 @dataclass(slots=True)
@@ -243,6 +269,7 @@ class SwarmModel:
         self.matchmaking_timeout = spec.averaging.matchmaking_timeout_seconds
         self.record_ttl = DirectoryConfig().record_ttl_seconds
         self.max_donors = StateSyncConfig().max_donors
+        self.download_timeout = StateSyncConfig().download_timeout_seconds
         self.inner_steps = spec.algorithm.inner_steps
         self.batch = spec.data.batch_size
         self.env = simpy.Environment()
@@ -259,7 +286,10 @@ class SwarmModel:
                     raise SimulationError("a relayed peer needs a direct peer to relay it")
                 peer.relay = self.rng.choice(direct)
         self.boards: dict[int, _Board] = {}
-        self.newest = 0
+        #: The highest epoch any peer reached (the churn schedule's "at epoch").
+        self.reached = 0
+        #: Rounds that moved a peer's epoch on (the stall guard's measure of progress).
+        self.advances = 0
         self.epoch_changed = self.env.event()
         self.fired: list[dict[str, Any]] = []
         self.armed: ChurnEvent | None = None  # a kill waiting for its node to enter a phase
@@ -301,11 +331,11 @@ class SwarmModel:
         )
         seen = -1
         while not self.done.triggered:
-            if self.newest == seen:
+            if self.advances == seen:
                 self.stalled = True
                 self.done.succeed()
                 return
-            seen = self.newest
+            seen = self.advances
             yield self.env.timeout(patience)
 
     def _watch(self) -> Events:
@@ -328,6 +358,7 @@ class SwarmModel:
 
     def _start(self, peer: _Peer) -> None:
         peer.alive, peer.paused, peer.finished = True, False, False
+        peer.online_since = self.env.now
         self.live += 1
         self.training.add(peer.index)
         self._announce(peer, peer.epoch)
@@ -347,38 +378,49 @@ class SwarmModel:
 
     def _life(self, peer: _Peer, *, restarted: bool) -> Events:
         env, started = self.env, self.env.now
+        computing, since = False, started  # what it is doing now, since when
         try:
             if self._behind(peer):
-                yield from self._resync(peer)
-                self._record(peer, "resynced", started, 0)
-                if restarted:
-                    self.rejoin_seconds.setdefault(peer.index, []).append(env.now - started)
+                if (yield from self._resync(peer)):
+                    self._record(peer, "resynced", started, 0)
+                    if restarted:
+                        self.rejoin_seconds.setdefault(peer.index, []).append(env.now - started)
+                else:  # no donor answered: it trains on and reads the records again next round
+                    peer.communication_seconds += env.now - started
             while peer.epoch < self.config.rounds:
                 compute = self.inner_steps * self.config.step_seconds * peer.profile.slowdown
+                computing, since = True, env.now
                 yield env.timeout(compute)
                 peer.compute_seconds += compute
                 peer.samples += self.inner_steps * self.batch
                 peer.unaveraged += self.inner_steps * self.batch
+                peer.trained_online = peer.online_seconds + env.now - peer.online_since
+                computing, since = False, env.now
                 round_started = env.now
                 yield env.timeout(self.config.dht_seconds)  # the donors' records, read
-                if self._behind(peer):
-                    yield from self._resync(peer)
+                if self._behind(peer) and (yield from self._resync(peer)):
                     self._record(peer, "resynced", round_started, 0)
                     continue
+                # Not behind, or no donor answered (the node tries again next round).
                 outcome, size, state = yield from self._round(peer)
                 if outcome in ("averaged", "partial"):
                     peer.unaveraged = 0
                     peer.state = state
                     peer.epoch += 1
                     self._announce(peer, peer.epoch)
-                    if peer.epoch > self.newest:
-                        self.newest = peer.epoch
+                    self.reached = max(self.reached, peer.epoch)
+                    self.advances += 1
                 self._record(peer, outcome, round_started, size)
             peer.finished = True
             self.training.discard(peer.index)
             self._advanced()
         except simpy.Interrupt:
-            pass  # killed, stopped or paused: the churn that did it set the state
+            # Killed, stopped or paused (the churn that did it set the state): the compute or
+            # round it was in took its time all the same.
+            if computing:
+                peer.compute_seconds += env.now - since
+            else:
+                peer.communication_seconds += env.now - since
 
     def _record(self, peer: _Peer, outcome: str, started: float, group_size: int) -> None:
         seconds = self.env.now - started
@@ -405,26 +447,35 @@ class SwarmModel:
             return None
         return min(votes, key=lambda state: (-votes[state], _checksum(state)))
 
+    def _newest(self) -> int:
+        """The swarm's epoch as ``pick_donors`` reads it: the newest a live peer record announces
+        (a dead peer's until it lapses), not the newest ever reached."""
+        return max(self.census, default=0)
+
     def _behind(self, peer: _Peer) -> bool:
         """The node's resync rule (``pick_donors``): the swarm is at a newer epoch, or most peers
         at this one hold another state (a group that averaged apart from the majority's)."""
-        if self.newest > peer.epoch:
+        if self._newest() > peer.epoch:
             return True
         best = self._best(peer.epoch)
         return best is not None and best != peer.state
 
-    def _resync(self, peer: _Peer) -> Events:
+    def _resync(self, peer: _Peer) -> Generator[simpy.Event, Any, bool]:
+        """Download the swarm's state from the live holders of it; whether it did. With none
+        (the records of the donors outlive them until they lapse) the node's download fails:
+        after a connection refused, or a paused donor's download timeout."""
         self._fire_armed(peer, "state_download")
-        target = (self.newest, self._best(self.newest))
-        donors = []
-        for i in self.holders.get(target, ()):
-            donor = self.peers[i]
-            if donor.alive and not donor.paused and donor is not peer:
-                donors.append(donor)
-                if len(donors) == self.max_donors:
-                    break
+        newest = self._newest()
+        target = (newest, self._best(newest))
+        listed = [self.peers[i] for i in self.holders.get(target, ()) if i != peer.index]
+        donors = [d for d in listed if d.alive and not d.paused][: self.max_donors]
         if not donors:
-            return
+            if any(d.alive for d in listed):  # paused: nobody answers
+                yield self.env.timeout(self.config.dht_seconds + self.download_timeout)
+            elif listed:  # dead: the connection is refused
+                latency = max(peer.latency_seconds + d.latency_seconds for d in listed)
+                yield self.env.timeout(self.config.dht_seconds + 2 * latency)
+            return False
         rate = min(peer.down, sum(d.up for d in donors))
         latency = max(peer.latency_seconds + d.latency_seconds for d in donors)
         yield self.env.timeout(self.config.dht_seconds + 2 * latency + self.state_bytes / rate)
@@ -432,6 +483,7 @@ class SwarmModel:
         peer.dropped += peer.unaveraged
         peer.unaveraged = 0
         self._announce(peer, peer.epoch)
+        return True
 
     # -- peer records (the census) --------------------------------------------------------------
 
@@ -446,7 +498,10 @@ class SwarmModel:
 
     def _unlist(self, peer: _Peer) -> None:
         if peer.record_epoch >= 0:
-            self.census[peer.record_epoch].discard(peer.index)
+            listed = self.census[peer.record_epoch]
+            listed.discard(peer.index)
+            if not listed:
+                del self.census[peer.record_epoch]
             votes = self.votes[peer.record_epoch]
             votes[peer.record_state] -= 1
             if not votes[peer.record_state]:
@@ -574,11 +629,13 @@ class SwarmModel:
         if traffic is not None:
             peer.bytes_sent += traffic.sent
             peer.bytes_received += traffic.received
-        if len(exchange.members) < 2:
+        if len(exchange.members) < 2 or exchange.share == 0:
             return "aborted", len(group), None
-        complete = len(exchange.members) == len(group) and not exchange.dead
+        if self.config.round_overhead_seconds:
+            yield self.env.timeout(self.config.round_overhead_seconds)  # the outer step
+        complete = len(exchange.members) == len(group) and not exchange.dead and exchange.share == 1
         # Every member of one exchange ends with the same values; other groups with others.
-        state = (peer.epoch, exchange.group, exchange.members, tuple(exchange.dead))
+        state = (peer.epoch, exchange.group, exchange.members, tuple(exchange.dead), exchange.share)
         return ("averaged" if complete else "partial"), len(group), state
 
     def _after(self, delay: float, action: Callable[[str, int], None], *args: Any) -> Events:
@@ -623,23 +680,39 @@ class SwarmModel:
                 waiting.succeed()
 
     def _transfer(self, exchange: _Exchange, board: _Board) -> Events:
+        """The all-reduce: as long as its bytes need, and never past the round deadline
+        (``round_timeout_seconds``), where the chunks that had not arrived are missing."""
         env = self.env
-        seconds = self._transfer_seconds(exchange)
-        end = env.now + seconds
+        seconds, chunks = self._transfer_seconds(exchange)
+        timeout = self.allreduce.round_timeout_seconds
+        deadline = env.now + timeout
+        end = min(env.now + seconds, deadline)
         while env.now < end:
             try:
                 yield env.timeout(end - env.now)
             except simpy.Interrupt:  # a member died: the others drop it after the sender timeout
-                end = max(end, env.now + self.allreduce.sender_timeout_seconds)
+                end = min(max(end, env.now + self.allreduce.sender_timeout_seconds), deadline)
+        if seconds > timeout:
+            # The parts stream their chunks side by side: by the deadline, about this share of
+            # each part's chunks is through (none at all: the round is aborted), and about this
+            # share of each member's bytes has moved.
+            moved = timeout / seconds
+            exchange.share = math.floor(chunks * moved) / chunks
+            exchange.traffic = {
+                i: Traffic(sent=int(t.sent * moved), received=int(t.received * moved))
+                for i, t in exchange.traffic.items()
+            }
         exchange.done.succeed()
         # A later attempt at this round that computes the same group is a new exchange.
         del board.exchanges[exchange.group]
         board.waiting.pop(exchange.group, None)
 
-    def _transfer_seconds(self, exchange: _Exchange) -> float:
+    def _transfer_seconds(self, exchange: _Exchange) -> tuple[float, int]:
+        """How long the all-reduce needs for its bytes, without a deadline, and the most chunks
+        one part is cut into."""
         members = [self.by_id[p] for p in exchange.group]
         if len(exchange.members) < 2:
-            return 0.0
+            return 0.0, 1
         group = Group(
             round=0,
             members=tuple(
@@ -654,6 +727,10 @@ class SwarmModel:
         position = {m.index: i for i, m in enumerate(members)}
         taking = [position[i] for i in exchange.members]
         by_position = round_traffic(group, self.params, self.allreduce, taking)
+        chunks = max(
+            -(-(end - start) // self.allreduce.chunk_values)
+            for start, end in group.partition(self.params)
+        )
         exchange.traffic = {members[i].index: t for i, t in by_position.items()}
         up: Counter[int] = Counter()
         down: Counter[int] = Counter()
@@ -668,19 +745,26 @@ class SwarmModel:
             max(b / self.peers[i].up for i, b in up.items()),
             max(b / self.peers[i].down for i, b in down.items()),
         )
-        hops = [self.peers[i].latency_seconds * (2 if self.peers[i].relay else 1) for i in up]
+        hops = [
+            self.peers[i].latency_seconds * (1 if self.peers[i].relay is None else 2) for i in up
+        ]
         latency = 3 * (sorted(hops)[-1] + sorted(hops)[-2]) if len(hops) > 1 else 0.0
         codec = 0.0
         if self.config.codec_values_per_second:
             codec = 2 * self.params / self.config.codec_values_per_second
         if len(exchange.members) < len(exchange.group):  # streams to dissenters time out
             transfer = max(transfer, self.allreduce.join_timeout_seconds)
-        return transfer + latency + codec + self.config.round_overhead_seconds
+        return transfer + latency + codec, max(chunks, 1)
 
     # -- churn ----------------------------------------------------------------------------------
 
     def _kill(self, peer: _Peer, *, graceful: bool = False) -> None:
         peer.alive = False
+        peer.online_seconds += self.env.now - peer.online_since
+        # What it trained since its last averaged round never reaches the model: its
+        # checkpoints hold the state it had then.
+        peer.dropped += peer.unaveraged
+        peer.unaveraged = 0
         self.live -= 1
         self.training.discard(peer.index)
         if graceful:
@@ -702,7 +786,7 @@ class SwarmModel:
 
     def _churn(self) -> Events:
         for event in self.config.events:
-            while self.newest < event.at_epoch:
+            while self.reached < event.at_epoch:
                 yield self.epoch_changed
             target = self.peers[event.node]
             if event.during:
@@ -749,14 +833,14 @@ class SwarmModel:
         peers: list[dict[str, Any]] = []
         for p in finals:
             busy = p.compute_seconds + p.communication_seconds
-            alive_for = max(self.env.now, 1e-9)
+            trained_for = max(p.trained_online, 1e-9)  # as the node: since it (re)started
             peers.append(
                 {
                     "peer_id": p.peer_id,
                     "epoch": p.epoch,
                     "samples": p.samples,
                     "samples_dropped": p.dropped,
-                    "tokens_per_second": p.samples * seq_len / alive_for,
+                    "tokens_per_second": p.samples * seq_len / trained_for,
                     "bytes_sent": p.bytes_sent,
                     "bytes_received": p.bytes_received,
                     "compute_seconds": p.compute_seconds,

@@ -92,18 +92,23 @@ class Scenario:
 
 
 def _row(summary: dict[str, Any], **key: Any) -> dict[str, Any]:
+    """One table row: per hour and per round over the rounds the swarm reached (its newest
+    epoch: fewer than asked for when it stalled, and None per round when it reached none)."""
     totals = summary["totals"]
     medians = [r["median"] for r in summary["round_seconds"]]
+    reached = max((p["epoch"] for p in summary["peers"]), default=0)
     return {
         **key,
         "utilization": totals["utilization"],
         "samples_kept": totals["samples_kept"],
-        "rounds_per_hour": 3600 * summary["rounds"] / summary["wall_seconds"],
+        "rounds_per_hour": 3600 * reached / summary["wall_seconds"],
         "round_seconds": sorted(medians)[len(medians) // 2] if medians else None,
         "rounds_lost": totals["rounds_lost"],
         "rounds_partial": totals["rounds_partial"],
         "resyncs": totals["resyncs"],
-        "mib_sent_per_peer_round": totals["bytes_sent_per_peer"] / 2**20 / summary["rounds"],
+        "mib_sent_per_peer_round": (
+            totals["bytes_sent_per_peer"] / 2**20 / reached if reached else None
+        ),
         "stalled": summary["stalled"],
     }
 
