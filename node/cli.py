@@ -251,7 +251,7 @@ def bootstrap(
                 network_secret=dht_secret,
             )
         )
-    except ValueError as error:
+    except (ValueError, SetupError) as error:  # a bad address, a port in use
         raise _fail(EXIT_CONFIG, str(error)) from None
     except DiscoveryError as error:
         raise _fail(EXIT_NETWORK, str(error)) from None

@@ -22,18 +22,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import hivemind
+import hivemind.dht.protocol
 from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DHTLocalStorage
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
 from swarmgrad.node.discovery.base import DiscoveryError, SignedDirectory
+from swarmgrad.node.discovery.budget import Budget, BudgetFull, entry_bytes
 from swarmgrad.node.discovery.envelope import RecordError, open_envelope
 from swarmgrad.node.discovery.records import check
 from swarmgrad.node.identity import Identity
 
 if TYPE_CHECKING:
     from swarmgrad.node.discovery.start import DiscoveryConfig
+from swarmgrad.protocol.errors import BindError
 from swarmgrad.protocol.server import grpc_started
 
 log = logging.getLogger(__name__)
@@ -68,6 +72,40 @@ class SealedValues(RecordValidatorBase):  # type: ignore[misc]
         except RecordError:
             return False
         return True
+
+
+class BoundedStorage(DHTLocalStorage):  # type: ignore[misc]
+    """hivemind's storage of a DHT node (what it holds for others, and its cache), within the
+    limits both backends share (:mod:`.budget`): per key, and in all. hivemind checks each value
+    (:class:`SealedValues`) but not how many it keeps: unbounded, a flood of sealed values from
+    throwaway keys under one key filled the node's memory and made every answer for that key
+    too large to send. A store over the limits is refused (``store_ok=False``); the signers a
+    key already holds keep their slots."""
+
+    def __init__(self, maxsize: int | None = None) -> None:
+        super().__init__(maxsize)
+        self.budget = Budget()
+
+    def store(self, key: DHTID, value: Any, expiration_time: float, subkey: Any = None) -> bool:
+        if subkey is not None:
+            return self.store_subkey(key, subkey, value, expiration_time)
+        stored = bool(super().store(key, value, expiration_time))
+        if stored:  # a plain value (the cache's copy of a whole answer) replaced the entries
+            self.budget.drop_key(key)
+        return stored
+
+    def store_subkey(self, key: DHTID, subkey: Any, value: bytes, expiration_time: float) -> bool:
+        self.budget.purge(get_dht_time())
+        size = entry_bytes(str(subkey), value)
+        try:
+            self.budget.check(key, subkey, size)
+        except BudgetFull as error:
+            log.debug("refused a value under %s: %s", key, error)
+            return False
+        stored = bool(super().store_subkey(key, subkey, value, expiration_time))
+        if stored:
+            self.budget.add(key, subkey, size, expiration_time)
+        return stored
 
 
 class _DHT(hivemind.DHT):  # type: ignore[misc]
@@ -117,6 +155,9 @@ class _DHT(hivemind.DHT):  # type: ignore[misc]
         # handler for it (asyncio's, inherited by the fork) would swallow it.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # hivemind builds a node's storage and cache from this name (DHTProtocol.create), with
+        # no way to pass another: in this process, they are bounded ones.
+        hivemind.dht.protocol.DHTLocalStorage = BoundedStorage
         # Before anything takes them. hivemind's two other process-wide locks guard only this
         # process's own state (its reply backend, its shared bytes): a thread lock each.
         MPFuture._update_lock = self._reply_lock
@@ -221,6 +262,10 @@ async def start_dht(
         except TimeoutError:
             raise DiscoveryError(f"the DHT did not start in {start_timeout_seconds:g} s") from None
         except _JoinFailed as failed:
+            if "address already in use" in str(failed.error).lower():  # exit 2, not 4
+                raise BindError(
+                    f"the DHT cannot listen on {host}:{port}: the port is in use"
+                ) from failed.error
             pause_seconds = JOIN_RETRY_SECONDS * attempt
             if (
                 not initial_peers

@@ -7,8 +7,11 @@ module never imports libp2p.
 
 Keys and values are the hivemind backend's: ``run/<run id>/<spec hash>/<topic>``, one subkey per
 peer id, the latest expiry winning per subkey; readers verify every record. If the sidecar dies,
-calls in flight fail with DiscoveryError, and it is started again (same key, same port when free)
-and this node's unexpired announcements are stored again: peers see at most a short gap.
+calls in flight fail with DiscoveryError, and it is started again (same key, same port when free),
+joining through the bootstrap peers and the peers it knew last, tried again until it is up, and
+this node's unexpired announcements are stored again: peers see at most a short gap. A line from
+the sidecar too long to read (or a reader that fails otherwise) ends the sidecar too, so that it
+is restarted rather than left answering nobody.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import itertools
 import json
 import logging
 import socket
@@ -28,6 +32,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 
 from swarmgrad.node.discovery.base import DiscoveryError, SignedDirectory
 from swarmgrad.node.identity import Identity
+from swarmgrad.protocol.errors import BindError
 
 if TYPE_CHECKING:
     from swarmgrad.node.discovery.start import DiscoveryConfig
@@ -35,8 +40,13 @@ from swarmgrad.node.tasks import TaskSet
 
 log = logging.getLogger(__name__)
 
-MAX_LINE_BYTES = 8 << 20  # a get of a whole topic: up to 4096 entries of a few KB each
-RESTART_BACKOFF_SECONDS = (0.5, 1.0, 2.0, 5.0)
+#: A reply from the sidecar: a get's is one key's entries, kept under ``budget.MAX_BYTES_PER_KEY``
+#: (~4/3 as large in base64 and JSON), with room to spare.
+MAX_LINE_BYTES = 8 << 20
+#: At most this many of the peers the sidecar knows are kept, to join through on a restart.
+KNOWN_PEERS = 16
+#: Between tries at restarting a dead sidecar; the last is repeated until one succeeds.
+RESTART_BACKOFF_SECONDS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 def network_key(secret: str = "") -> str:
@@ -62,6 +72,8 @@ class Sidecar:
             Encoding.Raw, PrivateFormat.Raw, NoEncryption()
         )
         self.initial_peers = list(initial_peers)
+        #: The peers the sidecar last said it knew: a restart joins through them as well.
+        self.known_peers: list[str] = []
         self._host, self._port = host, port
         self._network_key = network_key(network_secret)
         self._start_timeout = start_timeout_seconds
@@ -84,6 +96,9 @@ class Sidecar:
         return self._process.pid if self._process is not None else None
 
     async def start(self) -> None:
+        """Start the sidecar and join through the bootstrap peers (and, on a restart, the
+        peers it knew); BindError if it cannot listen, DiscoveryError if it cannot join in time."""
+        bootstrap = list(dict.fromkeys([*self.initial_peers, *self.known_peers]))
         ours, theirs = socket.socketpair()
         try:
             process = await asyncio.create_subprocess_exec(
@@ -93,11 +108,11 @@ class Sidecar:
                 "--fd",
                 str(theirs.fileno()),
                 "--listen",
-                f"/ip4/{self._host}/tcp/{self._port}",
+                self._listen,
                 "--log-level",  # the sidecar logs to this process's stderr, at this module's level
                 logging.getLevelName(min(log.getEffectiveLevel(), logging.WARNING)),
                 "--bootstrap",
-                *self.initial_peers,
+                *bootstrap,
                 stdin=asyncio.subprocess.PIPE,
                 pass_fds=(theirs.fileno(),),
             )
@@ -117,29 +132,52 @@ class Sidecar:
             await self._kill(process, writer)
             raise
         ready = json.loads(line) if line else {"event": "failed", "error": "the sidecar exited"}
+        if ready.get("event") == "ready" and not ready.get("maddrs"):
+            ready = {"event": "failed", "error": f"no address to listen on ({self._listen})"}
+            ready["bind"] = True
         if ready.get("event") != "ready":
             await self._kill(process, writer)
-            peers = ", ".join(self.initial_peers) or "none"
+            if ready.get("bind"):  # a configuration error (exit 2), not an unreachable swarm
+                raise BindError(f"the DHT cannot listen on {self._listen}: {ready['error']}")
+            peers = ", ".join(bootstrap) or "none"
             raise DiscoveryError(f"could not join the DHT (bootstrap: {peers}): {ready['error']}")
         self._process, self._writer = process, writer
         self.maddrs = [str(m) for m in ready["maddrs"]]
         self._port = int(self.maddrs[0].split("/tcp/")[1].split("/")[0])  # keep it on restart
-        self._spawn(self._read(reader))
+        self._spawn(self._read(reader, process))
         self._spawn(self._supervise(process))
+
+    @property
+    def _listen(self) -> str:
+        return f"/ip4/{self._host}/tcp/{self._port}"
 
     def _spawn(self, coroutine: Any) -> None:
         self._tasks.spawn(coroutine)
 
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        while line := await reader.readline():
-            try:
-                reply = json.loads(line)
-                future = self._pending.pop(int(reply["id"]))
-            except (ValueError, KeyError, TypeError):
-                log.warning("the DHT sidecar said something unexpected: %.200r", line)
-                continue
-            if not future.done():
-                future.set_result(reply)
+    async def _read(
+        self, reader: asyncio.StreamReader, process: asyncio.subprocess.Process
+    ) -> None:
+        """Hand the sidecar's replies to their calls. If it cannot (a line over
+        ``MAX_LINE_BYTES``, the stream broken), the sidecar is ended: its supervisor fails the
+        calls in flight and starts it again, where a reader gone alone would leave every later
+        call to time out."""
+        try:
+            while line := await reader.readline():
+                try:
+                    reply = json.loads(line)
+                    if reply.get("event") == "peers":  # the peers it knows now, told unasked
+                        self.known_peers = [str(p) for p in reply["peers"]][:KNOWN_PEERS]
+                        continue
+                    future = self._pending.pop(int(reply["id"]))
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    log.warning("the DHT sidecar said something unexpected: %.200r", line)
+                    continue
+                if not future.done():
+                    future.set_result(reply)
+        except (ValueError, OSError) as error:  # LimitOverrunError is a ValueError here
+            log.warning("reading the DHT sidecar failed (%s); it is started again", error)
+            if process.returncode is None:
+                process.kill()
 
     async def _supervise(self, process: asyncio.subprocess.Process) -> None:
         code = await process.wait()
@@ -153,18 +191,20 @@ class Sidecar:
         if self._closing:
             return
         log.warning("the DHT sidecar exited with %s; starting it again", code)
-        for attempt, delay in enumerate((0.0, *RESTART_BACKOFF_SECONDS)):
+        last = RESTART_BACKOFF_SECONDS[-1]
+        delays = itertools.chain((0.0, *RESTART_BACKOFF_SECONDS), itertools.repeat(last))
+        for attempt, delay in enumerate(delays):
             await asyncio.sleep(delay)
+            if self._closing:
+                return
             try:
                 await self.start()
                 break
-            except DiscoveryError as error:
-                log.warning("restarting the DHT sidecar (try %d): %s", attempt + 1, error)
+            except Exception as error:  # any failure: discovery stays down, and is tried again
+                level = logging.WARNING if attempt < 3 else logging.ERROR
+                log.log(level, "restarting the DHT sidecar (try %d) failed: %s", attempt + 1, error)
                 if attempt == 1:
                     self._port = 0  # the old port may be taken by now
-        else:
-            log.error("the DHT sidecar could not be restarted; discovery is down")
-            return
         self.restarts += 1
         now = time.time()
         for (key, subkey), (value, expires) in list(self.announced.items()):

@@ -1,8 +1,9 @@
 """The libp2p sidecar's directory: what one peer stores for others, by key and subkey.
 
 Each key holds one entry per subkey, the latest expiry winning (like hivemind's dictionary
-values), bounded in entries, sizes and lifetimes; only swarmgrad's sealed values filed where
-their seal says are kept (``records.validate``). Entries travel between peers as JSON
+values), bounded in entries, sizes and lifetimes (:mod:`.budget`, the limits both backends
+share); only swarmgrad's sealed values filed where their seal says are kept
+(``records.validate``). Entries travel between peers as JSON
 (:func:`encode_entries` / :func:`decode_entries`). Pure Python: no libp2p here.
 """
 
@@ -12,11 +13,16 @@ import base64
 from dataclasses import dataclass
 from typing import Any
 
+from swarmgrad.node.discovery.budget import (
+    MAX_BYTES_PER_KEY,
+    MAX_ENTRIES_PER_KEY,
+    Budget,
+    entry_bytes,
+)
 from swarmgrad.node.discovery.envelope import RecordError
 from swarmgrad.node.discovery.records import validate
 
 MAX_KEY_CHARS, MAX_SUBKEY_CHARS = 512, 128
-MAX_ENTRIES_PER_KEY, MAX_ENTRIES = 4096, 65536
 
 
 # -- the directory: entries by key and subkey ---------------------------------------------------
@@ -33,32 +39,28 @@ class Directory:
 
     def __init__(self) -> None:
         self.keys: dict[str, dict[str, Entry]] = {}
+        self.budget = Budget()
 
     def store(self, key: str, subkey: str, value: bytes, expires: float, now: float) -> bool:
+        """Whether the value was stored (False: a newer one is held); ValueError if it may not
+        be (RecordError: not a valid value there; BudgetFull: no room for it)."""
         check_entry(key, subkey, value, expires, now)
-        self._purge(now)
-        entries = self.keys.setdefault(key, {})
-        old = entries.get(subkey)
+        for gone_key, gone_subkey in self.budget.purge(now):
+            entries = self.keys[str(gone_key)]
+            del entries[str(gone_subkey)]
+            if not entries:
+                del self.keys[str(gone_key)]
+        old = self.keys.get(key, {}).get(subkey)
         if old is not None and old.expires >= expires:
             return False  # a newer value (or this one) is already held
-        if old is None and (
-            len(entries) >= MAX_ENTRIES_PER_KEY
-            or sum(len(e) for e in self.keys.values()) >= MAX_ENTRIES
-        ):
-            raise ValueError("this peer's directory is full")
-        entries[subkey] = Entry(value, expires)
+        size = entry_bytes(subkey, value)
+        self.budget.check(key, subkey, size)
+        self.keys.setdefault(key, {})[subkey] = Entry(value, expires)
+        self.budget.add(key, subkey, size, expires)
         return True
 
     def get(self, key: str, now: float) -> dict[str, Entry]:
         return {s: e for s, e in self.keys.get(key, {}).items() if e.expires > now}
-
-    def _purge(self, now: float) -> None:
-        for key in list(self.keys):
-            live = {s: e for s, e in self.keys[key].items() if e.expires > now}
-            if live:
-                self.keys[key] = live
-            else:
-                del self.keys[key]
 
 
 def check_entry(key: str, subkey: str, value: bytes, expires: float, now: float) -> None:
@@ -67,6 +69,20 @@ def check_entry(key: str, subkey: str, value: bytes, expires: float, now: float)
     if not 0 < len(key) <= MAX_KEY_CHARS or not 0 < len(subkey) <= MAX_SUBKEY_CHARS:
         raise ValueError("key or subkey empty or too long")
     validate(key, subkey, value, expires, now)
+
+
+def bound(entries: dict[str, Entry], held_by: dict[str, int]) -> dict[str, Entry]:
+    """``entries`` cut to one key's limits (:mod:`.budget`), keeping first those that the most
+    replicas returned (``held_by``, by subkey): the answer to the node must fit its line, and
+    what a replica held before a flood, every replica holds."""
+    kept: dict[str, Entry] = {}
+    total = 0
+    for subkey in sorted(entries, key=lambda s: -held_by.get(s, 0)):
+        size = entry_bytes(subkey, entries[subkey].value)
+        if len(kept) < MAX_ENTRIES_PER_KEY and total + size <= MAX_BYTES_PER_KEY:
+            kept[subkey] = entries[subkey]
+            total += size
+    return kept
 
 
 def merge(key: str, into: dict[str, Entry], entries: dict[str, Entry], now: float) -> int:

@@ -30,11 +30,13 @@ from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 from libp2p.network import swarm as libp2p_swarm
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.peer.peerstore import PeerStoreError
 
 from swarmgrad.node.discovery.envelope import RecordError
 from swarmgrad.node.discovery.libp2p_directory import (
     Directory,
     Entry,
+    bound,
     decode_entries,
     encode_entries,
     merge,
@@ -53,7 +55,9 @@ LOOKUP_SECONDS = 1.5  # a whole lookup; then the closest peers that answered are
 CONNECT_SECONDS = 5.0
 PENALTY_SECONDS = (10.0, 300.0)  # after a first failure; the cap after many in a row
 REFRESH_SECONDS = (2.0, 5.0, 15.0, 30.0)  # after joining, then every 30 s
-MAX_MESSAGE_BYTES = 1 << 20
+#: A message between peers: a get's answer is one key's entries, which the directory keeps
+#: under ``budget.MAX_BYTES_PER_KEY`` (base64 and JSON make them ~4/3 as large).
+MAX_MESSAGE_BYTES = 2 << 20
 
 # py-libp2p 0.8.1 dials a peer's addresses "happy eyeballs" style, but waits out the whole 250 ms
 # head start even when the first dial has already succeeded: every new connection costs 250 ms
@@ -82,11 +86,15 @@ KBucket._ping_peer = _bounded_ping  # type: ignore[method-assign,assignment]
 # -- framing on libp2p streams -------------------------------------------------------------------
 
 
+class Oversize(ValueError):
+    """A message over ``MAX_MESSAGE_BYTES``: refused unread."""
+
+
 async def read_message(stream: INetStream) -> dict[str, Any]:
     header = await _read_exactly(stream, 4)
     size = int.from_bytes(header, "big")
     if size > MAX_MESSAGE_BYTES:
-        raise ValueError(f"a message of {size} bytes")
+        raise Oversize(f"a message of {size} bytes")
     message = json.loads(await _read_exactly(stream, size))
     if not isinstance(message, dict):
         raise ValueError("a message that is not an object")
@@ -134,6 +142,25 @@ class Sidecar:
     def maddrs(self) -> list[str]:
         return [str(a) for a in self.host.get_addrs()]
 
+    def known_peers(self, limit: int = 16) -> list[str]:
+        """Multiaddrs (with peer id) of up to ``limit`` peers this one knows: the node joins
+        through them when its sidecar is restarted after the bootstrap peers are gone."""
+        found: list[str] = []
+        peers = [*self.host.get_connected_peers(), *self.dht.routing_table.get_peer_ids()]
+        for peer in dict.fromkeys(peers):
+            if not self._usable(peer):
+                continue
+            try:
+                addrs = self.host.get_peerstore().addrs(peer)
+            except PeerStoreError:  # gone from the peerstore since (it forgets expired addresses)
+                continue
+            if addrs:
+                address = str(addrs[0])
+                found.append(address if "/p2p/" in address else f"{address}/p2p/{peer}")
+            if len(found) == limit:
+                break
+        return found
+
     def _usable(self, peer: ID) -> bool:
         until = self.penalized.get(peer, (0, 0.0))[1]
         return peer != self.host.get_id() and until < time.monotonic()
@@ -151,10 +178,16 @@ class Sidecar:
         self.count("evicted")
 
     async def bounded(self, peer: ID, call: Callable[[], Awaitable[Any]], what: str) -> Any:
-        """``call()`` with the per-peer deadline; None (and the peer penalized) if it fails."""
+        """``call()`` with the per-peer deadline; None (and the peer penalized) if it fails.
+        An answer too large to read is no sign of a failing peer (a directory that anyone
+        writes to holds what it was given, and a peer of another version may allow more):
+        it is counted, not penalized."""
         try:
             with trio.fail_after(QUERY_SECONDS):
                 result = await call()
+        except Oversize as error:
+            self.count("oversize answers")
+            log.debug("%s from %s refused: %s", what, peer, error)
         except trio.TooSlowError:
             self.penalize(peer, f"{what} timed out after {QUERY_SECONDS:g} s")
         except Exception as error:  # any failure of a remote peer: drop it, carry on
@@ -285,27 +318,34 @@ class Sidecar:
 
         def local() -> dict[str, Any]:
             try:
-                self.directory.store(key, subkey, value, expires, time.time())
+                stored = self.directory.store(key, subkey, value, expires, time.time())
             except ValueError as error:  # refused here, as the other replicas refuse it
                 return {"error": str(error)[:200]}
-            return {"ok": True}
+            return {"ok": stored}
 
         answers = await self.on_replicas(key, local, request)
-        return sum("error" not in a for a in answers)
+        # Only a replica that says it stored the value counts (not one that holds a newer one).
+        return sum(a.get("ok") is True for a in answers)
 
     async def get(self, key: str) -> dict[str, Entry]:
         """The key's unexpired entries, merged from its replicas (the latest expiry wins)."""
         found: dict[str, Entry] = {}
+        held_by: dict[str, int] = {}
         local = lambda: {"entries": encode_entries(self.directory.get(key, time.time()))}  # noqa: E731
         for answer in await self.on_replicas(key, local, {"op": "get", "key": key}):
             try:
-                dropped = merge(key, found, decode_entries(answer.get("entries")), time.time())
+                entries = decode_entries(answer.get("entries"))
+                dropped = merge(key, found, entries, time.time())
             except ValueError:
                 self.count("malformed answers")
                 continue
             if dropped:
                 self.count("invalid entries dropped")
-        return found
+            for subkey in entries:
+                held_by[subkey] = held_by.get(subkey, 0) + 1
+        # Replicas that filled up at different times hold different entries: their union, cut
+        # to one key's limits, is what fits the answer to the node.
+        return bound(found, held_by)
 
     async def serve_directory(self, stream: INetStream) -> None:
         """Another peer's store or get. Any failure resets this stream, never the host."""
@@ -318,10 +358,10 @@ class Sidecar:
                     expires = request.get("expires")
                     if not isinstance(expires, int | float) or isinstance(expires, bool):
                         raise ValueError("malformed expiry")
-                    self.directory.store(
+                    stored = self.directory.store(
                         str(request.get("key")), str(request.get("subkey")), value, expires, now
                     )
-                    await write_message(stream, {"ok": True})
+                    await write_message(stream, {"ok": stored})  # False: a newer one is held
                 elif request.get("op") == "get":
                     entries = self.directory.get(str(request.get("key")), now)
                     await write_message(stream, {"entries": encode_entries(entries)})
@@ -365,7 +405,10 @@ class Sidecar:
             for address in bootstrap:
                 nursery.start_soon(connect, address)
         if bootstrap and not reached:
-            raise ConnectionError("no bootstrap peer answered (" + "; ".join(errors) + ")")
+            raise ConnectionError(
+                f"no bootstrap peer answered ({'; '.join(errors)}), or this node's --dht-secret"
+                " differs from the bootstrap's"
+            )
         await self.refresh()
 
     async def refresh(self) -> None:

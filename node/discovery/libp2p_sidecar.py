@@ -17,7 +17,10 @@ The node talks over the inherited socket ``--fd``: one JSON object per line each
 sidecar says ``{"event": "ready", "maddrs": [...]}`` or ``{"event": "failed", "error": ...}``;
 then it answers requests ``{"id", "op", ...}`` with ``{"id", ...}`` or ``{"id", "error"}``. Ops:
 ``store`` (key, subkey, value (base64), expires), ``get`` (key), ``closest`` (key: the peers
-holding it), ``maddrs``, ``stats``. It exits when that socket closes (the node died or left).
+holding it), ``maddrs``, ``stats``. Unasked, whenever they change (checked every
+``PEERS_SECONDS``), it tells ``{"event": "peers", "peers": [...]}``: the addresses of peers it
+knows, through which the node restarts it if it dies after the bootstrap peers left. It exits
+when that socket closes (the node died or left).
 
 Where records live: Kademlia's routing finds the ``REPLICAS`` peers closest to SHA-256(key);
 each keeps, per key, one entry per subkey (the latest expiry wins), like hivemind's dictionary
@@ -76,6 +79,7 @@ from swarmgrad.node.discovery.libp2p_kademlia import (
 )
 
 log = logging.getLogger("swarmgrad.libp2p_sidecar")
+PEERS_SECONDS = 1.0
 
 
 def network_key(secret: str = "") -> str:
@@ -92,8 +96,10 @@ async def serve_node(sidecar: Sidecar, stream: trio.SocketStream) -> None:
     send_lock = trio.Lock()
 
     async def send(message: dict[str, Any]) -> None:
-        async with send_lock:
-            await stream.send_all(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+        # The node may be gone (it closed its end): the receive loop below then ends this.
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            async with send_lock:
+                await stream.send_all(json.dumps(message, separators=(",", ":")).encode() + b"\n")
 
     async def answer(request: dict[str, Any]) -> None:
         reply: dict[str, Any] = {"id": request.get("id")}
@@ -123,9 +129,19 @@ async def serve_node(sidecar: Sidecar, stream: trio.SocketStream) -> None:
             reply["error"] = f"{type(error).__name__}: {error}"
         await send(reply)
 
+    async def tell_peers() -> None:
+        told: list[str] = []
+        while True:
+            peers = sorted(sidecar.known_peers())
+            if peers and peers != told:
+                await send({"event": "peers", "peers": peers})
+                told = peers
+            await trio.sleep(PEERS_SECONDS)
+
     await send({"event": "ready", "maddrs": sidecar.maddrs()})
     buffer = b""
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(tell_peers)
         while True:
             data = await stream.receive_some(1 << 16)
             if not data:  # the node closed its end (or died): this process is done
@@ -185,13 +201,19 @@ async def run(args: argparse.Namespace, seed: bytes) -> None:
     async with AsyncExitStack() as stack:
         try:
             await stack.enter_async_context(host.run([multiaddr.Multiaddr(args.listen)]))
+            if not sidecar.maddrs():  # py-libp2p reports a port it could not bind by no address
+                raise OSError(f"could not listen on {args.listen} (is the port in use?)")
             await stack.enter_async_context(background_trio_service(dht))
             contain_handlers(host, sidecar)
             background = await stack.enter_async_context(trio.open_nursery())
             sidecar.background = background
             await sidecar.join(args.bootstrap)
         except Exception as error:
-            failed = {"event": "failed", "error": f"{type(error).__name__}: {error}"}
+            failed = {
+                "event": "failed",
+                "error": f"{type(error).__name__}: {error}",
+                "bind": not sidecar.maddrs(),  # it could not listen: the node's setup, not the DHT
+            }
             await stream.send_all(json.dumps(failed).encode() + b"\n")
             if sidecar.background is not None:
                 sidecar.background.cancel_scope.cancel()

@@ -31,6 +31,9 @@ __all__ = ["MAX_TTL_SECONDS", "PeerRecord", "ReadyRecord", "RecordError", "check
 
 MAX_RECORD_BYTES = 4096
 MAX_SPEC_BYTES = 16 * 1024
+#: The largest integer a record field may hold: every integer up to it is exact as a float (what
+#: readers compute with), and no reader's arithmetic on it overflows.
+MAX_RECORD_INT = 2**53
 ROLES = ("trainer", "bootstrap", "observer")
 #: How peers reach a node's endpoint: not known yet (no peer has dialed it back), directly, through
 #: a port its router mapped (UPnP IGD), through a relay peer, or not at all.
@@ -241,8 +244,15 @@ def _fields_of(body: bytes, kind: type[PeerRecord] | type[ReadyRecord]) -> dict[
             raise RecordError(f"record field {name} has the wrong type")
         if not isinstance(value, expected[str(type_name)]):
             raise RecordError(f"record field {name} has the wrong type")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise RecordError(f"record field {name} is not finite")
+        if str(type_name) == "float":  # JSON's 1e400 is inf, and its 10**400 an int float() refuses
+            try:
+                raw[name] = float(raw[name])
+            except OverflowError:
+                raise RecordError(f"record field {name} is not finite") from None
+            if not math.isfinite(raw[name]):
+                raise RecordError(f"record field {name} is not finite")
+        if str(type_name) == "int" and abs(raw[name]) > MAX_RECORD_INT:
+            raise RecordError(f"record field {name} is out of range")
         if isinstance(value, str) and len(value) > 256:
             raise RecordError(f"record field {name} is too long")
     return raw

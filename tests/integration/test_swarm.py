@@ -225,8 +225,17 @@ def test_the_cli_explains_bad_input(tmp_path: Path) -> None:
             "node", str(good), "--port", port, "--identity", str(tmp_path / "k"),
             "--checkpoint-dir", str(tmp_path / "checkpoints"), "--metrics-address", "off",
         )  # fmt: skip
+        # The DHT's port (a bootstrap node's) in use: also exit 2, on both backends (it was
+        # a traceback, then "could not join the DHT": exit 4, as for an unreachable swarm).
+        dht_in_use = [
+            swarmgrad("bootstrap", "--port", port, "--discovery", backend)
+            for backend in ("hivemind", "libp2p")
+        ]
     assert (in_use.returncode, "Traceback" in in_use.stderr) == (2, False), in_use.stderr[-2000:]
     assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in in_use.stderr
+    for result in dht_in_use:
+        assert (result.returncode, "Traceback" in result.stderr) == (2, False), result.stderr
+        assert "the DHT cannot listen on" in result.stderr
 
 
 def _start_lone_node(tmp_path: Path, cache_dir: Path) -> subprocess.Popen[str]:
