@@ -16,28 +16,10 @@ from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.swarm_config import MATCHMAKING_SETTLE_SECONDS
 from swarmgrad.simulations.churn import ChurnEvent
 from swarmgrad.simulations.des import whatif
-from swarmgrad.simulations.des.model import ModelConfig, simulate
 from swarmgrad.simulations.profiles import PeerProfile, SimulationError
 from swarmgrad.simulations.summary import summarize
 from swarmgrad.simulations.swarm import DEMO_SPEC
-
-SPEC = RunSpec.from_toml(DEMO_SPEC)
-
-
-def model(
-    nodes: int, rounds: int = 6, *, profiles: list[PeerProfile] | None = None, **options: Any
-) -> dict[str, Any]:
-    profiles = profiles or [PeerProfile(upload_bytes_per_second=5e6) for _ in range(nodes)]
-    return simulate(
-        ModelConfig(
-            spec=options.pop("spec", SPEC),
-            nodes=nodes,
-            rounds=rounds,
-            profiles=tuple(profiles),
-            step_seconds=0.05,
-            **options,
-        )
-    )
+from tests.unit.test_des import SPEC, model  # the same small DES setup
 
 
 def test_no_round_outlasts_the_round_deadline_and_a_too_slow_link_is_not_averaged() -> None:
