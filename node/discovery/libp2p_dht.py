@@ -133,8 +133,11 @@ class Sidecar:
             raise
         ready = json.loads(line) if line else {"event": "failed", "error": "the sidecar exited"}
         if ready.get("event") == "ready" and not ready.get("maddrs"):
-            ready = {"event": "failed", "error": f"no address to listen on ({self._listen})"}
-            ready["bind"] = True
+            ready = {
+                "event": "failed",
+                "error": f"no address to listen on ({self._listen})",
+                "bind": True,
+            }
         if ready.get("event") != "ready":
             await self._kill(process, writer)
             if ready.get("bind"):  # a configuration error (exit 2), not an unreachable swarm
