@@ -215,11 +215,11 @@ class Lab:
 
 def _passes(stack: torch.Tensor, outcome: Aggregate, received: torch.Tensor) -> bool:
     """The members' projection check of one part's result (their reports, summed)."""
-    seed = part_seed(secrets.token_bytes(32), [secrets.token_bytes(32)])
+    seed = part_seed(secrets.token_bytes(32), {0: secrets.token_bytes(32)})
     vectors = signs(seed, 0, received.numel())
     clips = [outcome.clip[k] for k in outcome.used]
-    reports = [project(stack[k], received, outcome.clip[k], vectors) for k in outcome.used]
-    return holds(received, clips, reports)[0]
+    reports = [project(stack[k], outcome.clip[k], vectors) for k in outcome.used]
+    return holds(received, clips, reports, vectors)[0]
 
 
 def _save(rows: list[dict[str, object]], path: str | None) -> None:

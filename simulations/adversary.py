@@ -16,16 +16,26 @@ from typing import Any
 import torch
 
 from swarmgrad.node import cli
+from swarmgrad.node.averaging import checks, reports
 from swarmgrad.node.averaging.allreduce import RoundResult
 from swarmgrad.node.averaging.averager import Averager
 from swarmgrad.node.averaging.group import Group
-from swarmgrad.simulations.attacks import Attack, Attacker, NaNPayloads, lying_result
+from swarmgrad.simulations.attacks import (
+    Attack,
+    Attacker,
+    NaNPayloads,
+    false_report,
+    lying_result,
+)
 
 
 def install(attack: Attack, *, seed: int = 0) -> None:
     """Make every Averager in this process send ``attack`` instead of its values."""
     attacker = Attacker(attack, seed=seed)
     honest_all_reduce = Averager.all_reduce
+    if attack is Attack.FALSE_REPORT:
+        # The checks call the report maker by its name in their module.
+        setattr(checks, "own_report", false_report(reports.own_report))  # noqa: B010
 
     async def all_reduce(
         self: Averager, vector: torch.Tensor, group: Group, **options: Any
@@ -35,7 +45,7 @@ def install(attack: Attack, *, seed: int = 0) -> None:
         elif attack is Attack.LYING_OWNER:
             self.tamper_results = lying_result
         elif attack is Attack.FALSE_REPORT:
-            self.false_reports = True
+            pass  # its reports are false (above); its update is honest
         else:
             vector = attacker.update(vector)
         return await honest_all_reduce(self, vector, group, **options)

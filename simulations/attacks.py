@@ -8,11 +8,15 @@ each takes the attacker's honest update and what the attack may know. "A little 
 from __future__ import annotations
 
 import enum
+import functools
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from swarmgrad.protocol.v1 import averaging_pb2
 
 
 class Attack(enum.StrEnum):
@@ -88,3 +92,20 @@ def lying_result(index: int, value: torch.Tensor) -> torch.Tensor:
     (small enough to pass for noise, large enough to pull a run off course round after round)."""
     shift = torch.ones_like(value)
     return value + shift * (0.01 * float(value.norm()) / max(1e-12, float(shift.norm())))
+
+
+def false_report(
+    honest: Callable[..., averaging_pb2.PartReport],
+) -> Callable[..., averaging_pb2.PartReport]:
+    """A member's report maker (``checks.own_report``) that sends false projections, to frame
+    honest owners: each number moved far outside any slack."""
+
+    @functools.wraps(honest)
+    def report(*args: Any, **kwargs: Any) -> averaging_pb2.PartReport:
+        out = honest(*args, **kwargs)
+        moved = [x + 1e3 * (1.0 + abs(x)) for x in out.projections]
+        del out.projections[:]
+        out.projections.extend(moved)
+        return out
+
+    return report

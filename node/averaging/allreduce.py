@@ -36,23 +36,32 @@ Failure semantics
 
 from __future__ import annotations
 
-__all__ = ["AllReduceConfig", "RoundHooks", "RoundPlan", "RoundResult", "run_round"]
+__all__ = [
+    "AllReduceConfig",
+    "Coverage",
+    "RoundHooks",
+    "RoundPlan",
+    "RoundResult",
+    "cover",
+    "run_round",
+]
 
 import asyncio
 import contextlib
 import hashlib
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 
 from swarmgrad.compression import Codec, Meta, decode
-from swarmgrad.node.averaging.checks import verify_account
+from swarmgrad.node.averaging.accounts import verify_account
 from swarmgrad.node.averaging.group import Group, chunk_sizes
 from swarmgrad.node.averaging.plan import (
     AllReduceConfig,
+    PendingPart,
     RoundHooks,
     RoundPlan,
     RoundResult,
@@ -102,6 +111,10 @@ class _Round:
     accounts: dict[int, averaging_pb2.Signed] = field(default_factory=dict)
     #: The accounts of other owners' parts once verified (signature, round, part, shape).
     verified: dict[int, averaging_pb2.PartAccount] = field(default_factory=dict)
+    #: Parts whose results arrived without a valid account, and owners that sent every result
+    #: of their part but no valid account.
+    pending: dict[int, PendingPart] = field(default_factory=dict)
+    withheld: set[str] = field(default_factory=set)
 
     @property
     def me(self) -> int:
@@ -219,6 +232,8 @@ async def _exchange_with_owner(
             async with asyncio.timeout(config.reducer_timeout_seconds):
                 response = await call.read()
             if response is grpc.aio.EOF:
+                if checked:  # an honest owner ends a stream early only with an error status
+                    state.withheld.add(owner.peer_id)
                 raise PeerUnavailable(f"{owner.peer_id} closed the stream after {expected} chunks")
             traffic["received"] += len(response.chunk.payload)
             start, end = offsets[expected]
@@ -242,29 +257,7 @@ async def _exchange_with_owner(
                 state.contributors[(part, expected)] = tuple(response.contributors)
             expected += 1
         if checked:
-            async with asyncio.timeout(config.reducer_timeout_seconds):
-                response = await call.read()
-            if response is grpc.aio.EOF or not response.HasField("account"):
-                raise ProtocolViolation(
-                    ResultCode.BAD_PAYLOAD, f"{owner.peer_id} sent no account of its part"
-                )
-            account = verify_account(
-                response.account,
-                group=group,
-                key=round_key(config, group),
-                part=part,
-                numels=numels,
-                results=digests,
-                contributors=received,
-            )
-            state.accounts[part] = response.account
-            state.verified[part] = account
-            for index, contributors in received.items():
-                state.contributors[(part, index)] = contributors
-                if state.me in contributors and account.chunks[index].payload_sha256[
-                    list(contributors).index(state.me)
-                ] != state.sent_digests.get((part, index)):
-                    state.excluded_by.add(owner.peer_id)  # it counted other values as ours
+            await _take_account(state, part, call, numels, received, digests)
     except grpc.aio.AioRpcError as error:
         _owner_failed(state, part, from_rpc_error(error, owner.peer_id), error.code())
     except TimeoutError:
@@ -273,9 +266,63 @@ async def _exchange_with_owner(
     except SwarmgradError as error:
         _owner_failed(state, part, error, None)
     finally:
+        if checked and part not in state.verified and received:
+            # No account of what it sent: the chunks wait for one another member forwards
+            # (``checks.py``), or stay missing.
+            state.pending[part] = PendingPart(
+                contributors=dict(received),
+                digests=dict(digests),
+                values=out.clone(),
+                complete=len(received) == len(numels),
+            )
         call.cancel()
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)
+
+
+async def _take_account(
+    state: _Round,
+    part: int,
+    call: grpc.aio.StreamStreamCall[Framed, averaging_pb2.AggregateResponse],
+    numels: list[int],
+    received: dict[int, tuple[int, ...]],
+    digests: dict[int, bytes],
+) -> None:
+    """Read the owner's signed account of ``part`` after its last result (open runs) and take
+    the part's chunks with it. An owner that sent every result but no valid account has
+    withheld it (this member saw that itself); the part then waits in ``state.pending``."""
+    plan = state.plan
+    group, config = plan.group, plan.config
+    owner = group.members[part].peer_id
+    try:
+        async with asyncio.timeout(config.reducer_timeout_seconds):
+            response = await call.read()
+        if response is grpc.aio.EOF or not response.HasField("account"):
+            raise ProtocolViolation(ResultCode.BAD_PAYLOAD, f"{owner} sent no account of its part")
+        account = verify_account(
+            response.account,
+            group=group,
+            key=round_key(config, group),
+            part=part,
+            numels=numels,
+            results=digests,
+            contributors=received,
+        )
+    except TimeoutError:
+        state.withheld.add(owner)
+        why = f"{owner} sent no account of its part within {config.reducer_timeout_seconds:g} s"
+        raise ProtocolViolation(ResultCode.TIMED_OUT, why) from None
+    except (grpc.aio.AioRpcError, SwarmgradError):
+        state.withheld.add(owner)
+        raise
+    state.accounts[part] = response.account
+    state.verified[part] = account
+    for index, contributors in received.items():
+        state.contributors[(part, index)] = contributors
+        if state.me in contributors and account.chunks[index].payload_sha256[
+            list(contributors).index(state.me)
+        ] != state.sent_digests.get((part, index)):
+            state.excluded_by.add(owner)  # it counted other values as ours
 
 
 async def _produce(
@@ -391,28 +438,9 @@ def _encode(
 
 
 def _summarize(state: _Round, bounds: list[tuple[int, int]], out: torch.Tensor) -> RoundResult:
-    me, group, config = state.me, state.group, state.config
-    ids = [m.peer_id for m in group.members]
-    missing: list[tuple[int, int]] = []
-    seen_in: dict[int, int] = dict.fromkeys(range(len(ids)), 0)
-    averaged_chunks = 0
-    with_others = False
-    for part, (start, end) in enumerate(bounds):
-        for index, (cs, ce) in enumerate(_offsets(chunk_sizes(end - start, config.chunk_values))):
-            contributors = state.contributors.get((part, index))
-            if contributors is None:
-                if missing and missing[-1][1] == start + cs:
-                    missing[-1] = (missing[-1][0], start + ce)
-                else:
-                    missing.append((start + cs, start + ce))
-                continue
-            averaged_chunks += 1
-            with_others |= any(c != me for c in contributors)
-            for c in contributors:
-                seen_in[c] += 1
-            if config.observe and part not in contributors:
-                seen_in[part] += 1  # an owner's values stay out of its own part
-    if not with_others:
+    me, group = state.me, state.group
+    coverage = cover(group, state.config, bounds, state.contributors, me)
+    if not coverage.with_others:
         reasons = "; ".join(f"{p}: {r}" for p, r in state.failures.items()) or "no peers"
         raise RoundAborted(
             f"round {group.round}: nothing was averaged with another peer ({reasons})"
@@ -420,9 +448,9 @@ def _summarize(state: _Round, bounds: list[tuple[int, int]], out: torch.Tensor) 
     return RoundResult(
         sent=state.sent,
         averaged=out,
-        contributors=tuple(ids[c] for c, n in seen_in.items() if n == averaged_chunks),
-        partial=tuple(ids[c] for c, n in seen_in.items() if 0 < n < averaged_chunks),
-        missing=tuple(missing),
+        contributors=coverage.contributors,
+        partial=coverage.partial,
+        missing=coverage.missing,
         failures=dict(state.failures),
         failure_kinds=dict(state.failure_kinds),
         excluded_by=tuple(sorted(state.excluded_by)),
@@ -430,4 +458,55 @@ def _summarize(state: _Round, bounds: list[tuple[int, int]], out: torch.Tensor) 
         verified_accounts=dict(state.verified),
         secret=state.secret,
         sent_digests=dict(state.sent_digests),
+        chunk_contributors=dict(state.contributors),
+        pending=dict(state.pending),
+        withheld=tuple(sorted(state.withheld)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Coverage:
+    """Which members' values a round's result holds, and where it holds none."""
+
+    contributors: tuple[str, ...]
+    partial: tuple[str, ...]
+    missing: tuple[tuple[int, int], ...]
+    #: Whether any chunk was averaged with another member than this one.
+    with_others: bool
+
+
+def cover(
+    group: Group,
+    config: AllReduceConfig,
+    bounds: list[tuple[int, int]],
+    contributors: Mapping[tuple[int, int], tuple[int, ...]],
+    me: int | None = None,
+) -> Coverage:
+    """The :class:`Coverage` of a result whose chunks (part, index) hold ``contributors``'
+    values (absent: missing)."""
+    ids = [m.peer_id for m in group.members]
+    missing: list[tuple[int, int]] = []
+    seen_in: dict[int, int] = dict.fromkeys(range(len(ids)), 0)
+    averaged_chunks = 0
+    with_others = False
+    for part, (start, end) in enumerate(bounds):
+        for index, (cs, ce) in enumerate(_offsets(chunk_sizes(end - start, config.chunk_values))):
+            chunk = contributors.get((part, index))
+            if chunk is None:
+                if missing and missing[-1][1] == start + cs:
+                    missing[-1] = (missing[-1][0], start + ce)
+                else:
+                    missing.append((start + cs, start + ce))
+                continue
+            averaged_chunks += 1
+            with_others |= any(c != me for c in chunk)
+            for c in chunk:
+                seen_in[c] += 1
+            if config.observe and part not in chunk:
+                seen_in[part] += 1  # an owner's values stay out of its own part
+    return Coverage(
+        contributors=tuple(ids[c] for c, n in seen_in.items() if n == averaged_chunks),
+        partial=tuple(ids[c] for c, n in seen_in.items() if 0 < n < averaged_chunks),
+        missing=tuple(missing),
+        with_others=with_others,
     )

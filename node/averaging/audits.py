@@ -36,20 +36,19 @@ import grpc
 import torch
 
 from swarmgrad.compression import decode
-from swarmgrad.node.averaging.checks import (
-    CheckedPart,
-    agree,
-    listed_values,
-    reported_projections,
-    true_projections,
-)
+from swarmgrad.node.averaging.accounts import CheckedPart
 from swarmgrad.node.averaging.group import Group
 from swarmgrad.node.averaging.plan import AllReduceConfig, round_key
+from swarmgrad.node.averaging.reports import (
+    agree,
+    fetch_chunk,
+    reported,
+    signed_values,
+    true_projections,
+)
 from swarmgrad.node.trust.aggregate import Aggregator, aggregate
 from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.protocol.auth import Signer
-from swarmgrad.protocol.averaging import CHECK_STATEMENT, check_method, chunk_signed_by, seal
-from swarmgrad.protocol.keys import KEY_BYTES, peer_id_of
 from swarmgrad.protocol.v1 import averaging_pb2
 
 log = logging.getLogger(__name__)
@@ -123,42 +122,28 @@ async def run_audit(audit: Audit) -> AuditOutcome:
 
 
 async def _fetch(audit: Audit, index: int, member: int) -> averaging_pb2.Chunk | None:
-    statement = averaging_pb2.CheckStatement(
-        key=round_key(audit.config, audit.group),
-        sender=audit.signer.peer_id,
-        audit=averaging_pb2.AuditRequest(part=audit.part.part, chunk=index, member=member),
+    return await fetch_chunk(
+        signer=audit.signer,
+        config=audit.config,
+        group=audit.group,
+        channel=audit.channel,
+        part=audit.part.part,
+        index=index,
+        member=member,
     )
-    call = check_method(audit.channel(audit.group.members[audit.part.part].endpoint))
-    reply = await call(
-        seal(audit.signer, CHECK_STATEMENT, statement),
-        timeout=audit.config.check_timeout_seconds,
-    )
-    return reply.payloads[0] if len(reply.payloads) == 1 else None
 
 
 def _judge(
     audit: Audit, chunks: Mapping[tuple[int, int], averaging_pb2.Chunk | None]
 ) -> AuditOutcome:
-    group, part, account = audit.group, audit.part, audit.part.account
+    group, part = audit.group, audit.part
     owner = group.members[part.part].peer_id
-    keys = {
-        m: auth.public_key for m, auth in zip(account.members, account.header_auths, strict=True)
-    }
     key = round_key(audit.config, group)
     values: dict[tuple[int, int], torch.Tensor] = {}
     for (index, member), chunk in chunks.items():
-        peer = group.members[member].peer_id
-        public_key = keys.get(member, b"")
-        decoded = None
-        if (
-            chunk is not None
-            and chunk.index == index
-            and len(public_key) == KEY_BYTES
-            and peer_id_of(public_key) == peer
-            and chunk_signed_by(public_key, key, peer, part.part, chunk)
-        ):
-            decoded = listed_values(part, index, member, chunk)
+        decoded = signed_values(part, group, key, index, member, chunk)
         if decoded is None:
+            peer = group.members[member].peer_id
             return _failed(owner, f"cannot show {peer}'s chunk {index} as its account lists it")
         values[(index, member)] = decoded
     lie = _check_result(audit, values)
@@ -199,20 +184,16 @@ def _check_result(audit: Audit, values: Mapping[tuple[int, int], torch.Tensor]) 
 
 
 def _false_reports(audit: Audit, values: Mapping[tuple[int, int], torch.Tensor]) -> dict[str, Flag]:
-    """Contributors whose reports differ from what their audited values give."""
+    """Contributors whose reports (under this member's seed) differ from what their audited
+    values give."""
     part = audit.part
-
-    def received(index: int) -> torch.Tensor:
-        start, end = part.span(index)
-        return audit.received[start:end]
-
     out: dict[str, Flag] = {}
-    for member in sorted({m for c in part.account.chunks for m in c.contributors}):
-        claimed = reported_projections(audit.reports.get(member), part, member)
+    for member in sorted(part.contributors()):
+        claimed = reported(audit.reports.get(member), part, member)
         if claimed is None:
-            continue  # it did not report: already flagged silent by the checks
+            continue  # no report under this seed: stood in for by its chunks in the checks
         mine = {index: v for (index, m), v in values.items() if m == member}
-        if not agree(claimed, *true_projections(part, member, mine, received)):
+        if not agree(claimed, *true_projections(part, member, mine)):
             out[audit.group.members[member].peer_id] = Flag.FALSE_REPORT
     return out
 

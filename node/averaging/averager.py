@@ -38,6 +38,7 @@ from swarmgrad.node.averaging.allreduce import (
     RoundHooks,
     RoundPlan,
     RoundResult,
+    cover,
     run_round,
 )
 from swarmgrad.node.averaging.checks import CheckBox, CheckRun, Verdict, run_checks
@@ -138,10 +139,8 @@ class Averager:
         self.traffic: Counter[str] = self.servicer.traffic
         #: Owner checks of open rounds: parts "checked", "failed" (dropped) and "unchecked".
         self.checks: Counter[str] = Counter()
-        #: What a lying owner does to its results, and whether this node frames owners with
-        #: false check reports (simulations and tests only).
+        #: What a lying owner does to its results (simulations and tests only).
         self.tamper_results: Callable[[int, torch.Tensor], torch.Tensor] | None = None
-        self.false_reports = False
         #: Open runs: measures what members' values do to the loss (set by a trainer that has
         #: the model and the data; ``node/training/spot_check.py``). None: no spot checks.
         self.loss_probe: LossProbe | None = None
@@ -269,7 +268,8 @@ class Averager:
         box: CheckBox,
         reducer: PartReducer | None,
     ) -> RoundResult:
-        """Check the owners' results with the other members; drop what fails."""
+        """Check the owners' results with the other members; take the parts whose accounts
+        came forwarded, drop what fails or cannot be checked."""
         assert result.sent is not None  # kept in open rounds
         verdict = await run_checks(
             CheckRun(
@@ -282,20 +282,35 @@ class Averager:
                 result=result,
                 sent=result.sent,
                 own_chunks=reducer.chunks if reducer is not None else (),
-                false_reports=self.false_reports,
             )
         )
-        self._record_verdict(group.round, verdict)
+        self._record_verdict(group.round, verdict, result)
         self._maybe_audit(group, me, verdict, result)
-        if not verdict.dropped:
-            return result
         bounds = group.partition(vector.numel())
-        missing = list(result.missing)
-        for part in sorted(verdict.dropped):
-            start, end = bounds[part]
+        contributors = dict(result.chunk_contributors)
+        for number, part in verdict.parts.items():
+            held = result.pending.get(number)
+            if not part.forwarded or held is None or number in verdict.dropped:
+                continue
+            for index in part.applicable:  # forwarded, and naming the bytes it holds
+                start, end = (part.start + at for at in part.span(index))
+                result.averaged[start:end] = held.values[start - part.start : end - part.start]
+                contributors[(number, index)] = held.contributors[index]
+        for number in verdict.dropped:
+            start, end = bounds[number]
             result.averaged[start:end] = vector[start:end]
-            missing.append((start, end))
-        return replace(result, missing=tuple(sorted(missing)))
+            for index in range(len(chunk_sizes(end - start, self.config.chunk_values))):
+                contributors.pop((number, index), None)
+        if contributors == result.chunk_contributors:
+            return result
+        coverage = cover(group, self.config, bounds, contributors, me)
+        return replace(
+            result,
+            contributors=coverage.contributors,
+            partial=coverage.partial,
+            missing=coverage.missing,
+            chunk_contributors=contributors,
+        )
 
     def _probes(self, group: Group, me: int) -> list[int]:
         """Members of this node's part to spot-check this round, picked at random."""
@@ -374,10 +389,14 @@ class Averager:
                         round_, owner, sorted(convicted), outcome.why)  # fmt: skip
             self.ledger.note(round_, convicted)
 
-    def _record_verdict(self, round_: int, verdict: Verdict) -> None:
+    def _record_verdict(self, round_: int, verdict: Verdict, result: RoundResult) -> None:
         self.checks["checked"] += verdict.checked
-        self.checks["failed"] += len(verdict.dropped)
-        flags = dict.fromkeys(verdict.silent - verdict.convicted.keys(), Flag.SILENT)
+        self.checks["failed"] += verdict.failed
+        if verdict.unchecked:
+            self.checks["unchecked"] += len(verdict.unchecked)
+        # What this node saw itself: an owner that sent it every result but no account.
+        flags = dict.fromkeys(set(result.withheld) - verdict.convicted.keys(), Flag.WITHHELD)
+        flags |= dict.fromkeys(verdict.silent - verdict.convicted.keys(), Flag.SILENT)
         flags |= verdict.convicted
         flags.pop(self.peer_id, None)
         proofs = {
@@ -387,6 +406,14 @@ class Averager:
             self.ledger.note(
                 round_, flags, {p: e for p, e in proofs.items() if len(e) <= MAX_EVIDENCE_BYTES}
             )
+        excluded = verdict.excluded_by - verdict.convicted.keys()
+        if excluded:
+            self.ledger.dispute(round_, sorted(excluded))
+        # What others say an owner withheld from them is their word: a dispute, never a ban.
+        said = {o for o, by in verdict.unaccounted_by.items() if by - {self.peer_id}}
+        said -= verdict.convicted.keys() | {self.peer_id}
+        if said:
+            self.ledger.dispute(round_, sorted(said), "sent another member no account, it says")
 
     async def _score(self, group: Group, reducer: PartReducer) -> None:
         """Hand the ledger what the reducer saw of each member (itself aside)."""
@@ -511,15 +538,17 @@ def _serve_audit(
     active: _ActiveRound, member: int, request: averaging_pb2.AuditRequest
 ) -> averaging_pb2.Chunk | None:
     """The chunk an audit asks this owner for, as its member sent it (signed); None if this
-    node does not hold it. Each member gets at most one audit's worth of chunks a round."""
+    node does not hold it. Each member gets at most two audits' worth of chunks a round (an
+    audit, and stand-ins for missing reports: ``reports.py``)."""
     reducer = active.reducer
     if reducer is None or request.part != active.me:
         raise ProtocolViolation(ResultCode.NOT_A_MEMBER, f"part {request.part} is not owned here")
     n, chunks = len(active.group.members), len(reducer.chunks)
     if request.member >= n or request.chunk >= chunks:
         raise ProtocolViolation(ResultCode.BAD_SHAPE, "an audit of a chunk the part does not have")
-    if active.served[member] >= n * chunks:
-        raise ProtocolViolation(ResultCode.OVERLOADED, "more audit requests than a part has chunks")
+    # One audit (every member's chunks) and stand-ins for every member's missing report.
+    if active.served[member] >= 2 * n * chunks:
+        raise ProtocolViolation(ResultCode.OVERLOADED, "more chunk requests than a part has chunks")
     active.served[member] += 1
     return reducer.chunks[request.chunk].get(request.member)
 

@@ -4,62 +4,69 @@ An owner could return anything for its part. Each member holds only its own valu
 can recompute a part; together they can check it (BTARD's idea; the arithmetic and its tolerance
 are in ``node/trust/checks.py``). The steps, each bounded by ``check_timeout_seconds``:
 
-1. *Accounts* (as results arrive, :func:`verify_account`): an owner signs a :class:`PartAccount`
-   of its part: per chunk, the result's hash, the contributors with their clip coefficients and
-   payload hashes, and the commitments members' stream headers carried. A member takes a part
-   only with an account that names the bytes it received.
-2. *Reveal*: every member sends every other member its secret and the accounts it received. Two
-   different accounts signed by one owner for one part of one round are proof of equivocation.
-3. *Report*: with every contributor's secret revealed (and matching its commitment), the part's
-   seed is fixed; each contributor sends ``c_i <z_k, x_i - v>`` for its chunks of the part. The
-   sums must vanish within the tolerance.
-4. *Accusation*: an owner whose part fails recomputes every report from the members' signed
-   chunks it kept, and sends the chunks behind any false one; anyone can check the member's
-   signatures and recompute. A proven false report convicts that member, and its report is
-   replaced by the true one.
-5. A part that still fails convicts its owner: its values are dropped (the caller keeps its own
+1. *Accounts* (as results arrive, ``accounts.py``): an owner signs a :class:`PartAccount` of its
+   part. A member takes a part only with an account that names the bytes it received.
+2. *Reveal*: every member sends every other member its secret, the accounts it received and the
+   parts it got no account of. A member without a part's account takes one another member
+   forwarded; two different accounts one owner signed for one part are proof of equivocation.
+3. *Report*: each part's seed is fixed from its account and the secrets revealed (each checked
+   against its commitment); each contributor reports ``c_i <z_k, x_i>`` for its chunks of the
+   part, which needs no result: an owner cannot keep a member out of the check by withholding.
+4. *Check* (``reports.py``): a member sums, chunk by chunk, every contributor's row and the
+   result it holds. A row it lacks is stood in for by the contributor's signed chunks, fetched
+   from the owner. A part that sums to zero passes; one that cannot be checked is not applied.
+5. *Accusation*: an owner whose part fails, or that received a report under another seed than
+   its own, recomputes the reports from the members' signed chunks it kept and sends the chunks
+   behind any false one; anyone can check the member's signatures and recompute. A proven false
+   report convicts that member, and its row is replaced by the true one.
+6. A part that still fails convicts its owner: its values are dropped (the caller keeps its own
    there, as for a missing part), and the owner is banned.
 
 Convictions here rest on signed evidence (equivocation, a false report, a failed check whose
 reports stand), so they are decisive. Equivocation, a forged commitment and a false secret come
 with evidence small enough for peers outside the group to check (``evidence.py``): the ledger
 keeps it with the ban, and ``node/trust/board.py`` publishes it. What is not proof stays a flag:
-a member that does not reveal or report is only marked silent (banned after repeated rounds, like
-other flags), and the part goes unchecked this round; an owner that drops a member's values is a
-dispute (``ledger``). A member covering its owner's lie with a false report passes these checks;
-the audits after the round (``audits.py``) catch both.
+a member that does not reveal or report is marked silent, and an owner that sent this member
+every result but no account is marked as having withheld it (banned after repeated rounds, like
+other flags); what other members say an owner withheld from them is their word, a dispute. A
+member covering its owner's lie with a false report passes these checks; the audits after the
+round (``audits.py``) catch both.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 
-from swarmgrad.compression import CodecError, decode
 from swarmgrad.node.averaging import evidence
+from swarmgrad.node.averaging.accounts import (
+    CheckedPart,
+    Forwarded,
+    take_forwarded,
+    verify_account,
+)
 from swarmgrad.node.averaging.group import Group, chunk_sizes
 from swarmgrad.node.averaging.plan import AllReduceConfig, RoundResult, round_key
-from swarmgrad.node.trust.checks import (
-    PROJECTIONS,
-    SECRET_BYTES,
-    commitment,
-    holds,
-    part_seed,
-    project,
-    report_slack,
-    signs,
+from swarmgrad.node.averaging.reports import (
+    Rows,
+    agree,
+    check_part,
+    fetch_chunk,
+    listed_values,
+    own_report,
+    reported,
+    signed_values,
+    true_projections,
 )
+from swarmgrad.node.trust.checks import PROJECTIONS, SECRET_BYTES, commitment, part_seed
 from swarmgrad.node.trust.ledger import Flag
-from swarmgrad.protocol.auth import NONCE_BYTES, Signer
+from swarmgrad.protocol.auth import Signer
 from swarmgrad.protocol.averaging import (
-    ACCOUNT_STATEMENT,
     CHECK_STATEMENT,
     check_method,
     chunk_signed_by,
@@ -68,96 +75,15 @@ from swarmgrad.protocol.averaging import (
     unseal,
 )
 from swarmgrad.protocol.errors import ProtocolViolation
-from swarmgrad.protocol.keys import KEY_BYTES, SIGNATURE_BYTES, peer_id_of
-from swarmgrad.protocol.tensors import meta_from_proto
 from swarmgrad.protocol.v1 import averaging_pb2
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckBox", "CheckRun", "Verdict", "run_checks", "verify_account"]
+__all__ = ["CheckBox", "CheckRun", "CheckedPart", "Verdict", "run_checks", "verify_account"]
 
-
-def _bad(why: str) -> ProtocolViolation:
-    return ProtocolViolation(ResultCode.BAD_PAYLOAD, why)
-
-
-def verify_account(
-    signed: averaging_pb2.Signed,
-    *,
-    group: Group,
-    key: averaging_pb2.RoundKey,
-    part: int,
-    numels: Sequence[int],
-    results: Mapping[int, bytes] | None = None,
-    contributors: Mapping[int, Sequence[int]] | None = None,
-) -> averaging_pb2.PartAccount:
-    """The account of ``part``, once it is signed by the part's owner, is about this round and
-    part, is well formed, and (where given) names the result bytes (``results``: SHA-256 by
-    chunk) and contributors this member received; ProtocolViolation otherwise.
-
-    Well formed means exact: every hash and signature field has its one length, each stream
-    header signature is in the key of the member it is listed for, and no field is unknown. An
-    account is shown again as evidence (``evidence.py``) and read by audits (``audits.py``), so
-    its size follows from the group and the part alone, and nothing in it breaks those readers.
-    """
-    owner = group.members[part].peer_id
-    signer, account = unseal(signed, ACCOUNT_STATEMENT, averaging_pb2.PartAccount)
-    if signer != owner:
-        raise ProtocolViolation(
-            ResultCode.UNAUTHENTICATED, f"the account of part {part} is signed by {signer}"
-        )
-    if account.key != key or account.part != part or account.owner != owner:
-        raise _bad(f"{owner}'s account is not of this round's part {part}")
-    known = averaging_pb2.PartAccount()
-    known.CopyFrom(account)
-    known.DiscardUnknownFields()
-    if known.ByteSize() != account.ByteSize():
-        raise _bad(f"{owner}'s account carries fields this protocol does not have")
-    if len(account.chunks) != len(numels):
-        raise _bad(f"{owner}'s account has {len(account.chunks)} chunks, not {len(numels)}")
-    n = len(group.members)
-    for index, chunk in enumerate(account.chunks):
-        members = list(chunk.contributors)
-        if (
-            len(set(members)) != len(members)
-            or not all(0 <= m < n and m != part for m in members)
-            or len(chunk.clip) != len(members)
-            or len(chunk.payload_sha256) != len(members)
-            or not all(math.isfinite(c) and 0.0 <= c <= 1.0 for c in chunk.clip)
-            or not all(len(d) == 32 for d in chunk.payload_sha256)
-            or len(chunk.result_sha256) not in (0, 32)  # empty: the chunk has no result
-        ):
-            raise _bad(f"{owner}'s account of chunk {index} is malformed")
-        if results is not None and index in results and chunk.result_sha256 != results[index]:
-            raise _bad(f"{owner}'s account names other bytes than it sent for chunk {index}")
-        if (
-            contributors is not None
-            and index in contributors
-            and sorted(members) != sorted(contributors[index])
-        ):
-            raise _bad(f"{owner}'s account of chunk {index} names other contributors")
-    if (
-        len(account.members) != len(account.commitments)
-        or len(account.members) != len(account.header_auths)
-        or len(set(account.members)) != len(account.members)
-        or not all(0 <= m < n for m in account.members)
-        or not all(len(c) == 32 for c in account.commitments)
-    ):
-        raise _bad(f"{owner}'s account lists malformed commitments")
-    for member, auth in zip(account.members, account.header_auths, strict=True):
-        if (
-            len(auth.public_key) != KEY_BYTES
-            or len(auth.nonce) != NONCE_BYTES
-            or len(auth.signature) != SIGNATURE_BYTES
-            or not math.isfinite(auth.issued_at)
-            or peer_id_of(auth.public_key) != group.members[member].peer_id
-        ):
-            raise _bad(f"{owner}'s account lists a malformed header signature of member {member}")
-    committed = set(account.members)
-    if not all(set(chunk.contributors) <= committed for chunk in account.chunks):
-        raise _bad(f"{owner}'s account counts members with no commitment")
-    return account
+#: Stand-in chunks a member fetches at once.
+_FETCHES = 8
 
 
 class CheckBox:
@@ -177,12 +103,17 @@ class CheckBox:
 
     def validate(self, statement: averaging_pb2.CheckStatement) -> None:
         """Refuse what no honest member sends: more accounts or parts than the group has
-        members, more numbers or chunks than a part has chunks, a secret of the wrong size."""
+        members, more numbers or chunks than a part has chunks, a secret or seed of the wrong
+        size."""
         n, chunks = len(self.group.members), self.max_chunks
         kind = statement.WhichOneof("body")
         if kind == "reveal":
+            reveal = statement.reveal
             ok = (
-                len(statement.reveal.secret) == SECRET_BYTES and len(statement.reveal.accounts) <= n
+                len(reveal.secret) == SECRET_BYTES
+                and len(reveal.accounts) <= n
+                and len(reveal.unaccounted) <= n
+                and all(p < n for p in reveal.unaccounted)
             )
         elif kind == "report":
             ok = len(statement.report.parts) <= n and all(
@@ -190,6 +121,7 @@ class CheckBox:
                 and len(p.projections) <= PROJECTIONS * chunks
                 and len(p.projections) % PROJECTIONS == 0
                 and len(p.payload_sha256) <= chunks
+                and len(p.seed) in (0, 32)
                 for p in statement.report.parts
             )
         elif kind == "accusation":
@@ -200,7 +132,9 @@ class CheckBox:
         else:
             ok = False  # audit requests are answered, not kept (the averager's ``check``)
         if not ok:
-            raise _bad(f"an oversized or malformed {kind} from {statement.sender}")
+            raise ProtocolViolation(
+                ResultCode.BAD_PAYLOAD, f"an oversized or malformed {kind} from {statement.sender}"
+            )
 
     async def put(
         self, member: int, statement: averaging_pb2.CheckStatement, signed: averaging_pb2.Signed
@@ -231,16 +165,24 @@ class CheckBox:
 class Verdict:
     """What the checks of one round found."""
 
-    #: Parts whose results must not be applied (their owner was convicted).
+    #: Parts whose results must not be applied: their owner was convicted, or this member could
+    #: not check them.
     dropped: set[int] = field(default_factory=set)
+    #: Of those, the parts this member holds results of but could not check.
+    unchecked: set[int] = field(default_factory=set)
     #: Peers convicted on signed evidence, and of what.
     convicted: dict[str, Flag] = field(default_factory=dict)
     #: For some convictions, the evidence any peer can check (``evidence.py``), by peer.
     evidence: dict[str, averaging_pb2.Evidence] = field(default_factory=dict)
-    #: Members that did not reveal or report in time: their parts went unchecked.
+    #: Members that did not reveal, or report, in time.
     silent: set[str] = field(default_factory=set)
+    #: Owners whose forwarded account leaves out this member's values, and owners other members
+    #: say sent them no account of their part (their word: disputes), by owner.
+    excluded_by: set[str] = field(default_factory=set)
+    unaccounted_by: dict[str, set[str]] = field(default_factory=dict)
     #: Parts checked (and passed or failed), and the largest |sum| / tolerance among passes.
     checked: int = 0
+    failed: int = 0
     worst_ratio: float = 0.0
     #: What an audit (``audits.py``) needs of the checks: the parts with their accounts (and
     #: seeds, where fixed), and the members' reports.
@@ -263,23 +205,6 @@ class CheckRun:
     sent: torch.Tensor
     #: This member's own part's chunks as members sent them (it is their owner), by chunk.
     own_chunks: Sequence[Mapping[int, averaging_pb2.Chunk]] = ()
-    #: Report false projections (a framing attack; tests and simulations only).
-    false_reports: bool = False
-
-
-@dataclass(slots=True)
-class CheckedPart:
-    part: int
-    account: averaging_pb2.PartAccount
-    signed: averaging_pb2.Signed
-    start: int
-    numels: list[int]
-    seed: bytes = b""
-
-    def span(self, index: int) -> tuple[int, int]:
-        """[start, end) of chunk ``index`` within the part."""
-        start = sum(self.numels[:index])
-        return start, start + self.numels[index]
 
 
 async def run_checks(run: CheckRun) -> Verdict:
@@ -289,97 +214,178 @@ async def run_checks(run: CheckRun) -> Verdict:
     group, me, config = run.group, run.me, run.config
     key = round_key(config, group)
     bounds = group.partition(run.result.averaged.numel())
-    parts: dict[int, CheckedPart] = {}
-    for number, signed in run.result.accounts.items():
+
+    def layout(number: int) -> tuple[int, list[int]]:
         start, end = bounds[number]
-        numels = chunk_sizes(end - start, config.chunk_values)
+        return start, chunk_sizes(end - start, config.chunk_values)
+
+    parts: dict[int, CheckedPart] = {}
+    held: dict[int, set[int]] = {}
+    for number, index in run.result.chunk_contributors:
+        held.setdefault(number, set()).add(index)
+    for number, signed in run.result.accounts.items():
+        start, numels = layout(number)
         account = run.result.verified_accounts.get(number)
-        if account is None:
-            account = verify_account(signed, group=group, key=key, part=number, numels=numels)
-        parts[number] = CheckedPart(number, account, signed, start, numels)
+        if account is None:  # this member's own part: its own account, which holds
+            try:
+                account = verify_account(signed, group=group, key=key, part=number, numels=numels)
+            except ProtocolViolation as error:
+                log.error("round %d: this node's own account is refused: %s", group.round, error)
+                verdict.unchecked.add(number)
+                continue
+        parts[number] = CheckedPart(
+            number, account, signed, start, numels, applicable=held.get(number, set())
+        )
     verdict.parts = parts
     timeout = config.check_timeout_seconds
+    unaccounted = [
+        number
+        for number, (start, end) in enumerate(bounds)
+        if number != me and end > start and number not in parts
+    ]
 
-    # 2: reveal, and equivocation.
+    # 2: reveal; forwarded accounts and equivocation.
     await _broadcast(
         run,
         averaging_pb2.CheckStatement(
             reveal=averaging_pb2.Reveal(
-                secret=run.result.secret, accounts=[p.signed for p in parts.values()]
+                secret=run.result.secret,
+                accounts=[p.signed for p in parts.values()],
+                unaccounted=unaccounted,
             )
         ),
     )
     if not _reachable(run, me):
         return verdict  # nobody can send this member anything: it only gave its secret
-    committed = {m for p in parts.values() for m in p.account.members} - {me}
-    await run.box.wait_for(lambda: committed <= run.box.reveals.keys(), timeout_seconds=timeout)
-    for reveal in list(run.box.reveals.values()):
-        for signed in reveal.accounts:
-            _equivocation(run, parts, signed, key, verdict)
+    others = {m for m in range(len(group.members)) if m != me and _reachable(run, m)}
+    committed = {m for p in parts.values() for m in p.account.members} & others
+    # Without an account of some part, wait for everyone who could forward it too.
+    awaited = committed | (others - set(unaccounted)) if unaccounted else committed
+    await run.box.wait_for(lambda: awaited <= run.box.reveals.keys(), timeout_seconds=timeout)
+    _take_forwarded(run, parts, layout, verdict)
+
+    if config.aggregator == "median":
+        return verdict  # no fixed point to check (the median is a fallback, not for open runs)
 
     # 3: seeds, reports.
     for part in parts.values():
         if part.part not in verdict.dropped:
             _seed(run, part, verdict)
     seeded = {p.part: p for p in parts.values() if p.seed and p.part not in verdict.dropped}
-    if config.aggregator == "median":
-        seeded = {}  # no fixed point to check (the median is a fallback, not for open runs)
+    digests = run.result.sent_digests
     mine = averaging_pb2.Report(
         parts=await asyncio.to_thread(
             lambda: [
-                _report(run, p) for p in seeded.values() if p.part != me and _contributes(p, me)
+                own_report(p, me, run.sent, digests)
+                for p in seeded.values()
+                if p.part != me and me in p.contributors()
             ]
         )
     )
     await _broadcast(run, averaging_pb2.CheckStatement(report=mine))
-    expected = {
-        m
-        for p in seeded.values()
-        for c in p.account.chunks
-        for m in c.contributors
-        if m != me and _reachable(run, m)
-    }
+    # A member that revealed nothing here reports under a seed this member cannot share.
+    expected = {m for p in seeded.values() for m in p.contributors()} & run.box.reveals.keys()
     await run.box.wait_for(lambda: expected <= run.box.reports.keys(), timeout_seconds=timeout)
-
-    # 4: verify; accusations for failed parts.
     reports = {m: report for m, (_, report) in run.box.reports.items()}
     reports[me] = mine
     verdict.reports = reports
+
+    # 4: the check of every part this member holds results of; 5: accusations.
+    for number, part in parts.items():
+        if number not in seeded and part.applicable and number not in verdict.dropped:
+            verdict.unchecked.add(number)  # no seed: nobody revealed a secret of it
+    checking = {n: p for n, p in seeded.items() if n == me or p.applicable}
+    rows: dict[int, dict[int, Rows]] = {}
+    defence = None
+    if me in checking:
+        own = _own_rows(run, checking[me], reports)
+        if own is None:
+            verdict.unchecked.add(me)
+        else:
+            rows[me] = own
+            defence = asyncio.create_task(_defend(run, checking[me], reports, own))
+    others_parts = {n: p for n, p in checking.items() if n != me}
+    rows |= await _rows(run, others_parts, reports, verdict)
     failed: dict[int, CheckedPart] = {}
-    for part in seeded.values():
-        outcome = _verify(run, part, reports, verdict)
-        if outcome is False:
-            failed[part.part] = part
+    for number, part in checking.items():
+        if number not in rows:
+            continue
+        passed, worst = await asyncio.to_thread(
+            check_part, part, rows[number], _result_of(run, part), _chunks(run, part)
+        )
+        verdict.checked += 1
+        if passed:
+            verdict.worst_ratio = max(verdict.worst_ratio, worst)
+        else:
+            failed[number] = part
+    accusations = await defence if defence is not None else []
     if failed:
-        accusations = await _accuse(run, failed[me], reports) if me in failed else []
         await run.box.wait_for(
             lambda: all(any(a.part == p for a in run.box.accusations) for p in failed if p != me),
             timeout_seconds=timeout,
         )
         for accusation in accusations + list(run.box.accusations):
-            _judge_accusation(run, accusation, failed, reports, key, verdict)
-        for part in failed.values():
-            if _verify(run, part, reports, verdict, again=True) is not False:
+            _judge_accusation(run, accusation, failed, rows, key, verdict)
+        for number, part in failed.items():
+            passed, _ = check_part(part, rows[number], _result_of(run, part), _chunks(run, part))
+            if passed:
                 continue
-            owner = group.members[part.part].peer_id
-            verdict.dropped.add(part.part)
+            owner = group.members[number].peer_id
+            verdict.dropped.add(number)
+            verdict.failed += 1
             verdict.convicted.setdefault(owner, Flag.LYING_OWNER)
-            log.warning(
-                "round %d: %s's result for part %d failed the check", group.round, owner, part.part
-            )
+            log.warning("round %d: %s's result for part %d failed the check",
+                        group.round, owner, number)  # fmt: skip
+    verdict.dropped |= verdict.unchecked
     return verdict
 
 
+def _take_forwarded(
+    run: CheckRun,
+    parts: dict[int, CheckedPart],
+    layout: Callable[[int], tuple[int, list[int]]],
+    verdict: Verdict,
+) -> None:
+    """Take the accounts the other members forwarded in their reveals, and what they say
+    owners withheld from them."""
+    group = run.group
+    found = Forwarded()
+    for member, reveal in list(run.box.reveals.items()):
+        for signed in reveal.accounts:
+            take_forwarded(
+                signed,
+                group=group,
+                me=run.me,
+                key=round_key(run.config, group),
+                parts=parts,
+                layout=layout,
+                pending=run.result.pending,
+                sent_digests=run.result.sent_digests,
+                found=found,
+            )
+        for number in set(reveal.unaccounted) - {member}:
+            owner = group.members[number].peer_id
+            verdict.unaccounted_by.setdefault(owner, set()).add(group.members[member].peer_id)
+    for owner, proof in found.convicted.items():
+        verdict.convicted[owner] = Flag.EQUIVOCATION
+        verdict.evidence[owner] = proof
+        log.warning("round %d: %s signed two accounts of one part", group.round, owner)
+    verdict.dropped |= found.dropped
+    verdict.excluded_by |= found.excluded_by
+
+
 def _seed(run: CheckRun, part: CheckedPart, verdict: Verdict) -> None:
-    """Fix ``part``'s seed from its account and its contributors' secrets, each checked against
-    the commitment the account lists. A secret that matches proves the commitment is the
-    member's (nobody else could pick one it hashes to). Only when one does not match is the
-    member's stream-header signature (which the account shows) checked: a commitment the member
-    did not sign convicts the owner (the part is dropped), one it did sign convicts the member.
-    A missing secret leaves the part unchecked and the member flagged silent."""
+    """Fix ``part``'s seed from its account and the secrets revealed of its committed members,
+    each checked against the commitment the account lists. A secret that matches proves the
+    commitment is the member's (nobody else could pick one it hashes to). Only when one does not
+    match is the member's stream-header signature (which the account shows) checked: a
+    commitment the member did not sign convicts the owner (the part is dropped), one it did sign
+    convicts the member (its secret stays out of the seed). A member that revealed nothing is
+    flagged silent and left out of the seed: the others' secrets make it one the owner could not
+    know when it signed."""
     group, account = run.group, part.account
     owner = group.members[part.part].peer_id
-    secrets = []
+    secrets: dict[int, bytes] = {}
     for member, promised, auth in zip(
         account.members, account.commitments, account.header_auths, strict=True
     ):
@@ -387,158 +393,189 @@ def _seed(run: CheckRun, part: CheckedPart, verdict: Verdict) -> None:
         reveal = run.box.reveals.get(member)
         secret = run.result.secret if member == run.me else reveal.secret if reveal else None
         if secret is None:
-            verdict.silent.add(peer.peer_id)
-            return
+            if _reachable(run, member):
+                verdict.silent.add(peer.peer_id)
+            continue
         if commitment(secret) == promised:
-            secrets.append(secret)
+            secrets[member] = secret
             continue
         if not header_signed(evidence.header_of(account, group, member, promised), auth):
             verdict.dropped.add(part.part)
             verdict.convicted[owner] = Flag.FORGERY
             verdict.evidence[owner] = evidence.forgery(part.signed, group, member)
             log.warning("round %d: %s forged %s's commitment", group.round, owner, peer.peer_id)
-        elif peer.peer_id not in verdict.convicted:
+            return
+        if peer.peer_id not in verdict.convicted:
             verdict.convicted[peer.peer_id] = Flag.FALSE_REPORT
             signed = run.box.signed_reveals.get(member)
             if signed is not None:
                 proof = evidence.false_secret(part.signed, group, member, signed)
                 verdict.evidence[peer.peer_id] = proof
-        return
-    part.seed = part_seed(part.signed.body, secrets)
+    if secrets:
+        part.seed = part_seed(part.signed.body, secrets)
 
 
 def _reachable(run: CheckRun, member: int) -> bool:
     """Whether ``member`` can receive check messages: one with no endpoint (it accepts no
-    connections) gets no reveals, so it cannot report; the parts it sent to go unchecked, and it
-    is not held silent for it."""
+    connections) gets no reveals, so it cannot report; the parts it sent to are checked with its
+    signed chunks instead, and it is not held silent for it."""
     return bool(run.group.members[member].endpoint)
 
 
-def _contributes(part: CheckedPart, member: int) -> bool:
-    return any(member in c.contributors for c in part.account.chunks)
+def _result_of(run: CheckRun, part: CheckedPart) -> Callable[[int], torch.Tensor]:
+    """The result this member holds of a chunk of ``part`` (from its owner, or kept while its
+    account was missing)."""
+    pending = run.result.pending.get(part.part) if part.forwarded else None
+
+    def result(index: int) -> torch.Tensor:
+        start, end = part.span(index)
+        if pending is not None:
+            return pending.values[start:end]
+        return run.result.averaged[part.start + start : part.start + end]
+
+    return result
 
 
-def _equivocation(
+def _chunks(run: CheckRun, part: CheckedPart) -> set[int]:
+    """The chunks of ``part`` this member checks: those it holds results of (all, as owner)."""
+    if part.part == run.me:
+        return {i for i, chunk in enumerate(part.account.chunks) if len(chunk.contributors)}
+    return set(part.applicable)
+
+
+async def _rows(
     run: CheckRun,
     parts: Mapping[int, CheckedPart],
-    signed: averaging_pb2.Signed,
-    key: averaging_pb2.RoundKey,
+    reports: Mapping[int, averaging_pb2.Report],
     verdict: Verdict,
-) -> None:
-    """Convict an owner that signed another account of a part than the one this member got."""
-    if any(signed.body == p.signed.body for p in parts.values()):
-        return  # the same bytes as one this member holds: nothing to prove
-    try:
-        signer, account = unseal(signed, ACCOUNT_STATEMENT, averaging_pb2.PartAccount)
-    except ProtocolViolation:
-        return  # a forwarded account that does not verify proves nothing against its owner
-    mine = parts.get(account.part)
-    if (
-        mine is None
-        or account.key != key
-        or signer != run.group.members[account.part].peer_id
-        or signed.body == mine.signed.body
-    ):
-        return
-    verdict.dropped.add(account.part)
-    verdict.convicted[signer] = Flag.EQUIVOCATION
-    verdict.evidence[signer] = evidence.equivocation(mine.signed, signed)
-    log.warning(
-        "round %d: %s signed two accounts of part %d", run.group.round, signer, account.part
-    )
+) -> dict[int, dict[int, Rows]]:
+    """Every contributor's rows of other owners' parts under this member's seed: its report
+    (this member's own too), or, missing, its signed chunks from the owner. Parts with a row
+    that cannot be had are unchecked."""
+    group = run.group
+    out: dict[int, dict[int, Rows]] = {}
+    wanted: list[tuple[CheckedPart, int]] = []
+    for number, part in parts.items():
+        out[number] = {}
+        for member in part.contributors():
+            report = reports.get(member)
+            rows = reported(report, part, member)
+            if rows is not None:
+                out[number][member] = rows
+                continue
+            wanted.append((part, member))
+            mentioned = report is not None and any(p.part == number for p in report.parts)
+            excused = number in run.box.reveals.get(member, averaging_pb2.Reveal()).unaccounted
+            if not mentioned and not excused and _reachable(run, member):
+                verdict.silent.add(group.members[member].peer_id)
+    limit = asyncio.Semaphore(_FETCHES)
 
+    async def stand_in(part: CheckedPart, member: int) -> tuple[int, int, Rows | None]:
+        async with limit:
+            values = await _fetch_values(run, part, member)
+        if values is None:
+            return part.part, member, None
+        rows, _ = await asyncio.to_thread(true_projections, part, member, values)
+        return part.part, member, rows
 
-def _values(run: CheckRun, part: CheckedPart, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(this member's values as its owner decoded them, the result) of one chunk."""
-    start, end = (part.start + at for at in part.span(index))
-    return run.sent[start:end], run.result.averaged[start:end]
-
-
-def _report(run: CheckRun, part: CheckedPart) -> averaging_pb2.PartReport:
-    """This member's projections for its chunks of ``part``."""
-    out = averaging_pb2.PartReport(part=part.part)
-    digests = run.result.sent_digests
-    for index, chunk in enumerate(part.account.chunks):
-        members = list(chunk.contributors)
-        if run.me not in members:
-            continue
-        values, result = _values(run, part, index)
-        vectors = signs(part.seed, index, part.numels[index])
-        projections = project(values, result, chunk.clip[members.index(run.me)], vectors)
-        if run.false_reports:
-            projections = [x + 1e3 * (1.0 + abs(x)) for x in projections]
-        out.projections.extend(projections)
-        out.payload_sha256.append(digests.get((part.part, index), b""))
+    for number, member, rows in await asyncio.gather(*(stand_in(p, m) for p, m in wanted)):
+        if rows is None:
+            if out.pop(number, None) is not None:
+                verdict.unchecked.add(number)
+                log.info("round %d: part %d cannot be checked: no report of %s and no chunks",
+                         group.round, number, group.members[member].peer_id)  # fmt: skip
+        elif number in out:
+            out[number][member] = rows
     return out
 
 
-def reported_projections(
-    report: averaging_pb2.Report | None, part: CheckedPart, member: int
-) -> list[list[float]] | None:
-    """A member's projections of its chunks of ``part`` (None: it did not report them all)."""
-    if report is None:
-        return None
-    entry = next((p for p in report.parts if p.part == part.part), None)
-    count = sum(member in c.contributors for c in part.account.chunks)
-    # Exactly PROJECTIONS a chunk, as every honest member computes them: a report of another
-    # shape is no report (rows of the wrong length would break every sum over them).
-    if entry is None or not count or len(entry.projections) != PROJECTIONS * count:
-        return None
-    values = list(entry.projections)
-    return [values[i * PROJECTIONS : (i + 1) * PROJECTIONS] for i in range(count)]
+def _own_values(run: CheckRun, part: CheckedPart, member: int) -> dict[int, torch.Tensor] | None:
+    """As the part's owner: ``member``'s values of its chunks, from the chunks it sent (None:
+    not all kept)."""
+    values = {}
+    for index in part.chunks_of(member):
+        chunk = run.own_chunks[index].get(member) if index < len(run.own_chunks) else None
+        decoded = None if chunk is None else listed_values(part, index, member, chunk)
+        if decoded is None:
+            return None
+        values[index] = decoded
+    return values
 
 
-def _verify(
+def _own_rows(
+    run: CheckRun, part: CheckedPart, reports: Mapping[int, averaging_pb2.Report]
+) -> dict[int, Rows] | None:
+    """As the part's owner: every contributor's rows under its seed, from its report or else
+    from the chunks it sent (None: neither)."""
+    out = {}
+    for member in part.contributors():
+        rows = reported(reports.get(member), part, member)
+        if rows is None:
+            values = _own_values(run, part, member)
+            if values is None:
+                return None
+            rows = true_projections(part, member, values)[0]
+        out[member] = rows
+    return out
+
+
+async def _fetch_values(
+    run: CheckRun, part: CheckedPart, member: int
+) -> dict[int, torch.Tensor] | None:
+    """``member``'s signed values of its chunks of ``part``, fetched from the owner (None: the
+    owner could not show them all)."""
+    key = round_key(run.config, run.group)
+    values = {}
+    for index in part.chunks_of(member):
+        try:
+            chunk = await fetch_chunk(
+                signer=run.signer,
+                config=run.config,
+                group=run.group,
+                channel=run.channel,
+                part=part.part,
+                index=index,
+                member=member,
+            )
+        except (grpc.aio.AioRpcError, TimeoutError):
+            return None
+        decoded = await asyncio.to_thread(signed_values, part, run.group, key, index, member, chunk)
+        if decoded is None:
+            return None
+        values[index] = decoded
+    return values
+
+
+async def _defend(
     run: CheckRun,
     part: CheckedPart,
     reports: Mapping[int, averaging_pb2.Report],
-    verdict: Verdict,
-    *,
-    again: bool = False,
-) -> bool | None:
-    """Whether the reports of ``part`` sum to zero (None: some are missing; unchecked);
-    ``again``: after accusations (the part is counted once)."""
-    by_member: dict[int, list[list[float]]] = {}
-    for member in {m for c in part.account.chunks for m in c.contributors}:
-        projections = reported_projections(reports.get(member), part, member)
-        if projections is None:
-            if _reachable(run, member):
-                verdict.silent.add(run.group.members[member].peer_id)
-            return None
-        by_member[member] = projections
-    used = dict.fromkeys(by_member, 0)
-    passed, worst = True, 0.0
-    for index, chunk in enumerate(part.account.chunks):
-        rows = []
-        for member in chunk.contributors:
-            rows.append(by_member[member][used[member]])
-            used[member] += 1
-        _, result = _values(run, part, index)
-        ok, ratio = holds(result, list(chunk.clip), rows)
-        passed &= ok
-        worst = max(worst, ratio)
-    verdict.checked += not again
-    if passed:
-        verdict.worst_ratio = max(verdict.worst_ratio, worst)
-    return passed
-
-
-async def _accuse(
-    run: CheckRun, part: CheckedPart, reports: Mapping[int, averaging_pb2.Report]
+    rows: Mapping[int, Rows],
 ) -> list[averaging_pb2.Accusation]:
-    """As the owner of a failed part: send the signed chunks behind every false report."""
+    """As the owner of ``part``: send the signed chunks behind every false report of it, for
+    reports under another seed than this owner's (a checker that shares that seed would be
+    misled) and, if its part fails under its own seed, for every report."""
+
+    def false_ones() -> list[int]:
+        passed, _ = check_part(part, rows, _result_of(run, part), _chunks(run, part))
+        out = []
+        for member in sorted(part.contributors()):
+            report = reports.get(member)
+            entry = next((p for p in _entries(report) if p.part == part.part), None)
+            if entry is None or len(entry.seed) != 32 or (passed and entry.seed == part.seed):
+                continue
+            claimed = reported(report, part, member, entry.seed)
+            values = _own_values(run, part, member)
+            if claimed is None or values is None:
+                continue
+            if not agree(claimed, *true_projections(part, member, values, entry.seed)):
+                out.append(member)
+        return out
+
     sent = []
-    for member in {m for c in part.account.chunks for m in c.contributors}:
-        claimed = reported_projections(reports.get(member), part, member)
-        truth = _true_projections(run, part, member)
-        if claimed is None or truth is None or agree(claimed, *truth):
-            continue
+    for member in await asyncio.to_thread(false_ones):
         signed, _ = run.box.reports[member]
-        chunks = [
-            run.own_chunks[index][member]
-            for index, c in enumerate(part.account.chunks)
-            if member in c.contributors
-        ]
+        chunks = [run.own_chunks[index][member] for index in part.chunks_of(member)]
         accusation = averaging_pb2.Accusation(
             part=part.part, member=member, report=signed, payloads=chunks
         )
@@ -547,94 +584,21 @@ async def _accuse(
     return sent
 
 
-def _true_projections(
-    run: CheckRun,
-    part: CheckedPart,
-    member: int,
-    chunks: Iterable[averaging_pb2.Chunk] | None = None,
-) -> tuple[list[list[float]], list[float]] | None:
-    """What ``member`` should have reported, from its chunks (the owner's, by default), and
-    each chunk's slack."""
-    if chunks is None:
-        if len(run.own_chunks) != len(part.numels):
-            return None
-        chunks = [
-            run.own_chunks[i][member]
-            for i, c in enumerate(part.account.chunks)
-            if member in c.contributors and member in run.own_chunks[i]
-        ]
-    indices = [i for i, c in enumerate(part.account.chunks) if member in c.contributors]
-    chunks = list(chunks)
-    if len(chunks) != len(indices):
-        return None
-    values = {}
-    for index, chunk in zip(indices, chunks, strict=True):
-        decoded = listed_values(part, index, member, chunk)
-        if decoded is None:
-            return None
-        values[index] = decoded
-    return true_projections(part, member, values, lambda index: _values(run, part, index)[1])
-
-
-def listed_values(
-    part: CheckedPart, index: int, member: int, chunk: averaging_pb2.Chunk
-) -> torch.Tensor | None:
-    """``member``'s values of chunk ``index``, if ``chunk`` is the payload the part's account
-    lists for it and decodes to the chunk's size (None otherwise)."""
-    account = part.account.chunks[index]
-    position = list(account.contributors).index(member)
-    if hashlib.sha256(chunk.payload).digest() != account.payload_sha256[position]:
-        return None
-    try:
-        values = decode(chunk.payload, meta_from_proto(chunk.meta), max_numel=part.numels[index])
-    except (CodecError, ValueError):
-        return None
-    return values if values.numel() == part.numels[index] else None
-
-
-def true_projections(
-    part: CheckedPart,
-    member: int,
-    values: Mapping[int, torch.Tensor],
-    result: Callable[[int], torch.Tensor],
-) -> tuple[list[list[float]], list[float]]:
-    """What ``member`` should have reported for its chunks of ``part`` (``values``: its values
-    by chunk index; ``result``: the result of a chunk), and each chunk's slack."""
-    out: list[list[float]] = []
-    slack: list[float] = []
-    for index, account in enumerate(part.account.chunks):
-        if member not in account.contributors:
-            continue
-        clip = account.clip[list(account.contributors).index(member)]
-        vectors = signs(part.seed, index, part.numels[index])
-        out.append(project(values[index], result(index), clip, vectors))
-        slack.append(report_slack(values[index], result(index), clip))
-    return out, slack
-
-
-def agree(
-    claimed: Sequence[Sequence[float]], truth: Sequence[Sequence[float]], slack: Sequence[float]
-) -> bool:
-    """Whether a member's reported projections are the ones its values give, within each
-    chunk's ``slack`` (:func:`~swarmgrad.node.trust.checks.report_slack`: the recomputation may
-    run on another machine)."""
-    return all(
-        abs(x - y) <= bound
-        for row_a, row_b, bound in zip(claimed, truth, slack, strict=True)
-        for x, y in zip(row_a, row_b, strict=True)
-    )
+def _entries(report: averaging_pb2.Report | None) -> Sequence[averaging_pb2.PartReport]:
+    return () if report is None else report.parts
 
 
 def _judge_accusation(
     run: CheckRun,
     accusation: averaging_pb2.Accusation,
     failed: Mapping[int, CheckedPart],
-    reports: dict[int, averaging_pb2.Report],
+    rows: dict[int, dict[int, Rows]],
     key: averaging_pb2.RoundKey,
     verdict: Verdict,
 ) -> None:
-    """Convict a member whose report the owner's accusation proves false (and use the true
-    projections); an accusation that proves nothing is ignored."""
+    """Convict a member whose report the owner's accusation proves false (under the seed the
+    report names), and take its true rows (under this member's seed); an accusation that
+    proves nothing is ignored."""
     part = failed.get(accusation.part)
     n = len(run.group.members)
     if part is None or not 0 <= accusation.member < n:
@@ -646,27 +610,34 @@ def _judge_accusation(
         signer, statement = unseal(accusation.report, CHECK_STATEMENT, averaging_pb2.CheckStatement)
     except ProtocolViolation:
         return
+    indices = part.chunks_of(member)
     if (
         signer != accused
         or statement.key != key
         or statement.WhichOneof("body") != "report"
+        or len(accusation.payloads) != len(indices)
         or not all(
-            chunk_signed_by(public_key, key, accused, part.part, chunk)
-            for chunk in accusation.payloads
+            chunk.index == index and chunk_signed_by(public_key, key, accused, part.part, chunk)
+            for index, chunk in zip(indices, accusation.payloads, strict=True)
         )
     ):
         return
-    claimed = reported_projections(statement.report, part, member)
-    recomputed = _true_projections(run, part, member, accusation.payloads)
-    if claimed is None or recomputed is None or agree(claimed, *recomputed):
+    entry = next((p for p in statement.report.parts if p.part == part.part), None)
+    if entry is None or len(entry.seed) != 32:
+        return
+    values = {}
+    for index, chunk in zip(indices, accusation.payloads, strict=True):
+        decoded = listed_values(part, index, member, chunk)
+        if decoded is None:
+            return
+        values[index] = decoded
+    claimed = reported(statement.report, part, member, entry.seed)
+    if claimed is None or agree(claimed, *true_projections(part, member, values, entry.seed)):
         return
     verdict.convicted[accused] = Flag.FALSE_REPORT
-    truth = recomputed[0]
-    entry = averaging_pb2.PartReport(part=part.part, projections=[x for row in truth for x in row])
-    reports[member] = averaging_pb2.Report(parts=[entry])
-    log.warning(
-        "round %d: %s's check report for part %d was false", run.group.round, accused, part.part
-    )
+    rows.setdefault(part.part, {})[member] = true_projections(part, member, values)[0]
+    log.warning("round %d: %s's check report for part %d was false",
+                run.group.round, accused, part.part)  # fmt: skip
 
 
 async def _broadcast(run: CheckRun, statement: averaging_pb2.CheckStatement) -> None:

@@ -116,6 +116,20 @@ class AllReduceConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PendingPart:
+    """Open runs: what arrived of another owner's part without a valid account of it (the
+    checks may still take it, with an account another member forwards)."""
+
+    #: Per chunk received: its contributors and the SHA-256 of its payload.
+    contributors: Mapping[int, tuple[int, ...]]
+    digests: Mapping[int, bytes]
+    #: The part's values as decoded (chunks not received: undefined).
+    values: torch.Tensor
+    #: Whether every chunk of the part arrived.
+    complete: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RoundResult:
     """What a round produced. See the module docstring for the exact guarantees."""
 
@@ -146,6 +160,12 @@ class RoundResult:
     secret: bytes = b""
     #: Open runs: the SHA-256 of each payload this member sent, by (part, chunk).
     sent_digests: Mapping[tuple[int, int], bytes] = field(default_factory=dict)
+    #: The contributors of each averaged chunk, by (part, chunk index).
+    chunk_contributors: Mapping[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+    #: Open runs: parts received without a valid account (they are in ``missing``), and the
+    #: owners that sent every result of their part but no valid account.
+    pending: Mapping[int, PendingPart] = field(default_factory=dict)
+    withheld: tuple[str, ...] = ()
 
     @property
     def complete(self) -> bool:

@@ -2,14 +2,16 @@
 
 At CenteredClip's fixed point (and for the plain mean, with every clip 1) the owner's result
 ``v`` of a chunk satisfies ``sum_i c_i (x_i - v) = 0`` over its contributors ``i``, whose values
-``x_i`` only they and the owner hold. After the owner has signed ``v`` and the clips ``c_i``
-(its :class:`PartAccount`), every contributor projects its own ``c_i (x_i - v)`` on
-:data:`PROJECTIONS` random sign vectors ``z_k`` (:func:`signs`) and reports the numbers; the
-sums over the contributors must vanish, up to the return codec's rounding of ``v``. An owner
-that shifts ``v`` by ``d`` moves each sum by ``-(sum_i c_i) <z_k, d>``, which it cannot aim at
-zero: the vectors come from a seed made of the account it signed and secrets the contributors
-committed to in their stream headers and reveal only after every account is out (commit and
-reveal).
+``x_i`` only they and the owner hold. After the owner has signed the clips ``c_i`` (its
+:class:`PartAccount`), every contributor projects its own ``c_i x_i`` on :data:`PROJECTIONS`
+random sign vectors ``z_k`` (:func:`signs`) and reports the numbers; anyone holding ``v`` then
+checks that ``sum_i c_i <z_k, x_i> - (sum_i c_i) <z_k, v>`` vanishes, up to the return codec's
+rounding of ``v``. A report does not depend on ``v``: a member the owner sent no result (or no
+account, which others forward) still reports, so an owner cannot take a contributor out of the
+check by withholding. An owner that shifts ``v`` by ``d`` moves each sum by
+``-(sum_i c_i) <z_k, d>``, which it cannot aim at zero: the vectors come from a seed made of the
+account it signed and secrets the contributors committed to in their stream headers and reveal
+only after every account is out (commit and reveal).
 
 The tolerance comes from fp16's rounding: every value of ``v`` is off by at most ``2^-11`` of
 itself, so ``<z, v - fp16(v)>`` has a spread of at most ``2^-11 |v|``, and the sum's is that
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -36,8 +38,8 @@ FP16_ROUNDOFF = 2.0**-11
 #: Slack relative to the reports' own magnitude (fp32 arithmetic in x - v and the dot products).
 RELATIVE_SLACK = 1e-5
 #: How far a report recomputed elsewhere may be from the member's own, relative to the sum of
-#: ``|c (x - v)|`` over the chunk: fp32 sums differ with the order of their additions (another
-#: machine, another BLAS), by up to ~1e-7 of that in practice.
+#: ``|c x|`` over the chunk: fp64 sums of fp32 values differ with the order of their additions
+#: (another machine, another BLAS), by far less than that in practice.
 REPORT_SLACK = 1e-5
 SECRET_BYTES = 32
 
@@ -46,13 +48,16 @@ def commitment(secret: bytes) -> bytes:
     return hashlib.sha256(b"swarmgrad/check-secret\0" + secret).digest()
 
 
-def part_seed(account_body: bytes, secrets: Sequence[bytes]) -> bytes:
-    """The seed of a part's projections: its signed account and the contributors' revealed
-    secrets, in the account's member order."""
-    digest = hashlib.sha256(b"swarmgrad/check-seed\0")
+def part_seed(account_body: bytes, secrets: Mapping[int, bytes]) -> bytes:
+    """The seed of a part's projections: its signed account and the revealed secrets of its
+    committed members, by member index. Which members' secrets are in is part of the seed (a
+    member that never revealed is left out: its silence cannot stop the check); every report
+    says which seed it used, so members that saw different reveals never mix their numbers."""
+    digest = hashlib.sha256(b"swarmgrad/check-seed/2\0")
     digest.update(hashlib.sha256(account_body).digest())
-    for secret in secrets:
-        digest.update(hashlib.sha256(secret).digest())
+    for member in sorted(secrets):
+        digest.update(member.to_bytes(4, "little"))
+        digest.update(hashlib.sha256(secrets[member]).digest())
     return digest.digest()
 
 
@@ -68,22 +73,31 @@ def signs(seed: bytes, chunk: int, numel: int) -> torch.Tensor:
 _BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(PROJECTIONS)) & 1).double()
 
 
-def project(
-    values: torch.Tensor, result: torch.Tensor, clip: float, sign_bytes: torch.Tensor
-) -> list[float]:
-    """A contributor's report for one chunk: ``clip * <z_k, values - result>`` for every k
-    (``sign_bytes`` from :func:`signs`). One pass: the centred values summed by their sign byte
-    (fp64), then ``<z_k, c> = 2 * (sum where bit k is set) - (sum of all)``."""
-    centred = (values - result).double()
-    sums = torch.bincount(sign_bytes, weights=centred, minlength=256)
+def project(values: torch.Tensor, clip: float, sign_bytes: torch.Tensor) -> list[float]:
+    """``clip * <z_k, values>`` for every k (``sign_bytes`` from :func:`signs`): a contributor's
+    report of one chunk (its values as the owner decoded them), or with ``clip`` 1 the result's
+    own projections. One pass: the values summed by their sign byte (fp64), then
+    ``<z_k, x> = 2 * (sum where bit k is set) - (sum of all)``."""
+    sums = torch.bincount(sign_bytes, weights=values.double(), minlength=256)
     total = float(sums.sum())
     return [clip * (2.0 * float(x) - total) for x in (sums @ _BITS).tolist()]
 
 
-def report_slack(values: torch.Tensor, result: torch.Tensor, clip: float) -> float:
+def report_slack(values: torch.Tensor, clip: float) -> float:
     """How far a correct report of one chunk may differ between two machines (see
     :data:`REPORT_SLACK`)."""
-    return REPORT_SLACK * abs(clip) * float((values - result).abs().sum()) + 1e-9
+    return REPORT_SLACK * abs(clip) * float(values.abs().sum()) + 1e-9
+
+
+def centred(
+    reports: Sequence[Sequence[float]], clips: Sequence[float], result: Sequence[float]
+) -> list[list[float]]:
+    """Each contributor's ``c_i <z_k, x_i - v>`` from its report ``c_i <z_k, x_i>`` and the
+    result's projections ``<z_k, v>``."""
+    return [
+        [a - clip * b for a, b in zip(row, result, strict=True)]
+        for row, clip in zip(reports, clips, strict=True)
+    ]
 
 
 def tolerance(
@@ -99,16 +113,20 @@ def tolerance(
 
 
 def holds(
-    result: torch.Tensor, clips: Sequence[float], reports: Sequence[Sequence[float]]
+    result: torch.Tensor,
+    clips: Sequence[float],
+    reports: Sequence[Sequence[float]],
+    sign_bytes: torch.Tensor,
 ) -> tuple[bool, float]:
-    """Whether the contributors' reports of one chunk sum to zero within the tolerance, and the
-    largest |sum| / tolerance (under 1 passes)."""
+    """Whether the contributors' reports (``c_i <z_k, x_i>``) of one chunk and its ``result``
+    sum to zero within the tolerance, and the largest |sum| / tolerance (under 1 passes)."""
     if not reports:
         return True, 0.0
-    bounds = tolerance(result, clips, reports)
+    rows = centred(reports, clips, project(result, 1.0, sign_bytes))
+    bounds = tolerance(result, clips, rows)
     worst = 0.0
     for k, bound in enumerate(bounds):
-        total = math.fsum(r[k] for r in reports)
+        total = math.fsum(r[k] for r in rows)
         if not math.isfinite(total):
             return False, math.inf
         worst = max(worst, abs(total) / bound if bound > 0 else (0.0 if total == 0 else math.inf))

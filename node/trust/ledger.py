@@ -82,7 +82,8 @@ class Flag(enum.StrEnum):
     FALSE_REPORT = "false_report"  # its check report or secret contradicts what it signed
     FORGERY = "forgery"  # as an owner, it listed a commitment a member never signed
     FAILED_AUDIT = "failed_audit"  # its part, aggregated again from the signed chunks, differs
-    SILENT = "silent"  # it revealed or reported nothing in time: a part went unchecked
+    SILENT = "silent"  # it revealed or reported nothing in time
+    WITHHELD = "withheld"  # as an owner, it sent this node every result but no account of them
 
 
 #: Flags no honest peer raises: one is enough to ban.
@@ -312,8 +313,14 @@ class TrustLedger:
                 gain - score.loss_gain_ema
             )
 
-    def dispute(self, round_: int, owners: Iterable[str]) -> None:
-        """Note owners that left this node's values out of ``round_`` (never a ban)."""
+    def dispute(
+        self,
+        round_: int,
+        owners: Iterable[str],
+        why: str = "left this node's values out of its part",
+    ) -> None:
+        """Note owners that left this node's values out of ``round_``, or that others say broke
+        a rule towards them (never a ban: nobody can prove it)."""
         with self._lock:
             for owner in owners:
                 score = self.scores.setdefault(owner, PeerScore())
@@ -322,7 +329,7 @@ class TrustLedger:
                 disputes.append(round_)
                 del disputes[:-64]
                 self.dispute_count += 1
-                log.warning("round %d: %s left this node's values out of its part", round_, owner)
+                log.warning("round %d: %s %s", round_, owner, why)
 
     def _judge(
         self, round_: int, peer_id: str, seen: Observation, evidence: bytes | None = None

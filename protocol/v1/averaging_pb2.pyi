@@ -159,22 +159,26 @@ class PartAccount(_message.Message):
     def __init__(self, key: _Optional[_Union[RoundKey, _Mapping]] = ..., owner: _Optional[str] = ..., part: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[ChunkAccount, _Mapping]]] = ..., members: _Optional[_Iterable[int]] = ..., commitments: _Optional[_Iterable[bytes]] = ..., header_auths: _Optional[_Iterable[_Union[_auth_pb2.Auth, _Mapping]]] = ...) -> None: ...
 
 class Reveal(_message.Message):
-    __slots__ = ("secret", "accounts")
+    __slots__ = ("secret", "accounts", "unaccounted")
     SECRET_FIELD_NUMBER: _ClassVar[int]
     ACCOUNTS_FIELD_NUMBER: _ClassVar[int]
+    UNACCOUNTED_FIELD_NUMBER: _ClassVar[int]
     secret: bytes
     accounts: _containers.RepeatedCompositeFieldContainer[Signed]
-    def __init__(self, secret: _Optional[bytes] = ..., accounts: _Optional[_Iterable[_Union[Signed, _Mapping]]] = ...) -> None: ...
+    unaccounted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, secret: _Optional[bytes] = ..., accounts: _Optional[_Iterable[_Union[Signed, _Mapping]]] = ..., unaccounted: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PartReport(_message.Message):
-    __slots__ = ("part", "projections", "payload_sha256")
+    __slots__ = ("part", "projections", "payload_sha256", "seed")
     PART_FIELD_NUMBER: _ClassVar[int]
     PROJECTIONS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     part: int
     projections: _containers.RepeatedScalarFieldContainer[float]
     payload_sha256: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, part: _Optional[int] = ..., projections: _Optional[_Iterable[float]] = ..., payload_sha256: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    seed: bytes
+    def __init__(self, part: _Optional[int] = ..., projections: _Optional[_Iterable[float]] = ..., payload_sha256: _Optional[_Iterable[bytes]] = ..., seed: _Optional[bytes] = ...) -> None: ...
 
 class Report(_message.Message):
     __slots__ = ("parts",)

@@ -8,12 +8,14 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from typing import Any
 
 import grpc
 import pytest
 import torch
 
-from swarmgrad.node.averaging import audits, checks, evidence
+from swarmgrad.node.averaging import audits, checks, evidence, reports
+from swarmgrad.node.averaging.accounts import CheckedPart
 from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
 from swarmgrad.node.averaging.averager import Averager, standalone
 from swarmgrad.node.averaging.group import Group, Member, chunk_sizes
@@ -25,7 +27,13 @@ from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.protocol.auth import sign_statement
 from swarmgrad.protocol.averaging import ACCOUNT_STATEMENT, CHECK_STATEMENT, check_method, seal
 from swarmgrad.protocol.v1 import averaging_pb2
-from swarmgrad.simulations.attacks import Attack, Attacker, NaNPayloads, lying_result
+from swarmgrad.simulations.attacks import (
+    Attack,
+    Attacker,
+    NaNPayloads,
+    false_report,
+    lying_result,
+)
 from tests.helpers import until
 
 CHUNK = 4096
@@ -280,10 +288,17 @@ async def test_a_lying_owner_is_convicted_in_the_round_it_lies() -> None:
         assert all(p.checks["failed"] == 1 for p in honest)
 
 
-async def test_a_member_that_frames_an_owner_with_false_reports_is_convicted_instead() -> None:
+async def test_a_member_that_frames_an_owner_with_false_reports_is_convicted_instead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     async with swarm(5) as peers:
         honest, framer = peers[:4], peers[4]
-        framer.false_reports = True
+        honest_report, framing = checks.own_report, false_report(checks.own_report)
+
+        def report(part: CheckedPart, me: int, *rest: Any) -> averaging_pb2.PartReport:
+            return (framing if me == 4 else honest_report)(part, me, *rest)
+
+        monkeypatch.setattr(checks, "own_report", report)
         results = await average(peers, honest_updates(0, 5), 0)
         for peer in honest:
             # Every owner showed the framer's signed chunks: the framer is banned, nobody else.
@@ -302,17 +317,17 @@ async def test_a_check_report_of_the_wrong_shape_is_refused_and_the_round_goes_o
     the honest members' sums."""
     async with swarm(5) as peers:
         honest, sender = peers[:4], peers[4]
-        honest_report = checks._report
+        honest_report = checks.own_report
 
-        def reshaped(run: checks.CheckRun, part: checks.CheckedPart) -> averaging_pb2.PartReport:
-            report = honest_report(run, part)
-            if run.signer.peer_id == sender.peer_id and report.projections:
+        def reshaped(part: CheckedPart, me: int, *rest: Any) -> averaging_pb2.PartReport:
+            report = honest_report(part, me, *rest)
+            if me == peers.index(sender) and report.projections:
                 chunks = len(report.projections) // 8
                 del report.projections[:]
                 report.projections.extend([0.5] * projections_per_chunk * chunks)
             return report
 
-        monkeypatch.setattr(checks, "_report", reshaped)
+        monkeypatch.setattr(checks, "own_report", reshaped)
         results = await average(peers, honest_updates(0, 5), 0)
         assert all(isinstance(r, RoundResult) for r in results[:4]), results
         assert not any(p.ledger.bans.keys() - {sender.peer_id} for p in honest)
@@ -566,27 +581,27 @@ def collude(monkeypatch: pytest.MonkeyPatch, owner: Averager, colluder: Averager
         shifts[index] = told - value  # the pair share what the lie is
         return told
 
-    honest_report = checks._report
+    honest_report = checks.own_report
 
-    def covering(run: checks.CheckRun, part: checks.CheckedPart) -> averaging_pb2.PartReport:
-        report = honest_report(run, part)
-        if run.signer.peer_id != colluder.peer_id or part.part != 4:
+    def covering(part: CheckedPart, me: int, *rest: Any) -> averaging_pb2.PartReport:
+        report = honest_report(part, me, *rest)
+        if me != 3 or part.part != 4:  # the colluder, on its owner's part
             return report
         cover: list[float] = []
         for index, chunk in enumerate(part.account.chunks):
-            if run.me in chunk.contributors:  # what the lie takes from the sum, given back
+            if me in chunk.contributors:  # what the lie takes from the sum, given back
                 shift, vectors = (
                     shifts[index],
                     signs(part.seed, index, part.numels[index]),
                 )
-                cover += project(shift, torch.zeros_like(shift), sum(chunk.clip), vectors)
+                cover += project(shift, sum(chunk.clip), vectors)
         covered = [x + c for x, c in zip(report.projections, cover, strict=True)]
         del report.projections[:]
         report.projections.extend(covered)
         return report
 
     owner.tamper_results = lie
-    monkeypatch.setattr(checks, "_report", covering)
+    monkeypatch.setattr(checks, "own_report", covering)
     monkeypatch.setattr(audits, "choose", lambda parts, _: 4 if 4 in parts else None)
 
 
@@ -650,7 +665,7 @@ async def test_a_colluding_owner_whose_account_lists_a_malformed_key_is_still_ca
         def broken(public_key: bytes) -> str:
             raise ValueError(f"an Ed25519 public key has 32 bytes, got {len(public_key)}")
 
-        monkeypatch.setattr(audits, "peer_id_of", broken)
+        monkeypatch.setattr(reports, "peer_id_of", broken)
         results = await average(peers, honest_updates(1, 5), 1)
         assert all(isinstance(r, RoundResult) and r.complete for r in results)
         await audited(honest, 1)
@@ -717,7 +732,8 @@ async def test_an_owner_that_cannot_show_the_chunks_it_averaged_fails_its_audit(
                 await ask(part, chunk, member)
             assert refused.value.code() == status
         start, end = group.partition(SIZE)[1]
-        worth = 4 * len(chunk_sizes(end - start, CHUNK))  # one audit: every member's chunks
+        # Two audits' worth: every member's chunks (an audit, or stand-ins for missing reports).
+        worth = 2 * 4 * len(chunk_sizes(end - start, CHUNK))
         for _ in range(worth - 1):
             await ask(1, 0, 0)
         with pytest.raises(grpc.aio.AioRpcError) as refused:

@@ -40,10 +40,10 @@ def _check(
         value += shift * (lie * float(value.norm()) / float(shift.norm()))
     result = decode(*FP16.encode(value))  # what members receive
     vectors = signs(
-        part_seed(secrets.token_bytes(32), [secrets.token_bytes(32)]), 0, result.numel()
+        part_seed(secrets.token_bytes(32), {0: secrets.token_bytes(32)}), 0, result.numel()
     )
-    reports = [project(xs[i], result, outcome.clip[i], vectors) for i in outcome.used]
-    return holds(result, [outcome.clip[i] for i in outcome.used], reports)
+    reports = [project(xs[i], outcome.clip[i], vectors) for i in outcome.used]
+    return holds(result, [outcome.clip[i] for i in outcome.used], reports, vectors)
 
 
 def test_honest_results_pass_and_lies_of_one_percent_fail() -> None:
@@ -66,13 +66,16 @@ def _bits(sign_bytes: torch.Tensor) -> torch.Tensor:
 
 
 def test_sign_vectors_follow_the_seed_and_the_chunk() -> None:
-    seed = part_seed(b"account", [b"a" * 32, b"b" * 32])
+    seed = part_seed(b"account", {0: b"a" * 32, 1: b"b" * 32})
     a = signs(seed, 0, 1000)
     assert a.shape == (1000,)
     assert a.dtype == torch.uint8
     assert torch.equal(a, signs(seed, 0, 1000))
     assert not torch.equal(a, signs(seed, 1, 1000))
-    assert part_seed(b"account", [b"a" * 32, b"c" * 32]) != seed
+    assert part_seed(b"account", {0: b"a" * 32, 1: b"c" * 32}) != seed
+    # Which members' secrets are in is part of the seed (a silent member is left out of it).
+    assert part_seed(b"account", {0: b"a" * 32, 2: b"b" * 32}) != seed
+    assert part_seed(b"account", {0: b"a" * 32}) != seed
     # Each of the 8 sign vectors (a bit of every byte) is balanced: about half of it is +1.
     bits = _bits(a)
     assert all(abs(float(share) - 0.5) < 0.06 for share in bits.double().mean(1)), bits.mean(1)
@@ -82,11 +85,11 @@ def test_a_report_is_the_projection_on_the_sign_vectors() -> None:
     """The one-pass report equals the dot products with the explicit +-1 vectors."""
     g = torch.Generator().manual_seed(7)
     d, clip = 5000, 0.6
-    values, result = torch.randn(d, generator=g), torch.randn(d, generator=g)
+    values = torch.randn(d, generator=g)
     a = signs(bytes(32), 3, d)
     vectors = _bits(a) * 2 - 1
-    expected = (clip * (vectors.double() @ (values - result).double())).tolist()
-    got = project(values, result, clip, a)
+    expected = (clip * (vectors.double() @ values.double())).tolist()
+    got = project(values, clip, a)
     assert len(got) == PROJECTIONS
     assert all(abs(x - y) <= 1e-9 * (1 + abs(y)) for x, y in zip(got, expected, strict=True))
 
@@ -99,12 +102,12 @@ def test_a_report_recomputed_elsewhere_agrees_within_its_slack_and_a_cover_does_
     d, clip = 16384, 0.8
     values, result = torch.randn(d, generator=g), 0.5 * torch.randn(d, generator=g)
     vectors = signs(bytes(32), 0, d)
-    mine = project(values, result, clip, vectors)
-    slack = report_slack(values, result, clip)
+    mine = project(values, clip, vectors)
+    slack = report_slack(values, clip)
     for trial in range(5):
         order = torch.randperm(d, generator=g)
-        theirs = project(values[order], result[order], clip, vectors[order])
+        theirs = project(values[order], clip, vectors[order])
         assert all(abs(a - b) <= slack / 10 for a, b in zip(mine, theirs, strict=True)), trial
     shift = torch.full((d,), 0.01 * float(result.norm()) / d**0.5)  # a 1% lie of the owner
-    cover = project(shift, torch.zeros(d), 4 * clip, vectors)  # what 4 contributors lose to it
+    cover = project(shift, 4 * clip, vectors)  # what 4 contributors lose to it
     assert max(abs(x) for x in cover) > 5 * slack  # the check fails on any of the 8
