@@ -350,19 +350,14 @@ def status(
         raise _fail(EXIT_CONFIG, str(error)) from None
     run_id = loaded.run.id if loaded is not None else str(run)
     pipeline = loaded.pipeline if loaded is not None and loaded.pipeline.stages > 1 else None
-    stage_specs = (
-        [loaded.stage_spec(k) for k in range(pipeline.stages)]
-        if loaded is not None and pipeline is not None
-        else []
-    )
     try:
-        rows = tasks.run(
+        found = tasks.run(
             lambda stop: tasks.unless_stopped(
                 stop,
                 run_peers(
                     bootstrap=maddrs,
                     run_id=run_id,
-                    spec_hash=loaded.hash if loaded is not None else None,
+                    spec=loaded,
                     timeout_seconds=timeout,
                     backend=discovery
                     or (loaded.node.discovery if loaded is not None else "hivemind"),
@@ -371,7 +366,6 @@ def status(
                         if dht_secret is not None
                         else (loaded.node.dht_secret if loaded is not None else "")
                     ),
-                    stages=[(stage.run.id, stage.hash) for stage in stage_specs],
                 ),
             )
         )
@@ -385,6 +379,7 @@ def status(
         raise _fail(
             EXIT_NETWORK, f"could not read the run's peers: no answer from the DHT in {timeout:g} s"
         ) from None
+    rows = found.rows
     stages = (
         stage_summary(rows, pipeline.spans(loaded.model.n_layers))
         if loaded is not None and pipeline is not None
@@ -393,11 +388,21 @@ def status(
     if as_json:
         typer.echo(
             json.dumps(
-                {"run": run_id, "peers": rows, "stages": stages, "scores": scored, "traffic": seen},
+                {
+                    "run": run_id,
+                    "peers": rows,
+                    "not_on_allowlist": found.not_on_allowlist,
+                    "warnings": found.warnings,
+                    "stages": stages,
+                    "scores": scored,
+                    "traffic": seen,
+                },
                 indent=1,
             )
         )
         return
+    for warning in found.warnings:
+        typer.echo(f"warning: {warning}")
     table = Table(title=f"run {run_id}: {len(rows)} peer(s)")
     columns = ("peer", "spec", "role", "epoch", "samples/s", "endpoint", "reached", "seen")
     for column in columns:
@@ -423,6 +428,8 @@ def status(
             f"{row['last_seen_seconds']:.0f} s ago",
         )
     Console().print(table)
+    if found.not_on_allowlist:
+        typer.echo(f"not on the allowlist: {found.not_on_allowlist} (peer records left out)")
     if stages is not None:
         Console().print(stages_table(stages))
     print_files()

@@ -269,6 +269,7 @@ def node_config(
             bandwidth=cli.bandwidth,
             upload_bytes_per_second=cli.upload_bytes_per_second,
             bans_path=checkpoint_dir / "bans.json",
+            run_key_id=known_run_key(spec.run.id, environ) or "",
         )
     except ValueError as error:
         raise ConfigError(str(error)) from None

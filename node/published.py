@@ -7,7 +7,10 @@ lives at most 180 s, so a run nobody publishes any more drops out of the list). 
 *fingerprint* is its peer id (``sg...``): a volunteer is given it once, the way one is given an
 SSH host key, and ``swarmgrad join RUN_ID --run-key-id sg...`` accepts only the spec that key
 sealed, checks that it parses and hashes to what it claims, and remembers the fingerprint for
-the run id (a later join of that run under another key is refused).
+the run id (a later join of that run under another key is refused). A node of that run then heeds
+only the specs its run key published (``node/discovery/directory.py``), and ``swarmgrad runs``
+shows every spec that claims a run id, with the full fingerprint of the key that published it,
+or none.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from typing import Any
 
 from swarmgrad.node.discovery.base import Discovery, dht_time
 from swarmgrad.node.discovery.envelope import Envelope
+from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec, RunSpecError
-from swarmgrad.node.trust.allowlist import Allowlist
+from swarmgrad.node.trust.allowlist import Allowlist, AllowlistError
 from swarmgrad.protocol.errors import SetupError
 
 log = logging.getLogger(__name__)
@@ -36,6 +40,9 @@ PUBLISHED_TTL_SECONDS = 150.0
 RENEW_SECONDS = 50.0
 #: How often ``publish`` reads a private run's allowlist file for changes.
 ALLOWLIST_CHECK_SECONDS = 2.0
+#: Specs no run key published that ``runs`` lists per run id (with a DHT read each); anyone can
+#: announce thousands, the rest are only counted.
+MAX_UNSIGNED_ROWS = 8
 
 
 class RunNotFound(SetupError):
@@ -144,26 +151,94 @@ async def publish(
             await asyncio.wait_for(stop.wait(), ALLOWLIST_CHECK_SECONDS)
 
 
+def allowlist_of(envelopes: Sequence[Envelope], run_key_id: str) -> Allowlist | None:
+    """The newest allowlist among ``envelopes`` that ``run_key_id`` sealed (None: none holds)."""
+    best: Allowlist | None = None
+    for envelope in envelopes:
+        if envelope.signer != run_key_id:
+            continue  # anyone may file a value there; only the run key's counts
+        try:
+            candidate = Allowlist.parse(envelope.body)
+        except AllowlistError:
+            continue
+        if best is None or candidate.version > best.version:
+            best = candidate
+    return best
+
+
+def on_allowlist(
+    peers: Sequence[PeerRecord], spec: RunSpec, allowlists: Sequence[Envelope]
+) -> tuple[list[PeerRecord], int]:
+    """The run's peers among ``peers``, and how many others there were: in a private run, the
+    peers not on the allowlist its run key sealed are none of its peers (with no allowlist
+    read, no one is: its nodes admit nobody until they read one)."""
+    if not spec.trust.private:
+        return list(peers), 0
+    allowed = allowlist_of(allowlists, spec.trust.run_key)
+    kept = [peer for peer in peers if allowed is not None and peer.peer_id in allowed.peers]
+    return kept, len(peers) - len(kept)
+
+
+def announced_spec(body: bytes, spec_hash: str) -> RunSpec | None:
+    """The spec a node announced (its canonical JSON), if it parses back to ``spec_hash``."""
+    try:
+        raw = json.loads(body)
+        spec = RunSpec.from_dict(raw) if isinstance(raw, dict) else None
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RunSpecError is a ValueError
+        return None
+    return spec if spec is not None and spec.hash.hex() == spec_hash else None
+
+
 async def run_rows(dht: Discovery) -> list[dict[str, Any]]:
-    """One row per published run: id, run key, spec summary, and its peers as the DHT shows."""
+    """One row per claim on a published run's id: each spec a run key published under it (by
+    key), then each spec nodes announce under it that no run key published; each with its
+    peers as the DHT shows them (a private run's: those on its allowlist) and how many claims
+    its run id has (more than one: all but one are not the organizer's; past
+    :data:`MAX_UNSIGNED_ROWS` specs no run key published, the rest have no row)."""
+    found = listings(await dht.find_runs())
     rows = []
-    for listing in listings(await dht.find_runs()):
-        spec = listing.spec
-        peers = await dht.for_run(spec.run.id, spec.hash).find()
-        rows.append(
-            {
-                "run_id": spec.run.id,
-                "run_key_id": listing.run_key_id,
-                "spec_hash": spec.short_hash,
-                "model": f"d{spec.model.d_model} x {spec.model.n_layers} layers",
-                "algorithm": spec.algorithm.name,
-                "codec": spec.averaging.codec,
-                "trust": spec.trust.mode,
-                "peers": len(peers),
-                "epoch": max((p.epoch for p in peers), default=0),
-            }
-        )
+    for run_id in sorted({listing.run.run_id for listing in found}):
+        claims: list[tuple[str, str, RunSpec | None]] = [
+            (listing.run_key_id, listing.run.spec_hash, listing.spec)
+            for listing in found
+            if listing.run.run_id == run_id
+        ]
+        announced = await dht.for_run(run_id, bytes(32)).find_specs()
+        unsigned = sorted(set(announced) - {claim[1] for claim in claims})
+        total = len(claims) + len(unsigned)
+        for spec_hash in unsigned[:MAX_UNSIGNED_ROWS]:
+            claims.append(("", spec_hash, announced_spec(announced[spec_hash], spec_hash)))
+        for run_key_id, spec_hash, spec in claims:
+            row = await _run_row(dht, run_id, spec_hash, spec)
+            rows.append(row | {"run_key_id": run_key_id, "claims": total})
     return rows
+
+
+async def _run_row(
+    dht: Discovery, run_id: str, spec_hash: str, spec: RunSpec | None
+) -> dict[str, Any]:
+    view = dht.for_run(run_id, bytes.fromhex(spec_hash))
+    peers = await view.find()
+    strangers = 0
+    if spec is not None and spec.trust.private:
+        peers, strangers = on_allowlist(peers, spec, await view.find_allowlists())
+    summary: dict[str, Any] = {"model": "?", "algorithm": "?", "codec": "?", "trust": "?"}
+    if spec is not None:
+        summary = {
+            "model": f"d{spec.model.d_model} x {spec.model.n_layers} layers",
+            "algorithm": spec.algorithm.name,
+            "codec": spec.averaging.codec,
+            "trust": spec.trust.mode,
+        }
+    return {
+        "run_id": run_id,
+        "spec_hash": spec_hash[:12],
+        "spec_sha256": spec_hash,
+        **summary,
+        "peers": len(peers),
+        "not_on_allowlist": strangers,
+        "epoch": max((p.epoch for p in peers), default=0),
+    }
 
 
 async def fetch(dht: Discovery, run_id: str, run_key_id: str) -> Listing:

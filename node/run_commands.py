@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 
@@ -107,8 +107,14 @@ def publish(
             )
         if allowlist is not None:
             node_config.read_allowlist(allowlist)  # a bad file fails now, not in the loop
+        # This machine's nodes of the run then heed only the specs this key publishes: a
+        # look-alike announced under the run id cannot keep them out (the organizer's seeds).
+        known = node_config.known_run_key(loaded.run.id)
+        node_config.remember_joined_run(loaded.run.id, key.peer_id, text)
     except SetupError as error:
         raise fail(EXIT_CONFIG, str(error)) from None
+    if known is not None and known != key.peer_id:
+        typer.echo(f"run {loaded.run.id}: this machine's run key was {known}; now {key.peer_id}")
 
     def read_allowlist() -> list[str]:
         assert allowlist is not None
@@ -147,7 +153,8 @@ def runs(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON, not a table.")] = False,
     timeout: Timeout = 30.0,
 ) -> None:
-    """List the runs published in the DHT: id, run key, spec, peers, epoch."""
+    """List the runs published in the DHT: id, run key, spec, peers, epoch; and every spec that
+    claims a published run's id, with the run key that published it (or none)."""
     import json
 
     from rich.console import Console
@@ -168,13 +175,51 @@ def runs(
     if as_json:
         typer.echo(json.dumps(rows, indent=1))
         return
-    table = Table(title=f"{len(rows)} published run(s)")
+    table = Table(title=f"{len({row['run_id'] for row in rows})} published run(s)")
     keys = ("run_id", "run_key_id", "spec_hash", "model", "algorithm", "codec", "trust", "peers")
     for column in (*keys, "epoch"):
-        table.add_column(column.replace("_id", "").replace("_", " "))
+        # Folded, never cut: two claims on a run id may differ only in their keys' last letters.
+        folded = column in ("run_id", "run_key_id", "model")
+        table.add_column(column.replace("_id", "").replace("_", " "), overflow="fold",
+                         no_wrap=not folded)  # fmt: skip
     for row in rows:
-        table.add_row(*(str(row[k]) for k in (*keys, "epoch")))
-    Console().print(table)
+        cells = row | {"run_key_id": row["run_key_id"] or "none", "peers": _peers_cell(row)}
+        table.add_row(*(str(cells[k]) for k in (*keys, "epoch")))
+    console = Console()
+    if not console.is_terminal:  # a pipe or a file: each row on one line, keys whole
+        console = Console(width=max(console.width, 200))
+    console.print(table)
+    for line in _claims(rows):
+        typer.echo(line)
+
+
+def _peers_cell(row: dict[str, Any]) -> str:
+    strangers = row["not_on_allowlist"]
+    return f"{row['peers']} (not on the allowlist: {strangers})" if strangers else str(row["peers"])
+
+
+def _claims(rows: list[dict[str, Any]]) -> list[str]:
+    """Plain lines (a table may fold) for each run id with several claims: each spec and the
+    full fingerprint of the run key that published it, or none."""
+    lines = []
+    for run_id in dict.fromkeys(row["run_id"] for row in rows):
+        claims = [row for row in rows if row["run_id"] == run_id]
+        if claims[0]["claims"] < 2:
+            continue
+        lines.append(f"{claims[0]['claims']} claims on run id {run_id!r}, by spec and run key:")
+        for row in claims:
+            by = row["run_key_id"]
+            signer = (
+                f"signed by run key {by}" if by else "signed by no run key (announced by nodes)"
+            )
+            lines.append(f"  spec {row['spec_sha256']}  {signer}")
+        if claims[0]["claims"] > len(claims):
+            lines.append(f"  and {claims[0]['claims'] - len(claims)} more signed by no run key")
+        lines.append(
+            "  Join with the run key fingerprint its organizer gave you (--run-key-id): a node "
+            "of the run ignores specs that key did not publish."
+        )
+    return lines
 
 
 def join(

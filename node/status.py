@@ -1,35 +1,63 @@
 """``swarmgrad status``: a run's peers as the DHT shows them, read by a short-lived DHT node (a
 pipeline's stage replicas too, with a row per stage), and from a node's status file what one node
 of an open run thinks of each peer (``--scores``) or what a pipeline trainer saw of each stage
-(``--traffic``). Status files are strict JSON: a number not known (NaN) is null there."""
+(``--traffic``). Status files are strict JSON: a number not known (NaN) is null there. A private
+run's peers are those on its allowlist (the others are counted apart), and a pipeline that is not
+private is flagged: its stage replicas are trusted."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
-from swarmgrad.node.discovery.base import dht_time
+from swarmgrad.node.discovery.base import Discovery, dht_time
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.discovery.start import start_reader
+from swarmgrad.node.published import announced_spec, on_allowlist
+from swarmgrad.node.runspec import RunSpec
+
+
+@dataclass(frozen=True, slots=True)
+class RunPeers:
+    """A run's peers as the DHT shows them."""
+
+    #: One per peer record of the run (a private run's: of the peers on its allowlist).
+    rows: list[dict[str, Any]]
+    #: Private runs: peer records of peers not on the allowlist, left out of ``rows``.
+    not_on_allowlist: int = 0
+    #: What the user must know about whom the run trusts (:func:`trust_warnings`).
+    warnings: list[str] = field(default_factory=list)
+
+
+def trust_warnings(spec: RunSpec) -> list[str]:
+    """A pipeline's stage replicas are trusted: nothing checks the activations and gradients
+    they return (a replica's x(-3) gradients went unnoticed), so a pipeline that is not a
+    private run lets whoever reaches its DHT corrupt its training unseen."""
+    if not spec.pipeline.enabled or spec.trust.private:
+        return []
+    return [
+        f"run {spec.run.id!r} uses pipeline stages and is not a private run: stage replicas "
+        "are trusted, and wrong activations or gradients from one go unnoticed. Let only "
+        "machines you trust serve its stages (README, Pipeline stages)."
+    ]
 
 
 async def run_peers(
     *,
     bootstrap: Sequence[str],
     run_id: str,
-    spec_hash: bytes | None,
+    spec: RunSpec | None,
     timeout_seconds: float,
     backend: str = "hivemind",
     network_secret: str = "",
-    stages: Sequence[tuple[str, bytes]] = (),
-) -> list[dict[str, Any]]:
-    """One row per peer record of ``run_id`` (of ``spec_hash``, or of every spec in use), then
-    of each of a pipeline's ``stages`` (their run ids and spec hashes).
+) -> RunPeers:
+    """The peers of ``run_id`` (of ``spec`` and its pipeline's stages, or of every spec in use).
 
     The reader joins the DHT with a throwaway identity: it announces nothing.
     """
@@ -40,22 +68,42 @@ async def run_peers(
             network_secret=network_secret,
             timeout_seconds=timeout_seconds,
             run_id=run_id,
-            spec_hash=spec_hash or bytes(32),
+            spec_hash=spec.hash if spec is not None else bytes(32),
         )
         try:
-            if spec_hash is not None:
-                hashes = [spec_hash]
+            specs: list[tuple[str, RunSpec | None]]
+            if spec is not None:
+                specs = [(spec.hash.hex(), spec)]
             else:
-                hashes = [bytes.fromhex(h) for h in sorted(await discovery.find_specs())]
-            views = [discovery.for_spec(each) for each in hashes]
-            views += [discovery.for_run(stage_run, stage_hash) for stage_run, stage_hash in stages]
-            rows = []
-            for view in views:
-                records = await view.find()
-                rows += [_row(record, dht_time()) for record in records]
-            return rows
+                announced = await discovery.find_specs()
+                specs = [(h, announced_spec(announced[h], h)) for h in sorted(announced)]
+            rows, strangers, warnings = [], 0, []
+            for spec_hash, each in specs:
+                view = discovery.for_spec(bytes.fromhex(spec_hash))
+                views = [view]
+                if each is not None and spec is not None and each.pipeline.enabled:
+                    stages = [each.stage_spec(k) for k in range(each.pipeline.stages)]
+                    views += [discovery.for_run(stage.run.id, stage.hash) for stage in stages]
+                found, left_out = await _members(view, views, each)
+                rows += [_row(record, dht_time()) for record in found]
+                strangers += left_out
+                warnings += trust_warnings(each) if each is not None else []
+            return RunPeers(
+                rows, not_on_allowlist=strangers, warnings=list(dict.fromkeys(warnings))
+            )
         finally:
             await discovery.close()
+
+
+async def _members(
+    run: Discovery, views: Sequence[Discovery], spec: RunSpec | None
+) -> tuple[list[PeerRecord], int]:
+    """The peer records under ``views``; in a private run, only the peers on the allowlist
+    its run key sealed under ``run``, and how many were not."""
+    records = [record for view in views for record in await view.find()]
+    if spec is None or not spec.trust.private:
+        return records, 0
+    return on_allowlist(records, spec, await run.find_allowlists())
 
 
 def _row(record: PeerRecord, now: float) -> dict[str, Any]:

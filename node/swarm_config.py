@@ -51,6 +51,8 @@ class SwarmConfig:
     reachability_wait_seconds: float = 15.0
     #: Open runs: where this node's bans are kept across restarts (None: in memory only).
     bans_path: Path | None = None
+    #: The run key this machine joined or published the run under ("": none; node/published.py).
+    run_key_id: str = ""
 
     def __post_init__(self) -> None:
         # Each part's own config checks its settings, here as when the part is built.
@@ -82,6 +84,7 @@ class SwarmConfig:
         return DirectoryConfig(
             record_ttl_seconds=self.record_ttl_seconds,
             announce_interval_seconds=self.announce_interval_seconds,
+            run_key_id=self.run_key_id,
         )
 
     def state_sync(self) -> StateSyncConfig:

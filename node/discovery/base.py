@@ -103,6 +103,10 @@ class Discovery(Protocol):
         """Every spec announced for the run id, by SHA-256 hex."""
         ...
 
+    async def find_spec_announcements(self) -> list[Envelope]:
+        """Every spec announced for the run id, each with its announcer (``signer``)."""
+        ...
+
     async def publish_run(self, run_key: Sealer, body: bytes, *, expires_at: float) -> None:
         """Publish a run (``node/published.py``) in its run key's slot under ``runs``."""
         ...
@@ -328,6 +332,9 @@ class SignedDirectory(abc.ABC):
             hashlib.sha256(envelope.body).hexdigest(): envelope.body
             for envelope, _ in await self._valid(self._specs_key)
         }
+
+    async def find_spec_announcements(self) -> list[Envelope]:
+        return [envelope for envelope, _ in await self._valid(self._specs_key)]
 
     async def leave(self, topic: str = "peers") -> None:
         """Overwrite this node's record under ``topic`` with a sealed, empty value.

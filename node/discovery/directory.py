@@ -2,7 +2,10 @@
 
 One ``PeerDirectory`` per node owns everything the node reads and writes under the ``peers``
 topic and the run's spec slots. It refuses to join a run whose peers train another spec
-(:class:`SpecMismatch`, with the differences spelled out), keeps this node's signed record fresh
+(:class:`SpecMismatch`, with the differences spelled out); a node whose spec is tied to a run key
+(joined or published under it, or the spec's ``trust.run_key``) heeds only the specs that key
+published for the run (``node/published.py``), since anyone may announce a look-alike under a
+run id. It keeps this node's signed record fresh
 (every ``announce_interval_seconds``, and soon after :meth:`changed`), and holds the one cached
 table of the run's peers that matchmaking, reachability, state sync and the metrics read.
 Readiness records for rounds are matchmaking's (``averaging/matchmaking.py``), not this table's.
@@ -11,6 +14,7 @@ Readiness records for rounds are matchmaking's (``averaging/matchmaking.py``), n
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +24,7 @@ from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.kinds import Failure
 from swarmgrad.node.metrics import Tallies
+from swarmgrad.node.published import listings
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.protocol.errors import SetupError
 
@@ -27,6 +32,8 @@ log = logging.getLogger(__name__)
 
 #: Room under the DHT's lifetime cap for a leave, which outlives the record it withdraws.
 MAX_RECORD_TTL_SECONDS = MAX_TTL_SECONDS - 30.0
+#: Ignored specs, and announcers of each, named in the log (a DHT key holds thousands).
+MAX_NAMED = 5
 
 
 class SpecMismatch(SetupError):
@@ -37,6 +44,9 @@ class SpecMismatch(SetupError):
 class DirectoryConfig:
     record_ttl_seconds: float = 60.0
     announce_interval_seconds: float = 15.0
+    #: The run key (sg...) this node's run was joined or published under ("": none); with the
+    #: spec's ``trust.run_key``, the keys whose published specs the spec check heeds.
+    run_key_id: str = ""
 
     def __post_init__(self) -> None:
         if not 0 < self.announce_interval_seconds < self.record_ttl_seconds:
@@ -68,27 +78,87 @@ class PeerDirectory:
         self._own_record, self._tallies, self._seen = own_record, tallies, seen
         self._changed = asyncio.Event()
         self._closed = False
+        self._ignored: set[str] = set()  # specs no run key of this node's published, logged
         #: The run's trainers as last read from the DHT (this node included).
         self.peers: list[PeerRecord] = []
 
+    @property
+    def run_keys(self) -> frozenset[str]:
+        """The run keys this node's spec is tied to (empty: none, any announced spec counts)."""
+        return frozenset(key for key in (self.config.run_key_id, self.spec.trust.run_key) if key)
+
     async def check_spec(self) -> None:
-        """Refuse to join a run whose peers use another spec (and announce ours)."""
+        """Refuse to join a run whose peers use another spec (and announce ours); with run keys,
+        only another spec one of them published counts, the rest are logged and ignored."""
         mine = self.spec.hash.hex()
-        specs = await self.discovery.find_specs()
+        specs: dict[str, bytes] = {}
+        announcers: dict[str, list[str]] = {}
+        for each in await self.discovery.find_spec_announcements():
+            spec_hash = hashlib.sha256(each.body).hexdigest()
+            specs[spec_hash] = each.body
+            announcers.setdefault(spec_hash, []).append(each.signer)
         others = {h: body for h, body in specs.items() if h != mine}
+        signed: dict[str, str] = {}
+        if others and self.run_keys:
+            signed = await self._signed_specs()
+            self._ignore({h: announcers[h] for h in others if h not in signed})
+            others = {h: body for h, body in others.items() if h in signed}
         if others and mine not in specs:
             first_hash, first = sorted(others.items())[0]
             diffs = "; ".join(self.spec.differences(first)) or "unknown fields"
+            by = f", published by its run key {signed[first_hash]}" if first_hash in signed else ""
             raise SpecMismatch(
                 f"run {self.spec.run.id!r} is being trained with a different run spec "
-                f"({first_hash[:12]}, yours is {mine[:12]}): {diffs}. Use the run's spec file "
-                f"(or pick another run id) to join."
+                f"({first_hash[:12]}{by}; yours is {mine[:12]}): {diffs}. Use the run's spec "
+                f"file (or pick another run id) to join."
             )
         try:
             await self._announce_spec()
         except DiscoveryError as error:  # the announce loop publishes it again: not fatal
             self._tallies.failed("announce failed", Failure.DISCOVERY)
             log.warning("could not announce the run spec yet: %s", error)
+
+    async def _signed_specs(self) -> dict[str, str]:
+        """The specs (hex hash) of this node's run id that its run keys published -> the key;
+        a pipeline's published spec vouches for its stages' specs too."""
+        keys, run_id = self.run_keys, self.spec.run.id
+        ours = [each for each in await self.discovery.find_runs() if each.signer in keys]
+        signed = {}
+        for listing in listings(ours):
+            spec = listing.spec
+            pipeline = spec.pipeline
+            stages = (
+                [spec.stage_spec(k) for k in range(pipeline.stages)] if pipeline.enabled else []
+            )
+            for each in (spec, *stages):
+                if each.run.id == run_id:
+                    signed[each.hash.hex()] = listing.run_key_id
+        return signed
+
+    def _ignore(self, announcers: dict[str, list[str]]) -> None:
+        """Log each spec (hex hash) ignored, with who announced it, once."""
+        new = sorted(set(announcers) - self._ignored)
+        self._ignored.update(new)
+        keys = ", ".join(sorted(self.run_keys))
+        for spec_hash in new[:MAX_NAMED]:
+            names = sorted(announcers[spec_hash])
+            log.warning(
+                "ignoring run spec %s announced under run %r by %s%s: no run key of this "
+                "node's run (%s) published it",
+                spec_hash[:12],
+                self.spec.run.id,
+                ", ".join(names[:MAX_NAMED]),
+                f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "",
+                keys,
+            )
+        if len(new) > MAX_NAMED:
+            log.warning(
+                "ignoring %d more run specs under run %r: no run key of this node's run (%s) "
+                "published them",
+                len(new) - MAX_NAMED,
+                self.spec.run.id,
+                keys,
+            )
 
     async def _announce_spec(self) -> None:
         await self.discovery.announce_spec(

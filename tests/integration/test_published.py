@@ -4,8 +4,10 @@ look-alike another key publishes under the same run id) and starts a node that t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,8 +17,13 @@ from typing import Any
 
 import pytest
 
+from swarmgrad.node.discovery.base import Discovery, dht_time
+from swarmgrad.node.discovery.records import PeerRecord
+from swarmgrad.node.discovery.start import DiscoveryConfig, start_discovery
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.published import PublishedRun
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.trust.allowlist import Allowlist
 from swarmgrad.simulations.launchers import LocalProcess
 from swarmgrad.simulations.processes import Child
 from tests.helpers import wait_for_pattern, wait_until
@@ -243,3 +250,129 @@ def test_a_private_run_refuses_strangers_until_the_allowlist_takes_them_in(
 
     wait_until(averaged_in_three, timeout_seconds=120, what="the newcomer averaging",
                check=alive)  # fmt: skip
+
+
+# -- hostile claims on a run id (issue 42) ------------------------------------------------------
+
+
+def maddrs_of(boot: list[str]) -> tuple[str, ...]:
+    return tuple(json.loads(Path(boot[1]).read_text())["maddrs"])
+
+
+async def announcer(boot: list[str], identity: Identity, spec: RunSpec) -> Discovery:
+    """A DHT node of this process in ``spec``'s run, as ``identity`` (a stranger's node)."""
+    return await start_discovery(DiscoveryConfig(initial_peers=maddrs_of(boot)), identity,
+                                 run_id=spec.run.id, spec_hash=spec.hash)  # fmt: skip
+
+
+async def test_a_look_alike_announced_under_the_run_id_keeps_no_volunteer_out(
+    tmp_path: Path, cache_dir: Path, processes: list[Child]
+) -> None:
+    boot = bootstrap(tmp_path, processes)
+    organizer, mallory = Identity.from_seed("look-alike/org"), Identity.from_seed("look-alike/m")
+    look_alike = SPEC.replace("d_model = 64", "d_model = 32")
+    for name, key, text in (("org", organizer, SPEC), ("mallory", mallory, look_alike)):
+        key.save(tmp_path / f"{name}.key")
+        (tmp_path / f"{name}.toml").write_text(text)
+        processes.append(
+            start("publish", str(tmp_path / f"{name}.toml"), "--run-key",
+                  str(tmp_path / f"{name}.key"), *boot, home=tmp_path / name,
+                  log=tmp_path / f"publish-{name}.log")
+        )  # fmt: skip
+    # Mallory's nodes announce the look-alike under the run id, and another spec no run key
+    # published (a node announces one spec, in its own slot).
+    specs = [
+        RunSpec.from_toml(look_alike),
+        RunSpec.from_toml(SPEC.replace("d_model = 64", "d_model = 16")),
+    ]
+    strangers = [Identity.from_seed(f"look-alike/mallory-node-{i}") for i in range(2)]
+    nodes = [await announcer(boot, node, spec) for node, spec in zip(strangers, specs, strict=True)]
+    try:
+        for node, spec in zip(nodes, specs, strict=True):
+            await node.announce_spec(spec.canonical(), expires_at=dht_time() + 150)
+        for name in ("org", "mallory"):
+            await asyncio.to_thread(wait_for_pattern, tmp_path / f"publish-{name}.log",
+                                    "published run", timeout_seconds=60)  # fmt: skip
+
+        # runs names every claim, each run key in full (the table folds; these lines do not).
+        code, out = await asyncio.to_thread(finish, swarmgrad("runs", *boot, home=tmp_path), 60)
+        assert code == 0, out
+        assert "3 claims on run id 'published-demo'" in out, out
+        for key, text in ((organizer, SPEC), (mallory, look_alike)):
+            spec_hash = RunSpec.from_toml(text).hash.hex()
+            assert f"spec {spec_hash}  signed by run key {key.peer_id}\n" in out, out
+        assert f"spec {specs[1].hash.hex()}  signed by no run key" in out, out
+
+        # A node tied to no run key refuses to join, as before: another spec is in use.
+        code, out = await asyncio.to_thread(
+            finish,
+            swarmgrad("node", str(tmp_path / "org.toml"), *boot, "--cache-dir", str(cache_dir),
+                      "--metrics-address", "off", "--display", "log",
+                      home=tmp_path / "unkeyed"),
+            120,
+        )  # fmt: skip
+        assert code == 3, out
+        assert "different run spec" in out
+
+        # The volunteer given the run key joins: the look-alikes are ignored, and named.
+        home, log = tmp_path / "volunteer", tmp_path / "join.log"
+        joiner = start("join", "published-demo", "--run-key-id", organizer.peer_id, *boot,
+                       "--cache-dir", str(cache_dir), "--metrics-address", "off",
+                       "--display", "log", home=home, log=log)  # fmt: skip
+        processes.append(joiner)
+
+        def running() -> None:
+            assert joiner.poll() is None, log.read_text()[-3000:]
+
+        await asyncio.to_thread(wait_for_pattern, log, "joined run published-demo",
+                                timeout_seconds=120, check=running)  # fmt: skip
+        ignored = re.findall(r"ignoring run spec (\w+) announced under run 'published-demo' "
+                             r"by (\w+)", log.read_text())  # fmt: skip
+        assert sorted(ignored) == sorted(
+            (spec.short_hash, node.peer_id) for spec, node in zip(specs, strangers, strict=True)
+        )
+    finally:
+        for node in nodes:
+            await node.close()
+
+
+async def test_runs_and_status_count_a_private_runs_peers_on_its_allowlist_only(
+    tmp_path: Path, processes: list[Child]
+) -> None:
+    boot = bootstrap(tmp_path, processes)
+    organizer = Identity.from_seed("private-peers/org")
+    member, stranger = Identity.from_seed("private-peers/a"), Identity.from_seed("private-peers/b")
+    text = PRIVATE.format(run_key=organizer.peer_id)
+    spec = RunSpec.from_toml(text)
+    (tmp_path / "run.toml").write_text(text)
+    nodes = [await announcer(boot, each, spec) for each in (member, stranger)]
+    try:
+        expires_at = dht_time() + 150
+        run = PublishedRun(run_id=spec.run.id, spec_hash=spec.hash.hex(), spec_toml=text,
+                           published_at=dht_time())  # fmt: skip
+        await nodes[0].publish_run(organizer, run.body(), expires_at=expires_at)
+        allowlist = Allowlist(version=1, peers=frozenset({member.peer_id}))
+        await nodes[0].publish_allowlist(organizer, allowlist.body(), expires_at=expires_at)
+        for node, identity, epoch in ((nodes[0], member, 3), (nodes[1], stranger, 999)):
+            record = PeerRecord.create(identity.peer_id, run_id=spec.run.id, spec_hash=spec.hash,
+                                       endpoint="127.0.0.1:1", now=dht_time(), ttl_seconds=60,
+                                       epoch=epoch)  # fmt: skip
+            await node.announce(record)
+
+        code, out = await asyncio.to_thread(
+            finish, swarmgrad("runs", *boot, "--json", home=tmp_path), 60
+        )
+        assert code == 0, out
+        (row,) = json.loads(out)
+        assert (row["peers"], row["not_on_allowlist"], row["epoch"]) == (1, 1, 3)
+        code, out = await asyncio.to_thread(
+            finish, swarmgrad("status", str(tmp_path / "run.toml"), *boot, "--json",
+                              home=tmp_path), 60,
+        )  # fmt: skip
+        assert code == 0, out
+        shown = json.loads(out)
+        assert [peer["peer_id"] for peer in shown["peers"]] == [member.peer_id]
+        assert shown["not_on_allowlist"] == 1
+    finally:
+        for node in nodes:
+            await node.close()
