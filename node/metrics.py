@@ -46,6 +46,9 @@ RejectionSource = Callable[[], Mapping[tuple[str, str], int]]
 LinkSource = Callable[[], "Links"]
 #: How this node reaches its peers, and how it is reached.
 LINK_KINDS = tuple(Link)
+#: The relay this node offers: its clients and connections refused ("refused: <why>"), clients
+#: evicted ("evicted: <why>"), and reads held back by a client's byte budget ("throttled").
+RelaySource = Callable[[], Mapping[str, int]]
 
 
 class Tallies:
@@ -103,6 +106,37 @@ class _LinkTallies(Collector):
             "swarmgrad_relayed_bytes",
             "Bytes this node carried for its relay clients, both ways.",
             value=links.relayed_bytes,
+        )
+
+
+class _RelayTallies(Collector):
+    def __init__(self, relay: RelaySource) -> None:
+        self._relay = relay
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        counts = self._relay()
+        families = {
+            "refused": CounterMetricFamily(
+                "swarmgrad_relay_refusals",
+                "Peers and connections this node's relay refused, by reason (no live record in "
+                "this run, not on the allowlist, full, protocol, ...).",
+                labels=["reason"],
+            ),
+            "evicted": CounterMetricFamily(
+                "swarmgrad_relay_evictions",
+                "Clients this node's relay evicted, by reason (idle, over its byte budget).",
+                labels=["reason"],
+            ),
+        }
+        for key, count in sorted(counts.items()):
+            kind, _, reason = key.partition(": ")
+            if kind in families and reason:
+                families[kind].add_metric([reason], float(count))
+        yield from families.values()
+        yield CounterMetricFamily(
+            "swarmgrad_relay_throttled_reads",
+            "Reads this node's relay held back until a client's byte budget refilled.",
+            value=counts.get("throttled", 0),
         )
 
 
@@ -377,6 +411,10 @@ class NodeMetrics:
     def read_links(self, links: LinkSource) -> None:
         """Read reachability and relay figures from ``links`` at every scrape."""
         self.registry.register(_LinkTallies(links))
+
+    def read_relay(self, relay: RelaySource) -> None:
+        """Read the counts of the relay this node offers from ``relay`` at every scrape."""
+        self.registry.register(_RelayTallies(relay))
 
     def serve(self, address: str) -> MetricsServer:
         """Serve ``/metrics`` on ``host:port`` (port 0: any free port) in a daemon thread."""

@@ -42,6 +42,7 @@ from swarmgrad.node.identity import Identity
 from swarmgrad.node.kinds import Failure
 from swarmgrad.node.metrics import Links, NodeMetrics, Tallies
 from swarmgrad.node.reachability.dialback import Reachability
+from swarmgrad.node.reachability.relay import RelayAdmission
 from swarmgrad.node.reachability.routes import PunchRoutes
 from swarmgrad.node.reachability.service import PeerService
 from swarmgrad.node.runspec import RunSpec
@@ -114,7 +115,9 @@ class Swarm:
                 2 * rounds.max_chunk_bytes, state.MAX_MESSAGE_BYTES, stage_message_bytes(spec)
             )
         )
-        self.transport = Transport(config.transport(limits), route=self.routes.resolve)
+        self.transport = Transport(
+            config.transport(limits), route=self.routes.resolve, rejections=self.rejections
+        )
         self.state = StateSync(
             StateParts(
                 identity=identity,
@@ -154,6 +157,7 @@ class Swarm:
         self.describe: Callable[[], dict[str, Any]] = dict
         self.metrics.read_tallies(traffic=self._traffic_totals, failures=self._failure_totals)
         self.metrics.read_links(self._links)
+        self.metrics.read_relay(self._relay_counts)
         self.metrics.read_rejections(self.rejections.snapshot)
         #: Open runs: bans published with their evidence, read and checked (None otherwise).
         self.board: BanBoard | None = None
@@ -200,6 +204,12 @@ class Swarm:
                 self.transport,
                 peers=self.directory.refresh,
                 changed=self.directory.changed,
+                # Its relay serves the run's peers (a live record), and only the allowed ones.
+                admit=RelayAdmission(
+                    peers=lambda: self.peers,
+                    reread=self.directory.refresh,
+                    allowed=self.allowlist.allowed if self.allowlist is not None else None,
+                ),
                 config=config.reachability,
             )
             matchmaker = Matchmaker(
@@ -324,6 +334,10 @@ class Swarm:
 
     def _links(self) -> Links:
         return self.peer_service.links(self.routes, self.peers, self.peer_id)
+
+    def _relay_counts(self) -> Counter[str]:
+        relay = self.reachability.relay_server if self.reachability is not None else None
+        return relay.counts if relay is not None else Counter()
 
     def _traffic_totals(self) -> dict[tuple[str, str], int]:
         averaging = self.traffic

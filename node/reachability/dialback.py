@@ -14,10 +14,11 @@ it is behind a NAT or a firewall; it then, in order:
    (members only dial owners; the results come back on the same streams), and it is not
    offered as a state donor.
 
-Nodes offer a relay (bounded, ``RelayLimits``) unless its ``max_clients`` is 0, from the start
-until they learn they are behind a NAT: when the only reachable peer is one node, nobody can
-confirm it until NAT'd peers hold a relay (through which they can be asked to dial back). Until
-some peer has answered, a node is *unknown* and is treated as reachable.
+Nodes offer a relay (bounded, ``RelayLimits``, to the peers ``admit`` lets in: ``relay.py``)
+unless its ``max_clients`` is 0, from the start until they learn they are behind a NAT: when the
+only reachable peer is one node, nobody can confirm it until NAT'd peers hold a relay (through
+which they can be asked to dial back). Until some peer has answered, a node is *unknown* and is
+treated as reachable.
 """
 
 from __future__ import annotations
@@ -34,7 +35,13 @@ from swarmgrad.node.identity import Identity
 from swarmgrad.node.kinds import Reach
 from swarmgrad.node.metrics import parse_address
 from swarmgrad.node.reachability.portmap import PortMapError, PortMapping, map_port
-from swarmgrad.node.reachability.relay import RelayClient, RelayError, RelayLimits, RelayServer
+from swarmgrad.node.reachability.relay import (
+    Admit,
+    RelayClient,
+    RelayError,
+    RelayLimits,
+    RelayServer,
+)
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.transport.transport import Transport
 from swarmgrad.protocol.errors import SwarmgradError
@@ -80,16 +87,18 @@ class Reachability:
         *,
         peers: Callable[[], Awaitable[Sequence[PeerRecord]]],
         changed: Callable[[], None],
+        admit: Admit,
         config: ReachabilityConfig | None = None,
     ) -> None:
         """``transport`` is the node's, already serving: its port is what peers must reach.
-        ``peers`` reads the run's peer records; ``changed`` hears a new verdict."""
+        ``peers`` reads the run's peer records; ``changed`` hears a new verdict; ``admit`` says
+        whom the relay this node offers serves."""
         self._identity = identity
         self._run_id, self._spec_hash = spec.run.id, spec.hash
         host, port = transport.config.host, transport.port
         public_host = transport.config.public_host
         self._host, self._port = host, port
-        self._peers, self._changed = peers, changed
+        self._peers, self._changed, self._admit = peers, changed, admit
         self.config = config or ReachabilityConfig()
         self.kind = Reach.UNKNOWN
         self.endpoint = endpoint_of(public_host or host, port)
@@ -173,7 +182,9 @@ class Reachability:
 
     async def _start_relay_server(self, endpoint: str) -> None:
         if self._relay_server is None and self.config.relay_limits.max_clients > 0:
-            server = RelayServer(host=self._host, limits=self.config.relay_limits)
+            server = RelayServer(
+                host=self._host, admit=self._admit, limits=self.config.relay_limits
+            )
             port = await server.start()
             self._relay_server = server
             self.relay_endpoint = endpoint_of(parse_address(endpoint)[0], port)

@@ -229,9 +229,14 @@ async def test_punch_goes_only_towards_the_caller_and_its_limit_holds_under_a_bu
 FAST = RelayLimits(ping_seconds=0.2, silence_seconds=1.0, attach_timeout_seconds=2.0)
 
 
+async def anyone(peer_id: str) -> str | None:
+    """Admits every peer: these tests are about carrying bytes (``test_relay_limits.py``: whom)."""
+    return None
+
+
 @pytest.fixture
 async def relay() -> AsyncIterator[RelayServer]:
-    server = RelayServer(host="127.0.0.1", limits=FAST)
+    server = RelayServer(host="127.0.0.1", admit=anyone, limits=FAST)
     await server.start()
     try:
         yield server
@@ -336,7 +341,7 @@ async def test_a_relay_refuses_impostors_and_strangers_and_bounds_its_clients(
     assert await asyncio.wait_for(reader.read(), 5)  # the greeting, then EOF
     writer.close()
 
-    full = RelayServer(host="127.0.0.1", limits=RelayLimits(max_clients=1))
+    full = RelayServer(host="127.0.0.1", admit=anyone, limits=RelayLimits(max_clients=1))
     await full.start()
     clients = [
         RelayClient(f"127.0.0.1:{full.port}", Identity.generate(), target=("127.0.0.1", 9))
@@ -390,7 +395,7 @@ async def test_a_client_learns_within_seconds_that_its_relay_died(
     node: tuple[Identity, peer.PeerServicer, int],
 ) -> None:
     me, _, port = node
-    relay = RelayServer(host="127.0.0.1", limits=FAST)
+    relay = RelayServer(host="127.0.0.1", admit=anyone, limits=FAST)
     await relay.start()
     client = RelayClient(f"127.0.0.1:{relay.port}", me, target=("127.0.0.1", port), limits=FAST)
     endpoint = await client.connect()
@@ -443,7 +448,7 @@ async def test_a_relayed_dial_back_dials_the_caller_not_the_nodes_own_sockets() 
     clients: list[RelayClient] = []
     servicer = servicer_of(me, origin=lambda local: clients[0].origins.get(local))
     server, port = await start_server(lambda s: peer.add_to_server(servicer, s), host="127.0.0.1")
-    relay = RelayServer(host="127.0.0.3", limits=FAST)
+    relay = RelayServer(host="127.0.0.3", admit=anyone, limits=FAST)
     await relay.start()
     reached: list[object] = []
 
@@ -559,7 +564,7 @@ async def test_one_dialer_address_cannot_hold_every_connection_of_a_relayed_node
 ) -> None:
     me, _, port = node
     limits = RelayLimits(max_connections_per_client=6, max_connections_per_dialer=2)
-    relay = RelayServer(host="127.0.0.1", limits=limits)
+    relay = RelayServer(host="127.0.0.1", admit=anyone, limits=limits)
     await relay.start()
     client = RelayClient(f"127.0.0.1:{relay.port}", me, target=("127.0.0.1", port), limits=limits)
     relayed_port = int((await client.connect()).split(":")[1])

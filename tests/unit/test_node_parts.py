@@ -327,12 +327,16 @@ async def test_upnp_announces_the_address_dialed_back_and_a_failed_check_is_retr
     async def no_peers() -> list[PeerRecord]:
         return []
 
+    async def nobody(peer_id: str) -> str | None:
+        return "no relay here"
+
     reach = Reachability(
         cast(Any, SimpleNamespace(peer_id="me")),
         cast(Any, spec),
         cast(Any, transport),
         peers=no_peers,
         changed=lambda: None,
+        admit=nobody,  # never asked: this node offers no relay
         config=ReachabilityConfig(retry_seconds=0.01, relay_limits=RelayLimits(max_clients=0)),
     )
     probes: list[int] = []
