@@ -51,6 +51,8 @@ async def run(config: NodeConfig, stop: asyncio.Event) -> int:
 async def node(config: NodeConfig, stop: asyncio.Event) -> int:
     identity = Identity.load_or_create(config.identity_path)
     log.info("peer id %s (key %s)", identity.peer_id, config.identity_path)
+    for warning in config.spec.warnings():
+        log.warning("%s", warning)
     settings = config.settings
     # The checkpoint lock and the metrics socket come after the Swarm: its DHT forks a process,
     # which would inherit them (and hold them past a kill -9 of this one).

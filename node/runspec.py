@@ -379,6 +379,12 @@ class PipelineSection:
 
 
 TRUST_MODES = ("trusted", "private", "open")
+#: Open runs' group size when the spec gives none: an owner's part then has 7 other members,
+#: and two colluders stay a minority of them.
+OPEN_GROUP_SIZE = 8
+#: The smallest group whose parts' statistics judge members (``node/trust/ledger.py``
+#: ``MIN_JUDGED_MEMBERS`` other members, the owner's own values being out of its part).
+OPEN_JUDGED_GROUP_SIZE = 6
 AGGREGATORS = ("mean", "centered_clip", "median")
 #: Codecs an open run refuses: low-rank factors and per-member top-k indices cannot be screened
 #: or robustly aggregated coordinate by coordinate.
@@ -550,6 +556,28 @@ class RunSpec:
                 f"use int8, int4, fp16, bf16 or none"
             )
 
+    def warnings(self) -> list[str]:
+        """What a user must know about whom this run trusts, and how far (printed by the node
+        at start, ``status`` and ``publish``)."""
+        out = []
+        group = self.averaging.group_size
+        if self.trust.open and group < OPEN_JUDGED_GROUP_SIZE:
+            out.append(
+                f"run {self.run.id!r} is open with averaging.group_size = {group}: an owner's "
+                f"part then has at most {group - 1} other members, too few for their "
+                f"statistics to flag anyone (two colluders can be most of them), so only "
+                f"zero, NaN and replayed updates are banned and noise is merely clipped; "
+                f"use {OPEN_GROUP_SIZE} (the default of open runs) or more"
+            )
+        if self.pipeline.enabled and not self.trust.private:
+            out.append(
+                f"run {self.run.id!r} uses pipeline stages and is not a private run: stage "
+                "replicas are trusted, and wrong activations or gradients from one go "
+                "unnoticed. Let only machines you trust serve its stages (README, Pipeline "
+                "stages)."
+            )
+        return out
+
     def _check_pipeline(self) -> None:
         pipeline, model = self.pipeline, self.model
         if model.kind != "gpt":
@@ -689,6 +717,11 @@ class RunSpec:
             raise RunSpecError("the [run] section (with at least id = ...) is required")
         hints = typing.get_type_hints(cls)
         built = {name: _build(name, hints[name], value) for name, value in raw.items()}
+        trust, averaging = raw.get("trust", {}), raw.get("averaging", {})
+        if trust.get("mode") == "open" and "group_size" not in averaging:
+            built["averaging"] = dataclasses.replace(
+                built.get("averaging", AveragingSection()), group_size=OPEN_GROUP_SIZE
+            )
         return cls(**built)
 
 

@@ -31,21 +31,8 @@ class RunPeers:
     rows: list[dict[str, Any]]
     #: Private runs: peer records of peers not on the allowlist, left out of ``rows``.
     not_on_allowlist: int = 0
-    #: What the user must know about whom the run trusts (:func:`trust_warnings`).
+    #: What the user must know about whom the run trusts (``RunSpec.warnings``).
     warnings: list[str] = field(default_factory=list)
-
-
-def trust_warnings(spec: RunSpec) -> list[str]:
-    """A pipeline's stage replicas are trusted: nothing checks the activations and gradients
-    they return (a replica's x(-3) gradients went unnoticed), so a pipeline that is not a
-    private run lets whoever reaches its DHT corrupt its training unseen."""
-    if not spec.pipeline.enabled or spec.trust.private:
-        return []
-    return [
-        f"run {spec.run.id!r} uses pipeline stages and is not a private run: stage replicas "
-        "are trusted, and wrong activations or gradients from one go unnoticed. Let only "
-        "machines you trust serve its stages (README, Pipeline stages)."
-    ]
 
 
 async def run_peers(
@@ -87,7 +74,7 @@ async def run_peers(
                 found, left_out = await _members(view, views, each)
                 rows += [_row(record, dht_time()) for record in found]
                 strangers += left_out
-                warnings += trust_warnings(each) if each is not None else []
+                warnings += each.warnings() if each is not None else []
             return RunPeers(
                 rows, not_on_allowlist=strangers, warnings=list(dict.fromkeys(warnings))
             )

@@ -5,11 +5,15 @@ through the transport's channels, and keeps the registry of rounds in progress, 
 stream from a peer finds the :class:`PartReducer` of the round it belongs to. A stream may
 arrive a little before this node has started the same round (members start at slightly
 different times); it waits up to ``join_timeout_seconds`` for the round to appear before it is
-refused with UNKNOWN_ROUND (at most :data:`MAX_EARLY_STREAMS` wait at once: streams are
-signed, but keys cost nothing). Check messages wait the same way in slots of their own
-(:data:`MAX_EARLY_CHECKS`): a member checks after this node served its part, so only a node that
-owns no part sees early ones from honest members, and a stranger's flood of them for rounds that
-never come must not take the slots honest streams need.
+refused with UNKNOWN_ROUND. Streams are signed, but keys cost nothing: a stranger's flood of
+streams for rounds that never come once held every waiting slot, and an honest member arriving
+before its owner started the round was refused and its part lost. So the members matchmaking
+counts for a round (:meth:`Averager.expect`) each have slots of their own
+(:data:`MAX_EARLY_STREAMS_PER_MEMBER`), and any other key waits in a small shared pool
+(:data:`MAX_EARLY_STREAMS`) or is refused OVERLOADED. Check messages wait the same way in slots of
+their own (:data:`MAX_EARLY_CHECKS_PER_MEMBER`, :data:`MAX_EARLY_CHECKS`): a member checks after
+this node served its part, so only a node that owns no part sees early ones from honest members,
+and a stranger's flood of them must not take the slots honest streams need.
 
 In an open run (``config.observe``) the averager keeps a :class:`TrustLedger`: after each round
 its reducer's observations of the members are scored there, and a peer the ledger bans is
@@ -26,7 +30,7 @@ import contextlib
 import logging
 import random
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -74,9 +78,16 @@ class LossProbe(Protocol):
 #: How long a finished round's reducer keeps answering streams still reading their results.
 _LINGER_SECONDS = 5.0
 _FINISHED_MEMORY = 256
-#: Streams, and check messages, that may wait at once for a round this node has not started.
-MAX_EARLY_STREAMS = 64
-MAX_EARLY_CHECKS = 64
+#: Streams, and check messages, that may wait at once for a round this node has not started:
+#: from each member matchmaking expects in that round (one stream per owner, a few retried; the
+#: checks of one round), and from any other key, all together.
+MAX_EARLY_STREAMS_PER_MEMBER = 2
+MAX_EARLY_CHECKS_PER_MEMBER = 8
+MAX_EARLY_STREAMS = 16
+MAX_EARLY_CHECKS = 16
+#: Rounds whose expected members are kept: a node's rounds go forward, and a stream for a round
+#: it has finished is refused at once.
+_EXPECTED_ROUNDS = 2
 
 
 @dataclass(slots=True)
@@ -123,8 +134,11 @@ class Averager:
         self._finished: dict[tuple[int, bytes], None] = {}
         self._rounds_changed = asyncio.Condition()
         self._background = TaskSet()
-        #: Streams and check messages waiting for their rounds to start, by kind.
-        self._early: Counter[str] = Counter()
+        #: Streams and check messages waiting for their rounds to start: by kind in the shared
+        #: pool, by (kind, round, sender) in the expected members' slots.
+        self._early: Counter[str | tuple[str, int, str]] = Counter()
+        #: The members matchmaking expects in the latest rounds (:meth:`expect`).
+        self._expected: dict[int, frozenset[str]] = {}
         self.servicer = AveragingServicer(
             self,
             verifier=verifier or Verifier(self.peer_id),
@@ -222,6 +236,9 @@ class Averager:
                 tamper=self.tamper_results,
                 probes=self._probes(group, me),
             )
+            for member, peer in enumerate(group.members):
+                if self.ledger.banned(peer.peer_id):  # it will be refused: do not wait for it
+                    reducer.drop(member, "banned here")
         box = None
         if self.config.observe:
             largest = max(end - start for start, end in group.partition(vector.numel()))
@@ -282,6 +299,9 @@ class Averager:
                 result=result,
                 sent=result.sent,
                 own_chunks=reducer.chunks if reducer is not None else (),
+                refused=frozenset(
+                    i for i, m in enumerate(group.members) if self.ledger.banned(m.peer_id)
+                ),
             )
         )
         self._record_verdict(group.round, verdict, result)
@@ -462,7 +482,7 @@ class Averager:
                 f"{header.sender} was banned here in round {ban.round} ({ban.reason})",
             )
         key = (header.round, header.group_id)
-        active = await self._wait_for_round(key)
+        active = await self._wait_for_round(key, header.sender)
         member = _member(active, header.sender)
         if header.part != active.me or active.reducer is None:
             raise ProtocolViolation(
@@ -492,7 +512,9 @@ class Averager:
             raise ProtocolViolation(ResultCode.WRONG_RUN, "a check message of another run")
         if self.ledger.banned(statement.sender):
             raise ProtocolViolation(ResultCode.BANNED, f"{statement.sender} is banned here")
-        active = await self._wait_for_round((key.round, key.group_id), checks=True)
+        active = await self._wait_for_round(
+            (key.round, key.group_id), statement.sender, checks=True
+        )
         member = _member(active, statement.sender)
         if active.box is None:
             raise ProtocolViolation(ResultCode.UNKNOWN_ROUND, "this round runs no checks")
@@ -501,20 +523,34 @@ class Averager:
         await active.box.put(member, statement, signed)
         return None
 
+    def expect(self, round_: int, peer_ids: Collection[str]) -> None:
+        """``peer_ids`` may stream to this node in ``round_`` before it starts the round: the
+        members its matchmaking counts (``matchmaking.py``). Each gets early slots of its own;
+        forgotten once newer rounds are expected."""
+        self._expected[round_] = frozenset(peer_ids)
+        for old in sorted(self._expected)[:-_EXPECTED_ROUNDS]:
+            del self._expected[old]
+
     async def _wait_for_round(
-        self, key: tuple[int, bytes], *, checks: bool = False
+        self, key: tuple[int, bytes], sender: str, *, checks: bool = False
     ) -> _ActiveRound:
         """The round ``key``, waiting for it to start if need be (``checks``: for a check
-        message, in the check messages' slots)."""
+        message, in the check messages' slots): in ``sender``'s own slots if it is an expected
+        member of the round, or else in the shared pool."""
         if key in self._finished and key not in self._rounds:
             raise ProtocolViolation(ResultCode.UNKNOWN_ROUND, f"round {key[0]} has ended here")
         if key not in self._rounds:
-            kind, limit = ("checks", MAX_EARLY_CHECKS) if checks else ("streams", MAX_EARLY_STREAMS)
-            if self._early[kind] >= limit:
+            kind = "checks" if checks else "streams"
+            own = MAX_EARLY_CHECKS_PER_MEMBER if checks else MAX_EARLY_STREAMS_PER_MEMBER
+            shared = MAX_EARLY_CHECKS if checks else MAX_EARLY_STREAMS
+            slot: str | tuple[str, int, str] = kind
+            if sender in self._expected.get(key[0], ()) and self._early[kind, key[0], sender] < own:
+                slot = (kind, key[0], sender)
+            elif self._early[kind] >= shared:
                 raise ProtocolViolation(
                     ResultCode.OVERLOADED, f"too many {kind} are waiting for rounds to start"
                 )
-            self._early[kind] += 1
+            self._early[slot] += 1
             try:
                 with contextlib.suppress(TimeoutError):
                     async with (
@@ -523,7 +559,9 @@ class Averager:
                     ):
                         await self._rounds_changed.wait_for(lambda: key in self._rounds)
             finally:
-                self._early[kind] -= 1
+                self._early[slot] -= 1
+                if not self._early[slot]:
+                    del self._early[slot]
         active = self._rounds.get(key)
         if active is None:
             raise ProtocolViolation(

@@ -205,6 +205,9 @@ class CheckRun:
     sent: torch.Tensor
     #: This member's own part's chunks as members sent them (it is their owner), by chunk.
     own_chunks: Sequence[Mapping[int, averaging_pb2.Chunk]] = ()
+    #: Members this node refuses (banned): their check messages never come, so nobody waits
+    #: for them (that wait would make this member's own reports late for everyone else).
+    refused: frozenset[int] = frozenset()
 
 
 async def run_checks(run: CheckRun) -> Verdict:
@@ -257,7 +260,11 @@ async def run_checks(run: CheckRun) -> Verdict:
     )
     if not _reachable(run, me):
         return verdict  # nobody can send this member anything: it only gave its secret
-    others = {m for m in range(len(group.members)) if m != me and _reachable(run, m)}
+    others = {
+        m
+        for m in range(len(group.members))
+        if m != me and _reachable(run, m) and m not in run.refused
+    }
     committed = {m for p in parts.values() for m in p.account.members} & others
     # Without an account of some part, wait for everyone who could forward it too.
     awaited = committed | (others - set(unaccounted)) if unaccounted else committed
@@ -393,7 +400,7 @@ def _seed(run: CheckRun, part: CheckedPart, verdict: Verdict) -> None:
         reveal = run.box.reveals.get(member)
         secret = run.result.secret if member == run.me else reveal.secret if reveal else None
         if secret is None:
-            if _reachable(run, member):
+            if _reachable(run, member) and member not in run.refused:
                 verdict.silent.add(peer.peer_id)
             continue
         if commitment(secret) == promised:
@@ -466,7 +473,7 @@ async def _rows(
             wanted.append((part, member))
             mentioned = report is not None and any(p.part == number for p in report.parts)
             excused = number in run.box.reveals.get(member, averaging_pb2.Reveal()).unaccounted
-            if not mentioned and not excused and _reachable(run, member):
+            if not (mentioned or excused or member in run.refused) and _reachable(run, member):
                 verdict.silent.add(group.members[member].peer_id)
     limit = asyncio.Semaphore(_FETCHES)
 

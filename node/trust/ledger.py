@@ -62,6 +62,10 @@ SKETCH_MEMORY = 64
 #: chunks (256 Mi values at the default chunk size); beyond, replays are looked for in the
 #: chunks seen most recently.
 SKETCH_POSITIONS = 256
+#: The fewest members a chunk must have for their scale, clip and cosine to flag them: with
+#: five, two colluders are still a minority of any honest owner's others (open runs' groups
+#: should have at least one member more: the owner's own values stay out of its part).
+MIN_JUDGED_MEMBERS = 5
 #: Rounds after which an unbanned peer this node has not seen is forgotten (its scores and
 #: flags; a ban stays). Peer ids come and go in an open run, and each one kept costs memory and
 #: a series per score on the metrics page.
@@ -99,6 +103,11 @@ DECISIVE = frozenset(
         Flag.FAILED_AUDIT,
     }
 )
+
+
+#: Flags that say how a member's values compare with the other members' (not what they are):
+#: only where honest members are most of a part do they point at the right peer.
+RELATIVE = frozenset({Flag.CLIPPED, Flag.MISALIGNED})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -209,14 +218,24 @@ def observe_chunk(
     position: tuple[int, int],
 ) -> None:
     """Note in ``observations`` what each of ``members`` (the rows of ``stack``) looked like in
-    one aggregated chunk at ``position`` (its start in the round's vector, its size)."""
+    one aggregated chunk at ``position`` (its start in the round's vector, its size).
+
+    A member's scale, clip and cosine are measured against the others of the chunk, so they say
+    something only where honest members are most of them: from a chunk of fewer than
+    :data:`MIN_JUDGED_MEMBERS` they are not taken (two colluders among an honest owner's three
+    other members made it flag, then ban, the honest one). All zeros, replays and duplicates
+    are facts about the member's own values, taken from any chunk."""
     fingerprints = [sketch(row) for row in stack]
+    judged = len(members) >= MIN_JUDGED_MEMBERS
     for k, member in enumerate(members):
         seen = observations.setdefault(member, Observation())
         if k in outcome.screened:
-            seen.flags.add(_SCREEN_FLAGS[outcome.screened[k]])
+            screen = outcome.screened[k]
+            if screen is Screen.ZERO or judged:
+                seen.flags.add(_SCREEN_FLAGS[screen])
             continue
-        seen.add_chunk(position[1], outcome.clip[k], outcome.cosine[k])
+        if judged:
+            seen.add_chunk(position[1], outcome.clip[k], outcome.cosine[k])
         seen.sketches[position] = fingerprints[k]
         for j in range(k):
             if torch.equal(fingerprints[j], fingerprints[k]) and torch.equal(stack[j], stack[k]):
@@ -246,6 +265,9 @@ class TrustLedger:
         self.dispute_count = 0
         #: Bans adopted from evidence other peers published.
         self.adopted = 0
+        #: Statistical bans not made because they would have isolated this node, and of whom.
+        self.reconsidered = 0
+        self._reconsidered: set[str] = set()
 
     def banned(self, peer_id: str) -> bool:
         return peer_id in self.bans
@@ -376,12 +398,31 @@ class TrustLedger:
             or score.consecutive >= policy.consecutive
             or sum(window) >= policy.window_flags
         ):
+            if flags <= RELATIVE and not evidence and self._isolating(peer_id):
+                return None
             ban = Ban(peer_id, round_, tuple(sorted(flags)), evidence or b"")
             self.bans[peer_id] = ban
             log.warning("round %d: banned %s (%s)", round_, peer_id, ban.reason)
             self._save()
             return ban
         return None
+
+    def _isolating(self, peer_id: str) -> bool:
+        """Whether banning ``peer_id`` for how it compares with the others (:data:`RELATIVE`)
+        would leave this node refusing half or more of the peers it knows: then its own view is
+        the odd one out (an honest node among colluders sees the honest as outliers), and the
+        flags stay flags."""
+        local = sum(1 for b in self.bans.values() if not b.evidence and set(b.flags) <= RELATIVE)
+        if 2 * (local + 1) <= len(self.scores):
+            return False
+        self.reconsidered += 1
+        if peer_id not in self._reconsidered:
+            self._reconsidered.add(peer_id)
+            log.warning(
+                "not banning %s on its statistics: this node would then refuse %d of the %d "
+                "peers it knows", peer_id, local + 1, len(self.scores),
+            )  # fmt: skip
+        return True
 
     def _mark_replays(self, round_: int, observations: Mapping[str, Observation]) -> None:
         """Flag fingerprints that match one from an earlier round (anyone's), then remember
@@ -431,6 +472,7 @@ class TrustLedger:
         ]
         for peer_id in gone:
             del self.scores[peer_id]
+            self._reconsidered.discard(peer_id)
 
     def table(self, peers: Iterable[str] | None = None) -> dict[str, dict[str, object]]:
         """Per peer: rounds seen, clip and cosine EMAs, flags, ban (status files, display)."""

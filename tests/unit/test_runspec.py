@@ -151,3 +151,23 @@ def test_the_spec_knows_every_built_in_codec_and_one_registered_from_python(
 
     spec = RunSpec.from_toml(MINIMAL + "[averaging]\ncodec = 'test-halves'\n")
     assert spec.averaging.codec == "test-halves"
+
+
+def test_open_runs_default_to_groups_whose_parts_can_judge_their_members() -> None:
+    from swarmgrad.node.runspec import OPEN_GROUP_SIZE, OPEN_JUDGED_GROUP_SIZE
+    from swarmgrad.node.trust.ledger import MIN_JUDGED_MEMBERS
+
+    # The owner's own values stay out of its part: a group needs one member more.
+    assert OPEN_JUDGED_GROUP_SIZE == MIN_JUDGED_MEMBERS + 1
+    open_spec = RunSpec.from_toml('[run]\nid = "x"\n[trust]\nmode = "open"\n')
+    assert open_spec.averaging.group_size == OPEN_GROUP_SIZE
+    assert open_spec.warnings() == []
+    trusted = RunSpec.from_toml('[run]\nid = "x"\n')
+    assert trusted.averaging.group_size == 4
+    small = RunSpec.from_toml(
+        '[run]\nid = "x"\n[averaging]\ngroup_size = 4\n[trust]\nmode = "open"\n'
+    )
+    assert small.averaging.group_size == 4  # what the spec says stands, with a warning
+    (warning,) = small.warnings()
+    assert "group_size = 4" in warning
+    assert "noise is merely clipped" in warning

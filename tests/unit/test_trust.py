@@ -23,7 +23,15 @@ from swarmgrad.node.trust.aggregate import (
 )
 from swarmgrad.node.trust.allowlist import Allowlist, AllowlistError, AllowlistWatcher
 from swarmgrad.node.trust.board import MAX_RECORDS, BanBoard
-from swarmgrad.node.trust.ledger import Flag, Observation, TrustLedger, TrustPolicy, sketch
+from swarmgrad.node.trust.ledger import (
+    MIN_JUDGED_MEMBERS,
+    Flag,
+    Observation,
+    TrustLedger,
+    TrustPolicy,
+    observe_chunk,
+    sketch,
+)
 from swarmgrad.protocol.v1 import averaging_pb2
 
 
@@ -129,7 +137,8 @@ def test_an_attacker_who_alternates_is_banned_by_the_window() -> None:
     ledger = TrustLedger(TrustPolicy(consecutive=3, window=10, window_flags=5))
     bans = []
     for round_ in range(10):
-        bans += ledger.observe(round_, {"sly": seen(0.9, 0.05 if round_ % 2 else 1.0)})
+        sly = {"sly": seen(0.9, 0.05 if round_ % 2 else 1.0)}
+        bans += ledger.observe(round_, sly | {"ok": seen()})
     assert [(b.peer_id, b.round) for b in bans] == [("sly", 9)]
 
 
@@ -252,7 +261,7 @@ def test_evidence_stays_with_its_ban_and_adopting_never_overrides_it() -> None:
     ledger = TrustLedger()
     policy = ledger.policy
     for round_ in range(policy.consecutive):  # banned on statistics: nothing to publish
-        ledger.observe(round_, {"sgflip": Observation(flags={Flag.MISALIGNED})})
+        ledger.observe(round_, {"sgflip": Observation(flags={Flag.MISALIGNED}), "ok": seen()})
     assert ledger.banned("sgflip")
     assert ledger.evidence() == []
     # Evidence read later is kept with the ban it confirms (so it is published from now on) ...
@@ -319,3 +328,44 @@ def test_the_ban_board_checks_a_bounded_number_of_new_records_each_time() -> Non
     board.take(flood)
     assert board.counts["rejected"] == MAX_RECORDS + 36
     assert len(checked) == MAX_RECORDS + 36
+
+
+def test_a_ban_that_would_leave_a_node_refusing_half_its_peers_is_not_made(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A node whose statistics flag most of its peers is the odd one out (an honest member
+    among colluders sees the honest as outliers): its flags stay flags. Evidence and decisive
+    flags still ban, whatever the count."""
+    ledger = TrustLedger()
+    peers = [f"p{i}" for i in range(5)]
+    for round_ in range(ledger.policy.consecutive):
+        ledger.observe(round_, {p: seen(-0.5) for p in peers})  # all five misaligned
+    assert sorted(ledger.bans) == ["p0", "p1"]  # the third would make 3 of 5
+    assert ledger.reconsidered == 3  # p2, p3, p4, once each round they qualify
+    assert caplog.text.count("not banning") == 3  # said once per peer
+    ledger.observe(3, {"p3": seen(0.8, 1.0, Flag.ZERO)})
+    assert ledger.banned("p3")
+
+
+@pytest.mark.parametrize("others", [2, 3, 4])
+def test_too_few_members_judge_nobody_by_comparison_but_zeros_still_count(others: int) -> None:
+    """Two colluders among an honest member's few others make it the outlier: from a chunk of
+    fewer than MIN_JUDGED_MEMBERS, nobody is scored by scale, clip or cosine; all zeros and
+    duplicates are facts about a member's own values, flagged anywhere."""
+    g = torch.Generator().manual_seed(11)
+    honest = torch.randn(4096, generator=g)
+    colluded = 5.0 * torch.randn(4096, generator=g)
+    tiny = colluded * 1e-4  # makes the honest values look 'absurdly' large next to theirs
+    for pair in (colluded, tiny):
+        rows = [honest, *(pair + 1e-3 * torch.randn(4096, generator=g) for _ in range(others - 1))]
+        rows.append(torch.zeros(4096))
+        stack = torch.stack(rows)
+        observations: dict[str, Observation] = {}
+        members = [f"m{i}" for i in range(len(rows))]
+        observe_chunk(
+            observations, members, stack, aggregate(stack, Aggregator.CENTERED_CLIP), (0, 4096)
+        )
+        judged = len(rows) >= MIN_JUDGED_MEMBERS
+        assert observations["m0"].numel == (4096 if judged else 0)
+        assert Flag.SCALE not in observations["m0"].flags or judged
+        assert observations[members[-1]].flags == {Flag.ZERO}
