@@ -146,9 +146,10 @@ def assert_proven(judges: list[Averager], accused: Averager, flag: Flag) -> byte
 
 
 async def test_honest_members_are_never_flagged_and_their_replicas_agree() -> None:
-    async with swarm(5, replace(OPEN, audit_probability=1.0)) as peers:  # audits every round
+    # Six: each owner's part has five other members, enough for their statistics to count.
+    async with swarm(6, replace(OPEN, audit_probability=1.0)) as peers:  # audits every round
         for round_ in range(ROUNDS):
-            updates = honest_updates(round_, 5)
+            updates = honest_updates(round_, 6)
             results = await average(peers, updates, round_)
             assert all(isinstance(r, RoundResult) and r.complete for r in results), results
             averaged = [r.averaged for r in results if isinstance(r, RoundResult)]
@@ -159,14 +160,14 @@ async def test_honest_members_are_never_flagged_and_their_replicas_agree() -> No
             assert peer.ledger.bans == {}
             assert all(count == 0 for count in peer.ledger.flag_counts.values())
             table = peer.ledger.table()
-            assert len(table) == 4
+            assert len(table) == 5
             assert all(row["rounds"] == ROUNDS for row in table.values())
             assert all(float(row["cosine_ema"]) > 0.5 for row in table.values())  # type: ignore[arg-type]
         # Every member checked every part of every round, and none failed; each audited one
         # other owner's part every round, and every audit passed.
         await audited(peers, ROUNDS)
         for peer in peers:
-            assert peer.checks == {"checked": 5 * ROUNDS, "failed": 0, "audit_passed": ROUNDS}
+            assert peer.checks == {"checked": 6 * ROUNDS, "failed": 0, "audit_passed": ROUNDS}
             assert peer.ledger.bans == {}
 
 
@@ -184,16 +185,16 @@ BANNED_BY = {
 @pytest.mark.parametrize("attack", list(BANNED_BY))  # owner attacks: the tests below
 async def test_an_attacker_is_banned_in_time_by_every_honest_member(attack: Attack) -> None:
     attacker = Attacker(attack, seed=7)
-    async with swarm(5) as peers:
-        honest, bad = peers[:4], peers[4]
+    async with swarm(6) as peers:  # five others per part: enough to judge by
+        honest, bad = peers[:5], peers[5]
         banned_at: int | None = None
         for round_ in range(ROUNDS):
-            updates = honest_updates(round_, 5)
+            updates = honest_updates(round_, 6)
             members = peers if banned_at is None else honest
             if banned_at is None and attack is not Attack.NAN:  # NaN: its bytes are poisoned
-                updates[4] = attacker.update(updates[4], updates[:4])
+                updates[5] = attacker.update(updates[5], updates[:5])
             vectors = updates[: len(members)]
-            hooks = {4: NaNPayloads()} if attack is Attack.NAN else None
+            hooks = {5: NaNPayloads()} if attack is Attack.NAN else None
             results = await average(members, vectors, round_, hooks)
             bans = [set(p.ledger.bans) for p in honest]
             if banned_at is None and any(bans):
@@ -202,11 +203,11 @@ async def test_an_attacker_is_banned_in_time_by_every_honest_member(attack: Atta
                 assert all(b == {bad.peer_id} for b in bans), bans
             if banned_at is not None:
                 assert all(b == {bad.peer_id} for b in bans)
-                honest_results = [r for r in results[:4] if isinstance(r, RoundResult)]
-                assert len(honest_results) == 4
+                honest_results = [r for r in results[:5] if isinstance(r, RoundResult)]
+                assert len(honest_results) == 5
                 if round_ > banned_at:
                     # Without the attacker the honest members average as if it never existed.
-                    mean = open_mean(honest, updates[:4])
+                    mean = open_mean(honest, updates[:5])
                     assert rel(honest_results[0].averaged, mean) < 0.02
         assert banned_at is not None, attack
         assert banned_at <= BANNED_BY[attack], (attack, banned_at)
