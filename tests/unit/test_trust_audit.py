@@ -93,13 +93,14 @@ def test_a_round_is_one_judgement_however_many_checks_flag_it() -> None:
     """The averager notes the checks' flags, then the owner's statistics, of one round: two
     flagged rounds are two, not three in a row."""
     ledger = TrustLedger()
+    ok = {"other": observed()}  # a peer it knows besides: banning one of two isolates nobody
     assert ledger.note(1, {"peer": Flag.SILENT}) == []
-    assert ledger.observe(1, {"peer": observed(clip=0.1)}) == []
-    assert ledger.observe(2, {"peer": observed(clip=0.1)}) == []
+    assert ledger.observe(1, {"peer": observed(clip=0.1)} | ok) == []
+    assert ledger.observe(2, {"peer": observed(clip=0.1)} | ok) == []
     assert not ledger.banned("peer")
     assert ledger.scores["peer"].rounds == 2
     assert ledger.table()["peer"]["flags"] == {"clipped": 2, "silent": 1}
-    (ban,) = ledger.observe(3, {"peer": observed(clip=0.1)})
+    (ban,) = ledger.observe(3, {"peer": observed(clip=0.1)} | ok)
     assert (ban.round, ban.flags) == (3, (Flag.CLIPPED,))
 
 
