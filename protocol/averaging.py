@@ -44,9 +44,6 @@ from swarmgrad.protocol.v1 import averaging_pb2, averaging_pb2_grpc
 from swarmgrad.protocol.v1.auth_pb2 import Auth
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
-#: How long a new stream may take to send its header.
-HEADER_TIMEOUT_SECONDS = 5.0
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StreamHeader:
@@ -294,7 +291,9 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
         session: PartSession | None = None
         sender: str | None = None
         try:
-            header = await _read_header(request_iterator, self._verifier)
+            header = await _read_header(
+                request_iterator, self._verifier, self._limits.header_timeout_seconds
+            )
             if self.open_streams[header.sender] >= self._limits.max_streams_per_peer:
                 raise ProtocolViolation(
                     ResultCode.OVERLOADED,
@@ -338,6 +337,13 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
             if isinstance(request, Malformed) or request.ByteSize() > MAX_CHECK_BYTES:
                 raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "a malformed check message")
             signer, statement = unseal(request, CHECK_STATEMENT, averaging_pb2.CheckStatement)
+            # A private run's allowlist, as for a stream's header (Verifier.verify): a stranger's
+            # message must not wait in a slot for a round, nor reach the node at all.
+            admit = self._verifier.admit
+            if admit is not None and not admit(signer):
+                raise ProtocolViolation(
+                    ResultCode.NOT_ALLOWED, f"{signer} is not on this private run's allowlist"
+                )
             if statement.sender != signer:
                 raise ProtocolViolation(
                     ResultCode.UNAUTHENTICATED,
@@ -391,9 +397,13 @@ async def _serve_stream(
 Requests = AsyncIterator[averaging_pb2.AggregateRequest | Malformed]
 
 
-async def _read_header(requests: Requests, verifier: Verifier) -> StreamHeader:
+async def _read_header(
+    requests: Requests, verifier: Verifier, timeout_seconds: float
+) -> StreamHeader:
+    """The stream's first message, a header signed by its sender (the server's admission has
+    already bounded the wait; this bound holds for a servicer served without it)."""
     try:
-        async with asyncio.timeout(HEADER_TIMEOUT_SECONDS):
+        async with asyncio.timeout(timeout_seconds):
             first = await anext(requests)
     except TimeoutError:
         raise ProtocolViolation(ResultCode.TIMED_OUT, "no header in time") from None
@@ -488,6 +498,8 @@ def check_chunk(
     """Check a chunk against what the round expects at position ``index`` of a part made of
     chunks of ``numels`` values; its Meta, or ProtocolViolation. Both directions use it: owners
     on members' chunks, members on owners' averages."""
+    # Peer-sent strings in a detail are quoted (cut short): the detail goes back in the status,
+    # whose size gRPC bounds (a 100 KB codec name came back as RESOURCE_EXHAUSTED, not BAD_CODEC).
     if chunk.index < index:
         raise ProtocolViolation(ResultCode.DUPLICATE_PART, f"chunk {chunk.index} sent twice")
     if chunk.index != index or index >= len(numels):
@@ -502,13 +514,14 @@ def check_chunk(
     if (chunk.meta.codec, chunk.meta.version) != codec:
         raise ProtocolViolation(
             ResultCode.BAD_CODEC,
-            f"codec {chunk.meta.codec}/{chunk.meta.version}; the round uses {codec[0]}/{codec[1]}",
+            f"codec {quote(chunk.meta.codec)} version {chunk.meta.version}; "
+            f"the round uses {codec[0]}/{codec[1]}",
         )
     numel = numels[index]
     if list(chunk.meta.shape) != [numel] or chunk.meta.dtype != "float32":
         raise ProtocolViolation(
             ResultCode.BAD_SHAPE,
-            f"chunk {index} is {list(chunk.meta.shape)} {chunk.meta.dtype}; "
+            f"chunk {index} is {quote(list(chunk.meta.shape))} {quote(chunk.meta.dtype)}; "
             f"expected [{numel}] float32",
         )
     try:

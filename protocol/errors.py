@@ -96,10 +96,18 @@ class RoundAborted(SwarmgradError):
     """A round produced no usable result. The caller's tensors were not modified."""
 
 
+#: The longest detail a ProtocolViolation keeps. Its text goes back to the peer as a status
+#: detail, which gRPC carries in a header of bounded size (a longer one reaches the caller as
+#: RESOURCE_EXHAUSTED, its code lost), and into logs: a backstop behind :func:`quote`.
+MAX_DETAIL_CHARS = 1000
+
+
 class ProtocolViolation(SwarmgradError):
     """A peer sent something invalid. ``code`` says what; :attr:`status` is the gRPC status."""
 
     def __init__(self, code: int, detail: str) -> None:
+        if len(detail) > MAX_DETAIL_CHARS:
+            detail = detail[: MAX_DETAIL_CHARS - 3] + "..."
         super().__init__(f"{ResultCode.Name(code)}: {detail}")
         self.code = code
         self.detail = detail

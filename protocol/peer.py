@@ -31,7 +31,7 @@ from swarmgrad.protocol.errors import (
     quote,
 )
 from swarmgrad.protocol.keys import peer_id_of, verify_signature
-from swarmgrad.protocol.server import Rejections, open_channel, unary
+from swarmgrad.protocol.server import Rejections, host_of, open_channel, unary
 from swarmgrad.protocol.v1 import peer_pb2
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
@@ -40,16 +40,6 @@ MAX_DIAL_BACKS = 8  # under way at once, per node
 MAX_CHALLENGE_BYTES = 64
 SERVICE = "swarmgrad.v1.Peer"
 _GET_INFO, _DIAL_BACK, _PUNCH = (f"/{SERVICE}/{m}" for m in ("GetInfo", "DialBack", "Punch"))
-
-
-def host_of(peer: str) -> str:
-    """The address in a gRPC ``context.peer()`` string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``)."""
-    kind, _, rest = peer.partition(":")
-    if kind == "ipv4":
-        return rest.rsplit(":", 1)[0]
-    if kind == "ipv6":
-        return rest.rsplit(":", 1)[0].strip("[]")
-    return ""
 
 
 def endpoint_of(host: str, port: int) -> str:
@@ -78,9 +68,10 @@ class PunchHandler(Protocol):
         """Whether this node knows a public address of its own to punch from."""
         ...
 
-    def try_start(self, remote: tuple[str, int]) -> tuple[str, int] | None:
-        """Begin connecting to ``remote``: this node's public address and punching port, or
-        None when too many punches are under way (the check and the start are one step)."""
+    def try_start(self, remote: tuple[str, int], requester: str) -> tuple[str, int] | None:
+        """Begin connecting to ``remote`` for the peer ``requester`` (whose signature was
+        checked; the links it holds are bounded): this node's public address and punching port,
+        or None when too many punches are under way (the check and the start are one step)."""
         ...
 
 
@@ -203,7 +194,7 @@ class PeerServicer:
         self._check_run(request.run_id, request.spec_hash)
         if not _is_ipv4(request.host) or not 0 < request.port < 65536:
             raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "bad punching address")
-        self._verifier.verify(
+        requester = self._verifier.verify(
             _PUNCH,
             request.auth,
             receiver=request.receiver,
@@ -220,7 +211,7 @@ class PeerServicer:
         punch = self._punch
         if punch is None or not punch.can_punch():
             raise ProtocolViolation(ResultCode.CANNOT_PUNCH, "this peer cannot punch now")
-        started = punch.try_start((request.host, request.port))
+        started = punch.try_start((request.host, request.port), requester)
         if started is None:
             raise ProtocolViolation(ResultCode.OVERLOADED, "too many punches under way")
         self.punches += 1

@@ -148,7 +148,8 @@ async def _serve(args: argparse.Namespace) -> None:
                     limits=transport_limits(
                         config, min_message_bytes=state.MAX_MESSAGE_BYTES if everything else 0
                     )
-                )
+                ),
+                rejections=rejections,
             )
             for register in services if everything else ():
                 transport.register(register)

@@ -9,6 +9,12 @@ starts connecting before it answers. Failed attempts are retried until a deadlin
 that meets a NAT with no mapping yet is dropped, not refused: routers here drop unsolicited
 inbound packets, and must, or the mapping moves).
 
+The callee keeps the links it punched open while they carry traffic, but at most
+``max_links_per_peer`` per requesting key and ``max_links`` in all (each holds three file
+descriptors: the punched socket, the splice to the gRPC server, and the server's end): beyond
+them the oldest link goes, of that key, or of the key holding the most (one key once held 184).
+An honest dialer holds one or two (its channel, a liveness call), and redials a closed one.
+
 The dialing side runs a :class:`PunchRoute` per peer: a listener on 127.0.0.1 that gRPC channels
 dial instead of the peer's relayed endpoint. Each connection accepted there is punched through
 afresh and spliced to the punched socket; if punching fails (a symmetric NAT, a firewall), it is
@@ -22,15 +28,20 @@ import logging
 import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from swarmgrad.node.metrics import parse_address
-from swarmgrad.node.reachability.streams import splice
+from swarmgrad.node.reachability.streams import close_quietly, splice
 from swarmgrad.node.tasks import TaskSet
 
 log = logging.getLogger(__name__)
 
 PUNCH_DEADLINE_SECONDS = 4.0  # the kernel resends a SYN after 1 s and 3 s
 _RETRY_SECONDS = 0.2
+#: Punched links a callee keeps open for one requesting key, and in all (as many as a dialer
+#: keeps routes: ``routes.py``'s MAX_ROUTES).
+MAX_LINKS_PER_PEER = 4
+MAX_LINKS = 64
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
@@ -76,11 +87,23 @@ async def simultaneous_open(
             await asyncio.sleep(_RETRY_SECONDS)
 
 
+@dataclass(eq=False, slots=True)
+class _Link:
+    """A punched link the callee holds: whose, and its two ends (closing them ends the splice)."""
+
+    requester: str
+    ends: tuple[asyncio.StreamWriter, asyncio.StreamWriter]
+
+    def close(self) -> None:
+        for writer in self.ends:
+            close_quietly(writer)
+
+
 class PunchResponder:
     """The callee's side: answers Punch requests and splices punched links to its gRPC server
     (``target``, set once the server is bound). At most ``max_punching`` punches are under way
     at once; the count is taken in the same step as the check, so a burst of calls cannot slip
-    past it."""
+    past it. Established links are bounded per requesting key and in all (module docstring)."""
 
     def __init__(
         self,
@@ -89,30 +112,41 @@ class PunchResponder:
         target: tuple[str, int] | None,
         public_host: Callable[[], str],
         max_punching: int = 4,
+        max_links_per_peer: int = MAX_LINKS_PER_PEER,
+        max_links: int = MAX_LINKS,
     ) -> None:
+        if min(max_punching, max_links_per_peer, max_links) < 1:
+            raise ValueError("punching limits must be positive")
         self._host, self.target, self._public_host = host, target, public_host
         self._max = max_punching
+        self._max_links_per_peer, self._max_links = max_links_per_peer, max_links
         self._punching = 0
+        self._links: dict[_Link, None] = {}  # established, oldest first
         self._tasks = TaskSet()
-        #: "punched" and "failed" links, punches "refused" as too many, and the bytes carried.
+        #: "punched" and "failed" links, punches "refused" as too many, links "closed" to make
+        #: room for newer ones, and the bytes carried.
         self.counts: Counter[str] = Counter()
         self.traffic: Counter[str] = Counter()
 
     def can_punch(self) -> bool:
         return bool(self._public_host()) and self.target is not None
 
-    def try_start(self, remote: tuple[str, int]) -> tuple[str, int] | None:
-        """Start connecting to ``remote``: this side's public address and port, or None if
-        ``max_punching`` punches are under way."""
+    def links(self, requester: str | None = None) -> int:
+        """Punched links open now (``requester``'s only, if given)."""
+        return sum(1 for link in self._links if requester in (None, link.requester))
+
+    def try_start(self, remote: tuple[str, int], requester: str) -> tuple[str, int] | None:
+        """Start connecting to ``remote`` for the peer ``requester`` (authenticated): this
+        side's public address and port, or None if ``max_punching`` punches are under way."""
         if self._punching >= self._max:
             self.counts["refused"] += 1
             return None
         first = punching_socket(self._host)
         self._punching += 1
-        self._tasks.spawn(self._link(first, remote))
+        self._tasks.spawn(self._link(first, remote, requester))
         return self._public_host(), first.getsockname()[1]
 
-    async def _link(self, first: socket.socket, remote: tuple[str, int]) -> None:
+    async def _link(self, first: socket.socket, remote: tuple[str, int], requester: str) -> None:
         try:
             assert self.target is not None  # can_punch said so before this started
             punched = await simultaneous_open(
@@ -126,7 +160,29 @@ class PunchResponder:
         finally:
             self._punching -= 1
         self.counts["punched"] += 1
-        await splice(punched, local, self.traffic)
+        link = _Link(requester, (punched[1], local[1]))
+        self._hold(link)
+        try:
+            await splice(punched, local, self.traffic)
+        finally:
+            self._links.pop(link, None)
+
+    def _hold(self, link: _Link) -> None:
+        """Keep ``link``, closing the oldest of its key's beyond ``max_links_per_peer``, then
+        the oldest of the key holding the most beyond ``max_links``."""
+        self._links[link] = None
+        own = [held for held in self._links if held.requester == link.requester]
+        if len(own) > self._max_links_per_peer:
+            self._close(own[0])
+        if len(self._links) > self._max_links:
+            held = Counter(other.requester for other in self._links)
+            most = max(held.values())
+            self._close(next(other for other in self._links if held[other.requester] == most))
+
+    def _close(self, link: _Link) -> None:
+        del self._links[link]
+        link.close()
+        self.counts["closed"] += 1
 
     async def close(self) -> None:
         await self._tasks.close()

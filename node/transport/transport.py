@@ -1,7 +1,8 @@
 """The node's gRPC transport: one server for every service, cached channels, upload pacing.
 
 Every service (Averaging, State, Peer) registers on the node's one ``grpc.aio`` server before it
-starts, so they share its port, its limits and its graceful stop. Clients borrow the cached
+starts, so they share its port, its limits, its admission (what one caller address may hold)
+and its graceful stop. Clients borrow the cached
 channel to a peer from :meth:`Transport.channel`, with the same limits; a route hook (hole
 punching) may send the connection elsewhere. The cache holds the :data:`MAX_CHANNELS` channels
 used last (endpoints come from peers' records: many peers, or one peer announcing endpoint
@@ -22,7 +23,13 @@ import grpc
 
 from swarmgrad.node.transport.throttle import TokenBucket
 from swarmgrad.protocol.peer import endpoint_of
-from swarmgrad.protocol.server import ServerLimits, open_channel, start_server
+from swarmgrad.protocol.server import (
+    Admission,
+    Rejections,
+    ServerLimits,
+    open_channel,
+    start_server,
+)
 
 Register = Callable[[grpc.aio.Server], None]
 
@@ -51,11 +58,19 @@ class Transport:
     """``transport.register(...)`` for each service, then ``async with transport``."""
 
     def __init__(
-        self, config: TransportConfig, *, route: Callable[[str], str] | None = None
+        self,
+        config: TransportConfig,
+        *,
+        route: Callable[[str], str] | None = None,
+        rejections: Rejections | None = None,
     ) -> None:
-        """``route`` maps a peer's endpoint to the one to dial (a punched link's local end)."""
+        """``route`` maps a peer's endpoint to the one to dial (a punched link's local end);
+        ``rejections`` counts the calls the server's admission refuses (the node's, shared by
+        its services)."""
         self.config = config
         self.limits = config.limits
+        #: What one caller address may hold of the server (``protocol/server.py``).
+        self.admission = Admission(config.limits, rejections)
         self._route = route
         self._services: list[Register] = []
         self._server: grpc.aio.Server | None = None
@@ -77,7 +92,11 @@ class Transport:
 
     async def __aenter__(self) -> Transport:
         self._server, self.port = await start_server(
-            self._register_all, host=self.config.host, port=self.config.port, limits=self.limits
+            self._register_all,
+            host=self.config.host,
+            port=self.config.port,
+            limits=self.limits,
+            admission=self.admission,
         )
         self.endpoint = endpoint_of(self.config.public_host or self.config.host, self.port)
         return self
