@@ -52,6 +52,7 @@ from swarmgrad.node.averaging.plan import round_key
 from swarmgrad.node.averaging.reducer import PartReducer, SenderSession
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.tasks import TaskSet
+from swarmgrad.node.transport.memory import MemoryNetwork, MemoryTransport
 from swarmgrad.node.transport.transport import Transport, TransportConfig
 from swarmgrad.node.trust.ledger import Flag, TrustLedger
 from swarmgrad.protocol.auth import Verifier
@@ -616,16 +617,17 @@ async def standalone(
     *,
     host: str = "127.0.0.1",
     upload_bytes_per_second: float | None = None,
+    network: MemoryNetwork | None = None,
 ) -> AsyncIterator[Averager]:
     """An averager on a transport of its own (serving only Averaging, on a free port), its
-    uploads capped at ``upload_bytes_per_second`` if given."""
-    transport = Transport(
-        TransportConfig(
-            host=host,
-            limits=transport_limits(config),
-            upload_bytes_per_second=upload_bytes_per_second,
-        )
+    uploads capped at ``upload_bytes_per_second`` if given; with ``network``, an in-memory
+    transport on it instead of sockets (tests)."""
+    settings = TransportConfig(
+        host=host,
+        limits=transport_limits(config),
+        upload_bytes_per_second=upload_bytes_per_second,
     )
+    transport = Transport(settings) if network is None else MemoryTransport(network, settings)
     averager = Averager(identity, config, transport)
     async with averager, transport:  # the server stops (with its grace) before the rounds
         yield averager

@@ -22,6 +22,7 @@ from swarmgrad.node.averaging.group import Group, Member, chunk_sizes
 from swarmgrad.node.averaging.plan import round_key
 from swarmgrad.node.averaging.reducer import PartReducer, SenderSession
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.transport.memory import MemoryNetwork
 from swarmgrad.node.trust.checks import project, signs
 from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.protocol.auth import sign_statement
@@ -55,11 +56,17 @@ OPEN = AllReduceConfig(
 
 
 @contextlib.asynccontextmanager
-async def swarm(n: int, config: AllReduceConfig = OPEN) -> AsyncIterator[list[Averager]]:
+async def swarm(
+    n: int, config: AllReduceConfig = OPEN, *, sockets: bool = False
+) -> AsyncIterator[list[Averager]]:
+    """``n`` averagers of one open run: on the in-memory transport (the round's logic, every
+    message serialized and parsed as on the wire), or with ``sockets`` on real gRPC servers on
+    127.0.0.1 (for what only the wire shows)."""
+    network = None if sockets else MemoryNetwork()
     async with contextlib.AsyncExitStack() as stack:
         yield [
             await stack.enter_async_context(
-                standalone(Identity.from_seed(f"open-rounds/{i}"), config)
+                standalone(Identity.from_seed(f"open-rounds/{i}"), config, network=network)
             )
             for i in range(n)
         ]
@@ -335,7 +342,7 @@ async def test_a_check_report_of_the_wrong_shape_is_refused_and_the_round_goes_o
 
 
 async def test_check_messages_from_strangers_and_forgers_are_refused() -> None:
-    async with swarm(3) as peers:
+    async with swarm(3, sockets=True) as peers:  # strangers dial it over gRPC
         target = peers[0]
         group = group_of(peers, 0)
         await average(peers, honest_updates(0, 3)[:3], 0)
@@ -680,7 +687,7 @@ async def test_an_owner_that_cannot_show_the_chunks_it_averaged_fails_its_audit(
 ) -> None:
     """An audit's requests are answered only within bounds, and an owner that serves another
     chunk than the one its account lists (or none) is convicted; one that has gone is not."""
-    async with swarm(4, replace(OPEN, audit_probability=1.0)) as peers:
+    async with swarm(4, replace(OPEN, audit_probability=1.0), sockets=True) as peers:
         owner = peers[3]
         monkeypatch.setattr(audits, "choose", lambda parts, _: 3 if 3 in parts else None)
         real = PartReducer._sign_account
