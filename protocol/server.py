@@ -132,8 +132,14 @@ class ServerLimits:
         ]
 
     def server_options(self) -> list[tuple[str, Any]]:
-        """:meth:`options`, and what only a server sets."""
-        return [*self.options(), ("grpc.max_concurrent_streams", self.max_streams_per_connection)]
+        """:meth:`options`, and what only a server sets. gRPC binds with SO_REUSEPORT by
+        default, so a second node on a port another holds started without a word and the two
+        shared its connections: off, a port in use is a bind error."""
+        return [
+            *self.options(),
+            ("grpc.max_concurrent_streams", self.max_streams_per_connection),
+            ("grpc.so_reuseport", 0),
+        ]
 
 
 async def start_server(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 import torch
 
 from swarmgrad.compression import get_codec
@@ -36,7 +37,7 @@ from swarmgrad.protocol.averaging import (
     header_to_proto,
     seal,
 )
-from swarmgrad.protocol.errors import PeerUnavailable, ProtocolViolation
+from swarmgrad.protocol.errors import BindError, PeerUnavailable, ProtocolViolation
 from swarmgrad.protocol.server import ServerLimits, open_channel
 from swarmgrad.protocol.tensors import meta_to_proto
 from swarmgrad.protocol.v1 import averaging_pb2
@@ -335,3 +336,16 @@ async def test_a_private_runs_check_refuses_a_stranger_before_anything_else() ->
             "NOT_ALLOWED": 1,
             "WRONG_RUN": 1,
         }
+
+
+async def test_a_port_another_server_holds_is_refused_not_shared() -> None:
+    """gRPC binds with SO_REUSEPORT unless told not to: a second node on a taken port started
+    without a word and the two shared its connections (issue 46). Now it is a BindError, and a
+    plain gRPC server (SO_REUSEPORT on, as other programs may set it) is refused the port too."""
+    first = Transport(TransportConfig())
+    async with first:
+        with pytest.raises(BindError, match="in use"):
+            async with Transport(TransportConfig(port=first.port)):
+                pass
+        with pytest.raises(RuntimeError):
+            grpc.aio.server().add_insecure_port(f"127.0.0.1:{first.port}")
