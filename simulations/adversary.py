@@ -23,9 +23,9 @@ from swarmgrad.node.averaging.group import Group
 from swarmgrad.simulations.attacks import (
     Attack,
     Attacker,
+    LyingOwner,
     NaNPayloads,
     false_report,
-    lying_result,
 )
 
 
@@ -43,7 +43,7 @@ def install(attack: Attack, *, seed: int = 0) -> None:
         if attack is Attack.NAN:
             options["hooks"] = NaNPayloads()
         elif attack is Attack.LYING_OWNER:
-            self.tamper_results = lying_result
+            options["owner_hooks"] = LyingOwner()
         elif attack is Attack.FALSE_REPORT:
             pass  # its reports are false (above); its update is honest
         else:

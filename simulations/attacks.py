@@ -87,6 +87,13 @@ class NaNPayloads:
         return struct.pack("<f", float("nan")) + payload[4:]
 
 
+class LyingOwner:
+    """Owner hooks (``node/averaging/hooks.py``) of an owner that lies about its results."""
+
+    def result(self, index: int, value: torch.Tensor) -> torch.Tensor:
+        return lying_result(index, value)
+
+
 def lying_result(index: int, value: torch.Tensor) -> torch.Tensor:
     """What a lying owner publishes for a chunk: its result shifted by 1% of the result's norm
     (small enough to pass for noise, large enough to pull a run off course round after round)."""

@@ -59,10 +59,10 @@ import torch
 from swarmgrad.compression import Codec, Meta, decode
 from swarmgrad.node.averaging.accounts import verify_account
 from swarmgrad.node.averaging.group import Group, chunk_sizes
+from swarmgrad.node.averaging.hooks import RoundHooks
 from swarmgrad.node.averaging.plan import (
     AllReduceConfig,
     PendingPart,
-    RoundHooks,
     RoundPlan,
     RoundResult,
     round_key,

@@ -48,6 +48,7 @@ from swarmgrad.node.averaging.allreduce import (
 from swarmgrad.node.averaging.checks import CheckBox, CheckRun, Verdict, run_checks
 from swarmgrad.node.averaging.evidence import MAX_EVIDENCE_BYTES
 from swarmgrad.node.averaging.group import Group, chunk_sizes
+from swarmgrad.node.averaging.hooks import OwnerHooks
 from swarmgrad.node.averaging.plan import round_key
 from swarmgrad.node.averaging.reducer import PartReducer, SenderSession
 from swarmgrad.node.identity import Identity
@@ -154,8 +155,6 @@ class Averager:
         self.traffic: Counter[str] = self.servicer.traffic
         #: Owner checks of open rounds: parts "checked", "failed" (dropped) and "unchecked".
         self.checks: Counter[str] = Counter()
-        #: What a lying owner does to its results (simulations and tests only).
-        self.tamper_results: Callable[[int, torch.Tensor], torch.Tensor] | None = None
         #: Open runs: measures what members' values do to the loss (set by a trainer that has
         #: the model and the data; ``node/training/spot_check.py``). None: no spot checks.
         self.loss_probe: LossProbe | None = None
@@ -191,10 +190,12 @@ class Averager:
         group: Group,
         *,
         hooks: RoundHooks | None = None,
+        owner_hooks: OwnerHooks | None = None,
         out: torch.Tensor | None = None,
         keep_sent: bool = False,
     ) -> RoundResult:
-        """Average ``vector`` (1-D fp32) with ``group`` (``allreduce.py`` says how).
+        """Average ``vector`` (1-D fp32) with ``group`` (``allreduce.py`` says how); ``hooks``
+        and ``owner_hooks`` inject faults (tests, simulations: ``hooks.py``).
 
         The result is a new tensor, or ``out`` when given (a buffer the caller reuses from
         round to round; its contents are undefined if the round is aborted). ``vector`` itself
@@ -234,7 +235,7 @@ class Averager:
                 offset=start,
                 signer=self.identity,
                 key=round_key(self.config, group),
-                tamper=self.tamper_results,
+                hooks=owner_hooks,
                 probes=self._probes(group, me),
             )
             for member, peer in enumerate(group.members):

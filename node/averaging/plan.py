@@ -1,6 +1,7 @@
 """What an all-reduce round is run with and what it returns: the run's agreed settings
-(:class:`AllReduceConfig`), one member's :class:`RoundPlan`, the fault-injection hook, and the
-:class:`RoundResult` (``allreduce.py`` says what a round guarantees)."""
+(:class:`AllReduceConfig`), one member's :class:`RoundPlan` (with the fault-injection hooks
+passed in from outside, ``hooks.py``), and the :class:`RoundResult` (``allreduce.py`` says what
+a round guarantees)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ import math
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import grpc
 import torch
 
 from swarmgrad.compression import Codec, get_codec
 from swarmgrad.node.averaging.group import Group
+from swarmgrad.node.averaging.hooks import OwnerHooks, RoundHooks
 from swarmgrad.node.averaging.reducer import OwnerRules, PartReducer
 from swarmgrad.node.kinds import Failure
 from swarmgrad.node.trust.aggregate import Aggregator
@@ -172,14 +173,6 @@ class RoundResult:
         return not self.missing and not self.partial
 
 
-class RoundHooks(Protocol):
-    """Extension point for fault injection (tests, simulations): sees every outgoing chunk."""
-
-    async def before_send(self, owner: int, index: int, payload: bytes) -> bytes:
-        """Called with each encoded chunk before it goes to ``owner``; returns what to send."""
-        ...
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RoundPlan:
     """Who this member is in one round, and what it runs the round with."""
@@ -197,6 +190,7 @@ class RoundPlan:
     #: servicer counts its own side.
     traffic: Counter[str]
     hooks: RoundHooks | None = None
+    owner_hooks: OwnerHooks | None = None
     #: Waits until so many bytes may go up the node's link (its upload cap), if any.
     pace: Callable[[int], Awaitable[None]] | None = None
     #: Report what the owners decode of this member's values (``RoundResult.sent``).

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from swarmgrad.compression import Codec, Meta, decode
 from swarmgrad.node.averaging.group import Group
+from swarmgrad.node.averaging.hooks import OwnerHooks
 from swarmgrad.node.trust.aggregate import Aggregator, aggregate
 from swarmgrad.node.trust.ledger import Flag, Observation, observe_chunk
 from swarmgrad.protocol.auth import Signer
@@ -82,13 +83,13 @@ class PartReducer:
         offset: int = 0,
         signer: Signer | None = None,
         key: averaging_pb2.RoundKey | None = None,
-        tamper: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+        hooks: OwnerHooks | None = None,
         probes: Sequence[int] = (),
     ) -> None:
         """``offset``: where the part starts in the round's vector (names chunks for replay
-        checks); ``signer`` and ``key``: to sign the part's account (open runs); ``tamper``: what
-        a lying owner does to each chunk's result (simulations and tests only); ``probes``:
-        members whose values of the part are kept whole, for a spot check after the round."""
+        checks); ``signer`` and ``key``: to sign the part's account (open runs); ``hooks``: fault
+        injection from outside (tests, simulations); ``probes``: members whose values of the
+        part are kept whole, for a spot check after the round."""
         self.group = group
         self.part = part
         self.chunk_numels = list(chunk_numels)
@@ -128,7 +129,7 @@ class PartReducer:
         self._accounts = [averaging_pb2.ChunkAccount() for _ in range(n)]
         self.commitments: dict[int, tuple[bytes, Auth]] = {}
         self._signer, self.key = signer, key
-        self._tamper = tamper
+        self._hooks = hooks
         #: The values of the members in ``probes``, by chunk (None: not received).
         self.probed: dict[int, list[torch.Tensor | None]] = {m: [None] * n for m in probes}
         self._account: asyncio.Future[averaging_pb2.Signed | None] = self._loop.create_future()
@@ -279,8 +280,8 @@ class PartReducer:
                     weight = 1.0
                 result: ChunkResult | None = None
                 if total is not None and weight > 0 and contributors:
-                    if self._tamper is not None:
-                        total = self._tamper(index, total)
+                    if self._hooks is not None:
+                        total = self._hooks.result(index, total)
                     payload, meta, mine = await asyncio.to_thread(self._publish, total, weight)
                     result = ChunkResult(
                         index=index,

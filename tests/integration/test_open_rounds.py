@@ -19,6 +19,7 @@ from swarmgrad.node.averaging.accounts import CheckedPart
 from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
 from swarmgrad.node.averaging.averager import Averager, standalone
 from swarmgrad.node.averaging.group import Group, Member, chunk_sizes
+from swarmgrad.node.averaging.hooks import OwnerHooks
 from swarmgrad.node.averaging.plan import round_key
 from swarmgrad.node.averaging.reducer import PartReducer, SenderSession
 from swarmgrad.node.identity import Identity
@@ -31,6 +32,7 @@ from swarmgrad.protocol.v1 import averaging_pb2
 from swarmgrad.simulations.attacks import (
     Attack,
     Attacker,
+    LyingOwner,
     NaNPayloads,
     false_report,
     lying_result,
@@ -104,13 +106,26 @@ async def average(
     vectors: list[torch.Tensor],
     round_: int,
     hooks: dict[int, NaNPayloads] | None = None,
+    owner_hooks: dict[int, OwnerHooks] | None = None,
 ) -> list[RoundResult | BaseException]:
+    """One round of ``averagers`` in one group; ``hooks`` and ``owner_hooks`` by member index:
+    the faults those members inject."""
     group = group_of(averagers, round_)
     calls = [
-        a.all_reduce(v, group, hooks=(hooks or {}).get(i))
+        a.all_reduce(v, group, hooks=(hooks or {}).get(i), owner_hooks=(owner_hooks or {}).get(i))
         for i, (a, v) in enumerate(zip(averagers, vectors, strict=True))
     ]
     return list(await asyncio.gather(*calls, return_exceptions=True))
+
+
+class Lie:
+    """Owner hooks of a lying owner: ``publish`` makes what it sends of each chunk's result."""
+
+    def __init__(self, publish: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
+        self.publish = publish
+
+    def result(self, index: int, value: torch.Tensor) -> torch.Tensor:
+        return self.publish(index, value)
 
 
 def open_mean(averagers: list[Averager], updates: list[torch.Tensor]) -> torch.Tensor:
@@ -276,9 +291,8 @@ async def test_a_member_left_out_by_an_owner_disputes_it_and_bans_nobody(
 async def test_a_lying_owner_is_convicted_in_the_round_it_lies() -> None:
     async with swarm(5) as peers:
         honest, bad = peers[:4], peers[4]
-        bad.tamper_results = lying_result
         updates = honest_updates(0, 5)
-        results = await average(peers, updates, 0)
+        results = await average(peers, updates, 0, owner_hooks={4: LyingOwner()})
         bounds = group_of(peers, 0).partition(SIZE)
         for peer, result in zip(honest, results, strict=False):
             assert isinstance(result, RoundResult)
@@ -579,9 +593,10 @@ async def test_a_member_that_accepts_no_connections_is_not_held_silent() -> None
             assert peer.checks["failed"] == 0
 
 
-def collude(monkeypatch: pytest.MonkeyPatch, owner: Averager, colluder: Averager) -> None:
-    """``owner`` (the last of five members) lies about its part's result and ``colluder``
-    reports what cancels the lie in the projection check; every member audits that part."""
+def collude(monkeypatch: pytest.MonkeyPatch) -> dict[int, OwnerHooks]:
+    """The owner of part 4 (the last of five members) lies about its part's result and member
+    3 reports what cancels the lie in the projection check; every member audits that part. The
+    owner hooks to pass to the rounds."""
     shifts: dict[int, torch.Tensor] = {}
 
     def lie(index: int, value: torch.Tensor) -> torch.Tensor:
@@ -608,9 +623,9 @@ def collude(monkeypatch: pytest.MonkeyPatch, owner: Averager, colluder: Averager
         report.projections.extend(covered)
         return report
 
-    owner.tamper_results = lie
     monkeypatch.setattr(checks, "own_report", covering)
     monkeypatch.setattr(audits, "choose", lambda parts, _: 4 if 4 in parts else None)
+    return {4: Lie(lie)}
 
 
 async def test_an_owner_whose_lie_a_colluding_member_covers_is_caught_by_an_audit(
@@ -622,8 +637,8 @@ async def test_an_owner_whose_lie_a_colluding_member_covers_is_caught_by_an_audi
     convicts both."""
     async with swarm(5, replace(OPEN, audit_probability=1.0)) as peers:
         honest, colluder, owner = peers[:3], peers[3], peers[4]
-        collude(monkeypatch, owner, colluder)
-        results = await average(peers, honest_updates(0, 5), 0)
+        lying = collude(monkeypatch)
+        results = await average(peers, honest_updates(0, 5), 0, owner_hooks=lying)
         # The check is fooled: every part passes and the lie is applied ...
         assert all(isinstance(r, RoundResult) and r.complete for r in results)
         assert all(p.checks["failed"] == 0 for p in peers)
@@ -644,8 +659,8 @@ async def test_a_colluding_owner_whose_account_lists_a_malformed_key_is_still_ca
     Ed25519 key) has its account refused: no member applies its lie. And an account that breaks
     an audit fails it: the owner is banned for a failed audit, never left unjudged."""
     async with swarm(5, replace(OPEN, audit_probability=1.0)) as peers:
-        honest, colluder, owner = peers[:3], peers[3], peers[4]
-        collude(monkeypatch, owner, colluder)
+        honest, owner = peers[:3], peers[4]  # peers[3] covers for it
+        lying = collude(monkeypatch)
         real = PartReducer._sign_account
 
         def malformed(self: PartReducer) -> averaging_pb2.Signed | None:
@@ -658,7 +673,7 @@ async def test_a_colluding_owner_whose_account_lists_a_malformed_key_is_still_ca
 
         monkeypatch.setattr(PartReducer, "_sign_account", malformed)
         updates = honest_updates(0, 5)
-        results = await average(peers, updates, 0)
+        results = await average(peers, updates, 0, owner_hooks=lying)
         start, end = group_of(peers, 0).partition(SIZE)[4]
         for peer, result, mine in zip(honest, results, updates, strict=False):
             assert isinstance(result, RoundResult)
@@ -674,7 +689,7 @@ async def test_a_colluding_owner_whose_account_lists_a_malformed_key_is_still_ca
             raise ValueError(f"an Ed25519 public key has 32 bytes, got {len(public_key)}")
 
         monkeypatch.setattr(reports, "peer_id_of", broken)
-        results = await average(peers, honest_updates(1, 5), 1)
+        results = await average(peers, honest_updates(1, 5), 1, owner_hooks=lying)
         assert all(isinstance(r, RoundResult) and r.complete for r in results)
         await audited(honest, 1)
         for peer in honest:

@@ -18,6 +18,7 @@ from swarmgrad.protocol.averaging import ChunkResult
 from swarmgrad.protocol.v1 import averaging_pb2
 from tests.integration.test_open_rounds import (
     SIZE,
+    Lie,
     average,
     group_of,
     honest_updates,
@@ -30,9 +31,12 @@ N = 5
 OWNER = N - 1  # the attacker's index: the last member
 
 
-def flip(index: int, value: torch.Tensor) -> torch.Tensor:
-    """The lie of the review's attacker: its part's result times -3."""
+def times_minus_three(index: int, value: torch.Tensor) -> torch.Tensor:
     return value * -3.0
+
+
+#: The lie of the review's attacker, as its owner hooks: its part's result times -3.
+FLIP = {OWNER: Lie(times_minus_three)}
 
 
 def victim(round_: int) -> int:
@@ -110,10 +114,9 @@ async def test_a_rotating_withholder_that_lies_is_banned_by_every_honest_member_
     convicts the owner, and nobody ever applies the lie."""
     async with swarm(N) as peers:
         honest, bad = peers[:OWNER], peers[OWNER]
-        bad.tamper_results = flip
         withhold(monkeypatch, bad, lambda r: {victim(r)})
         updates = honest_updates(0, N)
-        results = await average(peers, updates, 0)
+        results = await average(peers, updates, 0, owner_hooks=FLIP)
         applied_no_lie(peers, results, updates)
         for peer in honest:
             assert peer.ledger.bans[bad.peer_id].flags == (Flag.LYING_OWNER,), peer.peer_id
@@ -132,10 +135,9 @@ async def test_withholding_results_too_does_not_keep_a_victim_out_of_the_check(
     victim, which holds no result to check, applies nothing of the part and notes the owner."""
     async with swarm(N) as peers:
         honest, bad = peers[:OWNER], peers[OWNER]
-        bad.tamper_results = flip
         withhold(monkeypatch, bad, lambda r: {victim(r)}, results=True)
         updates = honest_updates(0, N)
-        results = await average(peers, updates, 0)
+        results = await average(peers, updates, 0, owner_hooks=FLIP)
         applied_no_lie(peers, results, updates)
         for member, peer in enumerate(honest):
             if member == victim(0):
@@ -174,7 +176,6 @@ async def test_an_owner_that_withholds_every_account_is_banned_and_its_part_neve
 ) -> None:
     async with swarm(N) as peers:
         honest, bad = peers[:OWNER], peers[OWNER]
-        bad.tamper_results = flip
         withhold(monkeypatch, bad, lambda r: set(range(N)))
         honest_broadcast = checks._broadcast
 
@@ -190,7 +191,7 @@ async def test_an_owner_that_withholds_every_account_is_banned_and_its_part_neve
         banned_at = None
         for round_ in range(3):
             updates = honest_updates(round_, N)
-            results = await average(peers, updates, round_)
+            results = await average(peers, updates, round_, owner_hooks=FLIP)
             applied_no_lie(peers, results, updates)
             if banned_at is None and all(p.ledger.banned(bad.peer_id) for p in honest):
                 banned_at = round_
@@ -208,7 +209,6 @@ async def test_a_silent_member_cannot_leave_a_lying_owners_part_unchecked(
     parts are checked and applied; the colluder is flagged silent."""
     async with swarm(N) as peers:
         honest, colluder, bad = peers[: N - 2], peers[N - 2], peers[OWNER]
-        bad.tamper_results = flip
         honest_broadcast = checks._broadcast
 
         async def mute(run: checks.CheckRun, statement: averaging_pb2.CheckStatement) -> None:
@@ -217,7 +217,7 @@ async def test_a_silent_member_cannot_leave_a_lying_owners_part_unchecked(
 
         monkeypatch.setattr(checks, "_broadcast", mute)
         updates = honest_updates(0, N)
-        results = await average(peers, updates, 0)
+        results = await average(peers, updates, 0, owner_hooks=FLIP)
         applied_no_lie(peers, results, updates)
         bounds = group_of(peers, 0).partition(SIZE)
         for peer, result in zip(honest, results, strict=False):
