@@ -63,6 +63,7 @@ from swarmgrad.node.averaging.reports import (
     signed_values,
     true_projections,
 )
+from swarmgrad.node.trust.aggregate import Aggregator
 from swarmgrad.node.trust.checks import PROJECTIONS, SECRET_BYTES, commitment, part_seed
 from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.protocol.auth import Signer
@@ -271,8 +272,8 @@ async def run_checks(run: CheckRun) -> Verdict:
     await run.box.wait_for(lambda: awaited <= run.box.reveals.keys(), timeout_seconds=timeout)
     _take_forwarded(run, parts, layout, verdict)
 
-    if config.aggregator == "median":
-        return verdict  # no fixed point to check (the median is a fallback, not for open runs)
+    if not Aggregator(config.aggregator).checkable:
+        return verdict  # no fixed point to check: applied unchecked (audits still run)
 
     # 3: seeds, reports.
     for part in parts.values():

@@ -40,9 +40,19 @@ MAX_ITERATIONS = 1000
 
 
 class Aggregator(enum.StrEnum):
+    """An owner's rule for a chunk's members' values (the run spec's ``trust.aggregator``)."""
+
     MEAN = "mean"  # the weighted mean: trusted peers only
     CENTERED_CLIP = "centered_clip"
     MEDIAN = "median"  # coordinate-wise: cheaper, cruder
+
+    @property
+    def checkable(self) -> bool:
+        """Whether its result is a fixed point ``sum_i c_i (x_i - v) = 0`` of the members'
+        values with one clip coefficient each, which the members can check together without
+        showing their values (``node/trust/checks.py``); open runs apply the others'
+        results unchecked (audits still aggregate them again)."""
+        return self in (Aggregator.MEAN, Aggregator.CENTERED_CLIP)
 
 
 class Screen(enum.StrEnum):
