@@ -34,6 +34,9 @@ import torch
 #: A member whose largest value exceeds this many times the members' median largest value is
 #: not averaged (an update 1000x larger than its peers' is a bug or an attack, never progress).
 SCALE_LIMIT = 1e3
+#: The share of a chunk's members the trimmed mean leaves out at each end, coordinate by
+#: coordinate (rounded down: with fewer than 5 members it is the mean).
+TRIM = 0.2
 #: Relative change of the estimate at which CenteredClip has reached its fixed point.
 TOLERANCE = 1e-7
 MAX_ITERATIONS = 1000
@@ -45,6 +48,7 @@ class Aggregator(enum.StrEnum):
     MEAN = "mean"  # the weighted mean: trusted peers only
     CENTERED_CLIP = "centered_clip"
     MEDIAN = "median"  # coordinate-wise: cheaper, cruder
+    TRIMMED_MEAN = "trimmed_mean"  # coordinate-wise: the mean of all but each end's TRIM
 
     @property
     def checkable(self) -> bool:
@@ -114,6 +118,8 @@ def aggregate(
         value = (w.to(torch.float32) @ rows) if len(used) > 1 else rows[0].clone()
     elif aggregator is Aggregator.MEDIAN:
         value = coordinate_median(rows)
+    elif aggregator is Aggregator.TRIMMED_MEAN:
+        value, clip_used = trimmed_mean(rows)
     else:
         value, clip_used, tau, iterations = centered_clip(rows, w, kappa=kappa)
     clip = [0.0] * n
@@ -163,6 +169,18 @@ def coordinate_median(values: torch.Tensor) -> torch.Tensor:
     if n % 2:
         return rows[n // 2]
     return rows[n // 2 - 1].add_(rows[n // 2]).mul_(0.5)
+
+
+def trimmed_mean(values: torch.Tensor, trim: float = TRIM) -> tuple[torch.Tensor, list[float]]:
+    """Each coordinate's mean without its ``floor(trim * n)`` largest and smallest values, and
+    each row's share of coordinates it was kept in (its "clip": 1 is never trimmed)."""
+    n, d = values.shape
+    k = int(trim * n)
+    if k == 0:
+        return values.mean(0), [1.0] * n
+    ordered, order = values.sort(dim=0)
+    kept = torch.bincount(order[k : n - k].flatten(), minlength=n).double() / d
+    return ordered[k : n - k].mean(0), kept.tolist()
 
 
 def centered_clip(
