@@ -31,8 +31,8 @@ import torch
 
 from swarmgrad.compression import get_codec
 from swarmgrad.node.averaging.averager import Averager, LossProbe
-from swarmgrad.node.averaging.evidence import verify_bytes
 from swarmgrad.node.averaging.matchmaking import Matchmaker
+from swarmgrad.node.averaging.open.evidence import verify_bytes
 from swarmgrad.node.averaging.rounds import Averaged, RoundParts, Rounds
 from swarmgrad.node.discovery.base import Discovery
 from swarmgrad.node.discovery.directory import PeerDirectory

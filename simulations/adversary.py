@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from swarmgrad.node import cli
-from swarmgrad.node.averaging import checks, reports
 from swarmgrad.node.averaging.allreduce import RoundResult
 from swarmgrad.node.averaging.averager import Averager
 from swarmgrad.node.averaging.group import Group
+from swarmgrad.node.averaging.open import checks, reports
 from swarmgrad.simulations.attacks import (
     Attack,
     Attacker,

@@ -23,12 +23,10 @@ Failure semantics
   unaveraged.
 * All members that receive a chunk receive the same bytes from its owner, so their averaged
   values are bit-identical wherever they are not missing.
-* Open runs (``config.observe``): each chunk a member sends is signed, its stream header carries
-  a commitment to a secret of the round, an owner's own values stay out of its part, and every
-  owner ends its stream with a signed account of its part. A member takes a part's results only
-  with a valid account that names the very bytes it received (else the whole part is missing),
-  and notes a dispute if the account does not name its own payload. ``checks.py`` then checks
-  the accounts with the other members before the caller applies anything.
+* The run's policy (``policy.py``) plays this member's side at fixed points: what its stream
+  headers commit to, what it signs of each chunk, whether it takes an owner's results once they
+  are all in (an open run's member takes them only with a signed account that names the very
+  bytes it received: ``open/``), and what it keeps of a part it did not take.
 * The round raises :class:`RoundAborted` if no chunk was averaged with anyone but this member
   (every other member failed, or the deadline passed first). The caller's tensors are never
   modified, whether the round succeeds or not: the result is a new tensor.
@@ -48,8 +46,6 @@ __all__ = [
 
 import asyncio
 import contextlib
-import hashlib
-import secrets
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
@@ -57,18 +53,14 @@ import grpc
 import torch
 
 from swarmgrad.compression import Codec, Meta, decode
-from swarmgrad.node.averaging.accounts import verify_account
 from swarmgrad.node.averaging.group import Group, chunk_sizes
 from swarmgrad.node.averaging.hooks import RoundHooks
 from swarmgrad.node.averaging.plan import (
     AllReduceConfig,
-    PendingPart,
     RoundPlan,
     RoundResult,
-    round_key,
 )
 from swarmgrad.node.kinds import Failure
-from swarmgrad.node.trust.checks import SECRET_BYTES, commitment
 from swarmgrad.protocol.averaging import (
     StreamHeader,
     aggregate_method,
@@ -76,7 +68,6 @@ from swarmgrad.protocol.averaging import (
     decode_chunk,
     framed_chunk,
     header_to_proto,
-    sign_chunk,
 )
 from swarmgrad.protocol.errors import (
     PeerUnavailable,
@@ -104,17 +95,6 @@ class _Round:
     failure_kinds: dict[str, Failure] = field(default_factory=dict)
     #: Owners whose averaged chunk left out this member's values, which it had sent them.
     excluded_by: set[str] = field(default_factory=set)
-    #: Open runs: this member's secret, the SHA-256 of each payload it sent by (part, chunk),
-    #: and the accounts it received, by part.
-    secret: bytes = b""
-    sent_digests: dict[tuple[int, int], bytes] = field(default_factory=dict)
-    accounts: dict[int, averaging_pb2.Signed] = field(default_factory=dict)
-    #: The accounts of other owners' parts once verified (signature, round, part, shape).
-    verified: dict[int, averaging_pb2.PartAccount] = field(default_factory=dict)
-    #: Parts whose results arrived without a valid account, and owners that sent every result
-    #: of their part but no valid account.
-    pending: dict[int, PendingPart] = field(default_factory=dict)
-    withheld: set[str] = field(default_factory=set)
 
     @property
     def me(self) -> int:
@@ -139,14 +119,11 @@ async def run_round(
     """Run this member's side of one round of ``vector`` (into ``out``, if given)."""
     loop = asyncio.get_running_loop()
     me, group = plan.me, plan.group
-    checked = plan.config.observe
     state = _Round(
         plan=plan,
         deadline=loop.time() + plan.config.round_timeout_seconds,
-        # Chunks never encoded (their owner failed first) count as sent exactly. Checks need
-        # what the owners decoded.
-        sent=vector.clone() if plan.keep_sent or checked else None,
-        secret=secrets.token_bytes(SECRET_BYTES) if checked else b"",
+        # Chunks never encoded (their owner failed first) count as sent exactly.
+        sent=vector.clone() if plan.keep_sent or plan.side.keeps_sent else None,
     )
     bounds = group.partition(vector.numel())
     # Every averaged chunk is decoded straight into `out`; missing ones get the caller's values
@@ -196,16 +173,13 @@ async def _reduce_own_part(state: _Round, values: torch.Tensor, out: torch.Tenso
             continue
         out[start:end] = decoded
         state.contributors[(state.me, index)] = result.contributors
-    account = await reducer.account()
-    if account is not None:
-        state.accounts[state.me] = account
 
 
 async def _exchange_with_owner(
     state: _Round, part: int, values: torch.Tensor, out: torch.Tensor
 ) -> None:
     plan = state.plan
-    group, config, traffic = plan.group, plan.config, plan.traffic
+    group, config, traffic, side = plan.group, plan.config, plan.traffic, plan.side
     owner = group.members[part]
     numels = chunk_sizes(values.numel(), config.chunk_values)
     offsets = _offsets(numels)
@@ -224,16 +198,15 @@ async def _exchange_with_owner(
         requests(), timeout=max(0.001, state.deadline - loop.time())
     )
     expected = 0
-    checked = config.observe
-    received: dict[int, tuple[int, ...]] = {}  # open runs: kept until the account holds
+    received: dict[int, tuple[int, ...]] = {}  # until the policy's side takes them
     digests: dict[int, bytes] = {}
+    taken = ended_by_owner = False
     try:
         while expected < len(numels):
             async with asyncio.timeout(config.reducer_timeout_seconds):
                 response = await call.read()
             if response is grpc.aio.EOF:
-                if checked:  # an honest owner ends a stream early only with an error status
-                    state.withheld.add(owner.peer_id)
+                ended_by_owner = True  # an honest owner ends a stream early only with a status
                 raise PeerUnavailable(f"{owner.peer_id} closed the stream after {expected} chunks")
             traffic["received"] += len(response.chunk.payload)
             start, end = offsets[expected]
@@ -250,14 +223,13 @@ async def _exchange_with_owner(
             if state.me not in response.contributors:  # it took our chunk, then left it out
                 state.excluded_by.add(owner.peer_id)
             await decode_chunk(response.chunk.payload, meta, out[start:end])
-            if checked:
-                received[expected] = tuple(response.contributors)
-                digests[expected] = hashlib.sha256(response.chunk.payload).digest()
-            else:
-                state.contributors[(part, expected)] = tuple(response.contributors)
+            received[expected] = tuple(response.contributors)
+            digests[expected] = side.digest(response.chunk.payload)
             expected += 1
-        if checked:
-            await _take_account(state, part, call, numels, received, digests)
+        accepted = await side.take(part, numels, received, digests, call.read)
+        if accepted is not None:
+            taken = True
+            state.contributors.update({(part, i): c for i, c in accepted.items()})
     except grpc.aio.AioRpcError as error:
         _owner_failed(state, part, from_rpc_error(error, owner.peer_id), error.code())
     except TimeoutError:
@@ -266,63 +238,12 @@ async def _exchange_with_owner(
     except SwarmgradError as error:
         _owner_failed(state, part, error, None)
     finally:
-        if checked and part not in state.verified and received:
-            # No account of what it sent: the chunks wait for one another member forwards
-            # (``checks.py``), or stay missing.
-            state.pending[part] = PendingPart(
-                contributors=dict(received),
-                digests=dict(digests),
-                values=out.clone(),
-                complete=len(received) == len(numels),
-            )
+        if not taken and (received or ended_by_owner):
+            kept = side.keep(part, received, digests, out, ended_by_owner=ended_by_owner)
+            state.contributors.update({(part, i): c for i, c in kept.items()})
         call.cancel()
         producer.cancel()
         await asyncio.gather(producer, return_exceptions=True)
-
-
-async def _take_account(
-    state: _Round,
-    part: int,
-    call: grpc.aio.StreamStreamCall[Framed, averaging_pb2.AggregateResponse],
-    numels: list[int],
-    received: dict[int, tuple[int, ...]],
-    digests: dict[int, bytes],
-) -> None:
-    """Read the owner's signed account of ``part`` after its last result (open runs) and take
-    the part's chunks with it. An owner that sent every result but no valid account has
-    withheld it (this member saw that itself); the part then waits in ``state.pending``."""
-    plan = state.plan
-    group, config = plan.group, plan.config
-    owner = group.members[part].peer_id
-    try:
-        async with asyncio.timeout(config.reducer_timeout_seconds):
-            response = await call.read()
-        if response is grpc.aio.EOF or not response.HasField("account"):
-            raise ProtocolViolation(ResultCode.BAD_PAYLOAD, f"{owner} sent no account of its part")
-        account = verify_account(
-            response.account,
-            group=group,
-            key=round_key(config, group),
-            part=part,
-            numels=numels,
-            results=digests,
-            contributors=received,
-        )
-    except TimeoutError:
-        state.withheld.add(owner)
-        why = f"{owner} sent no account of its part within {config.reducer_timeout_seconds:g} s"
-        raise ProtocolViolation(ResultCode.TIMED_OUT, why) from None
-    except (grpc.aio.AioRpcError, SwarmgradError):
-        state.withheld.add(owner)
-        raise
-    state.accounts[part] = response.account
-    state.verified[part] = account
-    for index, contributors in received.items():
-        state.contributors[(part, index)] = contributors
-        if state.me in contributors and account.chunks[index].payload_sha256[
-            list(contributors).index(state.me)
-        ] != state.sent_digests.get((part, index)):
-            state.excluded_by.add(owner)  # it counted other values as ours
 
 
 async def _produce(
@@ -340,7 +261,6 @@ async def _produce(
         first = plan.group.partition(state.sent.numel())[part][0]
         sent = state.sent[first : first + values.numel()]
     numels = chunk_sizes(values.numel(), plan.config.chunk_values)
-    key = round_key(plan.config, plan.group) if plan.config.observe else None
     try:
         for index, (start, end) in enumerate(_offsets(numels)):
             # A view of `values` for the identity codec: the caller's vector is not modified
@@ -353,10 +273,7 @@ async def _produce(
             if plan.pace is not None:  # the node's upload cap
                 await plan.pace(len(payload))
             plan.traffic["sent"] += len(payload)
-            signature = b""
-            if key is not None:
-                signature = sign_chunk(plan.signer, key, part, index, payload)
-                state.sent_digests[(part, index)] = hashlib.sha256(payload).digest()
+            signature = plan.side.sign(part, index, payload)
             await queue.put(
                 framed_chunk(
                     averaging_pb2.AggregateRequest, index, payload, meta, signature=signature
@@ -384,7 +301,7 @@ def _header(state: _Round, part: int) -> averaging_pb2.AggregateRequest:
             receiver=group.members[part].peer_id,
             part=part,
             weight=me.weight,
-            commitment=commitment(state.secret) if state.secret else b"",
+            commitment=state.plan.side.commitment,
         ),
         state.plan.signer,
     )
@@ -439,7 +356,9 @@ def _encode(
 
 def _summarize(state: _Round, bounds: list[tuple[int, int]], out: torch.Tensor) -> RoundResult:
     me, group = state.me, state.group
-    coverage = cover(group, state.config, bounds, state.contributors, me)
+    coverage = cover(
+        group, state.config, bounds, state.contributors, me, abstains=state.plan.owner_abstains
+    )
     if not coverage.with_others:
         reasons = "; ".join(f"{p}: {r}" for p, r in state.failures.items()) or "no peers"
         raise RoundAborted(
@@ -454,13 +373,7 @@ def _summarize(state: _Round, bounds: list[tuple[int, int]], out: torch.Tensor) 
         failures=dict(state.failures),
         failure_kinds=dict(state.failure_kinds),
         excluded_by=tuple(sorted(state.excluded_by)),
-        accounts=dict(state.accounts),
-        verified_accounts=dict(state.verified),
-        secret=state.secret,
-        sent_digests=dict(state.sent_digests),
         chunk_contributors=dict(state.contributors),
-        pending=dict(state.pending),
-        withheld=tuple(sorted(state.withheld)),
     )
 
 
@@ -481,9 +394,11 @@ def cover(
     bounds: list[tuple[int, int]],
     contributors: Mapping[tuple[int, int], tuple[int, ...]],
     me: int | None = None,
+    *,
+    abstains: bool = False,
 ) -> Coverage:
     """The :class:`Coverage` of a result whose chunks (part, index) hold ``contributors``'
-    values (absent: missing)."""
+    values (absent: missing; ``abstains``: an owner's own values stay out of its part)."""
     ids = [m.peer_id for m in group.members]
     missing: list[tuple[int, int]] = []
     seen_in: dict[int, int] = dict.fromkeys(range(len(ids)), 0)
@@ -502,7 +417,7 @@ def cover(
             with_others |= any(c != me for c in chunk)
             for c in chunk:
                 seen_in[c] += 1
-            if config.observe and part not in chunk:
+            if abstains and part not in chunk:
                 seen_in[part] += 1  # an owner's values stay out of its own part
     return Coverage(
         contributors=tuple(ids[c] for c, n in seen_in.items() if n == averaged_chunks),

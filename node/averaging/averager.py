@@ -15,12 +15,11 @@ their own (:data:`MAX_EARLY_CHECKS_PER_MEMBER`, :data:`MAX_EARLY_CHECKS`): a mem
 this node served its part, so only a node that owns no part sees early ones from honest members,
 and a stranger's flood of them must not take the slots honest streams need.
 
-In an open run (``config.observe``) the averager keeps a :class:`TrustLedger`: after each round
-its reducer's observations of the members are scored there, and a peer the ledger bans is
-refused (BANNED) from then on; the node's matchmaking skips it too. Before an open round's
-result is returned, the members check every owner's result together (``checks.py``): a part
-whose owner is convicted is dropped from the result (the caller's own values stay there, as for
-a missing part), and peers convicted on signed evidence are banned at once.
+What a run's trust rules add to a round is its :class:`~swarmgrad.node.averaging.policy.RoundPolicy`
+(``policy.py``), called at the round's fixed points: trusted runs take results as they come;
+open runs (``config.observe``; ``open/``) sign, account for and check everything, and keep a
+:class:`TrustLedger` of the peers' scores and bans. A peer the ledger bans is refused (BANNED)
+in any run, and its streams are not waited for.
 """
 
 from __future__ import annotations
@@ -28,34 +27,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Collection
-from dataclasses import dataclass, field, replace
-from typing import Protocol
+from collections.abc import AsyncIterator, Collection
+from dataclasses import dataclass
 
 import torch
 
-from swarmgrad.node.averaging import audits
 from swarmgrad.node.averaging.allreduce import (
     AllReduceConfig,
-    RoundHooks,
     RoundPlan,
     RoundResult,
-    cover,
     run_round,
 )
-from swarmgrad.node.averaging.checks import CheckBox, CheckRun, Verdict, run_checks
-from swarmgrad.node.averaging.evidence import MAX_EVIDENCE_BYTES
 from swarmgrad.node.averaging.group import Group, chunk_sizes
-from swarmgrad.node.averaging.hooks import OwnerHooks
-from swarmgrad.node.averaging.plan import round_key
+from swarmgrad.node.averaging.hooks import OwnerHooks, RoundHooks
+from swarmgrad.node.averaging.open.policy import LossProbe, OpenPolicy
+from swarmgrad.node.averaging.policy import Finished, RoundPolicy, TrustedPolicy
 from swarmgrad.node.averaging.reducer import PartReducer, SenderSession
+from swarmgrad.node.averaging.sides import OwnerSide
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.tasks import TaskSet
 from swarmgrad.node.transport.memory import MemoryNetwork, MemoryTransport
 from swarmgrad.node.transport.transport import Transport, TransportConfig
-from swarmgrad.node.trust.ledger import Flag, TrustLedger
+from swarmgrad.node.trust.ledger import TrustLedger
 from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.averaging import AveragingServicer, StreamHeader, add_to_server
 from swarmgrad.protocol.errors import ProtocolViolation, RoundAborted, quote
@@ -64,18 +58,8 @@ from swarmgrad.protocol.v1 import averaging_pb2
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
 log = logging.getLogger(__name__)
-_random = random.SystemRandom()
 
-
-class LossProbe(Protocol):
-    """What spot checks need from the trainer (``node/training/spot_check.py``)."""
-
-    def snapshot(self) -> Callable[[str, int, int, torch.Tensor], float]:
-        """Capture this round's parameters; the returned function (run off the loop) gives
-        the loss a peer's values (``start``: their place in the vector) take off on windows
-        drawn from (run, peer, round)."""
-        ...
-
+__all__ = ["Averager", "LossProbe", "standalone", "transport_limits"]
 
 #: How long a finished round's reducer keeps answering streams still reading their results.
 _LINGER_SECONDS = 5.0
@@ -97,10 +81,8 @@ class _ActiveRound:
     group: Group
     me: int
     reducer: PartReducer | None
-    #: Open runs: the other members' check messages.
-    box: CheckBox | None = None
-    #: Open runs: chunks served to each member's audits.
-    served: Counter[int] = field(default_factory=Counter)
+    #: The policy's state of the round (its check messages, in open runs).
+    state: object = None
 
 
 class Averager:
@@ -120,7 +102,10 @@ class Averager:
         verifier: Verifier | None = None,
         rejections: Rejections | None = None,
         ledger: TrustLedger | None = None,
+        policy: RoundPolicy | None = None,
     ) -> None:
+        """``policy``: the run's trust rules for its rounds (default: an open run's when
+        ``config.observe``, else a trusted run's)."""
         if transport.limits.max_message_bytes < 2 * config.max_chunk_bytes:
             raise ValueError(
                 f"the transport's max_message_bytes ({transport.limits.max_message_bytes}) is "
@@ -158,6 +143,20 @@ class Averager:
         #: Open runs: measures what members' values do to the loss (set by a trainer that has
         #: the model and the data; ``node/training/spot_check.py``). None: no spot checks.
         self.loss_probe: LossProbe | None = None
+        self.policy: RoundPolicy = policy or (
+            OpenPolicy(
+                signer=identity,
+                config=config,
+                channel=transport.channel,
+                ledger=self.ledger,
+                checks=self.checks,
+                background=self._background,
+                loss_probe=lambda: self.loss_probe,
+                linger_seconds=_LINGER_SECONDS,
+            )
+            if config.observe
+            else TrustedPolicy(_LINGER_SECONDS)
+        )
 
     @property
     def endpoint(self) -> str:
@@ -205,7 +204,8 @@ class Averager:
         """
         if vector.dim() != 1 or vector.dtype != torch.float32:
             raise ValueError("all_reduce takes a 1-D float32 tensor")
-        if vector.device.type != "cpu" and self.config.observe:
+        policy = self.policy
+        if vector.device.type != "cpu" and policy.on_host:
             vector, out = vector.cpu(), None
         if out is not None and (
             out.shape != vector.shape
@@ -221,32 +221,11 @@ class Averager:
         key = (group.round, group.group_id)
         if key in self._rounds or key in self._finished:
             raise ValueError(f"round {group.round} with this group was already run")
-        start, end = group.partition(vector.numel())[me]
-        reducer = None
-        if end > start:
-            reducer = PartReducer(
-                group=group,
-                part=me,
-                chunk_numels=chunk_sizes(end - start, self.config.chunk_values),
-                codec=self.config.make_codec(),
-                open_timeout_seconds=self.config.sender_timeout_seconds,
-                max_chunks_ahead=self.config.max_chunks_ahead,
-                rules=self.config.owner_rules(),
-                offset=start,
-                signer=self.identity,
-                key=round_key(self.config, group),
-                hooks=owner_hooks,
-                probes=self._probes(group, me),
-            )
-            for member, peer in enumerate(group.members):
-                if self.ledger.banned(peer.peer_id):  # it will be refused: do not wait for it
-                    reducer.drop(member, "banned here")
-        box = None
-        if self.config.observe:
-            largest = max(end - start for start, end in group.partition(vector.numel()))
-            box = CheckBox(group, max_chunks=len(chunk_sizes(largest, self.config.chunk_values)))
+        bounds = group.partition(vector.numel())
+        member, owner, state = policy.begin(group, me, bounds)
+        reducer = self._reducer(group, me, bounds[me], owner, owner_hooks)
         async with self._rounds_changed:
-            self._rounds[key] = _ActiveRound(group=group, me=me, reducer=reducer, box=box)
+            self._rounds[key] = _ActiveRound(group=group, me=me, reducer=reducer, state=state)
             self._rounds_changed.notify_all()
         try:
             plan = RoundPlan(
@@ -257,209 +236,75 @@ class Averager:
                 reducer=reducer,
                 channel=self.transport.channel,
                 traffic=self.traffic,
+                side=member,
+                owner_abstains=policy.owner_abstains,
                 hooks=hooks,
                 pace=self.transport.pace if self.transport.paced else None,
                 keep_sent=keep_sent,
             )
             result = await run_round(plan, vector.contiguous(), out=out)
-            if box is not None:
-                result = await self._check(result, vector, group, me, box, reducer)
+            own_account = await reducer.account() if reducer is not None else None
+            result = await policy.settle(
+                Finished(
+                    result=result,
+                    vector=vector,
+                    group=group,
+                    me=me,
+                    member=member,
+                    owner=owner,
+                    own_account=own_account,
+                    state=state,
+                )
+            )
         except RoundAborted:
             self.rounds["aborted"] += 1
             raise
         finally:
-            if reducer is not None and self.config.observe:
-                await self._score(group, reducer)
+            if reducer is not None and owner is not None:
+                await reducer.finished(timeout_seconds=self.config.sender_timeout_seconds)
+                await policy.finish(group, owner)
             self._retire(key)
         self.rounds["complete" if result.complete else "partial"] += 1
-        if self.config.observe and result.excluded_by:
-            self.ledger.dispute(group.round, result.excluded_by)
         if result.failures:
             log.warning("round %d: %s", group.round, result.failures)
         return result
 
-    async def _check(
+    def _reducer(
         self,
-        result: RoundResult,
-        vector: torch.Tensor,
         group: Group,
         me: int,
-        box: CheckBox,
-        reducer: PartReducer | None,
-    ) -> RoundResult:
-        """Check the owners' results with the other members; take the parts whose accounts
-        came forwarded, drop what fails or cannot be checked."""
-        assert result.sent is not None  # kept in open rounds
-        verdict = await run_checks(
-            CheckRun(
-                signer=self.identity,
-                config=self.config,
-                group=group,
-                me=me,
-                box=box,
-                channel=self.transport.channel,
-                result=result,
-                sent=result.sent,
-                own_chunks=reducer.chunks if reducer is not None else (),
-                refused=frozenset(
-                    i for i, m in enumerate(group.members) if self.ledger.banned(m.peer_id)
-                ),
-            )
-        )
-        self._record_verdict(group.round, verdict, result)
-        self._maybe_audit(group, me, verdict, result)
-        bounds = group.partition(vector.numel())
-        contributors = dict(result.chunk_contributors)
-        for number, part in verdict.parts.items():
-            held = result.pending.get(number)
-            if not part.forwarded or held is None or number in verdict.dropped:
-                continue
-            for index in part.applicable:  # forwarded, and naming the bytes it holds
-                start, end = (part.start + at for at in part.span(index))
-                result.averaged[start:end] = held.values[start - part.start : end - part.start]
-                contributors[(number, index)] = held.contributors[index]
-        for number in verdict.dropped:
-            start, end = bounds[number]
-            result.averaged[start:end] = vector[start:end]
-            for index in range(len(chunk_sizes(end - start, self.config.chunk_values))):
-                contributors.pop((number, index), None)
-        if contributors == result.chunk_contributors:
-            return result
-        coverage = cover(group, self.config, bounds, contributors, me)
-        return replace(
-            result,
-            contributors=coverage.contributors,
-            partial=coverage.partial,
-            missing=coverage.missing,
-            chunk_contributors=contributors,
-        )
-
-    def _probes(self, group: Group, me: int) -> list[int]:
-        """Members of this node's part to spot-check this round, picked at random."""
-        if self.loss_probe is None or not self.config.observe:
-            return []
-        others = [m for m in range(len(group.members)) if m != me]
-        return _random.sample(others, min(self.config.spot_checks, len(others)))
-
-    def _spot_check(self, group: Group, reducer: PartReducer) -> None:
-        """Measure, in the background, what the probed members' values do to the loss."""
-        if self.loss_probe is None:
-            return
-        probed = {
-            m: torch.cat([v for v in chunks if v is not None])
-            for m, chunks in reducer.probed.items()
-            if chunks and all(v is not None for v in chunks)  # dropped members: no measure
-        }
-        if not probed:
-            return
-        try:
-            measure = self.loss_probe.snapshot()  # the parameters of this round, taken now
-        except ValueError as error:  # the trainer's probe does not fit this round's vector
-            log.warning("round %d: no spot check: %s", group.round, error)
-            return
-
-        async def spot() -> None:
-            for member, values in probed.items():
-                peer = group.members[member].peer_id
-                try:
-                    gain = await asyncio.to_thread(
-                        measure, peer, group.round, reducer.offset, values
-                    )
-                except ValueError as error:
-                    log.warning("round %d: no spot check of %s: %s", group.round, peer, error)
-                    return
-                self.ledger.spot(peer, gain)
-
-        self._background.spawn(spot(), name=f"spot-check-{group.round}")
-
-    def _maybe_audit(self, group: Group, me: int, verdict: Verdict, result: RoundResult) -> None:
-        """Perhaps audit one other owner's part, in the background (``audits.py``)."""
-        candidates = [
-            number
-            for number in verdict.parts
-            if number != me and number not in verdict.dropped and group.members[number].endpoint
-        ]
-        probability = self.config.audit_probability
-        if probability is None:
-            probability = 1.0 / len(group.members)
-        chosen = audits.choose(candidates, probability)
-        if chosen is None:
-            return
-        part = verdict.parts[chosen]
-        end = part.start + sum(part.numels)
-        job = audits.Audit(
-            signer=self.identity,
-            config=self.config,
+        bounds: tuple[int, int],
+        owner: OwnerSide | None,
+        hooks: OwnerHooks | None,
+    ) -> PartReducer | None:
+        """This node's reducer of its own part (None: it owns none)."""
+        start, end = bounds
+        if end == start:
+            return None
+        reducer = PartReducer(
             group=group,
-            channel=self.transport.channel,
-            part=part,
-            received=result.averaged[part.start : end].clone(),
-            reports=dict(verdict.reports),
+            part=me,
+            chunk_numels=chunk_sizes(end - start, self.config.chunk_values),
+            codec=self.config.make_codec(),
+            rules=self.config.owner_rules(abstains=self.policy.owner_abstains),
+            side=owner,
+            hooks=hooks,
         )
-        self._background.spawn(self._audit(job), name=f"audit-{group.round}-{chosen}")
-
-    async def _audit(self, job: audits.Audit) -> None:
-        round_, owner = job.group.round, job.group.members[job.part.part].peer_id
-        outcome = await audits.run_audit(job)
-        self.checks[f"audit_{outcome.result}"] += 1
-        if outcome.result == "inconclusive":
-            log.info("round %d: the audit of %s's part was inconclusive: %s",
-                     round_, owner, outcome.why)  # fmt: skip
-        convicted = {p: f for p, f in outcome.convicted.items() if p != self.peer_id}
-        if convicted:
-            log.warning("round %d: the audit of %s's part convicted %s: %s",
-                        round_, owner, sorted(convicted), outcome.why)  # fmt: skip
-            self.ledger.note(round_, convicted)
-
-    def _record_verdict(self, round_: int, verdict: Verdict, result: RoundResult) -> None:
-        self.checks["checked"] += verdict.checked
-        self.checks["failed"] += verdict.failed
-        if verdict.unchecked:
-            self.checks["unchecked"] += len(verdict.unchecked)
-        # What this node saw itself: an owner that sent it every result but no account.
-        flags = dict.fromkeys(set(result.withheld) - verdict.convicted.keys(), Flag.WITHHELD)
-        flags |= dict.fromkeys(verdict.silent - verdict.convicted.keys(), Flag.SILENT)
-        flags |= verdict.convicted
-        flags.pop(self.peer_id, None)
-        proofs = {
-            peer: e.SerializeToString(deterministic=True) for peer, e in verdict.evidence.items()
-        }
-        if flags:
-            self.ledger.note(
-                round_, flags, {p: e for p, e in proofs.items() if len(e) <= MAX_EVIDENCE_BYTES}
-            )
-        excluded = verdict.excluded_by - verdict.convicted.keys()
-        if excluded:
-            self.ledger.dispute(round_, sorted(excluded))
-        # What others say an owner withheld from them is their word: a dispute, never a ban.
-        said = {o for o, by in verdict.unaccounted_by.items() if by - {self.peer_id}}
-        said -= verdict.convicted.keys() | {self.peer_id}
-        if said:
-            self.ledger.dispute(round_, sorted(said), "sent another member no account, it says")
-
-    async def _score(self, group: Group, reducer: PartReducer) -> None:
-        """Hand the ledger what the reducer saw of each member (itself aside)."""
-        await reducer.finished(timeout_seconds=self.config.sender_timeout_seconds)
-        seen = {
-            group.members[member].peer_id: observation
-            for member, observation in reducer.observations.items()
-            if member != reducer.part
-        }
-        self.ledger.observe(group.round, seen)
-        self._spot_check(group, reducer)
+        for member, peer in enumerate(group.members):
+            if self.ledger.banned(peer.peer_id):  # it will be refused: do not wait for it
+                reducer.drop(member, "banned here")
+        return reducer
 
     def _retire(self, key: tuple[int, bytes]) -> None:
-        """Forget a round after it lingers long enough for slow readers of its results."""
+        """Forget a round after it lingers long enough for slow readers of its results (and,
+        in open runs, the other members' audits of this owner's part)."""
         self._finished[key] = None
         while len(self._finished) > _FINISHED_MEMORY:
             self._finished.pop(next(iter(self._finished)))
 
-        # Open runs: the owner's chunks stay for other members' audits a little longer.
-        seconds = _LINGER_SECONDS + 2 * self.config.check_timeout_seconds * self.config.observe
-
         async def linger() -> None:
             try:
-                await asyncio.sleep(seconds)
+                await asyncio.sleep(self.policy.linger_seconds)
             finally:
                 active = self._rounds.pop(key, None)
                 if active is not None and active.reducer is not None:
@@ -518,12 +363,7 @@ class Averager:
             (key.round, key.group_id), statement.sender, checks=True
         )
         member = _member(active, statement.sender)
-        if active.box is None:
-            raise ProtocolViolation(ResultCode.UNKNOWN_ROUND, "this round runs no checks")
-        if statement.WhichOneof("body") == "audit":
-            return _serve_audit(active, member, statement.audit)
-        await active.box.put(member, statement, signed)
-        return None
+        return await self.policy.check(active.state, member, statement, signed)
 
     def expect(self, round_: int, peer_ids: Collection[str]) -> None:
         """``peer_ids`` may stream to this node in ``round_`` before it starts the round: the
@@ -572,25 +412,6 @@ class Averager:
                 f"(waited {self.config.join_timeout_seconds:g} s)",
             )
         return active
-
-
-def _serve_audit(
-    active: _ActiveRound, member: int, request: averaging_pb2.AuditRequest
-) -> averaging_pb2.Chunk | None:
-    """The chunk an audit asks this owner for, as its member sent it (signed); None if this
-    node does not hold it. Each member gets at most two audits' worth of chunks a round (an
-    audit, and stand-ins for missing reports: ``reports.py``)."""
-    reducer = active.reducer
-    if reducer is None or request.part != active.me:
-        raise ProtocolViolation(ResultCode.NOT_A_MEMBER, f"part {request.part} is not owned here")
-    n, chunks = len(active.group.members), len(reducer.chunks)
-    if request.member >= n or request.chunk >= chunks:
-        raise ProtocolViolation(ResultCode.BAD_SHAPE, "an audit of a chunk the part does not have")
-    # One audit (every member's chunks) and stand-ins for every member's missing report.
-    if active.served[member] >= 2 * n * chunks:
-        raise ProtocolViolation(ResultCode.OVERLOADED, "more chunk requests than a part has chunks")
-    active.served[member] += 1
-    return reducer.chunks[request.chunk].get(request.member)
 
 
 def _member(active: _ActiveRound, peer_id: str) -> int:

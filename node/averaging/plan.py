@@ -15,8 +15,9 @@ import torch
 
 from swarmgrad.compression import Codec, get_codec
 from swarmgrad.node.averaging.group import Group
-from swarmgrad.node.averaging.hooks import OwnerHooks, RoundHooks
+from swarmgrad.node.averaging.hooks import RoundHooks
 from swarmgrad.node.averaging.reducer import OwnerRules, PartReducer
+from swarmgrad.node.averaging.sides import MemberSide, TrustedMember
 from swarmgrad.node.kinds import Failure
 from swarmgrad.node.trust.aggregate import Aggregator
 from swarmgrad.protocol.auth import Signer
@@ -102,32 +103,21 @@ class AllReduceConfig:
         """The codec owners' results travel in."""
         return get_codec(self.result_codec) if self.result_codec else self.make_codec()
 
-    def owner_rules(self) -> OwnerRules:
+    def owner_rules(self, *, abstains: bool = False) -> OwnerRules:
+        """How owners aggregate (``abstains``: their own values stay out of their parts)."""
         return OwnerRules(
             aggregator=Aggregator(self.aggregator),
             uniform_weights=self.uniform_weights,
             result_codec=get_codec(self.result_codec) if self.result_codec else None,
-            observe=self.observe,
+            owner_abstains=abstains,
+            open_timeout_seconds=self.sender_timeout_seconds,
+            max_chunks_ahead=self.max_chunks_ahead,
         )
 
     @property
     def max_chunk_bytes(self) -> int:
         """Largest payload a chunk may have: uncompressed fp32 plus slack for codec metadata."""
         return 4 * self.chunk_values + 64 * 1024
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PendingPart:
-    """Open runs: what arrived of another owner's part without a valid account of it (the
-    checks may still take it, with an account another member forwards)."""
-
-    #: Per chunk received: its contributors and the SHA-256 of its payload.
-    contributors: Mapping[int, tuple[int, ...]]
-    digests: Mapping[int, bytes]
-    #: The part's values as decoded (chunks not received: undefined).
-    values: torch.Tensor
-    #: Whether every chunk of the part arrived.
-    complete: bool
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -152,21 +142,8 @@ class RoundResult:
     #: Owners that answered a chunk of their part without this member's values in it, though
     #: they took them (screened, or an owner that leaves members out: open runs dispute it).
     excluded_by: tuple[str, ...] = ()
-    #: Open runs: each part's signed account as this member received it, by part, and the
-    #: secret this member committed to in its stream headers.
-    accounts: Mapping[int, averaging_pb2.Signed] = field(default_factory=dict)
-    #: The same accounts, parsed, for those already verified as they arrived (so the checks do
-    #: not verify the signatures again).
-    verified_accounts: Mapping[int, averaging_pb2.PartAccount] = field(default_factory=dict)
-    secret: bytes = b""
-    #: Open runs: the SHA-256 of each payload this member sent, by (part, chunk).
-    sent_digests: Mapping[tuple[int, int], bytes] = field(default_factory=dict)
     #: The contributors of each averaged chunk, by (part, chunk index).
     chunk_contributors: Mapping[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
-    #: Open runs: parts received without a valid account (they are in ``missing``), and the
-    #: owners that sent every result of their part but no valid account.
-    pending: Mapping[int, PendingPart] = field(default_factory=dict)
-    withheld: tuple[str, ...] = ()
 
     @property
     def complete(self) -> bool:
@@ -189,8 +166,11 @@ class RoundPlan:
     #: Payload bytes this member sends ("sent") and receives ("received") as a client; the
     #: servicer counts its own side.
     traffic: Counter[str]
+    #: This member's side of the round's policy (``sides.py``): trusted by default.
+    side: MemberSide = field(default_factory=TrustedMember)
+    #: Whether an owner's own values stay out of its part (the policy's rule).
+    owner_abstains: bool = False
     hooks: RoundHooks | None = None
-    owner_hooks: OwnerHooks | None = None
     #: Waits until so many bytes may go up the node's link (its upload cap), if any.
     pace: Callable[[int], Awaitable[None]] | None = None
     #: Report what the owners decode of this member's values (``RoundResult.sent``).

@@ -11,22 +11,18 @@ contributors, so nobody mistakes a partial average for a full one. A member may 
 ``max_chunks_ahead`` chunks ahead of the oldest unfinished chunk, which bounds the owner's memory
 to that many accumulators.
 
-With :class:`OwnerRules` for an open run, the owner keeps every member's values of a chunk
-instead of a running sum (``max_chunks_ahead`` x members x chunk), aggregates them robustly
-(``node/trust/aggregate.py``: screening, CenteredClip or the coordinate median, uniform weights),
-publishes the result with its own codec (fp16: a lossy return path would hide an owner's small
-lies from later checks), and keeps an :class:`Observation` of each member for the node's
-:class:`TrustLedger`. It also keeps every member's chunks as they arrived and, once every result
-is out, signs a :class:`PartAccount` of its part (per chunk: the result's hash, the contributors,
-their clip coefficients and payload hashes; the members' commitments), which it sends after the
-last result: members check it (``checks.py``). In an open run the owner's own values are not in
-its part: nobody could check what it claims of them.
+:class:`OwnerRules` say how the owner combines the values: an aggregation rule other than the
+mean (``node/trust/aggregate.py``: screening, CenteredClip, medians, uniform weights) keeps every
+member's values of a chunk instead of a running sum (``max_chunks_ahead`` x members x chunk);
+results may travel in a codec of their own. The run's policy plays the owner's side
+(:class:`~swarmgrad.node.averaging.sides.OwnerSide`): it checks and keeps each member's chunk,
+notes what each aggregated chunk showed, and signs what the owner sends every member after its
+last result (an open run's account of the part: ``open/``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -35,10 +31,10 @@ import torch
 from swarmgrad.compression import Codec, Meta, decode
 from swarmgrad.node.averaging.group import Group
 from swarmgrad.node.averaging.hooks import OwnerHooks
+from swarmgrad.node.averaging.sides import OwnerSide, TrustedOwner
 from swarmgrad.node.trust.aggregate import Aggregator, aggregate
-from swarmgrad.node.trust.ledger import Flag, Observation, observe_chunk
-from swarmgrad.protocol.auth import Signer
-from swarmgrad.protocol.averaging import ACCOUNT_STATEMENT, ChunkResult, chunk_signed_by, seal
+from swarmgrad.node.trust.ledger import Flag
+from swarmgrad.protocol.averaging import ChunkResult
 from swarmgrad.protocol.errors import ProtocolViolation, SwarmgradError
 from swarmgrad.protocol.v1 import averaging_pb2
 from swarmgrad.protocol.v1.auth_pb2 import Auth
@@ -54,17 +50,18 @@ class OwnerRules:
     uniform_weights: bool = False
     #: The codec results travel in (None: the round's own).
     result_codec: Codec | None = None
-    #: Keep every member's values of a chunk and an Observation of each (open runs).
-    observe: bool = False
+    #: The owner's own values stay out of its part (the policy's rule: open runs' checks could
+    #: not see them).
+    owner_abstains: bool = False
+    #: A member that opens no stream within this long is dropped.
+    open_timeout_seconds: float = 10.0
+    #: How many chunks a member may run ahead of the oldest unfinished one.
+    max_chunks_ahead: int = 4
 
     @property
     def buffered(self) -> bool:
-        return self.observe or self.aggregator is not Aggregator.MEAN
-
-    @property
-    def owner_abstains(self) -> bool:
-        """The owner's own values stay out of its part (open runs: checks cannot see them)."""
-        return self.observe
+        """Whether every member's values of a chunk are kept (any rule but the mean)."""
+        return self.aggregator is not Aggregator.MEAN
 
 
 class PartReducer:
@@ -77,27 +74,21 @@ class PartReducer:
         part: int,
         chunk_numels: Sequence[int],
         codec: Codec,
-        open_timeout_seconds: float,
-        max_chunks_ahead: int = 4,
         rules: OwnerRules | None = None,
-        offset: int = 0,
-        signer: Signer | None = None,
-        key: averaging_pb2.RoundKey | None = None,
+        side: OwnerSide | None = None,
         hooks: OwnerHooks | None = None,
-        probes: Sequence[int] = (),
     ) -> None:
-        """``offset``: where the part starts in the round's vector (names chunks for replay
-        checks); ``signer`` and ``key``: to sign the part's account (open runs); ``hooks``: fault
-        injection from outside (tests, simulations); ``probes``: members whose values of the
-        part are kept whole, for a spot check after the round."""
+        """``side``: the run's policy's side of this part (``sides.py``; trusted by default);
+        ``hooks``: fault injection from outside (tests, simulations)."""
         self.group = group
         self.part = part
         self.chunk_numels = list(chunk_numels)
         self.codec = codec
         self.rules = rules or OwnerRules()
+        self.side = side or TrustedOwner()
         self.result_codec = self.rules.result_codec or codec
-        self.offset = offset
-        self._max_ahead = max_chunks_ahead
+        self._max_ahead = self.rules.max_chunks_ahead
+        self._buffered = self.rules.buffered or self.side.buffered
         total = sum(m.weight for m in group.members)
         # Weights relative to the group's total keep fp32 sums in a sane range.
         self._alpha = (
@@ -108,8 +99,6 @@ class PartReducer:
         n = len(self.chunk_numels)
         self._sums: list[torch.Tensor | None] = [None] * n
         self._inputs: list[dict[int, torch.Tensor]] = [{} for _ in range(n)]
-        #: What the owner saw of each member (with ``rules.observe``), by member index.
-        self.observations: dict[int, Observation] = {}
         self._weights = [0.0] * n
         self._contributors: list[list[int]] = [[] for _ in range(n)]
         self._delivered = {
@@ -123,19 +112,11 @@ class PartReducer:
         ]
         self.decoded: list[torch.Tensor | None] = [None] * n
         self._finalized = 0
-        #: Open runs: each member's chunks as received, and what the account says of them.
-        self.chunks: list[dict[int, averaging_pb2.Chunk]] = [{} for _ in range(n)]
-        self._digests: list[dict[int, bytes]] = [{} for _ in range(n)]
-        self._accounts = [averaging_pb2.ChunkAccount() for _ in range(n)]
-        self.commitments: dict[int, tuple[bytes, Auth]] = {}
-        self._signer, self.key = signer, key
         self._hooks = hooks
-        #: The values of the members in ``probes``, by chunk (None: not received).
-        self.probed: dict[int, list[torch.Tensor | None]] = {m: [None] * n for m in probes}
         self._account: asyncio.Future[averaging_pb2.Signed | None] = self._loop.create_future()
         self._progress = asyncio.Event()
         self._finalizer = asyncio.create_task(self._finalize_in_order(), name=f"reduce-part-{part}")
-        self._watchdog = self._loop.call_later(open_timeout_seconds, self._drop_silent)
+        self._watchdog = self._loop.call_later(self.rules.open_timeout_seconds, self._drop_silent)
 
     # -- members' input -----------------------------------------------------------------------
 
@@ -151,12 +132,6 @@ class PartReducer:
             )
         self._opened.add(member)
 
-    def commit(self, member: int, commitment: bytes, auth: Auth | None) -> None:
-        """Note the commitment ``member``'s stream header carried, with the header's signature
-        (open runs)."""
-        if commitment and auth is not None:
-            self.commitments[member] = (commitment, auth)
-
     async def accept(
         self,
         member: int,
@@ -165,7 +140,7 @@ class PartReducer:
         chunk: averaging_pb2.Chunk | None = None,
     ) -> None:
         """Add ``member``'s decoded chunk ``index`` (fp32, validated by the caller; ``chunk``:
-        what arrived, kept in open runs)."""
+        what arrived, for the policy's side to keep)."""
         while index >= self._finalized + self._max_ahead and member not in self.dropped:
             self._progress.clear()
             await self._progress.wait()
@@ -175,12 +150,9 @@ class PartReducer:
             )
         if index != self._delivered[member]:  # pragma: no cover - the servicer orders chunks
             raise ProtocolViolation(ResultCode.BAD_SHAPE, f"chunk {index} out of order")
-        if self.rules.observe and chunk is not None:
-            kept = averaging_pb2.Chunk()
-            kept.CopyFrom(chunk)
-            self.chunks[index][member] = kept
-            self._digests[index][member] = hashlib.sha256(chunk.payload).digest()
-        if self.rules.buffered:
+        if chunk is not None:
+            self.side.keep(member, index, chunk)
+        if self._buffered:
             self._inputs[index][member] = values.clone()
         elif (total := self._sums[index]) is None:
             self._sums[index] = values.mul(self._alpha[member])
@@ -194,8 +166,8 @@ class PartReducer:
     def drop(self, member: int, reason: str, *, flag: Flag | None = None) -> None:
         """Stop waiting for ``member``: later chunks are averaged without it (``flag``: what
         its values showed, for the trust ledger)."""
-        if flag is not None and self.rules.observe:
-            self.observations.setdefault(member, Observation()).flags.add(flag)
+        if flag is not None:
+            self.side.flag(member, flag)
         if member in self.dropped or self._delivered[member] == len(self.chunk_numels):
             return
         self.dropped[member] = reason
@@ -227,7 +199,7 @@ class PartReducer:
         return await asyncio.shield(self._results[index])
 
     async def account(self) -> averaging_pb2.Signed | None:
-        """The signed account of the part, once every chunk is finalized (open runs)."""
+        """What the policy's side signs of the part, once every chunk is finalized."""
         return await asyncio.shield(self._account)
 
     async def results(self) -> AsyncIterator[ChunkResult]:
@@ -275,7 +247,7 @@ class PartReducer:
                 total, weight = self._sums[index], self._weights[index]
                 self._sums[index] = None
                 contributors = sorted(self._contributors[index])
-                if self.rules.buffered and contributors:
+                if self._buffered and contributors:
                     total, contributors = await asyncio.to_thread(self._aggregate, index)
                     weight = 1.0
                 result: ChunkResult | None = None
@@ -290,11 +262,11 @@ class PartReducer:
                         contributors=tuple(contributors),
                     )
                     self.decoded[index] = mine
-                    self._accounts[index].result_sha256 = hashlib.sha256(payload).digest()
+                self.side.published(index, None if result is None else result.payload)
                 self._results[index].set_result(result)
                 self._finalized += 1
                 self._notify()
-            self._account.set_result(self._sign_account())
+            self._account.set_result(self.side.account())
         except BaseException as error:
             if not self._account.done():
                 self._account.set_result(None)
@@ -306,40 +278,17 @@ class PartReducer:
             raise
 
     def _aggregate(self, index: int) -> tuple[torch.Tensor, list[int]]:
-        """Robustly combine the chunk's buffered inputs; note what each member looked like."""
+        """Combine the chunk's buffered inputs by the owner's rule; the policy's side notes what
+        each member looked like."""
         inputs = self._inputs[index]
         self._inputs[index] = {}
-        for member, kept in self.probed.items():
-            kept[index] = inputs.get(member)  # clones, never written after (see accept)
         members = sorted(inputs)
         stack = torch.stack([inputs[m] for m in members])
         inputs.clear()
         weights = [self._alpha[m] for m in members]
         outcome = aggregate(stack, self.rules.aggregator, weights=weights)
-        if self.rules.observe:
-            account = self._accounts[index]
-            for k in outcome.used:
-                account.contributors.append(members[k])
-                account.clip.append(outcome.clip[k])
-                account.payload_sha256.append(self._digests[index].get(members[k], b""))
-            position = (self.offset + sum(self.chunk_numels[:index]), self.chunk_numels[index])
-            observe_chunk(self.observations, members, stack, outcome, position)
+        self.side.aggregated(index, members, stack, outcome)
         return outcome.value, [members[k] for k in outcome.used]
-
-    def _sign_account(self) -> averaging_pb2.Signed | None:
-        if not self.rules.observe or self._signer is None or self.key is None:
-            return None
-        members = sorted(self.commitments)
-        account = averaging_pb2.PartAccount(
-            key=self.key,
-            owner=self.group.members[self.part].peer_id,
-            part=self.part,
-            chunks=self._accounts,
-            members=members,
-            commitments=[self.commitments[m][0] for m in members],
-            header_auths=[self.commitments[m][1] for m in members],
-        )
-        return seal(self._signer, ACCOUNT_STATEMENT, account)
 
     def _publish(
         self, total: torch.Tensor, weight: float
@@ -370,26 +319,18 @@ class SenderSession:
         auth: Auth | None = None,
     ) -> None:
         reducer.open(member)
-        reducer.commit(member, commitment, auth)
+        reducer.side.opened(member, commitment, auth)
         self._reducer = reducer
         self._member = member
         self._public_key = b"" if auth is None else bytes(auth.public_key)
-        self._sender = reducer.group.members[member].peer_id
         self.codec = (reducer.codec.name, reducer.codec.version)
         self.chunk_numels = reducer.chunk_numels
         self.max_chunk_bytes = max_chunk_bytes
         self.sender_timeout_seconds = sender_timeout_seconds
 
     async def accept(self, index: int, values: torch.Tensor, chunk: averaging_pb2.Chunk) -> None:
-        reducer = self._reducer
-        if reducer.rules.observe and not (
-            reducer.key is not None
-            and chunk_signed_by(self._public_key, reducer.key, self._sender, reducer.part, chunk)
-        ):
-            raise ProtocolViolation(
-                ResultCode.UNAUTHENTICATED, f"chunk {index} is not signed by {self._sender}"
-            )
-        await reducer.accept(self._member, index, values, chunk)
+        self._reducer.side.verify(self._member, self._public_key, chunk)
+        await self._reducer.accept(self._member, index, values, chunk)
 
     def results(self) -> AsyncIterator[ChunkResult]:
         return self._reducer.results()

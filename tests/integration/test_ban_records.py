@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from swarmgrad.node import Swarm, SwarmConfig
-from swarmgrad.node.averaging.evidence import equivocation, verify_bytes
+from swarmgrad.node.averaging.open.evidence import equivocation, verify_bytes
 from swarmgrad.node.discovery.base import dht_time
 from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery
 from swarmgrad.node.identity import Identity

@@ -14,12 +14,13 @@ import grpc
 import pytest
 import torch
 
-from swarmgrad.node.averaging import audits, checks, evidence, reports
-from swarmgrad.node.averaging.accounts import CheckedPart
 from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
 from swarmgrad.node.averaging.averager import Averager, standalone
 from swarmgrad.node.averaging.group import Group, Member, chunk_sizes
 from swarmgrad.node.averaging.hooks import OwnerHooks
+from swarmgrad.node.averaging.open import audits, checks, evidence, reports
+from swarmgrad.node.averaging.open.accounts import CheckedPart
+from swarmgrad.node.averaging.open.owner import OpenOwner
 from swarmgrad.node.averaging.plan import round_key
 from swarmgrad.node.averaging.reducer import PartReducer, SenderSession
 from swarmgrad.node.identity import Identity
@@ -518,15 +519,15 @@ async def test_an_owner_that_forges_a_members_commitment_is_convicted(
     false and the part goes unchecked) is caught by the member's header signature it must show."""
     async with swarm(5) as peers:
         honest, bad = peers[:4], peers[4]
-        honest_sign = PartReducer._sign_account
+        honest_sign = OpenOwner.account
 
-        def forge(self: PartReducer) -> averaging_pb2.Signed | None:
+        def forge(self: OpenOwner) -> averaging_pb2.Signed | None:
             if self.group.members[self.part].peer_id == bad.peer_id:
                 first = next(iter(self.commitments))
                 self.commitments[first] = (bytes(32), self.commitments[first][1])
             return honest_sign(self)
 
-        monkeypatch.setattr(PartReducer, "_sign_account", forge)
+        monkeypatch.setattr(OpenOwner, "account", forge)
         results = await average(peers, honest_updates(0, 5), 0)
         bounds = group_of(peers, 0).partition(SIZE)
         for peer, result in zip(honest, results, strict=False):
@@ -661,9 +662,9 @@ async def test_a_colluding_owner_whose_account_lists_a_malformed_key_is_still_ca
     async with swarm(5, replace(OPEN, audit_probability=1.0)) as peers:
         honest, owner = peers[:3], peers[4]  # peers[3] covers for it
         lying = collude(monkeypatch)
-        real = PartReducer._sign_account
+        real = OpenOwner.account
 
-        def malformed(self: PartReducer) -> averaging_pb2.Signed | None:
+        def malformed(self: OpenOwner) -> averaging_pb2.Signed | None:
             signed = real(self)
             if signed is None or self.group.members[self.part].peer_id != owner.peer_id:
                 return signed
@@ -671,7 +672,7 @@ async def test_a_colluding_owner_whose_account_lists_a_malformed_key_is_still_ca
             account.header_auths[0].public_key = b"\x00"
             return seal(owner.identity, ACCOUNT_STATEMENT, account)
 
-        monkeypatch.setattr(PartReducer, "_sign_account", malformed)
+        monkeypatch.setattr(OpenOwner, "account", malformed)
         updates = honest_updates(0, 5)
         results = await average(peers, updates, 0, owner_hooks=lying)
         start, end = group_of(peers, 0).partition(SIZE)[4]
@@ -683,7 +684,7 @@ async def test_a_colluding_owner_whose_account_lists_a_malformed_key_is_still_ca
             assert peer.checks["audit_passed"] + peer.checks["audit_failed"] == 0
 
         # An account that passes the door but breaks the audit's reading of it.
-        monkeypatch.setattr(PartReducer, "_sign_account", real)
+        monkeypatch.setattr(OpenOwner, "account", real)
 
         def broken(public_key: bytes) -> str:
             raise ValueError(f"an Ed25519 public key has 32 bytes, got {len(public_key)}")
@@ -705,9 +706,9 @@ async def test_an_owner_that_cannot_show_the_chunks_it_averaged_fails_its_audit(
     async with swarm(4, replace(OPEN, audit_probability=1.0), sockets=True) as peers:
         owner = peers[3]
         monkeypatch.setattr(audits, "choose", lambda parts, _: 3 if 3 in parts else None)
-        real = PartReducer._sign_account
+        real = OpenOwner.account
 
-        def hide(self: PartReducer) -> averaging_pb2.Signed | None:
+        def hide(self: OpenOwner) -> averaging_pb2.Signed | None:
             signed = real(self)
             if self.group.members[self.part].peer_id == owner.peer_id:
                 for chunks in self.chunks:  # it keeps other bytes than it accounted for
@@ -715,7 +716,7 @@ async def test_an_owner_that_cannot_show_the_chunks_it_averaged_fails_its_audit(
                         chunk.payload = bytes(len(chunk.payload))
             return signed
 
-        monkeypatch.setattr(PartReducer, "_sign_account", hide)
+        monkeypatch.setattr(OpenOwner, "account", hide)
         results = await average(peers, honest_updates(0, 4), 0)
         assert all(isinstance(r, RoundResult) and r.complete for r in results)
         await audited(peers[:3], 1)
@@ -738,7 +739,7 @@ async def test_an_owner_that_cannot_show_the_chunks_it_averaged_fails_its_audit(
                     seal(asker.identity, CHECK_STATEMENT, statement), timeout=5
                 )
 
-        monkeypatch.setattr(PartReducer, "_sign_account", real)
+        monkeypatch.setattr(OpenOwner, "account", real)
         round_ = asyncio.gather(
             *(p.all_reduce(u, group) for p, u in zip(peers, honest_updates(1, 4), strict=True))
         )

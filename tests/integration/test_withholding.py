@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import torch
 
-from swarmgrad.node.averaging import checks
 from swarmgrad.node.averaging.allreduce import RoundResult
 from swarmgrad.node.averaging.averager import Averager
+from swarmgrad.node.averaging.open import checks
 from swarmgrad.node.averaging.reducer import SenderSession
 from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.protocol.averaging import ChunkResult
@@ -181,7 +181,7 @@ async def test_an_owner_that_withholds_every_account_is_banned_and_its_part_neve
 
         async def keep_own(run: checks.CheckRun, statement: averaging_pb2.CheckStatement) -> None:
             if run.signer.peer_id == bad.peer_id and statement.WhichOneof("body") == "reveal":
-                own = run.result.accounts[run.me].body
+                own = run.own.body if run.own is not None else b""
                 kept = [a for a in statement.reveal.accounts if a.body != own]
                 del statement.reveal.accounts[:]
                 statement.reveal.accounts.extend(kept)  # nor does it forward its own account
@@ -245,7 +245,7 @@ async def test_a_member_that_dies_after_sending_leaves_every_part_checked_and_ap
             return await honest_run(run)
 
         monkeypatch.setattr(checks, "run_checks", run_checks)
-        monkeypatch.setattr("swarmgrad.node.averaging.averager.run_checks", run_checks)
+        monkeypatch.setattr("swarmgrad.node.averaging.open.policy.run_checks", run_checks)
         updates = honest_updates(0, N)
         results = await average(peers, updates, 0)
         survivors = [r for r in results[1:] if isinstance(r, RoundResult)]

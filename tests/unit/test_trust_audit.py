@@ -10,9 +10,9 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from swarmgrad.node.averaging import evidence
-from swarmgrad.node.averaging.checks import verify_account
 from swarmgrad.node.averaging.group import Group, Member, chunk_sizes
+from swarmgrad.node.averaging.open import evidence
+from swarmgrad.node.averaging.open.checks import verify_account
 from swarmgrad.node.averaging.plan import AllReduceConfig, round_key
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.metrics import PEER_SERIES_ROUNDS, NodeMetrics

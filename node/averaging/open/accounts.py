@@ -19,9 +19,10 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from swarmgrad.node.averaging import evidence
+import torch
+
 from swarmgrad.node.averaging.group import Group
-from swarmgrad.node.averaging.plan import PendingPart
+from swarmgrad.node.averaging.open import evidence
 from swarmgrad.protocol.auth import NONCE_BYTES
 from swarmgrad.protocol.averaging import ACCOUNT_STATEMENT, unseal
 from swarmgrad.protocol.errors import ProtocolViolation
@@ -29,7 +30,7 @@ from swarmgrad.protocol.keys import KEY_BYTES, SIGNATURE_BYTES, peer_id_of
 from swarmgrad.protocol.v1 import averaging_pb2
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
-__all__ = ["CheckedPart", "Forwarded", "take_forwarded", "verify_account"]
+__all__ = ["CheckedPart", "Forwarded", "PendingPart", "take_forwarded", "verify_account"]
 
 
 def _bad(why: str) -> ProtocolViolation:
@@ -112,6 +113,20 @@ def verify_account(
     if not all(set(chunk.contributors) <= committed for chunk in account.chunks):
         raise _bad(f"{owner}'s account counts members with no commitment")
     return account
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PendingPart:
+    """What arrived of another owner's part without a valid account of it (the checks may
+    still take it, with an account another member forwards)."""
+
+    #: Per chunk received: its contributors and the SHA-256 of its payload.
+    contributors: Mapping[int, tuple[int, ...]]
+    digests: Mapping[int, bytes]
+    #: The part's values as decoded (chunks not received: undefined).
+    values: torch.Tensor
+    #: Whether every chunk of the part arrived.
+    complete: bool
 
 
 @dataclass(slots=True)

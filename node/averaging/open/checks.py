@@ -43,16 +43,16 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from swarmgrad.node.averaging import evidence
-from swarmgrad.node.averaging.accounts import (
+from swarmgrad.node.averaging.group import Group, chunk_sizes
+from swarmgrad.node.averaging.open import evidence
+from swarmgrad.node.averaging.open.accounts import (
     CheckedPart,
     Forwarded,
     take_forwarded,
     verify_account,
 )
-from swarmgrad.node.averaging.group import Group, chunk_sizes
-from swarmgrad.node.averaging.plan import AllReduceConfig, RoundResult, round_key
-from swarmgrad.node.averaging.reports import (
+from swarmgrad.node.averaging.open.member import OpenMember
+from swarmgrad.node.averaging.open.reports import (
     Rows,
     agree,
     check_part,
@@ -63,6 +63,7 @@ from swarmgrad.node.averaging.reports import (
     signed_values,
     true_projections,
 )
+from swarmgrad.node.averaging.plan import AllReduceConfig, RoundResult, round_key
 from swarmgrad.node.trust.aggregate import Aggregator
 from swarmgrad.node.trust.checks import PROJECTIONS, SECRET_BYTES, commitment, part_seed
 from swarmgrad.node.trust.ledger import Flag
@@ -204,6 +205,11 @@ class CheckRun:
     result: RoundResult
     #: What the owners decoded of this member's values (the round's ``sent``).
     sent: torch.Tensor
+    #: This member's side of the round: its secret, the accounts it received, what waits
+    #: for one (``member.py``).
+    member: OpenMember
+    #: This member's own part's account, as it signed it (None: it owns no part).
+    own: averaging_pb2.Signed | None = None
     #: This member's own part's chunks as members sent them (it is their owner), by chunk.
     own_chunks: Sequence[Mapping[int, averaging_pb2.Chunk]] = ()
     #: Members this node refuses (banned): their check messages never come, so nobody waits
@@ -227,9 +233,12 @@ async def run_checks(run: CheckRun) -> Verdict:
     held: dict[int, set[int]] = {}
     for number, index in run.result.chunk_contributors:
         held.setdefault(number, set()).add(index)
-    for number, signed in run.result.accounts.items():
+    received = dict(run.member.accounts)
+    if run.own is not None:
+        received[me] = run.own
+    for number, signed in received.items():
         start, numels = layout(number)
-        account = run.result.verified_accounts.get(number)
+        account = run.member.verified.get(number)
         if account is None:  # this member's own part: its own account, which holds
             try:
                 account = verify_account(signed, group=group, key=key, part=number, numels=numels)
@@ -253,7 +262,7 @@ async def run_checks(run: CheckRun) -> Verdict:
         run,
         averaging_pb2.CheckStatement(
             reveal=averaging_pb2.Reveal(
-                secret=run.result.secret,
+                secret=run.member.secret,
                 accounts=[p.signed for p in parts.values()],
                 unaccounted=unaccounted,
             )
@@ -280,7 +289,7 @@ async def run_checks(run: CheckRun) -> Verdict:
         if part.part not in verdict.dropped:
             _seed(run, part, verdict)
     seeded = {p.part: p for p in parts.values() if p.seed and p.part not in verdict.dropped}
-    digests = run.result.sent_digests
+    digests = run.member.sent_digests
     mine = averaging_pb2.Report(
         parts=await asyncio.to_thread(
             lambda: [
@@ -367,8 +376,8 @@ def _take_forwarded(
                 key=round_key(run.config, group),
                 parts=parts,
                 layout=layout,
-                pending=run.result.pending,
-                sent_digests=run.result.sent_digests,
+                pending=run.member.pending,
+                sent_digests=run.member.sent_digests,
                 found=found,
             )
         for number in set(reveal.unaccounted) - {member}:
@@ -399,7 +408,7 @@ def _seed(run: CheckRun, part: CheckedPart, verdict: Verdict) -> None:
     ):
         peer = group.members[member]
         reveal = run.box.reveals.get(member)
-        secret = run.result.secret if member == run.me else reveal.secret if reveal else None
+        secret = run.member.secret if member == run.me else reveal.secret if reveal else None
         if secret is None:
             if _reachable(run, member) and member not in run.refused:
                 verdict.silent.add(peer.peer_id)
@@ -433,7 +442,7 @@ def _reachable(run: CheckRun, member: int) -> bool:
 def _result_of(run: CheckRun, part: CheckedPart) -> Callable[[int], torch.Tensor]:
     """The result this member holds of a chunk of ``part`` (from its owner, or kept while its
     account was missing)."""
-    pending = run.result.pending.get(part.part) if part.forwarded else None
+    pending = run.member.pending.get(part.part) if part.forwarded else None
 
     def result(index: int) -> torch.Tensor:
         start, end = part.span(index)

@@ -24,8 +24,8 @@ import grpc
 import torch
 
 from swarmgrad.compression import CodecError, decode
-from swarmgrad.node.averaging.accounts import CheckedPart
 from swarmgrad.node.averaging.group import Group
+from swarmgrad.node.averaging.open.accounts import CheckedPart
 from swarmgrad.node.averaging.plan import AllReduceConfig, round_key
 from swarmgrad.node.trust.checks import PROJECTIONS, holds, project, report_slack, signs
 from swarmgrad.protocol.auth import Signer

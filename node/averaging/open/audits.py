@@ -36,16 +36,16 @@ import grpc
 import torch
 
 from swarmgrad.compression import decode
-from swarmgrad.node.averaging.accounts import CheckedPart
 from swarmgrad.node.averaging.group import Group
-from swarmgrad.node.averaging.plan import AllReduceConfig, round_key
-from swarmgrad.node.averaging.reports import (
+from swarmgrad.node.averaging.open.accounts import CheckedPart
+from swarmgrad.node.averaging.open.reports import (
     agree,
     fetch_chunk,
     reported,
     signed_values,
     true_projections,
 )
+from swarmgrad.node.averaging.plan import AllReduceConfig, round_key
 from swarmgrad.node.trust.aggregate import Aggregator, aggregate
 from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.protocol.auth import Signer
