@@ -4,16 +4,7 @@ One ``Averager`` per node. It serves the Averaging RPC on the node's transport, 
 through the transport's channels, and keeps the registry of rounds in progress, which is how a
 stream from a peer finds the :class:`PartReducer` of the round it belongs to. A stream may
 arrive a little before this node has started the same round (members start at slightly
-different times); it waits up to ``join_timeout_seconds`` for the round to appear before it is
-refused with UNKNOWN_ROUND. Streams are signed, but keys cost nothing: a stranger's flood of
-streams for rounds that never come once held every waiting slot, and an honest member arriving
-before its owner started the round was refused and its part lost. So the members matchmaking
-counts for a round (:meth:`Averager.expect`) each have slots of their own
-(:data:`MAX_EARLY_STREAMS_PER_MEMBER`), and any other key waits in a small shared pool
-(:data:`MAX_EARLY_STREAMS`) or is refused OVERLOADED. Check messages wait the same way in slots of
-their own (:data:`MAX_EARLY_CHECKS_PER_MEMBER`, :data:`MAX_EARLY_CHECKS`): a member checks after
-this node served its part, so only a node that owns no part sees early ones from honest members,
-and a stranger's flood of them must not take the slots honest streams need.
+different times); it waits for it in slots of its own (``registry.py``).
 
 What a run's trust rules add to a round is its :class:`~swarmgrad.node.averaging.policy.RoundPolicy`
 (``policy.py``), called at the round's fixed points: trusted runs take results as they come;
@@ -29,7 +20,6 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Collection
-from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +34,7 @@ from swarmgrad.node.averaging.hooks import OwnerHooks, RoundHooks
 from swarmgrad.node.averaging.open.policy import LossProbe, OpenPolicy
 from swarmgrad.node.averaging.policy import Finished, RoundPolicy, TrustedPolicy
 from swarmgrad.node.averaging.reducer import PartReducer, SenderSession
+from swarmgrad.node.averaging.registry import ActiveRound, Registry
 from swarmgrad.node.averaging.sides import OwnerSide
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.tasks import TaskSet
@@ -63,26 +54,6 @@ __all__ = ["Averager", "LossProbe", "standalone", "transport_limits"]
 
 #: How long a finished round's reducer keeps answering streams still reading their results.
 _LINGER_SECONDS = 5.0
-_FINISHED_MEMORY = 256
-#: Streams, and check messages, that may wait at once for a round this node has not started:
-#: from each member matchmaking expects in that round (one stream per owner, a few retried; the
-#: checks of one round), and from any other key, all together.
-MAX_EARLY_STREAMS_PER_MEMBER = 2
-MAX_EARLY_CHECKS_PER_MEMBER = 8
-MAX_EARLY_STREAMS = 16
-MAX_EARLY_CHECKS = 16
-#: Rounds whose expected members are kept: a node's rounds go forward, and a stream for a round
-#: it has finished is refused at once.
-_EXPECTED_ROUNDS = 2
-
-
-@dataclass(slots=True)
-class _ActiveRound:
-    group: Group
-    me: int
-    reducer: PartReducer | None
-    #: The policy's state of the round (its check messages, in open runs).
-    state: object = None
 
 
 class Averager:
@@ -117,15 +88,8 @@ class Averager:
         self.transport = transport
         #: Scores and bans of peers, from what this node saw of them as an owner (open runs).
         self.ledger = ledger if ledger is not None else TrustLedger()
-        self._rounds: dict[tuple[int, bytes], _ActiveRound] = {}
-        self._finished: dict[tuple[int, bytes], None] = {}
-        self._rounds_changed = asyncio.Condition()
+        self._rounds = Registry(config.join_timeout_seconds)
         self._background = TaskSet()
-        #: Streams and check messages waiting for their rounds to start: by kind in the shared
-        #: pool, by (kind, round, sender) in the expected members' slots.
-        self._early: Counter[str | tuple[str, int, str]] = Counter()
-        #: The members matchmaking expects in the latest rounds (:meth:`expect`).
-        self._expected: dict[int, frozenset[str]] = {}
         self.servicer = AveragingServicer(
             self,
             verifier=verifier or Verifier(self.peer_id),
@@ -176,10 +140,9 @@ class Averager:
     async def stop(self) -> None:
         """Close the rounds still lingering (the transport stops serving on its own)."""
         await self._background.close()
-        for active in self._rounds.values():
+        for active in self._rounds.drain():
             if active.reducer is not None:
                 await active.reducer.close()
-        self._rounds.clear()
 
     # -- rounds ---------------------------------------------------------------------------------
 
@@ -219,14 +182,12 @@ class Averager:
             )
         me = group.index(self.peer_id)
         key = (group.round, group.group_id)
-        if key in self._rounds or key in self._finished:
+        if self._rounds.known(key):
             raise ValueError(f"round {group.round} with this group was already run")
         bounds = group.partition(vector.numel())
         member, owner, state = policy.begin(group, me, bounds)
         reducer = self._reducer(group, me, bounds[me], owner, owner_hooks)
-        async with self._rounds_changed:
-            self._rounds[key] = _ActiveRound(group=group, me=me, reducer=reducer, state=state)
-            self._rounds_changed.notify_all()
+        await self._rounds.add(key, ActiveRound(group=group, me=me, reducer=reducer, state=state))
         try:
             plan = RoundPlan(
                 me=me,
@@ -298,15 +259,13 @@ class Averager:
     def _retire(self, key: tuple[int, bytes]) -> None:
         """Forget a round after it lingers long enough for slow readers of its results (and,
         in open runs, the other members' audits of this owner's part)."""
-        self._finished[key] = None
-        while len(self._finished) > _FINISHED_MEMORY:
-            self._finished.pop(next(iter(self._finished)))
+        self._rounds.finish(key)
 
         async def linger() -> None:
             try:
                 await asyncio.sleep(self.policy.linger_seconds)
             finally:
-                active = self._rounds.pop(key, None)
+                active = self._rounds.drop(key)
                 if active is not None and active.reducer is not None:
                     await active.reducer.close()
 
@@ -329,8 +288,8 @@ class Averager:
                 f"{header.sender} was banned here in round {ban.round} ({ban.reason})",
             )
         key = (header.round, header.group_id)
-        active = await self._wait_for_round(key, header.sender)
-        member = _member(active, header.sender)
+        active = await self._rounds.wait(key, header.sender)
+        member = active.member(header.sender)
         if header.part != active.me or active.reducer is None:
             raise ProtocolViolation(
                 ResultCode.NOT_A_MEMBER, f"part {header.part} is not owned by {self.peer_id}"
@@ -359,69 +318,14 @@ class Averager:
             raise ProtocolViolation(ResultCode.WRONG_RUN, "a check message of another run")
         if self.ledger.banned(statement.sender):
             raise ProtocolViolation(ResultCode.BANNED, f"{statement.sender} is banned here")
-        active = await self._wait_for_round(
-            (key.round, key.group_id), statement.sender, checks=True
-        )
-        member = _member(active, statement.sender)
+        active = await self._rounds.wait((key.round, key.group_id), statement.sender, checks=True)
+        member = active.member(statement.sender)
         return await self.policy.check(active.state, member, statement, signed)
 
     def expect(self, round_: int, peer_ids: Collection[str]) -> None:
-        """``peer_ids`` may stream to this node in ``round_`` before it starts the round: the
-        members its matchmaking counts (``matchmaking.py``). Each gets early slots of its own;
-        forgotten once newer rounds are expected."""
-        self._expected[round_] = frozenset(peer_ids)
-        for old in sorted(self._expected)[:-_EXPECTED_ROUNDS]:
-            del self._expected[old]
-
-    async def _wait_for_round(
-        self, key: tuple[int, bytes], sender: str, *, checks: bool = False
-    ) -> _ActiveRound:
-        """The round ``key``, waiting for it to start if need be (``checks``: for a check
-        message, in the check messages' slots): in ``sender``'s own slots if it is an expected
-        member of the round, or else in the shared pool."""
-        if key in self._finished and key not in self._rounds:
-            raise ProtocolViolation(ResultCode.UNKNOWN_ROUND, f"round {key[0]} has ended here")
-        if key not in self._rounds:
-            kind = "checks" if checks else "streams"
-            own = MAX_EARLY_CHECKS_PER_MEMBER if checks else MAX_EARLY_STREAMS_PER_MEMBER
-            shared = MAX_EARLY_CHECKS if checks else MAX_EARLY_STREAMS
-            slot: str | tuple[str, int, str] = kind
-            if sender in self._expected.get(key[0], ()) and self._early[kind, key[0], sender] < own:
-                slot = (kind, key[0], sender)
-            elif self._early[kind] >= shared:
-                raise ProtocolViolation(
-                    ResultCode.OVERLOADED, f"too many {kind} are waiting for rounds to start"
-                )
-            self._early[slot] += 1
-            try:
-                with contextlib.suppress(TimeoutError):
-                    async with (
-                        asyncio.timeout(self.config.join_timeout_seconds),
-                        self._rounds_changed,
-                    ):
-                        await self._rounds_changed.wait_for(lambda: key in self._rounds)
-            finally:
-                self._early[slot] -= 1
-                if not self._early[slot]:
-                    del self._early[slot]
-        active = self._rounds.get(key)
-        if active is None:
-            raise ProtocolViolation(
-                ResultCode.UNKNOWN_ROUND,
-                f"no round {key[0]} with group {key[1].hex()[:12]} here "
-                f"(waited {self.config.join_timeout_seconds:g} s)",
-            )
-        return active
-
-
-def _member(active: _ActiveRound, peer_id: str) -> int:
-    """``peer_id``'s index in the round's group; NOT_A_MEMBER if it has none."""
-    try:
-        return active.group.index(peer_id)
-    except KeyError:
-        raise ProtocolViolation(
-            ResultCode.NOT_A_MEMBER, f"{peer_id} is not in group of round {active.group.round}"
-        ) from None
+        """``peer_ids`` may stream to this node in ``round_`` before it starts the round (the
+        members its matchmaking counts): each waits in slots of its own (``registry.py``)."""
+        self._rounds.expect(round_, peer_ids)
 
 
 def transport_limits(config: AllReduceConfig, *, min_message_bytes: int = 0) -> ServerLimits:
