@@ -32,6 +32,7 @@ import torch
 from swarmgrad.compression import get_codec
 from swarmgrad.node.averaging.averager import Averager, LossProbe
 from swarmgrad.node.averaging.matchmaking import Matchmaker
+from swarmgrad.node.averaging.membership import Membership
 from swarmgrad.node.averaging.open.evidence import verify_bytes
 from swarmgrad.node.averaging.rounds import Averaged, RoundParts, Rounds
 from swarmgrad.node.discovery.base import Discovery
@@ -146,6 +147,12 @@ class Swarm:
             rejections=self.rejections,
             ledger=TrustLedger(store=config.bans_path if spec.trust.open else None),
         )
+        #: Whose readiness counts in matchmaking: peers it averaged with lately, the
+        #: allowlist's, newcomers that answer a probe (``averaging/membership.py``).
+        self.membership = Membership(
+            self.peer_service.alive,
+            allowed=self.allowlist.allowed if self.allowlist is not None else None,
+        )
         self._discovery: Discovery | None = None
         self.directory: PeerDirectory | None = None
         self.reachability: Reachability | None = None
@@ -220,7 +227,8 @@ class Swarm:
                 settle_seconds=MATCHMAKING_SETTLE_SECONDS,
                 peers=self.directory.refresh,
                 excluded=self.excludes,
-                alive=self.peer_service.alive,
+                membership=self.membership,
+                expect=self._averager.expect,
             )
             budget = round_budget_seconds(
                 spec, config, dht_call_seconds=self._discovery.call_timeout_seconds
@@ -234,6 +242,7 @@ class Swarm:
                     routes=self.routes,
                     tallies=self.tallies,
                     spawn=self._spawn,
+                    membership=self.membership,
                 ),
                 config.rounds(budget_seconds=budget),
             )
@@ -270,6 +279,7 @@ class Swarm:
         await self.peer_service.close()  # and reachability: unmap ports, leave relays
         await self.transport.close()  # stop serving (with its grace), then the rounds
         await self._averager.stop()
+        await self.membership.close()  # its questions still open
         if self._discovery is not None:
             await self._discovery.close()
             self._discovery = None

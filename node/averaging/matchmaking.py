@@ -19,6 +19,14 @@ is (``alive``: a signed answer from its endpoint, under a deadline), if its reco
 can dial it, and one that does not answer is no longer waited for in this round. Only the
 waiting changes: a peer that does post its readiness in time is a candidate like any other.
 
+Readiness records are signed, but keys cost nothing: a record counts, and a peer is waited for
+and counted in the buckets, only if this node believes it is a live member of the run (a peer
+it averaged with lately, or a newcomer with a peer record that answered a signed probe at its
+endpoint: ``membership.py``, which says how honest nodes still agree). Throwaway keys that fill
+the round keys with records, or the directory with peer records whose endpoints are dead, are
+neither grouped with nor waited for. As it goes, matchmaking tells the averager (``expect``)
+which peers may stream to this node in the round, before its own all-reduce starts.
+
 Peers that saw the same candidates form the same groups. Waiting for the whole bucket, not for
 the first ``group_size`` candidates, is what keeps them the same in a large swarm: peers that
 become ready at different times would otherwise each cut a different prefix of the arrivals
@@ -37,9 +45,11 @@ import hashlib
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from swarmgrad.node.averaging.group import Group, Member, bounded
+from swarmgrad.node.averaging.membership import Alive, Membership, Probes
 from swarmgrad.node.discovery.base import Discovery, dht_time
 from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS
 from swarmgrad.node.discovery.records import PeerRecord, ReadyRecord
@@ -59,9 +69,9 @@ EXPECTED_REFRESH_SECONDS = 1.0
 #: how often it asks again while that peer answers but is not ready (it is still training).
 PROBE_AFTER_SECONDS = 1.0
 PROBE_EVERY_SECONDS = 3.0
-
-#: Is this peer still there (its endpoint answers as it)? Must return within its own deadline.
-Alive = Callable[[PeerRecord], Awaitable[bool]]
+#: Told which peers may stream to this node in a round (the averager's ``expect``).
+Expect = Callable[[int, Collection[str]], None]
+R = TypeVar("R", PeerRecord, ReadyRecord)
 #: The peers that can be asked: others have dialed them. One whose verdict is not in yet (a NAT'd
 #: peer announces its LAN address until it has a relay) or that nobody can dial would not answer
 #: anyway, and is waited for as before.
@@ -114,11 +124,14 @@ class _Census:
     """One read of the run's peer records for a round, as matchmaking uses it."""
 
     round: int
-    expected: set[str]  # at the round or one behind (and this peer)
-    ahead: bool  # another peer is past the round
+    expected: set[str]  # members at the round or one behind (and this peer)
+    ahead: bool  # another member is past the round
     buckets: int
     mine: int  # this peer's bucket
-    wanted: dict[str, PeerRecord | None]  # the expected peers of this peer's bucket (None: me)
+    #: The expected peers of this peer's bucket (None: me), and newcomers whose answer to a
+    #: probe is not in yet (waited for until it is).
+    wanted: dict[str, PeerRecord | None]
+    pending: frozenset[str]  # newcomers asked, not answered yet
 
     def in_bucket(self, peer_id: str) -> bool:
         return bucket_of(self.round, peer_id, self.buckets) == self.mine
@@ -162,6 +175,15 @@ class _Liveness:
             probe.cancel()
 
 
+def _freshest_first(round_: int, records: Collection[R]) -> list[R]:
+    """``records`` in the order newcomers among them are asked (questions are bounded per
+    round): the latest issued first (a flood stored ahead is older than honest records, issued
+    as their nodes start matchmaking; a record dated ahead counts as issued now), then in the
+    round's shuffle. Peers that see the same records ask the same ones."""
+    now = dht_time()
+    return sorted(records, key=lambda r: (-min(r.issued_at, now), group_order(round_, r.peer_id)))
+
+
 class Matchmaker:
     def __init__(
         self,
@@ -174,12 +196,17 @@ class Matchmaker:
         peers: Callable[[], Awaitable[list[PeerRecord]]] | None = None,
         excluded: Callable[[str], bool] | None = None,
         alive: Alive | None = None,
+        membership: Membership | None = None,
+        expect: Expect | None = None,
     ) -> None:
         """``peers`` reads the run's peer records (the node's directory; default: the DHT);
         ``excluded`` says which peers this node no longer groups with (its trust ledger's bans):
-        their readiness records are not candidates and they are not waited for; ``alive`` asks
-        a peer that is late whether it is still there (None: every expected peer is waited
-        for until the timeout)."""
+        their readiness records are not candidates and they are not waited for; ``membership``
+        says whose readiness counts (``membership.py``; None: every signed record, as in tests
+        of the grouping rules alone); ``alive`` asks a peer that is late whether it is still
+        there (default: the membership's probe; None without either: every expected peer is
+        waited for until the timeout); ``expect`` is told, as matchmaking goes, which members
+        may stream to this node in the round."""
         if group_size < 2:
             raise ValueError("group_size must be at least 2")
         if not 0 < matchmaking_timeout_seconds <= MAX_MATCHMAKING_TIMEOUT_SECONDS:
@@ -192,7 +219,11 @@ class Matchmaker:
         self.timeout_seconds = matchmaking_timeout_seconds
         self.settle_seconds = settle_seconds
         self._excluded = excluded or (lambda _peer: False)
+        self.membership = membership
+        if alive is None and membership is not None:
+            alive = membership.alive
         self._alive = alive
+        self._expect = expect
 
     async def form_group(
         self, round_: int, *, endpoint: str, bandwidth: float = 1.0, weight: float = 1.0
@@ -214,17 +245,22 @@ class Matchmaker:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_seconds
         me = self._identity.peer_id
-        candidates = await self._candidates(round_)
-        census = await self._census(round_)
-        checked = loop.time()
+        probes = self.membership.session(round_) if self.membership is not None else None
         liveness = _Liveness(round_, self._alive)
+        told: set[str] = set()
         try:
+            peers, read_at = await self._read_peers(), loop.time()
+            records = {p.peer_id: p for p in peers if p.peer_id != me}
+            # Readiness first: its signers' questions go before the census's.
+            candidates = self._admit(round_, await self._ready(round_), records, probes)
+            census = self._census(round_, peers, probes)
             while loop.time() < deadline:
+                told = self._tell(round_, candidates, census, told)
                 seen = {r.peer_id for r in candidates if census.in_bucket(r.peer_id)}
                 wanted = census.wanted.keys() - liveness.gone
                 if len(seen) >= 2 and wanted <= seen:
                     break
-                if census.ahead and census.expected == {me} and seen <= {me}:
+                if census.ahead and census.expected == {me} and seen <= {me} and not census.pending:
                     # Everyone else has moved past this round (this node lost one): nobody will
                     # come, and the sooner it says so the sooner it catches up by state sync
                     # (while they wait for it, one round behind, as "expected").
@@ -236,17 +272,35 @@ class Matchmaker:
                 missing = [
                     r
                     for p, r in census.wanted.items()
-                    if p not in seen and r is not None and r.reachability in _DIALABLE
+                    if p not in seen
+                    and p not in census.pending  # being asked already
+                    and r is not None
+                    and r.reachability in _DIALABLE
                 ]
                 liveness.check(missing)
                 await asyncio.sleep(POLL_SECONDS)
-                candidates = await self._candidates(round_)
-                if loop.time() - checked > EXPECTED_REFRESH_SECONDS:
-                    census, checked = await self._census(round_), loop.time()
+                if loop.time() - read_at > EXPECTED_REFRESH_SECONDS:
+                    peers, read_at = await self._read_peers(), loop.time()
+                    records = {p.peer_id: p for p in peers if p.peer_id != me}
+                candidates = self._admit(round_, await self._ready(round_), records, probes)
+                census = self._census(round_, peers, probes)
+            await asyncio.sleep(self.settle_seconds)
+            posted = await self._ready(round_)
+            candidates = self._admit(round_, posted, records, probes)
+            if probes is not None:
+                # Newcomers seen last are counted once they answer, never before: every honest
+                # node waits for the same answers, and so cuts the same groups.
+                await probes.settle()
+                candidates = self._admit(round_, posted, records, probes)
+                census = self._census(round_, peers, probes)
+            self._tell(round_, candidates, census, told)
         finally:
             liveness.close()
-        await asyncio.sleep(self.settle_seconds)
-        candidates = await self._candidates(round_)
+        if probes is not None and len(posted) > len(candidates):
+            log.info(
+                "round %d: %d readiness records from peers it does not count as members",
+                round_, len(posted) - len(candidates),
+            )  # fmt: skip
         # A peer whose offer is out of range has come (nobody waits for it) but joins no group:
         # every member leaves it out alike, so all still cut the same groups.
         by_id = {
@@ -277,7 +331,7 @@ class Matchmaker:
         log.info("round %d: no group (%d candidates)", round_, len(candidates))
         return None
 
-    async def _census(self, round_: int) -> _Census:
+    def _census(self, round_: int, peers: list[PeerRecord], probes: Probes | None) -> _Census:
         """Who should be ready for ``round_`` in this peer's bucket, and whether any other peer
         is past the round.
 
@@ -285,19 +339,69 @@ class Matchmaker:
         finished the last round may not have announced it yet; a peer that died in it is waited
         for once, then its record falls two behind). Those who already finished it count too
         for the buckets: a slow peer must cut the round into as many buckets as the fast ones
-        did, or it would wait in a bucket of its own for peers that are in others."""
-        peers = [p for p in await self._peers() if not self._excluded(p.peer_id)]
+        did, or it would wait in a bucket of its own for peers that are in others. With a
+        membership, only members count (a flood of peer records would otherwise both be waited
+        for and scatter the honest peers over buckets of their own); a newcomer being asked is
+        waited for until it answers."""
         me = self._identity.peer_id
-        expected = {p.peer_id for p in peers if p.epoch in (round_ - 1, round_)} | {me}
-        ahead = any(p.epoch > round_ for p in peers if p.peer_id != me)
-        taking_part = {p.peer_id for p in peers if p.epoch >= round_ - 1} | {me}
-        buckets = bucket_count(round_, taking_part, self.group_size)
-        mine = bucket_of(round_, me, buckets)
         records = {p.peer_id: p for p in peers if p.peer_id != me}
-        wanted = {p: records.get(p) for p in expected if bucket_of(round_, p, buckets) == mine}
-        return _Census(round_, expected, ahead, buckets, mine, wanted)
+        members, pending = list(records.values()), set()
+        if probes is not None:
+            members = []
+            taking_part = [p for p in records.values() if p.epoch >= round_ - 1]
+            for p in _freshest_first(round_, taking_part):
+                verdict = probes.verdict(p, exact=False)
+                if verdict:
+                    members.append(p)
+                elif verdict is None:
+                    pending.add(p.peer_id)
+        expected = {p.peer_id for p in members if p.epoch in (round_ - 1, round_)} | {me}
+        ahead = any(p.epoch > round_ for p in members)
+        taking = {p.peer_id for p in members if p.epoch >= round_ - 1} | {me}
+        buckets = bucket_count(round_, taking, self.group_size)
+        mine = bucket_of(round_, me, buckets)
+        waiting = expected | {p for p in pending if records[p].epoch in (round_ - 1, round_)}
+        wanted = {p: records.get(p) for p in waiting if bucket_of(round_, p, buckets) == mine}
+        return _Census(round_, expected, ahead, buckets, mine, wanted, frozenset(pending))
 
-    async def _candidates(self, round_: int) -> list[ReadyRecord]:
+    def _admit(
+        self,
+        round_: int,
+        ready: list[ReadyRecord],
+        records: dict[str, PeerRecord],
+        probes: Probes | None,
+    ) -> list[ReadyRecord]:
+        """The readiness records that count (``membership.py``): this node's own, a known
+        member's, or a newcomer's that answered at the endpoint it is ready at (asked now if
+        it was not yet)."""
+        if probes is None:
+            return ready
+        me = self._identity.peer_id
+
+        def counts(r: ReadyRecord) -> bool:
+            if r.peer_id == me or probes.membership.known(r.peer_id):
+                return True
+            record = records.get(r.peer_id)  # none: no live record in the run, not asked
+            return record is not None and bool(probes.verdict(replace(record, endpoint=r.endpoint)))
+
+        return [r for r in _freshest_first(round_, ready) if counts(r)]
+
+    def _tell(
+        self, round_: int, candidates: list[ReadyRecord], census: _Census, told: set[str]
+    ) -> set[str]:
+        """Tell ``expect`` the members that may stream to this node in ``round_``, if more
+        than it was told (``told``)."""
+        members = {r.peer_id for r in candidates} | census.expected
+        members.discard(self._identity.peer_id)
+        if self._expect is not None and not members <= told:
+            told = told | members
+            self._expect(round_, told)
+        return told
+
+    async def _read_peers(self) -> list[PeerRecord]:
+        return [p for p in await self._peers() if not self._excluded(p.peer_id)]
+
+    async def _ready(self, round_: int) -> list[ReadyRecord]:
         return [
             r for r in await self._discovery.find_ready(round_) if not self._excluded(r.peer_id)
         ]

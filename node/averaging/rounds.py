@@ -28,6 +28,7 @@ from swarmgrad.node.averaging.allreduce import RoundResult
 from swarmgrad.node.averaging.averager import Averager
 from swarmgrad.node.averaging.group import MAX_BANDWIDTH, Group
 from swarmgrad.node.averaging.matchmaking import Matchmaker
+from swarmgrad.node.averaging.membership import Membership
 from swarmgrad.node.discovery.base import DiscoveryError
 from swarmgrad.node.discovery.directory import PeerDirectory
 from swarmgrad.node.kinds import Failure, RoundOutcome
@@ -89,6 +90,9 @@ class RoundParts:
     tallies: Tallies
     #: Starts a background task the node owns (withdrawals that outlive the round).
     spawn: Spawn
+    #: Who this node believes is a live member (``membership.py``): told who contributed to
+    #: each round it averaged (None: matchmaking counts every signed readiness record).
+    membership: Membership | None = None
 
 
 class Rounds:
@@ -173,6 +177,8 @@ class Rounds:
             # not take down the record of this node's next attempt.
             early.cancel()
             parts.spawn(self._withdraw(epoch), f"withdraw-round-{epoch}")
+        if parts.membership is not None:  # they answered, and averaged: members, for a while
+            parts.membership.met(result.contributors)
         parts.tallies.count("averaged" if result.complete else "partial")
         parts.tallies.failures.update(result.failure_kinds.values())
         seconds = asyncio.get_running_loop().time() - started

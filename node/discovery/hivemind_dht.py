@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import hivemind
 import hivemind.dht.protocol
 from hivemind.dht.routing import DHTID
-from hivemind.dht.storage import DHTLocalStorage
+from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
 from swarmgrad.node.discovery.base import DiscoveryError, SignedDirectory
-from swarmgrad.node.discovery.budget import Budget, BudgetFull, entry_bytes
+from swarmgrad.node.discovery.budget import Budget, BudgetFull, entry_bytes, freshness
 from swarmgrad.node.discovery.envelope import RecordError, open_envelope
 from swarmgrad.node.discovery.records import check
 from swarmgrad.node.identity import Identity
@@ -80,7 +80,8 @@ class BoundedStorage(DHTLocalStorage):  # type: ignore[misc]
     (:class:`SealedValues`) but not how many it keeps: unbounded, a flood of sealed values from
     throwaway keys under one key filled the node's memory and made every answer for that key
     too large to send. A store over the limits is refused (``store_ok=False``); the signers a
-    key already holds keep their slots."""
+    key already holds keep their slots, but under a round key the stalest readiness records
+    give way to a fresher one."""
 
     def __init__(self, maxsize: int | None = None) -> None:
         super().__init__(maxsize)
@@ -95,17 +96,32 @@ class BoundedStorage(DHTLocalStorage):  # type: ignore[misc]
         return stored
 
     def store_subkey(self, key: DHTID, subkey: Any, value: bytes, expiration_time: float) -> bool:
-        self.budget.purge(get_dht_time())
+        now = get_dht_time()
+        self.budget.purge(now)
         size = entry_bytes(str(subkey), value)
+        rank = _freshness(value, now)
         try:
-            self.budget.check(key, subkey, size)
+            gave_way = self.budget.make_room(key, subkey, size, rank=rank)
         except BudgetFull as error:
             log.debug("refused a value under %s: %s", key, error)
             return False
+        for old_key, old_subkey in gave_way:  # stale readiness records (budget.py)
+            held = super().get(old_key)
+            if held is not None and isinstance(held.value, DictionaryDHTValue):
+                del held.value[old_subkey]
         stored = bool(super().store_subkey(key, subkey, value, expiration_time))
         if stored:
-            self.budget.add(key, subkey, size, expiration_time)
+            self.budget.add(key, subkey, size, expiration_time, rank=rank)
         return stored
+
+
+def _freshness(value: bytes, now: float) -> float | None:
+    """``budget.freshness`` of a stored value (msgpack of a sealed value, checked already:
+    opening it again is a cache hit)."""
+    try:
+        return freshness(open_envelope(MSGPackSerializer.loads(value)), now)
+    except Exception:  # not a sealed value: the validator refused it, or it is hivemind's own
+        return None
 
 
 class _DHT(hivemind.DHT):  # type: ignore[misc]

@@ -18,8 +18,9 @@ from swarmgrad.node.discovery.budget import (
     MAX_ENTRIES_PER_KEY,
     Budget,
     entry_bytes,
+    freshness,
 )
-from swarmgrad.node.discovery.envelope import RecordError
+from swarmgrad.node.discovery.envelope import Envelope, RecordError
 from swarmgrad.node.discovery.records import validate
 
 MAX_KEY_CHARS, MAX_SUBKEY_CHARS = 512, 128
@@ -44,31 +45,36 @@ class Directory:
     def store(self, key: str, subkey: str, value: bytes, expires: float, now: float) -> bool:
         """Whether the value was stored (False: a newer one is held); ValueError if it may not
         be (RecordError: not a valid value there; BudgetFull: no room for it)."""
-        check_entry(key, subkey, value, expires, now)
+        envelope = check_entry(key, subkey, value, expires, now)
         for gone_key, gone_subkey in self.budget.purge(now):
-            entries = self.keys[str(gone_key)]
-            del entries[str(gone_subkey)]
-            if not entries:
-                del self.keys[str(gone_key)]
+            self._drop(str(gone_key), str(gone_subkey))
         old = self.keys.get(key, {}).get(subkey)
         if old is not None and old.expires >= expires:
             return False  # a newer value (or this one) is already held
         size = entry_bytes(subkey, value)
-        self.budget.check(key, subkey, size)
+        rank = freshness(envelope, now)
+        for gone_key, gone_subkey in self.budget.make_room(key, subkey, size, rank=rank):
+            self._drop(str(gone_key), str(gone_subkey))  # stale readiness records (budget.py)
         self.keys.setdefault(key, {})[subkey] = Entry(value, expires)
-        self.budget.add(key, subkey, size, expires)
+        self.budget.add(key, subkey, size, expires, rank=rank)
         return True
+
+    def _drop(self, key: str, subkey: str) -> None:
+        entries = self.keys[key]
+        del entries[subkey]
+        if not entries:
+            del self.keys[key]
 
     def get(self, key: str, now: float) -> dict[str, Entry]:
         return {s: e for s, e in self.keys.get(key, {}).items() if e.expires > now}
 
 
-def check_entry(key: str, subkey: str, value: bytes, expires: float, now: float) -> None:
-    """ValueError (RecordError) unless ``value`` is a sealed value that may live under (key,
-    subkey) until ``expires``."""
+def check_entry(key: str, subkey: str, value: bytes, expires: float, now: float) -> Envelope:
+    """``value`` opened, if it is a sealed value that may live under (key, subkey) until
+    ``expires``; ValueError (RecordError) otherwise."""
     if not 0 < len(key) <= MAX_KEY_CHARS or not 0 < len(subkey) <= MAX_SUBKEY_CHARS:
         raise ValueError("key or subkey empty or too long")
-    validate(key, subkey, value, expires, now)
+    return validate(key, subkey, value, expires, now)
 
 
 def bound(entries: dict[str, Entry], held_by: dict[str, int]) -> dict[str, Entry]:

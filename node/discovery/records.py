@@ -5,12 +5,14 @@ its peer id's slot. :func:`validate` is the one check of a DHT value, run by the
 they store or believe one (both backends) and by readers after a get: the envelope's seal and
 filing, then the body: a peer or readiness record must parse into exactly the known fields with
 the right types, be its signer's own, belong to the key's run and spec (and a readiness record to
-the key's round), and carry the envelope's times; a spec must fit :data:`MAX_SPEC_BYTES`.
-Anything else is refused, and a reader counts it: a DHT is writable by anyone.
+the key's round, and fit :data:`MAX_READY_BYTES`), and carry the envelope's times; a spec must
+fit :data:`MAX_SPEC_BYTES`. Anything else is refused, and a reader counts it: a DHT is writable
+by anyone.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -30,7 +32,13 @@ from swarmgrad.node.kinds import Reach
 __all__ = ["MAX_TTL_SECONDS", "PeerRecord", "ReadyRecord", "RecordError", "check", "validate"]
 
 MAX_RECORD_BYTES = 4096
+#: A readiness record's body: an honest one is ~300-400 bytes (~600 with the longest host name).
+#: Padded to :data:`MAX_RECORD_BYTES`, a flood from throwaway keys filled a round key's budget
+#: (``budget.py``) with under 300 of them.
+MAX_READY_BYTES = 1024
 MAX_SPEC_BYTES = 16 * 1024
+#: Record bodies whose parse is remembered (:func:`_parse`): at most 4 KiB each.
+PARSED_CACHE_ENTRIES = 2048
 #: The largest integer a record field may hold: every integer up to it is exact as a float (what
 #: readers compute with), and no reader's arithmetic on it overflows.
 MAX_RECORD_INT = 2**53
@@ -198,7 +206,9 @@ def check(
     record: PeerRecord | ReadyRecord | None = None
     if envelope.kind in (Kind.PEER, Kind.READY):
         kind = PeerRecord if envelope.kind == Kind.PEER else ReadyRecord
-        record = kind.parse(envelope.body)
+        if kind is ReadyRecord and len(envelope.body) > MAX_READY_BYTES:
+            raise RecordError(f"a readiness record over {MAX_READY_BYTES} bytes")
+        record = _parse(kind, envelope.body)
         parts = key.split("/")  # run/<run id>/<spec hash>/peers, or .../round/<r>
         run_id, spec_hash = parts[1], parts[2]
         if record.peer_id != envelope.signer:
@@ -215,6 +225,15 @@ def check(
     ):
         raise RecordError(f"a {envelope.kind.name.lower()} value over the size limit")
     return record
+
+
+@functools.lru_cache(maxsize=PARSED_CACHE_ENTRIES)
+def _parse(kind: type[PeerRecord] | type[ReadyRecord], body: bytes) -> PeerRecord | ReadyRecord:
+    # Readers parse the same records at every poll: matchmaking reads a round's readiness ten
+    # times a second, and a flood of 320 records there cost each read ~60 ms of parsing on a
+    # busy 2-core machine. Records are frozen, so one parse serves every read of the same bytes
+    # (a body that fails is parsed again each time it comes, as the envelope cache does).
+    return kind.parse(body)
 
 
 def _fields_of(body: bytes, kind: type[PeerRecord] | type[ReadyRecord]) -> dict[str, Any]:

@@ -85,6 +85,9 @@ async def simultaneous_open(
             if loop.time() >= deadline - _RETRY_SECONDS:
                 raise TimeoutError(f"could not punch through to {remote[0]}:{remote[1]}") from None
             await asyncio.sleep(_RETRY_SECONDS)
+        except BaseException:  # cancelled mid-connect: the socket is ours to close
+            sock.close()
+            raise
 
 
 @dataclass(eq=False, slots=True)

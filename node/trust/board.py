@@ -1,6 +1,6 @@
 """Open runs: ban records in the DHT, each carrying evidence that every reader checks for itself.
 
-A node that convicts a peer on evidence (``node/averaging/evidence.py``: equivocation, a forged
+A node that convicts a peer on evidence (``node/averaging/open/evidence.py``: equivocation, a forged
 commitment, a false secret) publishes it under ``run/<id>/<spec hash>/bans``, in its own slot,
 with the evidence of every ban it holds (its own and those it adopted), newest first, as many as
 fit one DHT value. Every node of the run reads the others' records every

@@ -23,8 +23,8 @@ never a ban: the member cannot prove it, and an owner may have screened its valu
 A ban is this node's own decision: it stops grouping with the peer (matchmaking skips its
 readiness record) and refuses its streams. Statistics are not proof, and a peer that bans on
 another's word can be made to ban an honest peer, so a ban is published only with *evidence*:
-signed statements any peer checks for itself (``node/averaging/evidence.py``), kept with the ban
-(:attr:`Ban.evidence`); a ban adopted from such evidence names the peer it came from
+signed statements any peer checks for itself (``node/averaging/open/evidence.py``), kept with the
+ban (:attr:`Ban.evidence`); a ban adopted from such evidence names the peer it came from
 (:attr:`Ban.source`, ``node/trust/board.py``). With a ``store`` path the ledger's bans outlive the
 process: written atomically at each new ban, read back at start.
 """
@@ -80,7 +80,7 @@ class Flag(enum.StrEnum):
     CLIPPED = "clipped"  # far outside the others' radius
     REPLAY = "replay"  # an earlier update sent again
     DUPLICATE = "duplicate"  # the same values as another member's this round
-    # Owner checks (node/averaging/checks.py): the first three rest on signed evidence.
+    # Owner checks (node/averaging/open/checks.py): the first three rest on signed evidence.
     LYING_OWNER = "lying_owner"  # its result failed the members' projection check
     EQUIVOCATION = "equivocation"  # it signed two accounts of one part
     FALSE_REPORT = "false_report"  # its check report or secret contradicts what it signed
