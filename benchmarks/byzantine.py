@@ -30,6 +30,11 @@ trusted), two ways:
 
     .venv/bin/python benchmarks/byzantine.py --seeds 1 --rounds 30        # ~15 min on 2 cores
     .venv/bin/python benchmarks/byzantine.py --round-cost-only            # ~15 min
+
+With ``--swarm`` it runs the adversary suite instead (``adversaries.py``, whose options follow:
+issue 42's attacks on a swarm of real node processes, before and after, one table):
+
+    .venv/bin/python benchmarks/byzantine.py --swarm [--scenarios ...] [--before-tree PATH]
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import json
 import logging
 import secrets
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -465,12 +471,18 @@ def swarm_cost(nodes: int, rounds: int, repeats: int, upload: float) -> None:
 
 
 def main() -> None:
+    if "--swarm" in sys.argv[1:]:  # the suite's own options (--nodes, --rounds) differ
+        import adversaries  # a sibling script
+
+        adversaries.main([a for a in sys.argv[1:] if a != "--swarm"])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=8)
     parser.add_argument("--attackers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    modelled = [a.value for a in Attack if a is not Attack.FALSE_REPORT]
+    # False reports and withholding need the wire (the swarm suite: --swarm).
+    modelled = [a.value for a in Attack if a not in (Attack.FALSE_REPORT, Attack.WITHHOLD_LIE)]
     parser.add_argument("--attacks", nargs="+", default=modelled, choices=modelled)
     parser.add_argument("--eval-windows", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)

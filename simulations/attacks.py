@@ -1,8 +1,10 @@
 """What a malicious member sends instead of its honest update: the attacks open runs defend against.
 
-Pure functions on the flat update a member would average (tests, ``benchmarks/byzantine.py``);
-each takes the attacker's honest update and what the attack may know. "A little is enough"
-(ALIE) is omniscient: it reads the honest members' updates of the round, as colluders could.
+Pure functions on the flat update a member would average (tests, ``benchmarks/byzantine.py``,
+``benchmarks/adversaries.py``); each takes the attacker's honest update and what the attack may
+know. "A little is enough" (ALIE) is omniscient: it reads the honest members' updates of the
+round, as colluders could. Colluders (COLLUDE) need no channel between them: each derives the
+round's shared direction from the round number and a seed they agreed on beforehand.
 """
 
 from __future__ import annotations
@@ -27,14 +29,51 @@ class Attack(enum.StrEnum):
     NAN = "nan"  # NaN in a few places (on the wire: a NaN block scale, see NaNPayloads)
     REPLAY = "replay"  # its first round's update, every round after
     ALIE = "alie"  # mean - z std of the honest updates, per coordinate (z = 1)
+    # The honest mean (a colluder's own update, in a swarm) plus the round's shared direction.
+    COLLUDE = "collude"
     # As an owner or a checker (its update stays honest):
     LYING_OWNER = "lying_owner"  # shifts its part's result by 1% of its norm
     FALSE_REPORT = "false_report"  # sends false check reports, to frame honest owners
+    # Ends one member's stream a round without its signed account (each other member in turn)
+    # and returns its part's result x(-3): issue 42's critical attack.
+    WITHHOLD_LIE = "withhold_lie"
 
     @property
     def as_owner(self) -> bool:
         """Whether the attack is in what it does as an owner or checker, not in its update."""
-        return self in (Attack.LYING_OWNER, Attack.FALSE_REPORT)
+        return self in (Attack.LYING_OWNER, Attack.FALSE_REPORT, Attack.WITHHOLD_LIE)
+
+
+#: The seed colluders agreed on; with the round number it gives every colluder the same direction.
+COLLUSION_SEED = 42
+#: The shared direction's norm, as a multiple of the colluder's honest update's norm: as far from
+#: the honest mean as two honest updates are from each other (their cosines are ~0.2-0.3 here).
+COLLUSION_SCALE = 1.0
+
+
+def shared_direction(round_: int, numel: int, *, seed: int = COLLUSION_SEED) -> torch.Tensor:
+    """The unit direction every colluder adds in ``round_``."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + round_)
+    direction = torch.randn(numel, generator=generator)
+    return direction / float(direction.norm())
+
+
+def colluding_update(honest_mean: torch.Tensor, round_: int) -> torch.Tensor:
+    """A colluder's update: ``honest_mean`` plus the round's shared direction."""
+    direction = shared_direction(round_, honest_mean.numel())
+    return honest_mean + direction * (COLLUSION_SCALE * float(honest_mean.norm()))
+
+
+def flip_result(index: int, value: torch.Tensor) -> torch.Tensor:
+    """The rotating withholder's lie: its part's result times -3."""
+    return value * -3.0
+
+
+def withheld_member(round_: int, members: int, owner: int) -> int:
+    """The member whose account the rotating withholder keeps in ``round_``: each of the
+    ``members`` other than the ``owner`` in turn."""
+    others = [m for m in range(members) if m != owner]
+    return others[round_ % len(others)]
 
 
 @dataclass(slots=True)
@@ -45,16 +84,28 @@ class Attacker:
     seed: int = 0
     _first: torch.Tensor | None = None
     _generator: torch.Generator = field(default_factory=torch.Generator)
+    _rounds: int = 0  # updates made so far: the round, where the caller does not say
 
     def __post_init__(self) -> None:
         self._generator.manual_seed(self.seed)
 
-    def update(self, honest: torch.Tensor, others: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    def update(
+        self,
+        honest: torch.Tensor,
+        others: Sequence[torch.Tensor] = (),
+        *,
+        round_: int | None = None,
+    ) -> torch.Tensor:
         """What it sends this round instead of ``honest`` (``others``: the honest members'
-        updates, for ALIE)."""
+        updates, for ALIE and COLLUDE; ``round_``: the round, for COLLUDE, else counted)."""
         attack = self.attack
+        round_ = self._rounds if round_ is None else round_
+        self._rounds += 1
         if attack.as_owner:
             return honest
+        if attack is Attack.COLLUDE:  # knowing the others, their mean; in a swarm, its own
+            mean = torch.stack(list(others)).mean(0) if others else honest
+            return colluding_update(mean, round_)
         if self._first is None:
             self._first = honest.clone()
             if attack is Attack.REPLAY:
@@ -87,18 +138,22 @@ class NaNPayloads:
         return struct.pack("<f", float("nan")) + payload[4:]
 
 
-class LyingOwner:
-    """Owner hooks (``node/averaging/hooks.py``) of an owner that lies about its results."""
-
-    def result(self, index: int, value: torch.Tensor) -> torch.Tensor:
-        return lying_result(index, value)
-
-
 def lying_result(index: int, value: torch.Tensor) -> torch.Tensor:
     """What a lying owner publishes for a chunk: its result shifted by 1% of the result's norm
     (small enough to pass for noise, large enough to pull a run off course round after round)."""
     shift = torch.ones_like(value)
     return value + shift * (0.01 * float(value.norm()) / max(1e-12, float(shift.norm())))
+
+
+@dataclass(slots=True)
+class LyingOwner:
+    """Owner hooks (``node/averaging/hooks.py``) of an owner that publishes ``lie`` of each
+    chunk's result instead of the result."""
+
+    lie: Callable[[int, torch.Tensor], torch.Tensor] = lying_result
+
+    def result(self, index: int, value: torch.Tensor) -> torch.Tensor:
+        return self.lie(index, value)
 
 
 def false_report(
