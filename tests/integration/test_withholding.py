@@ -5,20 +5,23 @@ blamed; no honest member is flagged for an owner's silence, and no lie is ever a
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 import pytest
 import torch
 
 from swarmgrad.node.averaging.allreduce import RoundResult
 from swarmgrad.node.averaging.averager import Averager
-from swarmgrad.node.averaging.open import checks
+from swarmgrad.node.averaging.open import audits, checks
 from swarmgrad.node.averaging.reducer import SenderSession
 from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.protocol.averaging import ChunkResult
 from swarmgrad.protocol.v1 import averaging_pb2
 from tests.integration.test_open_rounds import (
+    OPEN,
     SIZE,
     Lie,
+    audited,
     average,
     group_of,
     honest_updates,
@@ -169,6 +172,26 @@ async def test_an_honest_victim_of_withholding_is_never_held_silent_and_keeps_th
             assert bad.peer_id not in peer.ledger.bans
             assert peer.checks["failed"] == 0
             assert peer.checks["unchecked"] == 0
+
+
+async def test_a_victim_audits_the_results_it_applied_from_a_forwarded_account(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Audits every round, of an owner that withholds (and does not lie): the victim, whose part
+    is applied only once the forwarded account came, audits those results, not its own values
+    that stood there before; no audit fails and nobody is banned."""
+    # Every member audits the withholder's part, every round.
+    monkeypatch.setattr(audits, "choose", lambda parts, _: OWNER if OWNER in parts else None)
+    async with swarm(N, replace(OPEN, audit_probability=1.0)) as peers:
+        honest, bad = peers[:OWNER], peers[OWNER]
+        withhold(monkeypatch, bad, lambda r: {victim(r)})
+        for round_ in range(OWNER):  # each honest member a victim once
+            results = await average(peers, honest_updates(round_, N), round_)
+            assert all(isinstance(r, RoundResult) and r.complete for r in results[:OWNER])
+            await audited(honest, round_ + 1)
+        for peer in honest:
+            assert peer.checks["audit_failed"] == 0, peer.checks
+            assert not peer.ledger.bans, peer.ledger.bans
 
 
 async def test_an_owner_that_withholds_every_account_is_banned_and_its_part_never_applied(

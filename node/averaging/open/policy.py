@@ -144,7 +144,6 @@ class OpenPolicy:
             )
         )
         self._record(group.round, verdict, member, result)
-        self._maybe_audit(group, me, verdict, result)
         vector = round_.vector
         bounds = group.partition(vector.numel())
         contributors = dict(result.chunk_contributors)
@@ -161,6 +160,9 @@ class OpenPolicy:
             result.averaged[start:end] = vector[start:end]
             for index in range(len(chunk_sizes(end - start, self.config.chunk_values))):
                 contributors.pop((number, index), None)
+        # Audited against what this member applies: a part whose account came forwarded
+        # holds its results only from here on.
+        self._maybe_audit(group, me, verdict, result)
         if contributors == result.chunk_contributors:
             return result
         coverage = cover(group, self.config, bounds, contributors, me, abstains=True)
