@@ -185,7 +185,7 @@ class Averager:
         if self._rounds.known(key):
             raise ValueError(f"round {group.round} with this group was already run")
         bounds = group.partition(vector.numel())
-        member, owner, state = policy.begin(group, me, bounds)
+        member, owner, state = policy.begin(group, me, bounds, vector)
         reducer = self._reducer(group, me, bounds[me], owner, owner_hooks)
         await self._rounds.add(key, ActiveRound(group=group, me=me, reducer=reducer, state=state))
         try:

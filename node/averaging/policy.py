@@ -62,10 +62,11 @@ class RoundPolicy(Protocol):
     linger_seconds: float
 
     def begin(
-        self, group: Group, me: int, bounds: list[tuple[int, int]]
+        self, group: Group, me: int, bounds: list[tuple[int, int]], vector: torch.Tensor
     ) -> tuple[MemberSide, OwnerSide | None, object]:
         """This member's side of a new round, its side as the owner of its part (None: it owns
-        none; ``bounds``: every part's [start, end)), and the policy's state of the round."""
+        none; ``bounds``: every part's [start, end); ``vector``: this member's values, which the
+        round never modifies), and the policy's state of the round."""
         ...
 
     async def settle(self, round_: Finished) -> RoundResult:
@@ -98,7 +99,7 @@ class TrustedPolicy:
         self.linger_seconds = linger_seconds
 
     def begin(
-        self, group: Group, me: int, bounds: list[tuple[int, int]]
+        self, group: Group, me: int, bounds: list[tuple[int, int]], vector: torch.Tensor
     ) -> tuple[MemberSide, OwnerSide | None, object]:
         start, end = bounds[me]
         return TrustedMember(), TrustedOwner() if end > start else None, None

@@ -45,12 +45,15 @@ class OpenOwner:
         offset: int,
         chunk_numels: Sequence[int],
         probes: Sequence[int] = (),
+        own: torch.Tensor | None = None,
     ) -> None:
         """``offset``: where the part starts in the round's vector (names chunks for replay
         checks); ``probes``: members whose values of the part are kept whole, for a spot check
-        after the round."""
+        after the round; ``own``: the owner's own values of the part, which stay out of it but
+        measure the members' scale (``ledger.OWN_SCALE_LIMIT``)."""
         self._signer, self.key, self.group, self.part = signer, key, group, part
         self.offset, self.chunk_numels = offset, list(chunk_numels)
+        self._own = own
         n = len(self.chunk_numels)
         #: Each member's chunks as received (signed), by chunk.
         self.chunks: list[dict[int, averaging_pb2.Chunk]] = [{} for _ in range(n)]
@@ -90,8 +93,12 @@ class OpenOwner:
             account.contributors.append(members[k])
             account.clip.append(outcome.clip[k])
             account.payload_sha256.append(self._digests[index].get(members[k], b""))
-        position = (self.offset + sum(self.chunk_numels[:index]), self.chunk_numels[index])
-        observe_chunk(self.observations, members, stack, outcome, position)
+        start = sum(self.chunk_numels[:index])
+        position = (self.offset + start, self.chunk_numels[index])
+        own_norm = None
+        if self._own is not None:
+            own_norm = float(self._own[start : start + self.chunk_numels[index]].norm())
+        observe_chunk(self.observations, members, stack, outcome, position, own_norm)
 
     def published(self, index: int, payload: bytes | memoryview | None) -> None:
         if payload is not None:

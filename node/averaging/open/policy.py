@@ -97,7 +97,7 @@ class OpenPolicy:
         self._me = signer.peer_id
 
     def begin(
-        self, group: Group, me: int, bounds: list[tuple[int, int]]
+        self, group: Group, me: int, bounds: list[tuple[int, int]], vector: torch.Tensor
     ) -> tuple[MemberSide, OwnerSide | None, object]:
         config = self.config
         member = OpenMember(signer=self._signer, config=config, group=group, me=me)
@@ -113,6 +113,7 @@ class OpenPolicy:
                 offset=start,
                 chunk_numels=chunk_sizes(end - start, config.chunk_values),
                 probes=self._probes(group, me),
+                own=vector[start:end],
             )
         return member, state.owner, state
 
