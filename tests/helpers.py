@@ -5,6 +5,10 @@ demo spec made cheaper for tests of the swarm rather than of the model).
 ``wait_for_pattern`` waits for a regular expression in a file (a node's log). Each fails with
 what it waited for, and ``check`` (called at every poll) lets a test fail at once when what it
 waits on has died instead of waiting out the deadline.
+
+``linked_docs`` reads the docs as a user follows their links: README.md, then every page under
+``docs/`` that it (or a page it reached) links; ``doc_blocks`` gives their fenced code blocks of
+one language, for tests that check an example in the docs is valid.
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
+
+ROOT = Path(__file__).resolve().parents[1]
+FENCED = re.compile(r"^```.*?^```[ \t]*$", re.M | re.S)
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def wait_until(
@@ -82,3 +90,33 @@ def light(spec: str) -> str:
             raise ValueError(f"not the demo spec's {full!r}")
         spec = spec.replace(full, quarter)
     return spec
+
+
+def markdown_links(text: str) -> list[str]:
+    """The targets of the ``[text](target)`` links in a markdown text, outside code blocks."""
+    return LINK.findall(FENCED.sub("", text))
+
+
+def linked_docs() -> dict[Path, str]:
+    """README.md and every markdown page under ``docs/`` reached from it by relative links, in
+    the order a reader meets them, by path relative to the repository."""
+    pages: dict[Path, str] = {}
+    queue = [ROOT / "README.md"]
+    while queue:
+        page = queue.pop(0).resolve()
+        if page in pages or not page.is_file():
+            continue
+        pages[page] = page.read_text()
+        for target in markdown_links(pages[page]):
+            path = target.split("#", 1)[0]
+            if path.endswith(".md") and "://" not in path:
+                linked = (page.parent / path).resolve()
+                if linked == ROOT / "README.md" or linked.is_relative_to(ROOT / "docs"):
+                    queue.append(linked)
+    return {page.relative_to(ROOT): text for page, text in pages.items()}
+
+
+def doc_blocks(language: str) -> list[tuple[Path, str]]:
+    """Every ```language block of ``linked_docs()``, with the page it is on."""
+    fence = re.compile(rf"^```{re.escape(language)}\n(.*?)^```", re.M | re.S)
+    return [(page, block) for page, text in linked_docs().items() for block in fence.findall(text)]

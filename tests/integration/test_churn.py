@@ -22,7 +22,7 @@ from swarmgrad.simulations.swarm import (
     simulate,
     simulation_identity,
 )
-from tests.helpers import light
+from tests.helpers import doc_blocks, light
 
 SCHEDULE = """\
 [[event]]
@@ -184,9 +184,7 @@ def test_eight_nodes_survive_churn_and_end_identical(tmp_path: Path, cache_dir: 
     assert abs(gap) <= 0.05, (churned["final_val_loss"], calm)
 
 
-def test_the_readme_churn_example_is_valid(tmp_path: Path) -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    blocks = [block.split("```", 1)[0] for block in readme.split("```toml\n")[1:]]
-    (example,) = [block for block in blocks if "[[event]]" in block]
+def test_the_docs_churn_example_is_valid(tmp_path: Path) -> None:
+    (example,) = [block for _, block in doc_blocks("toml") if "[[event]]" in block]
     events = load_schedule(_schedule(tmp_path, example), nodes=4)
     assert [e.action for e in events] == ["kill", "pause", "start", "resume"]

@@ -108,7 +108,8 @@ async def test_a_record_the_dht_refuses_is_not_reported_stored(start: Starter) -
 
 async def test_a_taken_dht_port_is_a_setup_error_on_both_backends(start: Starter) -> None:
     # Both said "could not join the DHT" (a DiscoveryError: the CLI's exit 4, an unreachable
-    # swarm) where the README promises exit 2 (a configuration to fix) for a port in use.
+    # swarm) where the docs promise exit 2 (a configuration to fix) for a port in use
+    # (docs/running-a-node.md, "Configuration layers").
     taken = socket.create_server(("127.0.0.1", 0))
     with taken, pytest.raises(BindError, match="in use"):
         await start(Identity.generate(), port=taken.getsockname()[1])

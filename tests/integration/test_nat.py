@@ -1,7 +1,7 @@
 """Volunteers behind NAT, in the NAT lab: real node processes in network namespaces, real routers
 (nftables masquerade, no port forwarding, unsolicited inbound dropped), a real UPnP gateway.
 
-Needs root (namespaces); the README's test set-up installs nftables and miniupnpd.
+Needs root (namespaces); the test set-up (docs/setup.md) installs nftables and miniupnpd.
 """
 
 from __future__ import annotations
