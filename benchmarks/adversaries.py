@@ -50,6 +50,8 @@ SCENARIOS = {
                  reference="honest6"),
         Scenario(name="noise", what="noise of 3x the norm from 2 nodes", attack="noise",
                  attackers=2, reference="honest6"),
+        Scenario(name="noise_g8", what="noise of 3x the norm from 2 nodes, groups of 8",
+                 attack="noise", attackers=2, group_size=8, reference="honest_g8"),
         Scenario(name="collude_g4", what="a colluding pair, groups of 4", attack="collude",
                  attackers=2, reference="honest6"),
         Scenario(name="collude_g8", what="a colluding pair, groups of 8", attack="collude",
