@@ -14,8 +14,8 @@ Per message, timed one call at a time (median and [p10-p90] over ``--repeats`` c
     (``records.validate``: parse, filing rules, signature, the record's body).
 Per round: a member of a group of N signs one header per owner (N) and, as an owner, checks
 one per other member (N - 1); the table gives that time, and its share of the round's
-all-reduce time taken from ``benchmarks/allreduce.py``'s README figures (25M fp32 values per
-peer, int8) where N matches.
+all-reduce time taken from ``benchmarks/allreduce.py``'s figures in docs/benchmarks.md (25M fp32
+values per peer, int8) where N matches.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from swarmgrad.protocol.averaging import AGGREGATE, StreamHeader, header_to_prot
 from swarmgrad.protocol.state import request_fields
 from swarmgrad.protocol.v1 import state_pb2
 
-#: The README's all-reduce round times (s) for 25M fp32 values per peer, int8, by group size.
+#: The all-reduce round times (s, docs/benchmarks.md) for 25M fp32 values per peer, int8, by N.
 ALLREDUCE_SECONDS = {2: 0.14, 4: 0.27, 8: 0.77}
 
 

@@ -1,7 +1,7 @@
 """swarmgrad node daemon: the public Python API, and the rooms the daemon is built from.
 
 ``from swarmgrad.node import Swarm, SwarmConfig, DiLoCo, SyncDataParallel, RunSpec, Identity``
-is the API a researcher's own training loop uses (the README shows it); everything else is
+is the API a researcher's own training loop uses (docs/python-api.md shows it); everything else is
 reached through its subpackage: ``transport/`` (the gRPC server and channels), ``discovery/``
 (the DHT and the run's directory), ``reachability/``, ``averaging/``, ``state/``, ``training/``.
 

@@ -573,8 +573,7 @@ class RunSpec:
             out.append(
                 f"run {self.run.id!r} uses pipeline stages and is not a private run: stage "
                 "replicas are trusted, and wrong activations or gradients from one go "
-                "unnoticed. Let only machines you trust serve its stages (README, Pipeline "
-                "stages)."
+                "unnoticed. Let only machines you trust serve its stages (docs/pipeline.md)."
             )
         return out
 

@@ -58,7 +58,7 @@ REJOINED = re.compile(r"epoch \d+: (averaged|partial|resynced)")
 DEMO_SPEC = """\
 # The demo run: a small GPT on Shakespeare's plays, DiLoCo with 8-bit averaging. On a run this
 # short from scratch, plain model averaging (outer lr 1, no momentum) measured best; the paper's
-# Nesterov 0.7/0.9 is for long runs (see README, "Benchmarks").
+# Nesterov 0.7/0.9 is for long runs (see docs/benchmarks.md).
 [run]
 id = "shakespeare-demo"
 
