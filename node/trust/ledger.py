@@ -67,9 +67,12 @@ SKETCH_POSITIONS = 256
 #: should have at least one member more: the owner's own values stay out of its part).
 MIN_JUDGED_MEMBERS = 5
 #: A member whose values of a chunk are over this many times the owner's own values' norm there
-#: is flagged ``scale`` (banned at once), in a chunk of any size: the owner's own update is the
-#: one honest measure no colluding majority can move. Honest pseudo-gradients of one run differ
-#: by a few times at most; x100 attackers in a group of 4 went unbanned without it.
+#: is flagged ``outsized``, in a chunk of any size: the owner's own update is the one honest
+#: measure no colluding majority can move. Honest pseudo-gradients of one run differ by a few
+#: times at most; x100 attackers in a group of 4 went unbanned without it. It is a flag like the
+#: statistical ones (banned after repeated rounds), not a decisive one: how far noise stands out
+#: depends on the chunk, so owners of different parts would see it in different rounds, and
+#: honest nodes that ban at different rounds group apart (the later ones with the attackers).
 OWN_SCALE_LIMIT = 20.0
 #: Rounds after which an unbanned peer this node has not seen is forgotten (its scores and
 #: flags; a ban stays). Peer ids come and go in an open run, and each one kept costs memory and
@@ -85,6 +88,7 @@ class Flag(enum.StrEnum):
     CLIPPED = "clipped"  # far outside the others' radius
     REPLAY = "replay"  # an earlier update sent again
     DUPLICATE = "duplicate"  # the same values as another member's this round
+    OUTSIZED = "outsized"  # far above the owner's own values (OWN_SCALE_LIMIT)
     # Owner checks (node/averaging/open/checks.py): the first three rest on signed evidence.
     LYING_OWNER = "lying_owner"  # its result failed the members' projection check
     EQUIVOCATION = "equivocation"  # it signed two accounts of one part
@@ -231,8 +235,8 @@ def observe_chunk(
     something only where honest members are most of them: from a chunk of fewer than
     :data:`MIN_JUDGED_MEMBERS` they are not taken (two colluders among an honest owner's three
     other members made it flag, then ban, the honest one). All zeros, replays and duplicates
-    are facts about the member's own values, taken from any chunk, and so is a scale far above
-    the owner's own."""
+    are facts about the member's own values, taken from any chunk, and so is a norm far above
+    the owner's own (``outsized``)."""
     fingerprints = [sketch(row) for row in stack]
     judged = len(members) >= MIN_JUDGED_MEMBERS
     limit = OWN_SCALE_LIMIT * own_norm if own_norm else None
@@ -240,7 +244,7 @@ def observe_chunk(
     for k, member in enumerate(members):
         seen = observations.setdefault(member, Observation())
         if limit is not None and norms[k] > limit:
-            seen.flags.add(Flag.SCALE)
+            seen.flags.add(Flag.OUTSIZED)
         if k in outcome.screened:
             screen = outcome.screened[k]
             if screen is Screen.ZERO or judged:

@@ -35,7 +35,7 @@ LOSS_SLACK = 1.03
 def _run_suite(work: Path) -> dict[str, dict[str, Any]]:
     """The suite's honest and withhold_lie scenarios; their results, by scenario."""
     out = work / "records.json"
-    command = [sys.executable, str(SUITE), "--scenarios", "honest", "withhold_lie",
+    command = [sys.executable, str(SUITE), "--scenarios", "honest_g8", "withhold_lie",
                "--nodes", str(NODES), "--rounds", str(ROUNDS), "--timeout", "400",
                "--work", str(work / "runs"), "--json", str(out)]  # fmt: skip
     # Its own session: a timeout kills the suite and the scenario process it started.
@@ -60,7 +60,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
 
 @pytest.mark.timeout(1100)
 def test_the_honest_reference_bans_nobody_and_learns(results: dict[str, dict[str, Any]]) -> None:
-    honest = results["honest"]
+    honest = results["honest_g8"]
     assert honest["error"] is None, honest["error"]
     assert honest["bans"] == []
     assert honest["replicas_identical"]
@@ -72,7 +72,7 @@ def test_the_honest_reference_bans_nobody_and_learns(results: dict[str, dict[str
 def test_a_rotating_withholder_that_lies_is_banned_by_every_honest_node_and_costs_nothing(
     results: dict[str, dict[str, Any]],
 ) -> None:
-    attacked, honest = results["withhold_lie"], results["honest"]
+    attacked, honest = results["withhold_lie"], results["honest_g8"]
     assert attacked["error"] is None, attacked["error"]
     (liar,) = attacked["attackers"]
     assert attacked["honest_banned"] == [], attacked["bans"]

@@ -74,17 +74,20 @@ async def test_noise_attackers_in_a_group_of_eight_are_banned_by_every_honest_me
 async def test_x100_attackers_most_of_a_small_group_are_banned_by_the_owners_own_measure() -> None:
     """Two x100 members in a group of 4 are most of an honest owner's others, so the statistics
     among them say nothing; the owner's own values (kept out of its part) still measure their
-    scale, and every honest owner bans both in the first round, without flagging the other."""
+    size: every honest owner flags both in every round (``outsized``) and bans them in the third,
+    as for the other statistical flags, without flagging the other honest member."""
     async with swarm(4) as peers:
         honest, bad = peers[:2], peers[2:]
-        updates = honest_updates(0, 4)
         attackers = [Attacker(Attack.SCALE, seed=s) for s in (1001, 1002)]
-        for k, attacker in enumerate(attackers):
-            updates[2 + k] = attacker.update(updates[2 + k])
-        results = await average(peers, updates, 0)
-        assert all(isinstance(r, RoundResult) for r in results), results
+        for round_ in range(3):
+            updates = honest_updates(round_, 4)
+            for k, attacker in enumerate(attackers):
+                updates[2 + k] = attacker.update(updates[2 + k])
+            results = await average(peers, updates, round_)
+            assert all(isinstance(r, RoundResult) for r in results), results
+            banned = [set(p.ledger.bans) for p in honest]
+            assert banned == [set() if round_ < 2 else {b.peer_id for b in bad}] * 2, round_
         for peer in honest:
-            assert set(peer.ledger.bans) == {b.peer_id for b in bad}, peer.ledger.bans
-            assert all(ban.flags == (Flag.SCALE,) for ban in peer.ledger.bans.values())
+            assert all(ban.flags == (Flag.OUTSIZED,) for ban in peer.ledger.bans.values())
             other = honest[1 - honest.index(peer)].peer_id
             assert not peer.ledger.table()[other]["flags"]
