@@ -286,7 +286,8 @@ class PartReducer:
         stack = torch.stack([inputs[m] for m in members])
         inputs.clear()
         weights = [self._alpha[m] for m in members]
-        outcome = aggregate(stack, self.rules.aggregator, weights=weights)
+        bound = self.side.bound(index)
+        outcome = aggregate(stack, self.rules.aggregator, weights=weights, bound=bound)
         self.side.aggregated(index, members, stack, outcome)
         return outcome.value, [members[k] for k in outcome.used]
 

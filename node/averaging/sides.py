@@ -77,6 +77,11 @@ class OwnerSide(Protocol):
         """``member``'s chunk ``index`` is taken (its values are in the part)."""
         ...
 
+    def bound(self, index: int) -> float | None:
+        """The largest norm a member's values of chunk ``index`` may have to be aggregated
+        (None: any)."""
+        ...
+
     def aggregated(
         self, index: int, members: list[int], stack: torch.Tensor, outcome: Aggregate
     ) -> None:
@@ -131,6 +136,9 @@ class TrustedOwner:
 
     def keep(self, member: int, index: int, chunk: averaging_pb2.Chunk) -> None:
         pass
+
+    def bound(self, index: int) -> float | None:
+        return None
 
     def aggregated(
         self, index: int, members: list[int], stack: torch.Tensor, outcome: Aggregate

@@ -64,6 +64,7 @@ class Screen(enum.StrEnum):
 
     ZERO = "zero"
     SCALE = "scale"
+    OUTSIZED = "outsized"  # its norm over the owner's ``bound``
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +92,10 @@ def aggregate(
     *,
     weights: Sequence[float] | None = None,
     kappa: float = 1.0,
+    bound: float | None = None,
 ) -> Aggregate:
-    """Aggregate the rows of ``values`` (``n x d`` fp32); ``weights`` default to uniform."""
+    """Aggregate the rows of ``values`` (``n x d`` fp32); ``weights`` default to uniform; a row
+    whose norm is over ``bound`` is left out (:attr:`Screen.OUTSIZED`)."""
     if values.dim() != 2 or values.shape[0] == 0:
         raise ValueError("values must be an n x d stack with n >= 1")
     n = values.shape[0]
@@ -100,6 +103,9 @@ def aggregate(
     if len(weights) != n or not all(math.isfinite(w) and w > 0 for w in weights):
         raise ValueError("one positive weight per member")
     screened = screen(values)
+    if bound is not None:
+        norms = values.norm(dim=1).tolist()
+        screened |= {i: Screen.OUTSIZED for i in range(n) if i not in screened and norms[i] > bound}
     used = [i for i in range(n) if i not in screened]
     if not used:
         return Aggregate(

@@ -66,14 +66,6 @@ SKETCH_POSITIONS = 256
 #: five, two colluders are still a minority of any honest owner's others (open runs' groups
 #: should have at least one member more: the owner's own values stay out of its part).
 MIN_JUDGED_MEMBERS = 5
-#: A member whose values of a chunk are over this many times the owner's own values' norm there
-#: is flagged ``outsized``, in a chunk of any size: the owner's own update is the one honest
-#: measure no colluding majority can move. Honest pseudo-gradients of one run differ by a few
-#: times at most; x100 attackers in a group of 4 went unbanned without it. It is a flag like the
-#: statistical ones (banned after repeated rounds), not a decisive one: how far noise stands out
-#: depends on the chunk, so owners of different parts would see it in different rounds, and
-#: honest nodes that ban at different rounds group apart (the later ones with the attackers).
-OWN_SCALE_LIMIT = 20.0
 #: Rounds after which an unbanned peer this node has not seen is forgotten (its scores and
 #: flags; a ban stays). Peer ids come and go in an open run, and each one kept costs memory and
 #: a series per score on the metrics page.
@@ -88,7 +80,7 @@ class Flag(enum.StrEnum):
     CLIPPED = "clipped"  # far outside the others' radius
     REPLAY = "replay"  # an earlier update sent again
     DUPLICATE = "duplicate"  # the same values as another member's this round
-    OUTSIZED = "outsized"  # far above the owner's own values (OWN_SCALE_LIMIT)
+    OUTSIZED = "outsized"  # far above the owner's own values (open/owner.py's OWN_SCALE_LIMIT)
     # Owner checks (node/averaging/open/checks.py): the first three rest on signed evidence.
     LYING_OWNER = "lying_owner"  # its result failed the members' projection check
     EQUIVOCATION = "equivocation"  # it signed two accounts of one part
@@ -215,7 +207,7 @@ def sketch(values: torch.Tensor) -> torch.Tensor:
     return values[::step][:SKETCH_VALUES].double()
 
 
-_SCREEN_FLAGS = {Screen.ZERO: Flag.ZERO, Screen.SCALE: Flag.SCALE}
+_SCREEN_FLAGS = {Screen.ZERO: Flag.ZERO, Screen.SCALE: Flag.SCALE, Screen.OUTSIZED: Flag.OUTSIZED}
 K = TypeVar("K")
 
 
@@ -225,29 +217,26 @@ def observe_chunk(
     stack: torch.Tensor,
     outcome: Aggregate,
     position: tuple[int, int],
-    own_norm: float | None = None,
 ) -> None:
     """Note in ``observations`` what each of ``members`` (the rows of ``stack``) looked like in
-    one aggregated chunk at ``position`` (its start in the round's vector, its size);
-    ``own_norm``: the norm of the owner's own values of the chunk (:data:`OWN_SCALE_LIMIT`).
+    one aggregated chunk at ``position`` (its start in the round's vector, its size).
 
     A member's scale, clip and cosine are measured against the others of the chunk, so they say
     something only where honest members are most of them: from a chunk of fewer than
     :data:`MIN_JUDGED_MEMBERS` they are not taken (two colluders among an honest owner's three
     other members made it flag, then ban, the honest one). All zeros, replays and duplicates
     are facts about the member's own values, taken from any chunk, and so is a norm far above
-    the owner's own (``outsized``)."""
+    the owner's own (``outsized``: a statistical flag, not a decisive one, because how far noise
+    stands out depends on the chunk, so owners of different parts would ban in different rounds,
+    and honest nodes that ban at different rounds group apart, the later ones with the
+    attackers)."""
     fingerprints = [sketch(row) for row in stack]
     judged = len(members) >= MIN_JUDGED_MEMBERS
-    limit = OWN_SCALE_LIMIT * own_norm if own_norm else None
-    norms = stack.norm(dim=1).tolist() if limit is not None else []
     for k, member in enumerate(members):
         seen = observations.setdefault(member, Observation())
-        if limit is not None and norms[k] > limit:
-            seen.flags.add(Flag.OUTSIZED)
         if k in outcome.screened:
             screen = outcome.screened[k]
-            if screen is Screen.ZERO or judged:
+            if screen in (Screen.ZERO, Screen.OUTSIZED) or judged:
                 seen.flags.add(_SCREEN_FLAGS[screen])
             continue
         if judged:

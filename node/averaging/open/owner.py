@@ -27,7 +27,14 @@ from swarmgrad.protocol.v1 import averaging_pb2
 from swarmgrad.protocol.v1.auth_pb2 import Auth
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
-__all__ = ["OpenOwner"]
+__all__ = ["OWN_SCALE_LIMIT", "OpenOwner"]
+
+#: A member whose values of a chunk are over this many times the norm of the owner's own values
+#: there is left out of the chunk and flagged ``outsized``, in a chunk of any size: the owner's
+#: own update stays out of its part, and is the one honest measure no colluding majority of the
+#: others can move. Honest pseudo-gradients of one run differ by a few times at most; x100
+#: attackers that were most of a group of 4 decided honest owners' parts without it.
+OWN_SCALE_LIMIT = 20.0
 
 
 class OpenOwner:
@@ -50,7 +57,7 @@ class OpenOwner:
         """``offset``: where the part starts in the round's vector (names chunks for replay
         checks); ``probes``: members whose values of the part are kept whole, for a spot check
         after the round; ``own``: the owner's own values of the part, which stay out of it but
-        measure the members' scale (``ledger.OWN_SCALE_LIMIT``)."""
+        measure the members' size (:data:`OWN_SCALE_LIMIT`)."""
         self._signer, self.key, self.group, self.part = signer, key, group, part
         self.offset, self.chunk_numels = offset, list(chunk_numels)
         self._own = own
@@ -93,12 +100,15 @@ class OpenOwner:
             account.contributors.append(members[k])
             account.clip.append(outcome.clip[k])
             account.payload_sha256.append(self._digests[index].get(members[k], b""))
+        position = (self.offset + sum(self.chunk_numels[:index]), self.chunk_numels[index])
+        observe_chunk(self.observations, members, stack, outcome, position)
+
+    def bound(self, index: int) -> float | None:
+        if self._own is None:
+            return None
         start = sum(self.chunk_numels[:index])
-        position = (self.offset + start, self.chunk_numels[index])
-        own_norm = None
-        if self._own is not None:
-            own_norm = float(self._own[start : start + self.chunk_numels[index]].norm())
-        observe_chunk(self.observations, members, stack, outcome, position, own_norm)
+        norm = float(self._own[start : start + self.chunk_numels[index]].norm())
+        return OWN_SCALE_LIMIT * norm if norm > 0 else None
 
     def published(self, index: int, payload: bytes | memoryview | None) -> None:
         if payload is not None:
