@@ -57,7 +57,8 @@ SCENARIOS = {
         Scenario(name="collude_g8", what="a colluding pair, groups of 8", attack="collude",
                  attackers=2, group_size=8, reference="honest_g8"),
         Scenario(name="withhold_lie", what="an owner withholding one account a round, in turn, "
-                 "and returning x(-3)", attack="withhold_lie", attackers=1),
+                 "and returning x(-3), groups of 8 (as the review ran it)", attack="withhold_lie",
+                 attackers=1, group_size=8, reference="honest_g8"),
         Scenario(name="lookalike", what="a look-alike spec under the run id; volunteers join "
                  "with the run key", reference=""),
         Scenario(name="stream_flood", what="600 silent keyless Aggregate streams at node 0",
