@@ -208,7 +208,9 @@ BANNED_BY = {
 @pytest.mark.parametrize("attack", list(BANNED_BY))  # owner attacks: the tests below
 async def test_an_attacker_is_banned_in_time_by_every_honest_member(attack: Attack) -> None:
     attacker = Attacker(attack, seed=7)
-    async with swarm(6) as peers:  # five others per part: enough to judge by
+    # Five others per part: enough to judge by. Every member audits every round, the attacker
+    # too: an owner that refused its stream must not be convicted by the part it never sent.
+    async with swarm(6, replace(OPEN, audit_probability=1.0)) as peers:
         honest, bad = peers[:5], peers[5]
         banned_at: int | None = None
         for round_ in range(ROUNDS):

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -162,8 +162,9 @@ class OpenPolicy:
             for index in range(len(chunk_sizes(end - start, self.config.chunk_values))):
                 contributors.pop((number, index), None)
         # Audited against what this member applies: a part whose account came forwarded
-        # holds its results only from here on.
-        self._maybe_audit(group, me, verdict, result)
+        # holds its results only from here on, and one whose owner refused this member's
+        # stream (or whose results never came) holds this member's own values, not a result.
+        self._maybe_audit(group, me, verdict, result, contributors)
         if contributors == result.chunk_contributors:
             return result
         coverage = cover(group, self.config, bounds, contributors, me, abstains=True)
@@ -233,12 +234,23 @@ class OpenPolicy:
         if said:
             self.ledger.dispute(round_, sorted(said), "sent another member no account, it says")
 
-    def _maybe_audit(self, group: Group, me: int, verdict: Verdict, result: RoundResult) -> None:
-        """Perhaps audit one other owner's part, in the background (``audits.py``)."""
+    def _maybe_audit(
+        self,
+        group: Group,
+        me: int,
+        verdict: Verdict,
+        result: RoundResult,
+        applied: Mapping[tuple[int, int], object],
+    ) -> None:
+        """Perhaps audit one other owner's part, in the background (``audits.py``): one whose
+        every chunk's result this member ``applied``."""
         candidates = [
             number
-            for number in verdict.parts
-            if number != me and number not in verdict.dropped and group.members[number].endpoint
+            for number, part in verdict.parts.items()
+            if number != me
+            and number not in verdict.dropped
+            and group.members[number].endpoint
+            and all((number, index) in applied for index in range(len(part.numels)))
         ]
         probability = self.config.audit_probability
         if probability is None:
