@@ -227,6 +227,7 @@ class Swarm:
                 settle_seconds=MATCHMAKING_SETTLE_SECONDS,
                 peers=self.directory.refresh,
                 excluded=self.excludes,
+                avoiding=self._averager.ledger.newest_bans,
                 membership=self.membership,
                 expect=self._averager.expect,
             )

@@ -10,7 +10,9 @@ peer of its bucket is a candidate (at least two), or its matchmaking timeout pas
 ``settle_seconds`` for stragglers' records to spread, and reads once more. Its bucket's
 candidates are ordered by a hash of (round, peer id), a fresh shuffle each round that every peer
 computes alike, and cut into groups of ``group_size`` (a short last group joins the one before
-it).
+it), none holding two peers of which one avoids the other: a node names its newest bans in its
+readiness record, and keeps the peers it names among its candidates, so that every peer cuts
+the same groups however their bans differ (``grouping.py``).
 
 A peer that crashed (or froze, or lost its relay) leaves a peer record behind that says it is
 still at the round, until the record expires: waiting for it would cost every round until then
@@ -40,19 +42,17 @@ it: nothing hangs and nothing mixes. A peer that finds nobody returns None and t
 from __future__ import annotations
 
 import asyncio
-import functools
-import hashlib
 import logging
-from collections import Counter
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from swarmgrad.node.averaging.group import Group, Member, bounded
+from swarmgrad.node.averaging.grouping import assign_groups, bucket_count, bucket_of, group_order
 from swarmgrad.node.averaging.membership import Alive, Membership, Probes
 from swarmgrad.node.discovery.base import Discovery, dht_time
 from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS
-from swarmgrad.node.discovery.records import PeerRecord, ReadyRecord
+from swarmgrad.node.discovery.records import PeerRecord, ReadyRecord, avoid_tag, pack_avoids
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.kinds import Reach
 
@@ -76,47 +76,6 @@ R = TypeVar("R", PeerRecord, ReadyRecord)
 #: peer announces its LAN address until it has a relay) or that nobody can dial would not answer
 #: anyway, and is waited for as before.
 _DIALABLE = frozenset({Reach.DIRECT, Reach.UPNP, Reach.RELAYED})
-
-
-@functools.lru_cache(maxsize=1 << 16)  # the census re-hashes every peer each second
-def group_order(round_: int, peer_id: str) -> bytes:
-    """Where ``peer_id`` falls in round ``round_``'s shuffle of the candidates."""
-    return hashlib.blake2b(f"{round_}:{peer_id}".encode(), digest_size=16).digest()
-
-
-def bucket_count(round_: int, peers: Collection[str], group_size: int) -> int:
-    """Buckets round ``round_``'s ``peers`` are split into: the largest power of two that leaves
-    each at least two groups' worth of them on average (1 under four groups), halved while a
-    bucket would hold fewer than two (a peer alone in its bucket would wait for nobody). Every
-    peer with the same census computes the same count; a power of two, so that peers whose
-    censuses differ by a few mostly agree, and when they do not, one's buckets split the
-    other's in two."""
-    buckets = 1
-    while len(peers) >= 4 * buckets * group_size:
-        buckets *= 2
-    while buckets > 1:
-        sizes = Counter(bucket_of(round_, p, buckets) for p in peers)
-        if len(sizes) == buckets and min(sizes.values()) >= 2:
-            break
-        buckets //= 2
-    return buckets
-
-
-def bucket_of(round_: int, peer_id: str, buckets: int) -> int:
-    """Which of ``buckets`` buckets ``peer_id`` is in for ``round_``."""
-    return int.from_bytes(group_order(round_, peer_id)[-8:], "big") % buckets
-
-
-def assign_groups(round_: int, peer_ids: list[str], group_size: int) -> list[list[str]]:
-    """Deterministic groups of ``group_size`` (the last one may be up to 2x - 1 larger): the
-    candidates in :func:`group_order`, cut into consecutive runs."""
-    if group_size < 2:
-        raise ValueError("group_size must be at least 2")
-    shuffled = sorted(set(peer_ids), key=lambda peer_id: group_order(round_, peer_id))
-    groups = [shuffled[i : i + group_size] for i in range(0, len(shuffled), group_size)]
-    if len(groups) > 1 and len(groups[-1]) < group_size:
-        groups[-2].extend(groups.pop())
-    return [sorted(g) for g in groups if len(g) >= 2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,13 +154,16 @@ class Matchmaker:
         settle_seconds: float = 0.5,
         peers: Callable[[], Awaitable[list[PeerRecord]]] | None = None,
         excluded: Callable[[str], bool] | None = None,
+        avoiding: Callable[[], Sequence[str]] | None = None,
         alive: Alive | None = None,
         membership: Membership | None = None,
         expect: Expect | None = None,
     ) -> None:
         """``peers`` reads the run's peer records (the node's directory; default: the DHT);
         ``excluded`` says which peers this node no longer groups with (its trust ledger's bans):
-        their readiness records are not candidates and they are not waited for; ``membership``
+        they are not waited for, and their readiness records are not candidates unless this
+        node's own record names them as avoided: ``avoiding`` gives the peers it names (newest
+        bans first; the first ``MAX_AVOIDS``), so that others cut the same groups; ``membership``
         says whose readiness counts (``membership.py``; None: every signed record, as in tests
         of the grouping rules alone); ``alive`` asks a peer that is late whether it is still
         there (default: the membership's probe; None without either: every expected peer is
@@ -219,6 +181,7 @@ class Matchmaker:
         self.timeout_seconds = matchmaking_timeout_seconds
         self.settle_seconds = settle_seconds
         self._excluded = excluded or (lambda _peer: False)
+        self._avoiding = avoiding or (lambda: ())
         self.membership = membership
         if alive is None and membership is not None:
             alive = membership.alive
@@ -240,7 +203,9 @@ class Matchmaker:
             weight=weight,
             issued_at=now,
             expires_at=now + self.timeout_seconds + READY_MARGIN_SECONDS,
+            avoids=pack_avoids(p for p in self._avoiding() if p != self._identity.peer_id),
         )
+        avoided = ready.avoided()
         await self._discovery.announce_ready(ready)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_seconds
@@ -249,10 +214,10 @@ class Matchmaker:
         liveness = _Liveness(round_, self._alive)
         told: set[str] = set()
         try:
-            peers, read_at = await self._read_peers(), loop.time()
+            peers, read_at = await self._read_peers(avoided), loop.time()
             records = {p.peer_id: p for p in peers if p.peer_id != me}
             # Readiness first: its signers' questions go before the census's.
-            candidates = self._admit(round_, await self._ready(round_), records, probes)
+            candidates = self._admit(round_, await self._ready(round_, avoided), records, probes)
             census = self._census(round_, peers, probes)
             while loop.time() < deadline:
                 told = self._tell(round_, candidates, census, told)
@@ -280,12 +245,14 @@ class Matchmaker:
                 liveness.check(missing)
                 await asyncio.sleep(POLL_SECONDS)
                 if loop.time() - read_at > EXPECTED_REFRESH_SECONDS:
-                    peers, read_at = await self._read_peers(), loop.time()
+                    peers, read_at = await self._read_peers(avoided), loop.time()
                     records = {p.peer_id: p for p in peers if p.peer_id != me}
-                candidates = self._admit(round_, await self._ready(round_), records, probes)
+                candidates = self._admit(
+                    round_, await self._ready(round_, avoided), records, probes
+                )
                 census = self._census(round_, peers, probes)
             await asyncio.sleep(self.settle_seconds)
-            posted = await self._ready(round_)
+            posted = await self._ready(round_, avoided)
             candidates = self._admit(round_, posted, records, probes)
             if probes is not None:
                 # Newcomers seen last are counted once they answer, never before: every honest
@@ -311,7 +278,8 @@ class Matchmaker:
         refused = [r.peer_id for r in candidates if not bounded(r.bandwidth, r.weight)]
         if refused:
             log.info("round %d: left out %s (bandwidth or weight out of range)", round_, refused)
-        for members in assign_groups(round_, list(by_id), self.group_size):
+        avoids = {p: r.avoided() for p, r in by_id.items()}
+        for members in assign_groups(round_, list(by_id), self.group_size, avoids):
             if self._identity.peer_id in members:
                 if not any(by_id[p].bandwidth > 0 for p in members):
                     log.info("round %d: no member of the group can be dialed", round_)
@@ -355,8 +323,9 @@ class Matchmaker:
                     members.append(p)
                 elif verdict is None:
                     pending.add(p.peer_id)
-        expected = {p.peer_id for p in members if p.epoch in (round_ - 1, round_)} | {me}
-        ahead = any(p.epoch > round_ for p in members)
+        counted = [p for p in members if not self._excluded(p.peer_id)]
+        expected = {p.peer_id for p in counted if p.epoch in (round_ - 1, round_)} | {me}
+        ahead = any(p.epoch > round_ for p in counted)
         taking = {p.peer_id for p in members if p.epoch >= round_ - 1} | {me}
         buckets = bucket_count(round_, taking, self.group_size)
         mine = bucket_of(round_, me, buckets)
@@ -391,17 +360,28 @@ class Matchmaker:
     ) -> set[str]:
         """Tell ``expect`` the members that may stream to this node in ``round_``, if more
         than it was told (``told``)."""
-        members = {r.peer_id for r in candidates} | census.expected
+        members = {r.peer_id for r in candidates if not self._excluded(r.peer_id)}
+        members |= census.expected
         members.discard(self._identity.peer_id)
         if self._expect is not None and not members <= told:
             told = told | members
             self._expect(round_, told)
         return told
 
-    async def _read_peers(self) -> list[PeerRecord]:
-        return [p for p in await self._peers() if not self._excluded(p.peer_id)]
-
-    async def _ready(self, round_: int) -> list[ReadyRecord]:
+    async def _read_peers(self, avoided: frozenset[str]) -> list[PeerRecord]:
+        """The run's peer records: an excluded peer's too if this node's record names it
+        (``avoided``), to count it in the buckets as others do (it is never waited for)."""
         return [
-            r for r in await self._discovery.find_ready(round_) if not self._excluded(r.peer_id)
+            p
+            for p in await self._peers()
+            if not self._excluded(p.peer_id) or avoid_tag(p.peer_id) in avoided
+        ]
+
+    async def _ready(self, round_: int, avoided: frozenset[str]) -> list[ReadyRecord]:
+        """The readiness records of ``round_``: an excluded peer's too if this node's record
+        names it (``avoided``), for others will group with it and everyone cuts alike."""
+        return [
+            r
+            for r in await self._discovery.find_ready(round_)
+            if not self._excluded(r.peer_id) or avoid_tag(r.peer_id) in avoided
         ]

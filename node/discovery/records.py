@@ -13,9 +13,11 @@ by anyone.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -29,7 +31,17 @@ from swarmgrad.node.discovery.envelope import (
 )
 from swarmgrad.node.kinds import Reach
 
-__all__ = ["MAX_TTL_SECONDS", "PeerRecord", "ReadyRecord", "RecordError", "check", "validate"]
+__all__ = [
+    "MAX_AVOIDS",
+    "MAX_TTL_SECONDS",
+    "PeerRecord",
+    "ReadyRecord",
+    "RecordError",
+    "avoid_tag",
+    "check",
+    "pack_avoids",
+    "validate",
+]
 
 MAX_RECORD_BYTES = 4096
 #: A readiness record's body: an honest one is ~300-400 bytes (~600 with the longest host name).
@@ -166,6 +178,9 @@ class ReadyRecord:
     weight: float  # samples since its last round
     issued_at: float
     expires_at: float
+    #: The peers it will not be grouped with (its newest bans), as comma-separated
+    #: :func:`avoid_tag` s: ``node/averaging/grouping.py``.
+    avoids: str = ""
 
     def body(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
@@ -174,7 +189,34 @@ class ReadyRecord:
     def parse(cls, body: bytes) -> ReadyRecord:
         raw = _fields_of(body, cls)
         _check_endpoint("endpoint", raw["endpoint"])
+        if not _AVOIDS.fullmatch(raw["avoids"]):
+            raise RecordError(f"record field avoids is not up to {MAX_AVOIDS} tags")
         return cls(**raw)
+
+    def avoided(self) -> frozenset[str]:
+        """The tags of the peers it avoids."""
+        return frozenset(self.avoids.split(",")) if self.avoids else frozenset()
+
+
+#: Peers a readiness record may name as avoided, and the hex digits of one's tag (48 bits: a
+#: key ground to share an honest peer's tag only makes its grinder avoided too).
+MAX_AVOIDS = 16
+_TAG_DIGITS = 12
+_AVOIDS = re.compile(
+    rf"(?:[0-9a-f]{{{_TAG_DIGITS}}}(?:,[0-9a-f]{{{_TAG_DIGITS}}}){{0,{MAX_AVOIDS - 1}}})?"
+)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def avoid_tag(peer_id: str) -> str:
+    """How a readiness record names a peer it avoids."""
+    return hashlib.blake2b(peer_id.encode(), digest_size=_TAG_DIGITS // 2).hexdigest()
+
+
+def pack_avoids(peer_ids: Iterable[str]) -> str:
+    """The ``avoids`` field naming the first :data:`MAX_AVOIDS` of ``peer_ids``."""
+    tags = list(dict.fromkeys(avoid_tag(p) for p in peer_ids))[:MAX_AVOIDS]
+    return ",".join(tags)
 
 
 #: ``host:port`` as nodes announce it: a DNS name or IPv4 address, or an IPv6 one in brackets.

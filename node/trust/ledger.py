@@ -277,6 +277,12 @@ class TrustLedger:
     def banned(self, peer_id: str) -> bool:
         return peer_id in self.bans
 
+    def newest_bans(self) -> list[str]:
+        """The banned peers, newest ban first (a node's readiness record names the first few
+        as peers it avoids: ``node/averaging/grouping.py``)."""
+        with self._lock:
+            return [b.peer_id for b in sorted(self.bans.values(), key=lambda b: -b.round)]
+
     def observe(self, round_: int, observations: Mapping[str, Observation]) -> list[Ban]:
         """Take one round's observations (this node as owner), and return the new bans."""
         self._mark_replays(round_, observations)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 
-from swarmgrad.node.averaging.matchmaking import group_order
+from swarmgrad.node.averaging.grouping import group_order
 
 
 class Candidates:

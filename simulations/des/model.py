@@ -60,13 +60,12 @@ from typing import Any
 import simpy
 
 from swarmgrad.node.averaging.group import Group, Member
+from swarmgrad.node.averaging.grouping import bucket_count, bucket_of
 from swarmgrad.node.averaging.matchmaking import (
     EXPECTED_REFRESH_SECONDS,
     POLL_SECONDS,
     PROBE_AFTER_SECONDS,
     READY_MARGIN_SECONDS,
-    bucket_count,
-    bucket_of,
 )
 from swarmgrad.node.averaging.plan import AllReduceConfig
 from swarmgrad.node.averaging.rounds import WITHDRAW_MARGIN_SECONDS

@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from swarmgrad.node.averaging.matchmaking import Matchmaker, assign_groups
+from swarmgrad.node.averaging.grouping import assign_groups
+from swarmgrad.node.averaging.matchmaking import Matchmaker
 from swarmgrad.node.discovery.hivemind_dht import HivemindDiscovery
 from swarmgrad.node.identity import Identity
 from tests.integration.dht_nodes import hivemind_nodes

@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from swarmgrad.node.averaging.group import Group, Member
-from swarmgrad.node.averaging.matchmaking import PROBE_AFTER_SECONDS, assign_groups
+from swarmgrad.node.averaging.grouping import assign_groups
+from swarmgrad.node.averaging.matchmaking import PROBE_AFTER_SECONDS
 from swarmgrad.node.cli import app
 from swarmgrad.node.reachability.service import LIVENESS_TIMEOUT_SECONDS
 from swarmgrad.node.runspec import RunSpec

@@ -7,13 +7,8 @@ import time
 from collections import Counter
 from typing import Any, cast
 
-from swarmgrad.node.averaging.matchmaking import (
-    PROBE_AFTER_SECONDS,
-    Matchmaker,
-    assign_groups,
-    bucket_count,
-    bucket_of,
-)
+from swarmgrad.node.averaging.grouping import assign_groups, bucket_count, bucket_of
+from swarmgrad.node.averaging.matchmaking import PROBE_AFTER_SECONDS, Matchmaker
 from swarmgrad.node.discovery.base import dht_time
 from swarmgrad.node.discovery.records import PeerRecord, ReadyRecord
 from swarmgrad.node.identity import Identity
