@@ -13,6 +13,7 @@ aimed at node 0.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -33,6 +34,9 @@ FLOODS = Path(__file__).with_name("adversary_floods.py")
 READINESS_FLOOD = Path(__file__).with_name("readiness_flood.py")
 LANDED = ("averaged", "partial")
 OUTSIDER_EXTRA_ROUNDS = 4
+#: Rounds an outside attacker's run adds per minute of its two windows (calm, then attacked):
+#: more than a calm swarm of the demo model lands on two cores, so it trains through both.
+OUTSIDER_ROUNDS_PER_MINUTE = 8
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,7 +68,14 @@ class Scenario:
     def rounds(self, settings: Settings) -> int:
         """An outside attacker's run goes on past the suite's rounds, so the swarm still
         trains through the window, and is compared with the reference at the suite's rounds."""
-        return settings.rounds + (OUTSIDER_EXTRA_ROUNDS if self.outsider else 0)
+        if not self.outsider:
+            return settings.rounds
+        windows = 2 * settings.window_seconds / 60.0
+        return (
+            settings.rounds
+            + OUTSIDER_EXTRA_ROUNDS
+            + math.ceil(OUTSIDER_ROUNDS_PER_MINUTE * windows)
+        )
 
 
 def spec_text(group_size: int) -> str:
@@ -138,9 +149,10 @@ def read_status(path: Path) -> dict[str, Any]:
 def _outsider(
     scenario: Scenario, settings: Settings, out: Path, honest: list[int], watch: ProcWatch
 ) -> dict[str, Any]:
-    """Start the attacker at once (its imports take a while on a busy machine), aim it at
-    node 0 once every honest node landed a round, let it attack for the window; what it
-    reported, and the window (wall times)."""
+    """Start the attacker at once (its imports take a while on a busy machine); once every
+    honest node landed a round, a calm window as long as the attack's (the pace to compare
+    with), then aim it at node 0 and let it attack for the window; what it reported, and the
+    windows (wall times)."""
     sim = out / "sim"
     spec = out / "run.toml"
     deadline = time.monotonic() + settings.timeout_seconds
@@ -167,6 +179,9 @@ def _outsider(
         while time.monotonic() < deadline:
             statuses = [read_status(sim / f"node-{i}.json") for i in honest]
             if all(s.get("epoch", 0) >= 1 for s in statuses):
+                result["calm_start"] = time.time()
+                time.sleep(settings.window_seconds)  # the calm window (a benchmark's)
+                result["calm_end"] = time.time()
                 target = statuses[0]
                 go = {
                     "endpoint": target["endpoint"],
@@ -246,6 +261,13 @@ def run_swarm(scenario: Scenario, settings: Settings, out: Path) -> dict[str, An
         result["outsider"] = outside
         if "start" in outside:  # the window: from the attack's start to its report
             result["window"] = window(out / "sim", watch, honest, outside["start"], outside["end"])
+            calm = window(out / "sim", watch, honest, outside["calm_start"], outside["calm_end"])
+            result["calm_window"] = calm
+            result["window"]["pace_vs_calm"] = (
+                result["window"]["epochs_per_minute"] / calm["epochs_per_minute"]
+                if calm["epochs_per_minute"] > 0
+                else math.nan
+            )
     return result
 
 
@@ -284,6 +306,14 @@ def measure(
                 bans.append({"by": i, "of": ids.get(peer_id, peer_id), "round": banned["round"],
                              "reason": banned["reason"]})  # fmt: skip
     by_honest = [b for b in bans if b["by"] in honest]
+    # The last round an attacker's values reached an honest owner's part (its ledger's
+    # seen_round): when the honest nodes stopped grouping with it, whoever banned it.
+    last_seen: dict[int, int] = {}
+    for i in honest:
+        for peer_id, row in statuses[i].get("trust", {}).items():
+            who = ids.get(peer_id)
+            if who in attackers and row.get("seen_round") is not None:
+                last_seen[who] = max(last_seen.get(who, -1), row["seen_round"])
     outcomes: dict[str, int] = {}
     checks: dict[str, int] = {}
     for status in mine:
@@ -312,6 +342,7 @@ def measure(
         "attackers_banned": {
             a: sorted((b["round"], b["by"]) for b in by_honest if b["of"] == a) for a in attackers
         },
+        "attackers_last_in_honest_parts": {a: last_seen.get(a) for a in attackers},
         "honest_banned": [b for b in by_honest if b["of"] in honest],
         "outcomes": outcomes,
         "owner_checks": checks,
@@ -322,19 +353,31 @@ def measure(
     }
 
 
+def _epoch_at(history: list[dict[str, Any]], started_at: float, t: float) -> float:
+    """A node's epoch at wall time ``t``, linear between the rounds it ended (0 at its start;
+    its last epoch after its last round)."""
+    points = [(started_at, 0.0)] + [(started_at + e["time"], float(e["epoch"])) for e in history]
+    if t >= points[-1][0]:
+        return points[-1][1]
+    for (t0, e0), (t1, e1) in itertools.pairwise(points):
+        if t0 <= t < t1:
+            return e0 + (e1 - e0) * (t - t0) / (t1 - t0)
+    return 0.0
+
+
 def window(
     sim: Path, watch: ProcWatch, honest: list[int], start: float, end: float
 ) -> dict[str, Any]:
-    """The honest nodes during an outside attack: epochs a minute, rounds of node 0, CPU."""
+    """The honest nodes from ``start`` to ``end``: epochs a minute (the median node's, its
+    epoch read between the times it landed rounds, so a window holding a few rounds is not
+    rounded to whole ones), rounds of node 0, CPU."""
     advanced: list[float] = []
     target: dict[str, int] = {}
     for i in honest:
         status = read_status(sim / f"node-{i}.json")
         started = status.get("started_at", 0.0)
         history = status.get("history", [])
-        at = [max([0, *(e["epoch"] for e in history if started + e["time"] <= t)])
-              for t in (start, end)]  # fmt: skip
-        advanced.append(at[1] - at[0])
+        advanced.append(_epoch_at(history, started, end) - _epoch_at(history, started, start))
         if i == 0:
             for e in history:
                 if start <= started + e["time"] <= end:

@@ -58,13 +58,23 @@ def _banned(record: Record, ctx: Context) -> str:
         return ""
     honest = len(result["honest"])
     cells = []
-    for bans in result["attackers_banned"].values():
+    # Records from before this column existed have no last round in honest parts.
+    last = result.get("attackers_last_in_honest_parts", {})
+    for attacker, bans in result["attackers_banned"].items():
+        seen = last.get(attacker, last.get(str(attacker), -2))
+        until = (
+            ""
+            if seen == -2
+            else " (in no honest part)"
+            if seen is None
+            else f" (in honest parts to r{seen})"
+        )
         if not bans:
-            cells.append("never")
+            cells.append("never" + until)
             continue
         rounds = sorted({r for r, _ in bans})
         span = f"r{rounds[0]}" + (f"-{rounds[-1]}" if rounds[-1] != rounds[0] else "")
-        cells.append(f"{len({b for _, b in bans})}/{honest} {span}")
+        cells.append(f"{len({b for _, b in bans})}/{honest} {span}{until}")
     return "; ".join(cells)
 
 
@@ -124,6 +134,10 @@ def _outsider(record: Record, ctx: Context) -> str:
     node0 = window.get("node0_rounds", {})
     rounds = ", ".join(f"{k} {v}" for k, v in sorted(node0.items()) if k != "missing_values")
     parts = [f"node 0: {rounds or 'no rounds'}"]
+    if "pace_vs_calm" in window:
+        calm = result.get("calm_window", {}).get("epochs_per_minute", math.nan)
+        parts.append(f"pace {window['epochs_per_minute']:.2f}/min, {window['pace_vs_calm']:.0%} "
+                     f"of the calm window before ({calm:.2f}/min)")  # fmt: skip
     if node0.get("missing_values"):
         parts.append(f"{node0['missing_values']:,} values missing")
     if attacker.get("attack") == "relay":
