@@ -22,8 +22,7 @@ from swarmgrad.node.discovery.records import (
     pack_avoids,
 )
 from swarmgrad.node.identity import Identity
-
-RUN, SPEC = "grouping", b"\x05" * 32
+from tests.unit.test_matchmaking_rules import RUN, SPEC, Board
 
 
 def tags(*peers: str) -> frozenset[str]:
@@ -115,20 +114,6 @@ def test_the_avoids_field_is_checked_like_the_rest_of_a_readiness_record() -> No
         raw = record.body().replace(record.avoids.encode(), bad.encode())
         with pytest.raises(RecordError, match="avoids"):
             ReadyRecord.parse(raw)
-
-
-class Board:
-    """Readiness records by round, as a DHT would hold them."""
-
-    def __init__(self) -> None:
-        self.run_id, self.spec_hash = RUN, SPEC
-        self.ready: dict[int, dict[str, ReadyRecord]] = {}
-
-    async def announce_ready(self, record: ReadyRecord) -> None:
-        self.ready.setdefault(record.round, {})[record.peer_id] = record
-
-    async def find_ready(self, round_: int) -> list[ReadyRecord]:
-        return list(self.ready.get(round_, {}).values())
 
 
 async def test_nodes_whose_bans_differ_still_cut_the_same_groups() -> None:
