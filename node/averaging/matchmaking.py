@@ -368,20 +368,16 @@ class Matchmaker:
             self._expect(round_, told)
         return told
 
+    def _read(self, peer_id: str, avoided: frozenset[str]) -> bool:
+        """Whether this node reads ``peer_id``'s records: not excluded, or excluded and named in
+        this node's own readiness record (``avoided``), for others still see that peer (never
+        waited for, but counted in the buckets and cut into groups as they do)."""
+        return not self._excluded(peer_id) or avoid_tag(peer_id) in avoided
+
     async def _read_peers(self, avoided: frozenset[str]) -> list[PeerRecord]:
-        """The run's peer records: an excluded peer's too if this node's record names it
-        (``avoided``), to count it in the buckets as others do (it is never waited for)."""
-        return [
-            p
-            for p in await self._peers()
-            if not self._excluded(p.peer_id) or avoid_tag(p.peer_id) in avoided
-        ]
+        return [p for p in await self._peers() if self._read(p.peer_id, avoided)]
 
     async def _ready(self, round_: int, avoided: frozenset[str]) -> list[ReadyRecord]:
-        """The readiness records of ``round_``: an excluded peer's too if this node's record
-        names it (``avoided``), for others will group with it and everyone cuts alike."""
         return [
-            r
-            for r in await self._discovery.find_ready(round_)
-            if not self._excluded(r.peer_id) or avoid_tag(r.peer_id) in avoided
+            r for r in await self._discovery.find_ready(round_) if self._read(r.peer_id, avoided)
         ]

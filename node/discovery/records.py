@@ -215,7 +215,11 @@ def avoid_tag(peer_id: str) -> str:
 
 def pack_avoids(peer_ids: Iterable[str]) -> str:
     """The ``avoids`` field naming the first :data:`MAX_AVOIDS` of ``peer_ids``."""
-    tags = list(dict.fromkeys(avoid_tag(p) for p in peer_ids))[:MAX_AVOIDS]
+    tags: dict[str, None] = {}
+    for peer_id in peer_ids:  # a node may hold thousands of bans: tag only the first few
+        tags.setdefault(avoid_tag(peer_id))
+        if len(tags) == MAX_AVOIDS:
+            break
     return ",".join(tags)
 
 

@@ -281,7 +281,7 @@ class TrustLedger:
         """The banned peers, newest ban first (a node's readiness record names the first few
         as peers it avoids: ``node/averaging/grouping.py``)."""
         with self._lock:
-            return [b.peer_id for b in sorted(self.bans.values(), key=lambda b: -b.round)]
+            return [ban.peer_id for ban in self._newest_first()]
 
     def observe(self, round_: int, observations: Mapping[str, Observation]) -> list[Ban]:
         """Take one round's observations (this node as owner), and return the new bans."""
@@ -330,8 +330,11 @@ class TrustLedger:
     def evidence(self) -> list[bytes]:
         """The evidence behind this node's bans, newest ban first."""
         with self._lock:
-            held = sorted(self.bans.values(), key=lambda b: -b.round)
-            return [ban.evidence for ban in held if ban.evidence]
+            return [ban.evidence for ban in self._newest_first() if ban.evidence]
+
+    def _newest_first(self) -> list[Ban]:
+        """The bans, newest first (under the lock)."""
+        return sorted(self.bans.values(), key=lambda b: -b.round)
 
     def spot(self, peer_id: str, gain: float) -> None:
         """Note a spot check of ``peer_id``'s values: the loss they took off (a score, never a
