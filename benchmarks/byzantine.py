@@ -70,7 +70,8 @@ from swarmgrad.node.training.model import GPT, build_model, flatten, unflatten
 from swarmgrad.node.training.trainer import set_lr
 from swarmgrad.node.trust.aggregate import Aggregate, Aggregator, aggregate
 from swarmgrad.node.trust.checks import holds, part_seed, project, signs
-from swarmgrad.node.trust.ledger import Flag, Observation, TrustLedger, observe_chunk
+from swarmgrad.node.trust.ledger import Flag, TrustLedger
+from swarmgrad.node.trust.observations import Observation, observe_chunk
 from swarmgrad.simulations.attacks import Attack, Attacker, lying_result
 from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
 

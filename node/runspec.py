@@ -382,7 +382,7 @@ TRUST_MODES = ("trusted", "private", "open")
 #: Open runs' group size when the spec gives none: an owner's part then has 7 other members,
 #: and two colluders stay a minority of them.
 OPEN_GROUP_SIZE = 8
-#: The smallest group whose parts' statistics judge members (``node/trust/ledger.py``
+#: The smallest group whose parts' statistics judge members (``node/trust/observations.py``
 #: ``MIN_JUDGED_MEMBERS`` other members, the owner's own values being out of its part).
 OPEN_JUDGED_GROUP_SIZE = 6
 AGGREGATORS = ("mean", "centered_clip", "median", "trimmed_mean")

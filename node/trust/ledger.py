@@ -20,39 +20,37 @@ A member also notes the owners whose averaged chunks left its own values out (an
 check): a dispute, counted per owner (``disputes`` in :meth:`TrustLedger.table`, a metric),
 never a ban: the member cannot prove it, and an owner may have screened its values.
 
-A ban is this node's own decision: it stops grouping with the peer (matchmaking skips its
-readiness record) and refuses its streams. Statistics are not proof, and a peer that bans on
-another's word can be made to ban an honest peer, so a ban is published only with *evidence*:
-signed statements any peer checks for itself (``node/averaging/open/evidence.py``), kept with the
-ban (:attr:`Ban.evidence`); a ban adopted from such evidence names the peer it came from
-(:attr:`Ban.source`, ``node/trust/board.py``). With a ``store`` path the ledger's bans outlive the
-process: written atomically at each new ban, read back at start.
+A ban is this node's own decision: it refuses the peer's streams, and its readiness records
+name the peer as avoided, so no node groups the two (``node/averaging/grouping.py``).
+Statistics are not proof, and a peer that bans on another's word can be made to ban an honest
+peer, so a ban is published only with *evidence*: signed statements any peer checks for itself
+(``node/averaging/open/evidence.py``), kept with the ban (:attr:`Ban.evidence`); a ban adopted
+from such evidence names the peer it came from (:attr:`Ban.source`, ``node/trust/board.py``).
+With a ``store`` path the ledger's bans outlive the process: written atomically at each new ban,
+read back at start (``bans.py``).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import enum
-import json
 import logging
 import math
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
-from swarmgrad.node.files import atomic_write
-from swarmgrad.node.trust.aggregate import Aggregate, Screen
+from swarmgrad.node.trust.bans import Ban, load_bans, save_bans, shown
+from swarmgrad.node.trust.flags import DECISIVE, RELATIVE, Flag
+from swarmgrad.node.trust.observations import Observation
 
 log = logging.getLogger(__name__)
 
-#: Values of a chunk kept as its fingerprint for replay and duplicate checks (a strided subset).
-SKETCH_VALUES = 2048
+# The flags, bans and observations the ledger speaks of, where its callers have found them.
+__all__ = ["Ban", "Flag", "Observation", "PeerScore", "TrustLedger", "TrustPolicy"]
+
 #: Earlier fingerprints kept per chunk position.
 SKETCH_MEMORY = 64
 #: Chunk positions with fingerprints kept, the least recently used forgotten first. Positions
@@ -62,53 +60,10 @@ SKETCH_MEMORY = 64
 #: chunks (256 Mi values at the default chunk size); beyond, replays are looked for in the
 #: chunks seen most recently.
 SKETCH_POSITIONS = 256
-#: The fewest members a chunk must have for their scale, clip and cosine to flag them: with
-#: five, two colluders are still a minority of any honest owner's others (open runs' groups
-#: should have at least one member more: the owner's own values stay out of its part).
-MIN_JUDGED_MEMBERS = 5
 #: Rounds after which an unbanned peer this node has not seen is forgotten (its scores and
 #: flags; a ban stays). Peer ids come and go in an open run, and each one kept costs memory and
 #: a series per score on the metrics page.
 FORGET_AFTER_ROUNDS = 1000
-
-
-class Flag(enum.StrEnum):
-    ZERO = "zero"  # all zeros
-    NON_FINITE = "non_finite"  # NaN or Inf
-    SCALE = "scale"  # largest value absurdly above the others'
-    MISALIGNED = "misaligned"  # points away from the result
-    CLIPPED = "clipped"  # far outside the others' radius
-    REPLAY = "replay"  # an earlier update sent again
-    DUPLICATE = "duplicate"  # the same values as another member's this round
-    OUTSIZED = "outsized"  # far above the owner's own values (open/owner.py's OWN_SCALE_LIMIT)
-    # Owner checks (node/averaging/open/checks.py): the first three rest on signed evidence.
-    LYING_OWNER = "lying_owner"  # its result failed the members' projection check
-    EQUIVOCATION = "equivocation"  # it signed two accounts of one part
-    FALSE_REPORT = "false_report"  # its check report or secret contradicts what it signed
-    FORGERY = "forgery"  # as an owner, it listed a commitment a member never signed
-    FAILED_AUDIT = "failed_audit"  # its part, aggregated again from the signed chunks, differs
-    SILENT = "silent"  # it revealed or reported nothing in time
-    WITHHELD = "withheld"  # as an owner, it sent this node every result but no account of them
-
-
-#: Flags no honest peer raises: one is enough to ban.
-DECISIVE = frozenset(
-    {
-        Flag.ZERO,
-        Flag.NON_FINITE,
-        Flag.SCALE,
-        Flag.LYING_OWNER,
-        Flag.EQUIVOCATION,
-        Flag.FALSE_REPORT,
-        Flag.FORGERY,
-        Flag.FAILED_AUDIT,
-    }
-)
-
-
-#: Flags that say how a member's values compare with the other members' (not what they are):
-#: only where honest members are most of a part do they point at the right peer.
-RELATIVE = frozenset({Flag.CLIPPED, Flag.MISALIGNED})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -137,46 +92,6 @@ class TrustPolicy:
 
 
 @dataclass(slots=True)
-class Observation:
-    """One member's values of one owner's part in one round, as the owner saw them."""
-
-    numel: int = 0
-    clip_sum: float = 0.0  # numel-weighted
-    cosine_sum: float = 0.0
-    flags: set[Flag] = field(default_factory=set)
-    #: (global position, numel) of each chunk -> its fingerprint.
-    sketches: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-
-    def add_chunk(self, numel: int, clip: float, cosine: float) -> None:
-        self.numel += numel
-        self.clip_sum += numel * clip
-        self.cosine_sum += numel * cosine
-
-    @property
-    def clip(self) -> float:
-        return self.clip_sum / self.numel if self.numel else 1.0
-
-    @property
-    def cosine(self) -> float:
-        return self.cosine_sum / self.numel if self.numel else 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class Ban:
-    peer_id: str
-    round: int
-    flags: tuple[Flag, ...]
-    #: Serialized evidence any peer can check (empty: this node's own judgement only).
-    evidence: bytes = b""
-    #: The peer whose published evidence this ban was adopted from ("": this node saw it).
-    source: str = ""
-
-    @property
-    def reason(self) -> str:
-        return "+".join(self.flags)
-
-
-@dataclass(slots=True)
 class PeerScore:
     #: Rounds in which this node judged the peer (its statistics and the checks of one round
     #: are one judgement), the last of them, and that round's flags.
@@ -201,53 +116,6 @@ class PeerScore:
     loss_gain_ema: float = 0.0
 
 
-def sketch(values: torch.Tensor) -> torch.Tensor:
-    """A chunk's fingerprint: up to :data:`SKETCH_VALUES` of its values, evenly strided."""
-    step = max(1, values.numel() // SKETCH_VALUES)
-    return values[::step][:SKETCH_VALUES].double()
-
-
-_SCREEN_FLAGS = {Screen.ZERO: Flag.ZERO, Screen.SCALE: Flag.SCALE, Screen.OUTSIZED: Flag.OUTSIZED}
-K = TypeVar("K")
-
-
-def observe_chunk(
-    observations: MutableMapping[K, Observation],
-    members: Sequence[K],
-    stack: torch.Tensor,
-    outcome: Aggregate,
-    position: tuple[int, int],
-) -> None:
-    """Note in ``observations`` what each of ``members`` (the rows of ``stack``) looked like in
-    one aggregated chunk at ``position`` (its start in the round's vector, its size).
-
-    A member's scale, clip and cosine are measured against the others of the chunk, so they say
-    something only where honest members are most of them: from a chunk of fewer than
-    :data:`MIN_JUDGED_MEMBERS` they are not taken (two colluders among an honest owner's three
-    other members made it flag, then ban, the honest one). All zeros, replays and duplicates
-    are facts about the member's own values, taken from any chunk, and so is a norm far above
-    the owner's own (``outsized``: a statistical flag, not a decisive one, because how far noise
-    stands out depends on the chunk, so owners of different parts would ban in different rounds,
-    and honest nodes that ban at different rounds group apart, the later ones with the
-    attackers)."""
-    fingerprints = [sketch(row) for row in stack]
-    judged = len(members) >= MIN_JUDGED_MEMBERS
-    for k, member in enumerate(members):
-        seen = observations.setdefault(member, Observation())
-        if k in outcome.screened:
-            screen = outcome.screened[k]
-            if screen in (Screen.ZERO, Screen.OUTSIZED) or judged:
-                seen.flags.add(_SCREEN_FLAGS[screen])
-            continue
-        if judged:
-            seen.add_chunk(position[1], outcome.clip[k], outcome.cosine[k])
-        seen.sketches[position] = fingerprints[k]
-        for j in range(k):
-            if torch.equal(fingerprints[j], fingerprints[k]) and torch.equal(stack[j], stack[k]):
-                seen.flags.add(Flag.DUPLICATE)
-                observations[members[j]].flags.add(Flag.DUPLICATE)
-
-
 class TrustLedger:
     """Scores and local bans of the peers this node has aggregated."""
 
@@ -256,7 +124,7 @@ class TrustLedger:
         self.policy = policy or TrustPolicy()
         self.scores: dict[str, PeerScore] = {}
         self.store = store
-        self.bans: dict[str, Ban] = _load_bans(store) if store is not None else {}
+        self.bans: dict[str, Ban] = load_bans(store) if store is not None else {}
         #: Flags raised, by kind (every round, banned or not).
         self.flag_counts: dict[Flag, int] = dict.fromkeys(Flag, 0)
         #: Fingerprints by chunk position, the least recently used position first.
@@ -508,7 +376,7 @@ class TrustLedger:
                     "disputes": len(score.disputes),
                     "spot_checks": score.spot_checks,
                     "loss_gain_ema": round(score.loss_gain_ema, 5) if score.spot_checks else None,
-                    "banned": None if ban is None else _shown(ban),
+                    "banned": None if ban is None else shown(ban),
                 }
             return out
 
@@ -525,51 +393,7 @@ class TrustLedger:
     def _save(self) -> None:
         if self.store is None:
             return
-        bans = [
-            {
-                "peer_id": b.peer_id,
-                "round": b.round,
-                "flags": list(b.flags),
-                "evidence": base64.b64encode(b.evidence).decode(),
-                "source": b.source,
-            }
-            for b in self.bans.values()
-        ]
         try:
-            atomic_write(self.store, json.dumps({"version": 1, "bans": bans}).encode())
+            save_bans(self.store, self.bans.values())
         except OSError as error:  # the ban holds in memory; say it will not survive a restart
             log.warning("could not save the bans to %s: %s", self.store, error)
-
-
-def _load_bans(path: Path) -> dict[str, Ban]:
-    """The bans a ledger saved at ``path`` (none if there is no file; a file that does not read
-    as one is reported and set aside, never trusted in part)."""
-    try:
-        saved = json.loads(path.read_text())
-        bans = {
-            entry["peer_id"]: Ban(
-                peer_id=str(entry["peer_id"]),
-                round=int(entry["round"]),
-                flags=tuple(Flag(f) for f in entry["flags"]),
-                evidence=base64.b64decode(entry.get("evidence", ""), validate=True),
-                source=str(entry.get("source", "")),
-            )
-            for entry in saved["bans"]
-        }
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError, KeyError, TypeError, binascii.Error) as error:
-        log.warning("ignoring the saved bans in %s (%s): starting without them", path, error)
-        return {}
-    if bans:
-        log.info("%d peer(s) still banned from earlier runs of this node (%s)", len(bans), path)
-    return bans
-
-
-def _shown(ban: Ban) -> dict[str, object]:
-    shown: dict[str, object] = {"round": ban.round, "reason": ban.reason}
-    if ban.evidence:
-        shown["evidence"] = True
-    if ban.source:
-        shown["source"] = ban.source
-    return shown

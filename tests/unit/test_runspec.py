@@ -153,7 +153,7 @@ def test_the_spec_knows_every_built_in_codec_and_one_registered_from_python(
 
 def test_open_runs_default_to_groups_whose_parts_can_judge_their_members() -> None:
     from swarmgrad.node.runspec import OPEN_GROUP_SIZE, OPEN_JUDGED_GROUP_SIZE
-    from swarmgrad.node.trust.ledger import MIN_JUDGED_MEMBERS
+    from swarmgrad.node.trust.observations import MIN_JUDGED_MEMBERS
 
     # The owner's own values stay out of its part: a group needs one member more.
     assert OPEN_JUDGED_GROUP_SIZE == MIN_JUDGED_MEMBERS + 1

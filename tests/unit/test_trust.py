@@ -23,12 +23,10 @@ from swarmgrad.node.trust.aggregate import (
 )
 from swarmgrad.node.trust.allowlist import Allowlist, AllowlistError, AllowlistWatcher
 from swarmgrad.node.trust.board import MAX_RECORDS, BanBoard
-from swarmgrad.node.trust.ledger import (
+from swarmgrad.node.trust.ledger import Flag, TrustLedger, TrustPolicy
+from swarmgrad.node.trust.observations import (
     MIN_JUDGED_MEMBERS,
-    Flag,
     Observation,
-    TrustLedger,
-    TrustPolicy,
     observe_chunk,
     sketch,
 )

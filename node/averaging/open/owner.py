@@ -19,7 +19,8 @@ import torch
 
 from swarmgrad.node.averaging.group import Group
 from swarmgrad.node.trust.aggregate import Aggregate
-from swarmgrad.node.trust.ledger import Flag, Observation, observe_chunk
+from swarmgrad.node.trust.flags import Flag
+from swarmgrad.node.trust.observations import Observation, observe_chunk
 from swarmgrad.protocol.auth import Signer
 from swarmgrad.protocol.averaging import ACCOUNT_STATEMENT, chunk_signed_by, seal
 from swarmgrad.protocol.errors import ProtocolViolation
