@@ -24,6 +24,7 @@ from swarmgrad.node.discovery.envelope import (
     Kind,
     Sealer,
     open_envelope,
+    peek,
     seal,
 )
 from swarmgrad.node.discovery.records import (
@@ -278,8 +279,8 @@ class SignedDirectory(abc.ABC):
         found = []
         for subkey, (data, expires) in (await self._get(key)).items():
             try:
+                record = check(peek(data), key=key, subkey=subkey, expires=expires, now=now)
                 envelope = open_envelope(data)
-                record = check(envelope, key=key, subkey=subkey, expires=expires, now=now)
             except RecordError as error:
                 self.rejected[str(error)[:48]] += 1
                 log.debug("dropped a value under %r: %s", subkey[:64], error)

@@ -23,10 +23,12 @@ backends' processes import it.
 from __future__ import annotations
 
 import enum
-import functools
 import math
 import re
 import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -128,23 +130,17 @@ def seal(
     return value
 
 
-def open_envelope(value: object) -> Envelope:
-    """Parse a sealed value and check its signature; RecordError for anything else."""
+class OverBudget(RecordError):
+    """A value whose signature this node would check for a storer that has used up its
+    checks for now (``check_budget.py``)."""
+
+
+def peek(value: object) -> Envelope:
+    """A sealed value's fields, its signature NOT checked: for the checks cheaper than the
+    signature's, made first (a value they refuse costs no signature check). Never believe what
+    it returns before :func:`open_envelope`. RecordError for anything malformed."""
     if not isinstance(value, bytes):
         raise RecordError("not a byte string")
-    return _open(bytes(value))
-
-
-#: How many opened values :func:`_open` remembers (at most ``MAX_VALUE_BYTES`` each).
-OPENED_CACHE_ENTRIES = 1024
-
-
-@functools.lru_cache(maxsize=OPENED_CACHE_ENTRIES)
-def _open(value: bytes) -> Envelope:
-    # A DHT node and its readers meet the same values over and over (every poll of a round's
-    # readiness returns the same few records), and the signature check was a third of a DHT
-    # process's time in an 8-node swarm. The cache keys on the whole value: only the very same
-    # bytes pass as checked, and a value that fails is checked again each time it comes.
     if not _HEAD.size + 4 + SIGNATURE_BYTES <= len(value) <= MAX_VALUE_BYTES:
         raise RecordError(f"a value of {len(value)} bytes")
     magic, public_key, issued_at, expires_at, kind, key_length = _HEAD.unpack_from(value)
@@ -156,10 +152,7 @@ def _open(value: bytes) -> Envelope:
     (body_length,) = struct.unpack_from("<I", value, body_start - 4)
     if body_start + body_length + SIGNATURE_BYTES != len(value):
         raise RecordError("a value whose lengths do not add up")
-    unsigned, signature = value[:-SIGNATURE_BYTES], value[-SIGNATURE_BYTES:]
-    if len(public_key) != KEY_BYTES or not verify_signature(
-        public_key, signature, _DOMAIN + unsigned
-    ):
+    if len(public_key) != KEY_BYTES:
         raise RecordError("a bad signature")
     try:
         key = value[_HEAD.size : _HEAD.size + key_length].decode()
@@ -176,6 +169,75 @@ def _open(value: bytes) -> Envelope:
         expires_at=expires_at,
         body=value[body_start : body_start + body_length],
     )
+
+
+def open_envelope(value: object, *, may_check: Callable[[], bool] | None = None) -> Envelope:
+    """Parse a sealed value and check its signature; RecordError for anything else.
+
+    The same bytes opened again are not checked again (:class:`_Opened`). ``may_check`` is
+    asked before a signature is checked (not for a value remembered): OverBudget if it says
+    no (a DHT node's budget of checks for the peer that asked it to store the value)."""
+    if not isinstance(value, bytes):
+        raise RecordError("not a byte string")
+    value = bytes(value)
+    opened = _OPENED.get(value)
+    if opened is not None:
+        return opened
+    envelope = peek(value)
+    if may_check is not None and not may_check():
+        raise OverBudget("too many values to check from this peer for now; try again later")
+    if not verify_signature(
+        envelope.public_key, value[-SIGNATURE_BYTES:], _DOMAIN + value[:-SIGNATURE_BYTES]
+    ):
+        raise RecordError("a bad signature")
+    _OPENED.put(value, envelope)
+    return envelope
+
+
+#: What :data:`_OPENED` remembers: values at most, and their bytes in all.
+OPENED_CACHE_ENTRIES = 16384
+OPENED_CACHE_BYTES = 8 << 20
+
+
+class _Opened:
+    """The values whose signatures this process checked, least recently used first out.
+
+    A DHT node and its readers meet the same values over and over (every poll of a round's
+    readiness returns the same records, and every replica's answer to a get), and the signature
+    check was a third of a DHT process's time in an 8-node swarm. Keyed on the whole value:
+    only the very same bytes pass as checked, and a value that fails is checked again each
+    time it comes. Bounded in bytes too: a flood of the largest values holds 8 MiB, not 16,384
+    of them. Threads share it (readers in worker threads), under a lock."""
+
+    def __init__(self, most_entries: int, most_bytes: int) -> None:
+        self._held: OrderedDict[bytes, Envelope] = OrderedDict()
+        self._most_entries, self._most_bytes, self._bytes = most_entries, most_bytes, 0
+        self._lock = threading.Lock()
+
+    def get(self, value: bytes) -> Envelope | None:
+        with self._lock:
+            opened = self._held.get(value)
+            if opened is not None:
+                self._held.move_to_end(value)
+            return opened
+
+    def put(self, value: bytes, envelope: Envelope) -> None:
+        with self._lock:
+            if value in self._held:
+                return
+            self._held[value] = envelope
+            self._bytes += len(value)
+            while len(self._held) > self._most_entries or self._bytes > self._most_bytes:
+                old, _ = self._held.popitem(last=False)
+                self._bytes -= len(old)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._held.clear()
+            self._bytes = 0
+
+
+_OPENED = _Opened(OPENED_CACHE_ENTRIES, OPENED_CACHE_BYTES)
 
 
 def check_filing(envelope: Envelope, *, key: str, subkey: str, expires: float, now: float) -> None:

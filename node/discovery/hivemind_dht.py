@@ -22,17 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import hivemind
+import hivemind.dht.node
 import hivemind.dht.protocol
-from hivemind.dht.routing import DHTID
-from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
-from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
 from swarmgrad.node.discovery.base import DiscoveryError, SignedDirectory
-from swarmgrad.node.discovery.budget import Budget, BudgetFull, entry_bytes, freshness
-from swarmgrad.node.discovery.envelope import RecordError, open_envelope
-from swarmgrad.node.discovery.records import check
+from swarmgrad.node.discovery.hivemind_storage import BoundedStorage, SealedValues, StorerProtocol
 from swarmgrad.node.identity import Identity
 
 if TYPE_CHECKING:
@@ -41,87 +36,6 @@ from swarmgrad.protocol.errors import BindError
 from swarmgrad.protocol.server import grpc_started
 
 log = logging.getLogger(__name__)
-
-
-class SealedValues(RecordValidatorBase):  # type: ignore[misc]
-    """What hivemind's DHT nodes keep: only sealed swarmgrad values (``records.validate``),
-    under the key their seal names (hivemind gives a validator the key's hash; the seal's key
-    must hash to it). Runs in the DHT's process, on every store another node asks for and every
-    value another node returns to a get; a node that refuses a value answers ``store_ok=False``.
-    """
-
-    def validate(self, record: DHTRecord) -> bool:
-        try:
-            value = MSGPackSerializer.loads(record.value)
-            subkey = MSGPackSerializer.loads(record.subkey)
-        except Exception:  # not msgpack at all: anything a peer sent
-            return False
-        if not isinstance(subkey, str):  # a plain value (no subkey), or another kind of subkey
-            return False
-        try:
-            envelope = open_envelope(value)
-            if DHTID.generate(source=envelope.key).to_bytes() != record.key:
-                return False
-            check(
-                envelope,
-                key=envelope.key,
-                subkey=subkey,
-                expires=record.expiration_time,
-                now=get_dht_time(),
-            )
-        except RecordError:
-            return False
-        return True
-
-
-class BoundedStorage(DHTLocalStorage):  # type: ignore[misc]
-    """hivemind's storage of a DHT node (what it holds for others, and its cache), within the
-    limits both backends share (:mod:`.budget`): per key, and in all. hivemind checks each value
-    (:class:`SealedValues`) but not how many it keeps: unbounded, a flood of sealed values from
-    throwaway keys under one key filled the node's memory and made every answer for that key
-    too large to send. A store over the limits is refused (``store_ok=False``); the signers a
-    key already holds keep their slots, but under a round key the stalest readiness records
-    give way to a fresher one."""
-
-    def __init__(self, maxsize: int | None = None) -> None:
-        super().__init__(maxsize)
-        self.budget = Budget()
-
-    def store(self, key: DHTID, value: Any, expiration_time: float, subkey: Any = None) -> bool:
-        if subkey is not None:
-            return self.store_subkey(key, subkey, value, expiration_time)
-        stored = bool(super().store(key, value, expiration_time))
-        if stored:  # a plain value (the cache's copy of a whole answer) replaced the entries
-            self.budget.drop_key(key)
-        return stored
-
-    def store_subkey(self, key: DHTID, subkey: Any, value: bytes, expiration_time: float) -> bool:
-        now = get_dht_time()
-        self.budget.purge(now)
-        size = entry_bytes(str(subkey), value)
-        rank = _freshness(value, now)
-        try:
-            gave_way = self.budget.make_room(key, subkey, size, rank=rank)
-        except BudgetFull as error:
-            log.debug("refused a value under %s: %s", key, error)
-            return False
-        for old_key, old_subkey in gave_way:  # stale readiness records (budget.py)
-            held = super().get(old_key)
-            if held is not None and isinstance(held.value, DictionaryDHTValue):
-                del held.value[old_subkey]
-        stored = bool(super().store_subkey(key, subkey, value, expiration_time))
-        if stored:
-            self.budget.add(key, subkey, size, expiration_time, rank=rank)
-        return stored
-
-
-def _freshness(value: bytes, now: float) -> float | None:
-    """``budget.freshness`` of a stored value (msgpack of a sealed value, checked already:
-    opening it again is a cache hit)."""
-    try:
-        return freshness(open_envelope(MSGPackSerializer.loads(value)), now)
-    except Exception:  # not a sealed value: the validator refused it, or it is hivemind's own
-        return None
 
 
 class _DHT(hivemind.DHT):  # type: ignore[misc]
@@ -171,9 +85,11 @@ class _DHT(hivemind.DHT):  # type: ignore[misc]
         # handler for it (asyncio's, inherited by the fork) would swallow it.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        # hivemind builds a node's storage and cache from this name (DHTProtocol.create), with
-        # no way to pass another: in this process, they are bounded ones.
+        # hivemind builds a node's storage and cache from this name (DHTProtocol.create), and
+        # its protocol from that one (DHTNode.create), with no way to pass others: in this
+        # process, they are bounded ones, and stores are checked within the storer's budget.
         hivemind.dht.protocol.DHTLocalStorage = BoundedStorage
+        hivemind.dht.node.DHTProtocol = StorerProtocol
         # Before anything takes them. hivemind's two other process-wide locks guard only this
         # process's own state (its reply backend, its shared bytes): a thread lock each.
         MPFuture._update_lock = self._reply_lock

@@ -10,6 +10,7 @@ share); only swarmgrad's sealed values filed where their seal says are kept
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from swarmgrad.node.discovery.budget import (
     entry_bytes,
     freshness,
 )
+from swarmgrad.node.discovery.check_budget import CheckBudget
 from swarmgrad.node.discovery.envelope import Envelope, RecordError
 from swarmgrad.node.discovery.records import validate
 
@@ -41,11 +43,26 @@ class Directory:
     def __init__(self) -> None:
         self.keys: dict[str, dict[str, Entry]] = {}
         self.budget = Budget()
+        #: Signature checks per storing peer (``check_budget.py``).
+        self.checks = CheckBudget()
 
-    def store(self, key: str, subkey: str, value: bytes, expires: float, now: float) -> bool:
+    def store(
+        self,
+        key: str,
+        subkey: str,
+        value: bytes,
+        expires: float,
+        now: float,
+        *,
+        storer: Hashable | None = None,
+    ) -> bool:
         """Whether the value was stored (False: a newer one is held); ValueError if it may not
-        be (RecordError: not a valid value there; BudgetFull: no room for it)."""
-        envelope = check_entry(key, subkey, value, expires, now)
+        be (RecordError: not a valid value there, or OverBudget: ``storer``, the peer that
+        asked, has no signature checks left for now; BudgetFull: no room for it). None for
+        ``storer``: this peer's own value, never refused for want of checks."""
+        envelope = check_entry(
+            key, subkey, value, expires, now, may_check=self.checks.for_storer(storer)
+        )
         for gone_key, gone_subkey in self.budget.purge(now):
             self._drop(str(gone_key), str(gone_subkey))
         old = self.keys.get(key, {}).get(subkey)
@@ -69,12 +86,20 @@ class Directory:
         return {s: e for s, e in self.keys.get(key, {}).items() if e.expires > now}
 
 
-def check_entry(key: str, subkey: str, value: bytes, expires: float, now: float) -> Envelope:
+def check_entry(
+    key: str,
+    subkey: str,
+    value: bytes,
+    expires: float,
+    now: float,
+    *,
+    may_check: Callable[[], bool] | None = None,
+) -> Envelope:
     """``value`` opened, if it is a sealed value that may live under (key, subkey) until
-    ``expires``; ValueError (RecordError) otherwise."""
+    ``expires``; ValueError (RecordError) otherwise (``may_check``: as ``records.validate``)."""
     if not 0 < len(key) <= MAX_KEY_CHARS or not 0 < len(subkey) <= MAX_SUBKEY_CHARS:
         raise ValueError("key or subkey empty or too long")
-    return validate(key, subkey, value, expires, now)
+    return validate(key, subkey, value, expires, now, may_check=may_check)
 
 
 def bound(entries: dict[str, Entry], held_by: dict[str, int]) -> dict[str, Entry]:

@@ -359,7 +359,12 @@ class Sidecar:
                     if not isinstance(expires, int | float) or isinstance(expires, bool):
                         raise ValueError("malformed expiry")
                     stored = self.directory.store(
-                        str(request.get("key")), str(request.get("subkey")), value, expires, now
+                        str(request.get("key")),
+                        str(request.get("subkey")),
+                        value,
+                        expires,
+                        now,
+                        storer=stream.muxed_conn.peer_id.to_bytes(),
                     )
                     await write_message(stream, {"ok": stored})  # False: a newer one is held
                 elif request.get("op") == "get":

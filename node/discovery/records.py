@@ -17,7 +17,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -28,6 +28,7 @@ from swarmgrad.node.discovery.envelope import (
     RecordError,
     check_filing,
     open_envelope,
+    peek,
 )
 from swarmgrad.node.kinds import Reach
 
@@ -235,12 +236,21 @@ def _check_endpoint(name: str, value: str) -> None:
         raise RecordError(f"record field {name} is not host:port")
 
 
-def validate(key: str, subkey: str, value: object, expires: float, now: float) -> Envelope:
+def validate(
+    key: str,
+    subkey: str,
+    value: object,
+    expires: float,
+    now: float,
+    *,
+    may_check: Callable[[], bool] | None = None,
+) -> Envelope:
     """The sealed value ``value``, if it may live under (``key``, ``subkey``) until ``expires``
-    at DHT time ``now`` (see the module docstring); RecordError otherwise."""
-    envelope = open_envelope(value)
-    check(envelope, key=key, subkey=subkey, expires=expires, now=now)
-    return envelope
+    at DHT time ``now`` (see the module docstring); RecordError otherwise. The cheap checks
+    come first, the signature last (asking ``may_check`` first, as :func:`open_envelope` does):
+    a value filed where it may not live costs no signature check."""
+    check(peek(value), key=key, subkey=subkey, expires=expires, now=now)
+    return open_envelope(value, may_check=may_check)
 
 
 def check(

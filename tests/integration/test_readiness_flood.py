@@ -12,6 +12,7 @@ import contextlib
 import json
 import statistics
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import torch
@@ -118,39 +119,43 @@ def peer_value(sybil: Identity, epoch: int) -> tuple[str, bytes, float]:
 
 
 async def flood(swarm: Swarm, rounds: range) -> int:
-    """Store the flood: readiness records through a plain hivemind DHT client (no validator of
-    its own), one batch per key, until ``swarm`` reads them (at most three tries: hivemind's
-    answer to a store is the last replica's); peer records through a DHT node (where lookups
-    of the run's directory find them). How many padded records any DHT node took."""
+    """Store the flood: readiness records through plain hivemind DHT clients (no validator of
+    their own), one client and one batch per round key (a DHT node checks a budget of
+    signatures per storing peer: ``check_budget.py``), until ``swarm`` reads them (at most
+    three tries: hivemind's answer to a store is the last replica's); peer records through a DHT
+    node (where lookups of the run's directory find them). How many padded records any DHT
+    node took."""
     from hivemind.dht.node import DHTNode
 
     sybils = [Identity.generate() for _ in range(SYBILS + PADDED)]
-    writes = [(s, *ready_value(s, r)) for r in rounds for s in sybils[:SYBILS]]
     padded = [(s, *ready_value(s, r, pad=3700)) for r in rounds for s in sybils[SYBILS:]]
     discovery = swarm.directory.discovery  # type: ignore[union-attr]
-    client = await DHTNode.create(initial_peers=swarm.visible_maddrs(), client_mode=True)
+    clients = [
+        await DHTNode.create(initial_peers=swarm.visible_maddrs(), client_mode=True) for _ in rounds
+    ]
+
+    async def store(client: DHTNode, writes: list[tuple[Identity, str, bytes, float]]) -> Any:
+        return await client.store_many(
+            keys=[key for _, key, _, _ in writes],
+            values=[value for _, _, value, _ in writes],
+            expiration_time=[expires for *_, expires in writes],
+            subkeys=[s.peer_id for s, *_ in writes],
+            exclude_self=True,
+        )
+
     try:
         async with asyncio.timeout(90):
-            stored = await client.store_many(
-                keys=[key for _, key, _, _ in padded],
-                values=[value for _, _, value, _ in padded],
-                expiration_time=[expires for *_, expires in padded],
-                subkeys=[s.peer_id for s, *_ in padded],
-                exclude_self=True,
-            )
-            for _ in range(3):
-                await client.store_many(
-                    keys=[key for _, key, _, _ in writes],
-                    values=[value for _, _, value, _ in writes],
-                    expiration_time=[expires for *_, expires in writes],
-                    subkeys=[s.peer_id for s, *_ in writes],
-                    exclude_self=True,
-                )
-                posted = [len(await discovery.find_ready(r)) for r in rounds]
-                if min(posted) >= SYBILS:
-                    break
+            stored = await store(clients[0], padded)
+            for client, round_ in zip(clients, rounds, strict=True):
+                writes = [(s, *ready_value(s, round_)) for s in sybils[:SYBILS]]
+                for _ in range(3):
+                    await store(client, writes)
+                    if len(await discovery.find_ready(round_)) >= SYBILS:
+                        break
+            posted = [len(await discovery.find_ready(r)) for r in rounds]
     finally:
-        await client.shutdown()
+        for client in clients:
+            await client.shutdown()
     records = [(s.peer_id, *peer_value(s, rounds[0])) for s in sybils[:WITH_RECORDS]]
     for first in range(0, len(records), 20):  # 20 at a time: a busy machine's DHT is slow
         await asyncio.gather(
