@@ -151,6 +151,9 @@ def _outsider(record: Record, ctx: Context) -> str:
         }
         top = sorted(ended.items(), key=lambda kv: -kv[1])[:2]
         parts.append("attacker: " + ", ".join(f"{k} {v}" for k, v in top))
+        if attacker.get("flood_seconds"):  # its own CPU, taken from the same cores as the nodes'
+            share = attacker.get("cpu_seconds", 0.0) / attacker["flood_seconds"]
+            parts.append(f"attacker CPU {share:.0%} of a core")
     if outside.get("error"):
         parts.append("attacker failed")
     if result.get("error"):

@@ -12,8 +12,14 @@ its own) through which ``--keys`` fresh keys each seal one readiness record (its
 endpoint where nothing listens) under each of the swarm's next ``--ahead`` round keys, renewed
 before they expire, half of them padded to ~4 KB; ``--with-records`` of those keys also announce
 peer records at the swarm's epoch. The window is measured from that moment (the same moment in
-the calm arm) to the last node's last epoch: epochs per minute of the slowest node. Printed: each
-trial's rates, their median and spread per arm, and flooded / calm.
+the calm arm) to the last node's last epoch: epochs per minute of the slowest node.
+
+The attacker's own process (signing ~200 records a second, its DHT client and daemon: ~0.3 of a
+core here) shares the machine's cores with the nodes, where a real attacker brings its own. So a
+third arm, **placebo**, runs the same attacker beside a calm swarm, storing into a DHT node of its
+own (no validator: what it stores costs that node nothing) instead of the swarm's: flooded /
+placebo is what the flood costs the swarm itself, flooded / calm what it cost on this machine.
+Printed: each trial's rates, their median and spread per arm, and both ratios.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
 DEAD = "127.0.0.1:9"  # nothing listens there (the discard port)
 IGNORED = re.compile(r"round \d+: (\d+) readiness records from peers it does not count")
 PAD_TO_BYTES = 4096  # the finding's records: a body padded to the old record limit
+#: Each trial's swarms, in this order: the placebo's attacker floods a DHT node of its own.
+ARMS = ("calm", "placebo", "flooded")
 
 
 def _statuses(folder: Path, nodes: int) -> list[dict[str, Any]]:
@@ -75,7 +83,7 @@ def run_arm(args: argparse.Namespace, arm: str, out: Path) -> dict[str, Any]:
     def watch() -> None:
         started = False
         while not done.wait(0.25):
-            if arm == "flooded" and not attacker and (sim / "bootstrap.json").exists():
+            if arm != "calm" and not attacker and (sim / "bootstrap.json").exists():
                 attacker.append(_start_attacker(args, sim, spec, out))  # joins the DHT, waits
             epochs = [s.get("epoch", 0) for s in _statuses(sim, args.nodes)]
             if not started and all(e >= 1 for e in epochs):
@@ -143,6 +151,7 @@ def _start_attacker(
         "--bootstrap-file", str(sim / "bootstrap.json"), "--status-dir", str(sim),
         "--spec", str(spec), "--nodes", str(args.nodes), "--keys", str(args.keys),
         "--ahead", str(args.ahead), "--with-records", str(args.with_records),
+        *(["--placebo"] if out.name.startswith("placebo") else []),
     ]  # fmt: skip
     log = open(out / "attacker.log", "w")  # noqa: SIM115 - the attacker's, for its lifetime
     return subprocess.Popen(
@@ -166,6 +175,10 @@ async def flood(args: argparse.Namespace) -> dict[str, Any]:
     spec = RunSpec.load(Path(args.spec))
     prefix = f"run/{spec.run.id}/{spec.hash.hex()}"
     maddrs = json.loads(await asyncio.to_thread(Path(args.bootstrap_file).read_text))["maddrs"]
+    sink = None
+    if args.placebo:  # a DHT node of its own, checking nothing: the swarm is not touched
+        sink = await DHTNode.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        maddrs = [str(a) for a in await sink.get_visible_maddrs()]
     # A slow machine answers slowly: hivemind's 3 s per request lost whole batches at load 20.
     client = await DHTNode.create(initial_peers=maddrs, client_mode=True, wait_timeout=15)
     keys = [Identity.generate() for _ in range(args.keys)]
@@ -261,6 +274,8 @@ async def flood(args: argparse.Namespace) -> dict[str, Any]:
     cpu = {"cpu_seconds": round(time.process_time() - cpu_began, 1),
            "flood_seconds": round(time.monotonic() - began, 1)}  # fmt: skip
     await client.shutdown()
+    if sink is not None:
+        await sink.shutdown()
     return {"keys": args.keys, "ahead": args.ahead, "round_keys": len(sealed_until), **stored,
             **cpu}  # fmt: skip
 
@@ -285,6 +300,7 @@ def main() -> None:
     parser.add_argument("--bootstrap-file", help=argparse.SUPPRESS)
     parser.add_argument("--status-dir", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
+    parser.add_argument("--placebo", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.flood:
         print(json.dumps(asyncio.run(flood(args))), flush=True)
@@ -293,7 +309,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         for trial in range(args.trials):
-            for arm in ("calm", "flooded"):
+            for arm in ARMS:
                 report = run_arm(args, arm, work / f"{arm}-{trial}")
                 report["trial"] = trial
                 reports.append(report)
@@ -302,16 +318,17 @@ def main() -> None:
                     args.json.write_text(json.dumps(reports, indent=1))
     rates = {
         arm: [r["epochs_per_minute"] for r in reports if r["arm"] == arm and "seconds" in r]
-        for arm in ("calm", "flooded")
+        for arm in ARMS
     }
     for arm, values in rates.items():
         if values:
             middle, low, high = statistics.median(values), min(values), max(values)
             print(f"{arm:8s} epochs/min: median {middle:.2f} (min {low:.2f}, max {high:.2f}) "
                   f"over {len(values)} swarms")  # fmt: skip
-    if rates["calm"] and rates["flooded"]:
-        ratio = statistics.median(rates["flooded"]) / statistics.median(rates["calm"])
-        print(f"flooded / calm: {ratio:.0%}")
+    for base in ("calm", "placebo"):
+        if rates[base] and rates["flooded"]:
+            ratio = statistics.median(rates["flooded"]) / statistics.median(rates[base])
+            print(f"flooded / {base}: {ratio:.0%}")
 
 
 if __name__ == "__main__":

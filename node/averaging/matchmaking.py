@@ -62,8 +62,11 @@ log = logging.getLogger(__name__)
 READY_MARGIN_SECONDS = 30.0
 #: The longest matchmaking whose readiness record (and its withdrawal) a DHT still takes.
 MAX_MATCHMAKING_TIMEOUT_SECONDS = MAX_TTL_SECONDS - READY_MARGIN_SECONDS - 30.0
-#: How often matchmaking reads the candidates, and the run's peer records, while it waits.
+#: How often matchmaking reads the candidates, and the run's peer records, while it waits; a
+#: round key holding more than ``POLL_RECORDS`` records is read less often (``poll_pause``).
 POLL_SECONDS = 0.1
+POLL_RECORDS = 64
+MAX_POLL_SECONDS = 0.4
 EXPECTED_REFRESH_SECONDS = 1.0
 #: How long matchmaking waits for a missing peer before asking whether it is still there, and
 #: how often it asks again while that peer answers but is not ready (it is still training).
@@ -132,6 +135,17 @@ class _Liveness:
     def close(self) -> None:
         for probe in self._probes:
             probe.cancel()
+
+
+def poll_pause(records: int) -> float:
+    """The pause between two reads of a round's readiness that returned ``records`` records.
+    Each read costs the DHT processes that answer it, and this one, a check per record: a
+    round key flooded with 310 throwaway keys' records, read ten times a second by every
+    waiting node, was most of what the flood still cost an honest swarm once stores were
+    bounded (``discovery/check_budget.py``). Up to 64 records (an honest swarm's round, in
+    most swarms) it is ``POLL_SECONDS``; beyond, longer in proportion, at most
+    ``MAX_POLL_SECONDS``."""
+    return min(MAX_POLL_SECONDS, POLL_SECONDS * max(1.0, records / POLL_RECORDS))
 
 
 def _freshest_first(round_: int, records: Collection[R]) -> list[R]:
@@ -217,7 +231,8 @@ class Matchmaker:
             peers, read_at = await self._read_peers(avoided), loop.time()
             records = {p.peer_id: p for p in peers if p.peer_id != me}
             # Readiness first: its signers' questions go before the census's.
-            candidates = self._admit(round_, await self._ready(round_, avoided), records, probes)
+            posted = await self._ready(round_, avoided)
+            candidates = self._admit(round_, posted, records, probes)
             census = self._census(round_, peers, probes)
             while loop.time() < deadline:
                 told = self._tell(round_, candidates, census, told)
@@ -243,13 +258,12 @@ class Matchmaker:
                     and r.reachability in _DIALABLE
                 ]
                 liveness.check(missing)
-                await asyncio.sleep(POLL_SECONDS)
+                await asyncio.sleep(poll_pause(len(posted)))
                 if loop.time() - read_at > EXPECTED_REFRESH_SECONDS:
                     peers, read_at = await self._read_peers(avoided), loop.time()
                     records = {p.peer_id: p for p in peers if p.peer_id != me}
-                candidates = self._admit(
-                    round_, await self._ready(round_, avoided), records, probes
-                )
+                posted = await self._ready(round_, avoided)
+                candidates = self._admit(round_, posted, records, probes)
                 census = self._census(round_, peers, probes)
             await asyncio.sleep(self.settle_seconds)
             posted = await self._ready(round_, avoided)

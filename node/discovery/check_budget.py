@@ -1,4 +1,4 @@
-"""How many signatures a DHT node checks for each peer that stores values in it.
+"""How many new values a DHT node checks for each peer that stores values in it.
 
 Every value a DHT node is asked to store has its seal's signature checked (``envelope.py``),
 and keys cost nothing: one client that re-signs a flood of readiness records under the coming
@@ -8,14 +8,15 @@ core each on a 2-core machine, and the honest swarm's epochs ran at 57% of its c
 value; the swarm paid one check per replica.
 
 So each storing peer (the transport's authenticated peer id: hivemind's libp2p caller, the
-sidecar's stream peer) gets a token bucket of signature checks: :data:`CHECKS_PER_SECOND`,
-with bursts up to :data:`CHECKS_BURST`. A value checked before (the same bytes) costs nothing,
-and so does one that a cheaper check refuses first (a wrong key or slot, an oversized record);
-a store past the budget is refused without a check, as any refused store is, and the storer
-tries again later. An honest node stores a few values per round (its readiness, its withdrawal,
-a peer record every few seconds), well inside the budget; hivemind's cache copies of whole
-answers (``in_cache``) draw on a bucket of their own, so relaying a flooded answer never
-costs an honest node the room for its own records.
+sidecar's stream peer) gets a token bucket of values to check: :data:`CHECKS_PER_SECOND`, with
+bursts up to :data:`CHECKS_BURST`. Each value new to the node costs one, whether it passes or
+not, and a value past the budget is refused before any check (parsing its record cost as much
+as its signature, measured); a value the node has opened before (the same bytes) costs nothing.
+A refused store is refused like any other, and the storer tries again later. An honest node
+stores a few values per round (its readiness, its withdrawal, a peer record every few
+seconds), well inside the budget; hivemind's cache copies of whole answers (``in_cache``) draw
+on a bucket of their own, so relaying a flooded answer never costs an honest node the room for
+its own records.
 
 What it does not bound: a flood spread over many peer ids costs their connections (a libp2p
 handshake each) and a bucket each. :data:`MAX_STORERS` buckets are kept; the least recently
@@ -56,7 +57,7 @@ class CheckBudget:
         self.refused = 0
 
     def take(self, storer: Hashable) -> bool:
-        """Whether ``storer`` may cost one more signature check now (and it is counted)."""
+        """Whether ``storer`` may have one more new value checked now (and it is counted)."""
         now = self._clock()
         tokens, at = self._buckets.pop(storer, (self._burst, now))
         tokens = min(self._burst, tokens + (now - at) * self._per_second)
@@ -68,7 +69,7 @@ class CheckBudget:
         return allowed
 
     def for_storer(self, storer: Hashable | None) -> Callable[[], bool] | None:
-        """What ``open_envelope`` asks before it checks a signature for ``storer`` (None: a
+        """What ``records.validate`` asks before it checks a new value for ``storer`` (None: a
         value this node asked for, or its own: never refused)."""
         if storer is None:
             return None

@@ -28,7 +28,6 @@ import re
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -131,8 +130,8 @@ def seal(
 
 
 class OverBudget(RecordError):
-    """A value whose signature this node would check for a storer that has used up its
-    checks for now (``check_budget.py``)."""
+    """A value new to this DHT node from a storer that has used up its checks for now
+    (``check_budget.py``): refused before any of them."""
 
 
 def peek(value: object) -> Envelope:
@@ -171,12 +170,9 @@ def peek(value: object) -> Envelope:
     )
 
 
-def open_envelope(value: object, *, may_check: Callable[[], bool] | None = None) -> Envelope:
-    """Parse a sealed value and check its signature; RecordError for anything else.
-
-    The same bytes opened again are not checked again (:class:`_Opened`). ``may_check`` is
-    asked before a signature is checked (not for a value remembered): OverBudget if it says
-    no (a DHT node's budget of checks for the peer that asked it to store the value)."""
+def open_envelope(value: object) -> Envelope:
+    """Parse a sealed value and check its signature; RecordError for anything else. The same
+    bytes opened again are not checked again (:class:`_Opened`)."""
     if not isinstance(value, bytes):
         raise RecordError("not a byte string")
     value = bytes(value)
@@ -184,14 +180,18 @@ def open_envelope(value: object, *, may_check: Callable[[], bool] | None = None)
     if opened is not None:
         return opened
     envelope = peek(value)
-    if may_check is not None and not may_check():
-        raise OverBudget("too many values to check from this peer for now; try again later")
     if not verify_signature(
         envelope.public_key, value[-SIGNATURE_BYTES:], _DOMAIN + value[:-SIGNATURE_BYTES]
     ):
         raise RecordError("a bad signature")
     _OPENED.put(value, envelope)
     return envelope
+
+
+def remembered(value: object) -> bool:
+    """Whether this process opened these very bytes lately (:func:`open_envelope` would not
+    check them again): a DHT node charges a storer only for values it has not met."""
+    return isinstance(value, bytes) and _OPENED.get(value) is not None
 
 
 #: What :data:`_OPENED` remembers: values at most, and their bytes in all.

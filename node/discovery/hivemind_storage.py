@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
 
@@ -22,7 +23,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarmgrad.node.discovery.budget import Budget, BudgetFull, entry_bytes, freshness
 from swarmgrad.node.discovery.check_budget import CheckBudget
-from swarmgrad.node.discovery.envelope import OverBudget, RecordError, open_envelope, peek
+from swarmgrad.node.discovery.envelope import RecordError, open_envelope, peek, remembered
 from swarmgrad.node.discovery.records import check
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 _STORER: contextvars.ContextVar[Hashable | None] = contextvars.ContextVar("storer", default=None)
 #: How often the process logs the stores it refused for want of checks, at most.
 LOG_EVERY_SECONDS = 60.0
+#: Records a validator remembers as accepted: at most, and their values' bytes in all.
+ACCEPTED_ENTRIES = 16384
+ACCEPTED_BYTES = 8 << 20
 
 
 class SealedValues(RecordValidatorBase):  # type: ignore[misc]
@@ -46,14 +50,39 @@ class SealedValues(RecordValidatorBase):  # type: ignore[misc]
         #: Signature checks per storing peer (``check_budget.py``).
         self.checks = CheckBudget()
         self._logged_at, self._logged_refused = 0.0, 0
+        #: Records accepted lately, whole (key, subkey, value, expiry): the same record again
+        #: (every replica's answer to every read of a round key) is valid until it expires.
+        self._accepted: OrderedDict[tuple[bytes, bytes, bytes, float], None] = OrderedDict()
+        self._accepted_bytes = 0
 
     def validate(self, record: DHTRecord) -> bool:
+        whole = (record.key, record.subkey, record.value, record.expiration_time)
+        if whole in self._accepted and record.expiration_time > get_dht_time():
+            self._accepted.move_to_end(whole)
+            return True
+        if self._check(record):
+            self._remember(whole)
+            return True
+        return False
+
+    def _remember(self, whole: tuple[bytes, bytes, bytes, float]) -> None:
+        self._accepted[whole] = None
+        self._accepted_bytes += len(whole[2])
+        while len(self._accepted) > ACCEPTED_ENTRIES or self._accepted_bytes > ACCEPTED_BYTES:
+            old, _ = self._accepted.popitem(last=False)
+            self._accepted_bytes -= len(old[2])
+
+    def _check(self, record: DHTRecord) -> bool:
         try:
             value = MSGPackSerializer.loads(record.value)
             subkey = MSGPackSerializer.loads(record.subkey)
         except Exception:  # not msgpack at all: anything a peer sent
             return False
         if not isinstance(subkey, str):  # a plain value (no subkey), or another kind of subkey
+            return False
+        may_check = self.checks.for_storer(_STORER.get())
+        if may_check is not None and not remembered(value) and not may_check():
+            self._log_refusals()  # past its budget: refused before any check
             return False
         try:
             # The cheap checks first: a value filed where it may not live costs no signature.
@@ -67,10 +96,7 @@ class SealedValues(RecordValidatorBase):  # type: ignore[misc]
                 expires=record.expiration_time,
                 now=get_dht_time(),
             )
-            open_envelope(value, may_check=self.checks.for_storer(_STORER.get()))
-        except OverBudget:
-            self._log_refusals()
-            return False
+            open_envelope(value)
         except RecordError:
             return False
         return True

@@ -25,10 +25,12 @@ from swarmgrad.node.discovery.envelope import (
     MAX_TTL_SECONDS,
     Envelope,
     Kind,
+    OverBudget,
     RecordError,
     check_filing,
     open_envelope,
     peek,
+    remembered,
 )
 from swarmgrad.node.kinds import Reach
 
@@ -246,11 +248,15 @@ def validate(
     may_check: Callable[[], bool] | None = None,
 ) -> Envelope:
     """The sealed value ``value``, if it may live under (``key``, ``subkey``) until ``expires``
-    at DHT time ``now`` (see the module docstring); RecordError otherwise. The cheap checks
-    come first, the signature last (asking ``may_check`` first, as :func:`open_envelope` does):
-    a value filed where it may not live costs no signature check."""
+    at DHT time ``now`` (see the module docstring); RecordError otherwise.
+
+    ``may_check``: for a value stored on a peer's behalf, asked before any check of a value
+    this process has not opened before (OverBudget if it says no: ``check_budget.py``). The
+    cheap checks come before the signature: a value filed where it may not live costs none."""
+    if may_check is not None and not remembered(value) and not may_check():
+        raise OverBudget("too many new values from this peer for now; try again later")
     check(peek(value), key=key, subkey=subkey, expires=expires, now=now)
-    return open_envelope(value, may_check=may_check)
+    return open_envelope(value)
 
 
 def check(

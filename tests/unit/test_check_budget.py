@@ -60,9 +60,12 @@ def test_the_storers_table_is_bounded() -> None:
         CheckBudget(per_second=0.0)
 
 
-def test_only_a_signature_check_costs_the_storer(counted_checks: list[bytes]) -> None:
-    """A value opened before costs nothing; a value that a cheaper check refuses (another key,
-    another slot, a padded readiness record) is refused without its signature checked."""
+def test_a_new_value_costs_the_storer_a_check_and_a_value_met_before_costs_nothing(
+    counted_checks: list[bytes],
+) -> None:
+    """Each value new to the node costs one check of the storer's budget, whether it passes or
+    not; a value refused by a cheaper check (another key, another slot, a padded readiness
+    record) costs no signature check; a value opened before costs nothing at all."""
     me = Identity.generate()
     key, value, expires = readiness(me, issued=NOW)
     asked: list[bool] = []
@@ -76,25 +79,28 @@ def test_only_a_signature_check_costs_the_storer(counted_checks: list[bytes]) ->
     assert len(asked) == len(counted_checks) == 1
     other = Identity.generate()
     _, padded, padded_expires = readiness(other, issued=NOW, pad=3700)
+    _, unseen, unseen_expires = readiness(other, issued=NOW)
     for wrong in (
-        lambda: validate(key + "0", me.peer_id, value, expires, NOW, may_check=may_check),
-        lambda: validate(key, other.peer_id, value, expires, NOW, may_check=may_check),
+        lambda: validate(key, me.peer_id, unseen, unseen_expires, NOW, may_check=may_check),
         lambda: validate(key, other.peer_id, padded, padded_expires, NOW, may_check=may_check),
+        lambda: validate(key + "0", me.peer_id, value, expires, NOW, may_check=may_check),
     ):
         with pytest.raises(RecordError):
             wrong()
-    assert len(asked) == len(counted_checks) == 1
+    assert len(asked) == 3  # the two new values; the third was opened before
+    assert len(counted_checks) == 1  # none of them reached its signature
 
 
 def test_past_its_budget_a_value_is_refused_unchecked_and_can_be_stored_later(
     counted_checks: list[bytes],
 ) -> None:
     me = Identity.generate()
-    _, value, _ = readiness(me, issued=NOW)
+    key, value, expires = readiness(me, issued=NOW)
     with pytest.raises(OverBudget, match="try again later"):
-        open_envelope(value, may_check=lambda: False)
+        validate(key, me.peer_id, value, expires, NOW, may_check=lambda: False)
     assert counted_checks == []
-    assert open_envelope(value, may_check=lambda: True).signer == me.peer_id
+    opened = validate(key, me.peer_id, value, expires, NOW, may_check=lambda: True)
+    assert opened.signer == me.peer_id
 
 
 def test_peek_reads_a_forgery_open_refuses_it() -> None:
@@ -131,3 +137,46 @@ def test_a_flooding_storer_is_held_to_its_budget_in_the_libp2p_directory(
     assert directory.store(key, honest.peer_id, value, expires, NOW, storer=b"honest")
     key, value, expires = readiness(mine, issued=NOW + 1)
     assert directory.store(key, mine.peer_id, value, expires, NOW)  # its own: no storer
+
+
+def test_a_hivemind_dht_node_checks_a_record_once_and_its_storer_pays_once(
+    counted_checks: list[bytes],
+) -> None:
+    """Every replica's answer to every read of a round key brings the same records again: the
+    validator accepts a record it accepted before without checking it again, and without
+    charging its storer; the same value in another slot is still refused."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils import MSGPackSerializer as Pack
+
+    from swarmgrad.node.discovery import hivemind_storage
+
+    me, other = Identity.generate(), Identity.generate()
+    now = hivemind_storage.get_dht_time()
+    key, value, expires = readiness(me, issued=now)
+    record = DHTRecord(DHTID.generate(source=key).to_bytes(), Pack.dumps(me.peer_id),
+                       Pack.dumps(value), expires)  # fmt: skip
+    validator = hivemind_storage.SealedValues()
+    validator.checks = CheckBudget(per_second=1.0, burst=1, clock=Clock())
+    token = hivemind_storage._STORER.set((b"storer", False))
+    try:
+        assert all(validator.validate(record) for _ in range(5))
+        assert len(counted_checks) == 1
+        elsewhere = DHTRecord(record.key, Pack.dumps(other.peer_id), record.value, expires)
+        assert not validator.validate(elsewhere)  # checked (its value is known) and refused
+        assert validator.checks.refused == 0
+        _, fresh, fresh_expires = readiness(other, issued=now)
+        new = DHTRecord(record.key, Pack.dumps(other.peer_id), Pack.dumps(fresh), fresh_expires)
+        assert not validator.validate(new)  # a new value: the storer's budget is spent
+        assert validator.checks.refused == 1
+        assert len(counted_checks) == 1
+    finally:
+        hivemind_storage._STORER.reset(token)
+
+
+def test_matchmaking_reads_a_crowded_round_key_less_often() -> None:
+    from swarmgrad.node.averaging.matchmaking import MAX_POLL_SECONDS, POLL_SECONDS, poll_pause
+
+    assert poll_pause(0) == poll_pause(64) == POLL_SECONDS
+    assert poll_pause(96) == pytest.approx(1.5 * POLL_SECONDS)
+    assert poll_pause(310) == poll_pause(100_000) == MAX_POLL_SECONDS
