@@ -67,6 +67,8 @@ SCENARIOS = {
                  "early-stream slots", outsider="early"),
         Scenario(name="readiness_flood", what="310 throwaway keys' readiness records (100 with "
                  "peer records) under the next 20 round keys", outsider="readiness"),
+        Scenario(name="readiness_placebo", what="the readiness flood's attacker storing into a "
+                 "DHT node of its own: its windows' control", outsider="readiness_placebo"),
         Scenario(name="relay_abuse", what="a stranger pushing bytes through node 0's relay",
                  outsider="relay"),
     )

@@ -156,12 +156,14 @@ def _outsider(
     sim = out / "sim"
     spec = out / "run.toml"
     deadline = time.monotonic() + settings.timeout_seconds
-    if scenario.outsider == "readiness":  # readiness_flood.py's attacker: joins the DHT first
+    if scenario.outsider.startswith("readiness"):  # readiness_flood.py's: joins the DHT first
         while not (sim / "bootstrap.json").exists() and time.monotonic() < deadline:
             time.sleep(0.5)
         command = [sys.executable, str(READINESS_FLOOD), "--flood",
                    "--bootstrap-file", str(sim / "bootstrap.json"), "--status-dir", str(sim),
                    "--spec", str(spec), "--nodes", str(max(honest) + 1)]  # fmt: skip
+        if scenario.outsider == "readiness_placebo":  # the control: its own DHT node, not ours
+            command.append("--placebo")
     else:
         # A bound of its own past the window (the relay's abuser keeps to it: it reads no stdin).
         seconds = settings.window_seconds + (0 if scenario.outsider == "relay" else 60)
