@@ -23,8 +23,6 @@ from swarmgrad.node.discovery.envelope import (
     Envelope,
     Kind,
     Sealer,
-    open_envelope,
-    peek,
     seal,
 )
 from swarmgrad.node.discovery.records import (
@@ -32,7 +30,7 @@ from swarmgrad.node.discovery.records import (
     PeerRecord,
     ReadyRecord,
     RecordError,
-    check,
+    open_checked,
 )
 from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.errors import PeerUnavailable
@@ -279,8 +277,7 @@ class SignedDirectory(abc.ABC):
         found = []
         for subkey, (data, expires) in (await self._get(key)).items():
             try:
-                record = check(peek(data), key=key, subkey=subkey, expires=expires, now=now)
-                envelope = open_envelope(data)
+                envelope, record = open_checked(key, subkey, data, expires, now)
             except RecordError as error:
                 self.rejected[str(error)[:48]] += 1
                 log.debug("dropped a value under %r: %s", subkey[:64], error)

@@ -23,8 +23,8 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarmgrad.node.discovery.budget import Budget, BudgetFull, entry_bytes, freshness
 from swarmgrad.node.discovery.check_budget import CheckBudget
-from swarmgrad.node.discovery.envelope import RecordError, open_envelope, peek, remembered
-from swarmgrad.node.discovery.records import check
+from swarmgrad.node.discovery.envelope import OverBudget, RecordError, peek
+from swarmgrad.node.discovery.records import charge, open_checked
 
 log = logging.getLogger(__name__)
 
@@ -80,23 +80,16 @@ class SealedValues(RecordValidatorBase):  # type: ignore[misc]
             return False
         if not isinstance(subkey, str):  # a plain value (no subkey), or another kind of subkey
             return False
-        may_check = self.checks.for_storer(_STORER.get())
-        if may_check is not None and not remembered(value) and not may_check():
+        try:
+            charge(value, self.checks.for_storer(_STORER.get()))
+        except OverBudget:
             self._log_refusals()  # past its budget: refused before any check
             return False
         try:
-            # The cheap checks first: a value filed where it may not live costs no signature.
-            envelope = peek(value)
+            envelope = peek(value)  # for its key, of which hivemind gives only the hash
             if DHTID.generate(source=envelope.key).to_bytes() != record.key:
                 return False
-            check(
-                envelope,
-                key=envelope.key,
-                subkey=subkey,
-                expires=record.expiration_time,
-                now=get_dht_time(),
-            )
-            open_envelope(value)
+            open_checked(envelope.key, subkey, value, record.expiration_time, get_dht_time())
         except RecordError:
             return False
         return True

@@ -248,15 +248,27 @@ def validate(
     may_check: Callable[[], bool] | None = None,
 ) -> Envelope:
     """The sealed value ``value``, if it may live under (``key``, ``subkey``) until ``expires``
-    at DHT time ``now`` (see the module docstring); RecordError otherwise.
+    at DHT time ``now`` (see the module docstring); RecordError otherwise. ``may_check``: for
+    a value stored on a peer's behalf (:func:`charge`)."""
+    charge(value, may_check)
+    return open_checked(key, subkey, value, expires, now)[0]
 
-    ``may_check``: for a value stored on a peer's behalf, asked before any check of a value
-    this process has not opened before (OverBudget if it says no: ``check_budget.py``). The
-    cheap checks come before the signature: a value filed where it may not live costs none."""
+
+def charge(value: object, may_check: Callable[[], bool] | None) -> None:
+    """Ask ``may_check`` (the storing peer's budget: ``check_budget.py``) before any check of
+    a value this process has not opened before; OverBudget if it says no. None: a value this
+    node asked for, or its own."""
     if may_check is not None and not remembered(value) and not may_check():
         raise OverBudget("too many new values from this peer for now; try again later")
-    check(peek(value), key=key, subkey=subkey, expires=expires, now=now)
-    return open_envelope(value)
+
+
+def open_checked(
+    key: str, subkey: str, value: object, expires: float, now: float
+) -> tuple[Envelope, PeerRecord | ReadyRecord | None]:
+    """:func:`validate`'s checks, with the record the value carries (:func:`check`). The
+    cheap checks come before the signature: a value filed where it may not live costs none."""
+    record = check(peek(value), key=key, subkey=subkey, expires=expires, now=now)
+    return open_envelope(value), record
 
 
 def check(
