@@ -293,6 +293,9 @@ def main() -> None:
     parser.add_argument(
         "--with-records", type=int, default=100, help="keys that also announce peer records"
     )
+    parser.add_argument(
+        "--arms", default=",".join(ARMS), help="the arms to run, in order (default: all three)"
+    )
     parser.add_argument("--timeout", type=float, default=420.0, help="one swarm, at most")
     parser.add_argument("--json", type=Path, help="write the reports here")
     parser.add_argument("--work", type=Path, help="keep the swarms' files here (default: none)")
@@ -305,11 +308,14 @@ def main() -> None:
     if args.flood:
         print(json.dumps(asyncio.run(flood(args))), flush=True)
         return
+    arms = args.arms.split(",")
+    if unknown := set(arms) - set(ARMS):
+        parser.error(f"--arms: {', '.join(sorted(unknown))} is none of {', '.join(ARMS)}")
     reports = []
     with contextlib.ExitStack() as stack:
         work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         for trial in range(args.trials):
-            for arm in ARMS:
+            for arm in arms:
                 report = run_arm(args, arm, work / f"{arm}-{trial}")
                 report["trial"] = trial
                 reports.append(report)

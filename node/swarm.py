@@ -31,6 +31,7 @@ import torch
 
 from swarmgrad.compression import get_codec
 from swarmgrad.node.averaging.averager import Averager, LossProbe
+from swarmgrad.node.averaging.matchmaking import Hooks as MatchmakingHooks
 from swarmgrad.node.averaging.matchmaking import Matchmaker
 from swarmgrad.node.averaging.membership import Membership
 from swarmgrad.node.averaging.open.evidence import verify_bytes
@@ -225,11 +226,13 @@ class Swarm:
                 group_size=spec.averaging.group_size,
                 matchmaking_timeout_seconds=spec.averaging.matchmaking_timeout_seconds,
                 settle_seconds=MATCHMAKING_SETTLE_SECONDS,
-                peers=self.directory.refresh,
-                excluded=self.excludes,
-                avoiding=self._averager.ledger.newest_bans,
-                membership=self.membership,
-                expect=self._averager.expect,
+                hooks=MatchmakingHooks(
+                    peers=self.directory.refresh,
+                    excluded=self.excludes,
+                    avoiding=self._averager.ledger.newest_bans,
+                    membership=self.membership,
+                    expect=self._averager.expect,
+                ),
             )
             budget = round_budget_seconds(
                 spec, config, dht_call_seconds=self._discovery.call_timeout_seconds

@@ -6,7 +6,8 @@ r - 1 (a peer that just finished the last round may not have announced it yet). 
 groups is split into **buckets** by a hash of (round, peer id): a power of two of them, so each
 expects two to four groups' worth of the round's peers (:func:`bucket_count`); a peer only waits
 for, and only groups with, the peers of its own bucket. It reads the topic until every expected
-peer of its bucket is a candidate (at least two), or its matchmaking timeout passes; then it waits
+peer of its bucket is a candidate (at least two), or its wave is over (below), or its matchmaking
+timeout passes; then it waits
 ``settle_seconds`` for stragglers' records to spread, and reads once more. Its bucket's
 candidates are ordered by a hash of (round, peer id), a fresh shuffle each round that every peer
 computes alike, and cut into groups of ``group_size`` (a short last group joins the one before
@@ -32,11 +33,27 @@ which peers may stream to this node in the round, before its own all-reduce star
 Peers that saw the same candidates form the same groups. Waiting for the whole bucket, not for
 the first ``group_size`` candidates, is what keeps them the same in a large swarm: peers that
 become ready at different times would otherwise each cut a different prefix of the arrivals
-(``simulate --engine des`` showed most rounds lost that way at 32 peers). A peer that still saw
-a different set (a record that arrived between two peers' reads, or a census that put the
-bucket count on the other side of a power of two) ends up in a group whose id its mates do not
-share, its all-reduce streams are refused as UNKNOWN_ROUND, and the round counts as failed for
-it: nothing hangs and nothing mixes. A peer that finds nobody returns None and trains on.
+(``simulate --engine des`` showed most rounds lost that way at 32 peers). Two more rules keep
+peers that read at different moments alike:
+
+- **Waves.** A straggler that came after one peer stopped waiting and before another did would
+  be cut in by one and out by the other. So a bucket's candidates are split into waves by when
+  each signed its readiness (``grouping.waves``: the first wave holds those issued within
+  ``wave_seconds`` of the earliest, a little under the matchmaking timeout), groups are cut
+  within this peer's wave only, and a peer stops waiting once its wave is over: whoever comes
+  later is in the next wave for every peer that reads it, and averages with the other
+  latecomers, or alone in its wave, trains on. Waves go by the signers' clocks: a peer whose
+  clock is off by seconds lands in another wave than its time says, and a member that backdates
+  its record can split a round in two waves, not keep the honest peers from grouping.
+- **What was seen stays seen.** Two reads of a round key can differ (replicas answer
+  differently, or one is slow): a readiness record that counted at one read of a matchmaking
+  stays a candidate until it expires.
+
+A peer that still saw a different set (a record that arrived between two peers' last reads, or
+a census that put the bucket count on the other side of a power of two) ends up in a group
+whose id its mates do not share, its all-reduce streams are refused as UNKNOWN_ROUND, and the
+round counts as failed for it: nothing hangs and nothing mixes. A peer that finds nobody
+returns None and trains on.
 """
 
 from __future__ import annotations
@@ -45,11 +62,11 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, replace
-from typing import TypeVar
 
+from swarmgrad.node.averaging.census import Census, freshest_first, take_census
 from swarmgrad.node.averaging.group import Group, Member, bounded
-from swarmgrad.node.averaging.grouping import assign_groups, bucket_count, bucket_of, group_order
-from swarmgrad.node.averaging.membership import Alive, Membership, Probes
+from swarmgrad.node.averaging.grouping import assign_groups, waves
+from swarmgrad.node.averaging.membership import Alive, Liveness, Membership, Probes
 from swarmgrad.node.discovery.base import Discovery, dht_time
 from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS
 from swarmgrad.node.discovery.records import PeerRecord, ReadyRecord, avoid_tag, pack_avoids
@@ -68,73 +85,15 @@ POLL_SECONDS = 0.1
 POLL_RECORDS = 64
 MAX_POLL_SECONDS = 0.4
 EXPECTED_REFRESH_SECONDS = 1.0
-#: How long matchmaking waits for a missing peer before asking whether it is still there, and
-#: how often it asks again while that peer answers but is not ready (it is still training).
-PROBE_AFTER_SECONDS = 1.0
-PROBE_EVERY_SECONDS = 3.0
+#: A round's waves (``grouping.waves``) are this much shorter than its matchmaking: a record
+#: signed just before its wave closes still reaches the DHT, and the first peer's last read.
+WAVE_MARGIN_SECONDS = 2.0
 #: Told which peers may stream to this node in a round (the averager's ``expect``).
 Expect = Callable[[int, Collection[str]], None]
-R = TypeVar("R", PeerRecord, ReadyRecord)
 #: The peers that can be asked: others have dialed them. One whose verdict is not in yet (a NAT'd
 #: peer announces its LAN address until it has a relay) or that nobody can dial would not answer
 #: anyway, and is waited for as before.
 _DIALABLE = frozenset({Reach.DIRECT, Reach.UPNP, Reach.RELAYED})
-
-
-@dataclass(frozen=True, slots=True)
-class _Census:
-    """One read of the run's peer records for a round, as matchmaking uses it."""
-
-    round: int
-    expected: set[str]  # members at the round or one behind (and this peer)
-    ahead: bool  # another member is past the round
-    buckets: int
-    mine: int  # this peer's bucket
-    #: The expected peers of this peer's bucket (None: me), and newcomers whose answer to a
-    #: probe is not in yet (waited for until it is).
-    wanted: dict[str, PeerRecord | None]
-    pending: frozenset[str]  # newcomers asked, not answered yet
-
-    def in_bucket(self, peer_id: str) -> bool:
-        return bucket_of(self.round, peer_id, self.buckets) == self.mine
-
-
-class _Liveness:
-    """Which of the peers a round waits for are gone: each missing one is asked (``alive``) once
-    it has been waited for ``PROBE_AFTER_SECONDS``, again every ``PROBE_EVERY_SECONDS`` while it
-    answers, in the background (the wait goes on polling meanwhile)."""
-
-    def __init__(self, round_: int, alive: Alive | None) -> None:
-        self._round, self._alive = round_, alive
-        self._loop = asyncio.get_running_loop()
-        self._started = self._loop.time()
-        self._asked: dict[str, float] = {}
-        self._probes: set[asyncio.Task[None]] = set()
-        self.gone: set[str] = set()
-
-    def check(self, missing: Collection[PeerRecord]) -> None:
-        now = self._loop.time()
-        if self._alive is None or now - self._started < PROBE_AFTER_SECONDS:
-            return
-        for record in missing:
-            asked = self._asked.get(record.peer_id)
-            if record.peer_id in self.gone or (asked and now - asked < PROBE_EVERY_SECONDS):
-                continue
-            self._asked[record.peer_id] = now
-            probe = asyncio.create_task(self._probe(self._alive, record))
-            self._probes.add(probe)
-            probe.add_done_callback(self._probes.discard)
-
-    async def _probe(self, alive: Alive, record: PeerRecord) -> None:
-        if not await alive(record):
-            log.info(
-                "round %d: %s does not answer; not waiting for it", self._round, record.peer_id
-            )
-            self.gone.add(record.peer_id)
-
-    def close(self) -> None:
-        for probe in self._probes:
-            probe.cancel()
 
 
 def poll_pause(records: int) -> float:
@@ -148,13 +107,33 @@ def poll_pause(records: int) -> float:
     return min(MAX_POLL_SECONDS, POLL_SECONDS * max(1.0, records / POLL_RECORDS))
 
 
-def _freshest_first(round_: int, records: Collection[R]) -> list[R]:
-    """``records`` in the order newcomers among them are asked (questions are bounded per
-    round): the latest issued first (a flood stored ahead is older than honest records, issued
-    as their nodes start matchmaking; a record dated ahead counts as issued now), then in the
-    round's shuffle. Peers that see the same records ask the same ones."""
-    now = dht_time()
-    return sorted(records, key=lambda r: (-min(r.issued_at, now), group_order(round_, r.peer_id)))
+def _wave_of(me: str, by_id: dict[str, ReadyRecord], window_seconds: float) -> list[str]:
+    """The peers of ``me``'s wave among ``by_id`` (all of them if ``me`` is not there)."""
+    issued = {p: r.issued_at for p, r in by_id.items()}
+    return next((w for w in waves(issued, window_seconds) if me in w), list(by_id))
+
+
+@dataclass(frozen=True, slots=True)
+class Hooks:
+    """What the node tells matchmaking about its peers; each has a default.
+
+    ``peers`` reads the run's peer records (the node's directory; default: the DHT);
+    ``excluded`` says which peers this node no longer groups with (its trust ledger's bans):
+    they are not waited for, and their readiness records are not candidates unless this node's
+    own record names them as avoided: ``avoiding`` gives the peers it names (newest bans first;
+    the first ``MAX_AVOIDS``), so that others cut the same groups; ``membership`` says whose
+    readiness counts (``membership.py``; None: every signed record, as in tests of the
+    grouping rules alone); ``alive`` asks a peer that is late whether it is still there
+    (default: the membership's probe; None without either: every expected peer is waited for
+    until the timeout); ``expect`` is told, as matchmaking goes, which members may stream to
+    this node in the round."""
+
+    peers: Callable[[], Awaitable[list[PeerRecord]]] | None = None
+    excluded: Callable[[str], bool] | None = None
+    avoiding: Callable[[], Sequence[str]] | None = None
+    alive: Alive | None = None
+    membership: Membership | None = None
+    expect: Expect | None = None
 
 
 class Matchmaker:
@@ -166,41 +145,28 @@ class Matchmaker:
         group_size: int,
         matchmaking_timeout_seconds: float,
         settle_seconds: float = 0.5,
-        peers: Callable[[], Awaitable[list[PeerRecord]]] | None = None,
-        excluded: Callable[[str], bool] | None = None,
-        avoiding: Callable[[], Sequence[str]] | None = None,
-        alive: Alive | None = None,
-        membership: Membership | None = None,
-        expect: Expect | None = None,
+        hooks: Hooks | None = None,
     ) -> None:
-        """``peers`` reads the run's peer records (the node's directory; default: the DHT);
-        ``excluded`` says which peers this node no longer groups with (its trust ledger's bans):
-        they are not waited for, and their readiness records are not candidates unless this
-        node's own record names them as avoided: ``avoiding`` gives the peers it names (newest
-        bans first; the first ``MAX_AVOIDS``), so that others cut the same groups; ``membership``
-        says whose readiness counts (``membership.py``; None: every signed record, as in tests
-        of the grouping rules alone); ``alive`` asks a peer that is late whether it is still
-        there (default: the membership's probe; None without either: every expected peer is
-        waited for until the timeout); ``expect`` is told, as matchmaking goes, which members
-        may stream to this node in the round."""
         if group_size < 2:
             raise ValueError("group_size must be at least 2")
         if not 0 < matchmaking_timeout_seconds <= MAX_MATCHMAKING_TIMEOUT_SECONDS:
             raise ValueError(
                 f"matchmaking_timeout_seconds must be in (0, {MAX_MATCHMAKING_TIMEOUT_SECONDS:g}]"
             )
+        hooks = hooks or Hooks()
         self._discovery, self._identity = discovery, identity
-        self._peers = peers or discovery.find
+        self._peers = hooks.peers or discovery.find
         self.group_size = group_size
         self.timeout_seconds = matchmaking_timeout_seconds
         self.settle_seconds = settle_seconds
-        self._excluded = excluded or (lambda _peer: False)
-        self._avoiding = avoiding or (lambda: ())
-        self.membership = membership
-        if alive is None and membership is not None:
-            alive = membership.alive
+        self._excluded = hooks.excluded or (lambda _peer: False)
+        self._avoiding = hooks.avoiding or (lambda: ())
+        self.membership = hooks.membership
+        alive = hooks.alive
+        if alive is None and self.membership is not None:
+            alive = self.membership.alive
         self._alive = alive
-        self._expect = expect
+        self._expect = hooks.expect
 
     async def form_group(
         self, round_: int, *, endpoint: str, bandwidth: float = 1.0, weight: float = 1.0
@@ -225,15 +191,16 @@ class Matchmaker:
         deadline = loop.time() + self.timeout_seconds
         me = self._identity.peer_id
         probes = self.membership.session(round_) if self.membership is not None else None
-        liveness = _Liveness(round_, self._alive)
+        liveness = Liveness(round_, self._alive)
         told: set[str] = set()
+        kept: dict[str, ReadyRecord] = {}  # every candidate seen in this matchmaking (_admit)
         try:
             peers, read_at = await self._read_peers(avoided), loop.time()
             records = {p.peer_id: p for p in peers if p.peer_id != me}
             # Readiness first: its signers' questions go before the census's.
             posted = await self._ready(round_, avoided)
-            candidates = self._admit(round_, posted, records, probes)
-            census = self._census(round_, peers, probes)
+            candidates = self._admit(round_, posted, records, probes, kept)
+            census = take_census(round_, me, peers, probes, self._excluded, self.group_size)
             while loop.time() < deadline:
                 told = self._tell(round_, candidates, census, told)
                 seen = {r.peer_id for r in candidates if census.in_bucket(r.peer_id)}
@@ -249,6 +216,8 @@ class Matchmaker:
                 if wanted == {me} and seen <= {me} and census.wanted.keys() != {me}:
                     log.info("round %d: the peers it waited for are gone", round_)
                     break
+                if dht_time() >= self._wave_over(candidates, census):
+                    break  # whoever comes now is in the next wave: cut without it
                 missing = [
                     r
                     for p, r in census.wanted.items()
@@ -263,17 +232,17 @@ class Matchmaker:
                     peers, read_at = await self._read_peers(avoided), loop.time()
                     records = {p.peer_id: p for p in peers if p.peer_id != me}
                 posted = await self._ready(round_, avoided)
-                candidates = self._admit(round_, posted, records, probes)
-                census = self._census(round_, peers, probes)
+                candidates = self._admit(round_, posted, records, probes, kept)
+                census = take_census(round_, me, peers, probes, self._excluded, self.group_size)
             await asyncio.sleep(self.settle_seconds)
             posted = await self._ready(round_, avoided)
-            candidates = self._admit(round_, posted, records, probes)
+            candidates = self._admit(round_, posted, records, probes, kept)
             if probes is not None:
                 # Newcomers seen last are counted once they answer, never before: every honest
                 # node waits for the same answers, and so cuts the same groups.
                 await probes.settle()
-                candidates = self._admit(round_, posted, records, probes)
-                census = self._census(round_, peers, probes)
+                candidates = self._admit(round_, posted, records, probes, kept)
+                census = take_census(round_, me, peers, probes, self._excluded, self.group_size)
             self._tell(round_, candidates, census, told)
         finally:
             liveness.close()
@@ -292,6 +261,11 @@ class Matchmaker:
         refused = [r.peer_id for r in candidates if not bounded(r.bandwidth, r.weight)]
         if refused:
             log.info("round %d: left out %s (bandwidth or weight out of range)", round_, refused)
+        by_id = self._wave(round_, by_id)
+        log.debug(
+            "round %d: cutting %d candidates (bucket %d of %d, this wave) of %d records read",
+            round_, len(by_id), census.mine, census.buckets, len(posted),
+        )  # fmt: skip
         avoids = {p: r.avoided() for p, r in by_id.items()}
         for members in assign_groups(round_, list(by_id), self.group_size, avoids):
             if self._identity.peer_id in members:
@@ -313,39 +287,31 @@ class Matchmaker:
         log.info("round %d: no group (%d candidates)", round_, len(candidates))
         return None
 
-    def _census(self, round_: int, peers: list[PeerRecord], probes: Probes | None) -> _Census:
-        """Who should be ready for ``round_`` in this peer's bucket, and whether any other peer
-        is past the round.
+    @property
+    def wave_seconds(self) -> float:
+        """How long after its first record a round's wave closes (``grouping.waves``)."""
+        return max(self.timeout_seconds - WAVE_MARGIN_SECONDS, self.timeout_seconds / 2)
 
-        Expected are those whose records say they are at it, or one behind (a peer that just
-        finished the last round may not have announced it yet; a peer that died in it is waited
-        for once, then its record falls two behind). Those who already finished it count too
-        for the buckets: a slow peer must cut the round into as many buckets as the fast ones
-        did, or it would wait in a bucket of its own for peers that are in others. With a
-        membership, only members count (a flood of peer records would otherwise both be waited
-        for and scatter the honest peers over buckets of their own); a newcomer being asked is
-        waited for until it answers."""
+    def _wave(self, round_: int, by_id: dict[str, ReadyRecord]) -> dict[str, ReadyRecord]:
+        """The candidates of this node's wave (all of them if its own record is not among
+        them: it joins no group anyway)."""
+        mine = _wave_of(self._identity.peer_id, by_id, self.wave_seconds)
+        if len(mine) < len(by_id):
+            log.info(
+                "round %d: %d ready peers are in another wave (ready %g s or more apart)",
+                round_, len(by_id) - len(mine), self.wave_seconds,
+            )  # fmt: skip
+        return {p: by_id[p] for p in mine}
+
+    def _wave_over(self, candidates: list[ReadyRecord], census: Census) -> float:
+        """When waiting stops mattering (DHT time): a record signed after this node's wave
+        closed is in the next wave, and one signed before has had its margin to be read."""
         me = self._identity.peer_id
-        records = {p.peer_id: p for p in peers if p.peer_id != me}
-        members, pending = list(records.values()), set()
-        if probes is not None:
-            members = []
-            taking_part = [p for p in records.values() if p.epoch >= round_ - 1]
-            for p in _freshest_first(round_, taking_part):
-                verdict = probes.verdict(p, exact=False)
-                if verdict:
-                    members.append(p)
-                elif verdict is None:
-                    pending.add(p.peer_id)
-        counted = [p for p in members if not self._excluded(p.peer_id)]
-        expected = {p.peer_id for p in counted if p.epoch in (round_ - 1, round_)} | {me}
-        ahead = any(p.epoch > round_ for p in counted)
-        taking = {p.peer_id for p in members if p.epoch >= round_ - 1} | {me}
-        buckets = bucket_count(round_, taking, self.group_size)
-        mine = bucket_of(round_, me, buckets)
-        waiting = expected | {p for p in pending if records[p].epoch in (round_ - 1, round_)}
-        wanted = {p: records.get(p) for p in waiting if bucket_of(round_, p, buckets) == mine}
-        return _Census(round_, expected, ahead, buckets, mine, wanted, frozenset(pending))
+        in_bucket = {r.peer_id: r for r in candidates if census.in_bucket(r.peer_id)}
+        if me not in in_bucket:
+            return float("inf")
+        wave = _wave_of(me, in_bucket, self.wave_seconds)
+        return min(in_bucket[p].issued_at for p in wave) + self.timeout_seconds
 
     def _admit(
         self,
@@ -353,10 +319,29 @@ class Matchmaker:
         ready: list[ReadyRecord],
         records: dict[str, PeerRecord],
         probes: Probes | None,
+        kept: dict[str, ReadyRecord],
     ) -> list[ReadyRecord]:
         """The readiness records that count (``membership.py``): this node's own, a known
         member's, or a newcomer's that answered at the endpoint it is ready at (asked now if
-        it was not yet)."""
+        it was not yet); and every one that counted at an earlier read of this matchmaking
+        (``kept``), until it expires. Two reads of a round key can differ (replicas answer
+        differently, or one is slow): a candidate that one peer's last read missed and its
+        mates' did not split their groups (3 of 21 rounds of an 8-node swarm under a readiness
+        flood). A record withdrawn meanwhile stays too: its peer has cut its group with it."""
+        now = dht_time()
+        for r in self._counted(round_, ready, records, probes):
+            held = kept.get(r.peer_id)
+            if held is None or r.issued_at >= held.issued_at:
+                kept[r.peer_id] = r
+        return [r for r in freshest_first(round_, kept.values()) if r.expires_at > now]
+
+    def _counted(
+        self,
+        round_: int,
+        ready: list[ReadyRecord],
+        records: dict[str, PeerRecord],
+        probes: Probes | None,
+    ) -> list[ReadyRecord]:
         if probes is None:
             return ready
         me = self._identity.peer_id
@@ -367,10 +352,10 @@ class Matchmaker:
             record = records.get(r.peer_id)  # none: no live record in the run, not asked
             return record is not None and bool(probes.verdict(replace(record, endpoint=r.endpoint)))
 
-        return [r for r in _freshest_first(round_, ready) if counts(r)]
+        return [r for r in freshest_first(round_, ready) if counts(r)]
 
     def _tell(
-        self, round_: int, candidates: list[ReadyRecord], census: _Census, told: set[str]
+        self, round_: int, candidates: list[ReadyRecord], census: Census, told: set[str]
     ) -> set[str]:
         """Tell ``expect`` the members that may stream to this node in ``round_``, if more
         than it was told (``told``)."""

@@ -45,7 +45,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Hashable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Hashable, Iterable
 from typing import TypeVar
 
 from swarmgrad.node.discovery.records import PeerRecord
@@ -65,6 +65,11 @@ MAX_PROBES_PER_ROUND = 64
 MAX_PROBES_IN_FLIGHT = 64
 #: Peers and answers remembered: beyond, the oldest are forgotten (keys cost nothing).
 MAX_REMEMBERED = 4096
+
+#: How long matchmaking waits for a missing peer before asking whether it is still there, and
+#: how often it asks again while that peer answers but is not ready (it is still training).
+PROBE_AFTER_SECONDS = 1.0
+PROBE_EVERY_SECONDS = 3.0
 
 #: Is this peer still there (its endpoint answers as it)? Must return within its own deadline.
 Alive = Callable[[PeerRecord], Awaitable[bool]]
@@ -214,6 +219,44 @@ class Probes:
             if not due or max(due) <= now:
                 return
             await asyncio.sleep(min(0.02, max(due) - now))
+
+
+class Liveness:
+    """Which of the peers a round waits for are gone: each missing one is asked (``alive``) once
+    it has been waited for ``PROBE_AFTER_SECONDS``, again every ``PROBE_EVERY_SECONDS`` while it
+    answers, in the background (the wait goes on polling meanwhile)."""
+
+    def __init__(self, round_: int, alive: Alive | None) -> None:
+        self._round, self._alive = round_, alive
+        self._loop = asyncio.get_running_loop()
+        self._started = self._loop.time()
+        self._asked: dict[str, float] = {}
+        self._probes: set[asyncio.Task[None]] = set()
+        self.gone: set[str] = set()
+
+    def check(self, missing: Collection[PeerRecord]) -> None:
+        now = self._loop.time()
+        if self._alive is None or now - self._started < PROBE_AFTER_SECONDS:
+            return
+        for record in missing:
+            asked = self._asked.get(record.peer_id)
+            if record.peer_id in self.gone or (asked and now - asked < PROBE_EVERY_SECONDS):
+                continue
+            self._asked[record.peer_id] = now
+            probe = asyncio.create_task(self._probe(self._alive, record))
+            self._probes.add(probe)
+            probe.add_done_callback(self._probes.discard)
+
+    async def _probe(self, alive: Alive, record: PeerRecord) -> None:
+        if not await alive(record):
+            log.info(
+                "round %d: %s does not answer; not waiting for it", self._round, record.peer_id
+            )
+            self.gone.add(record.peer_id)
+
+    def close(self) -> None:
+        for probe in self._probes:
+            probe.cancel()
 
 
 def _forget_oldest(memory: dict[K, V]) -> None:

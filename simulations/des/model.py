@@ -64,9 +64,9 @@ from swarmgrad.node.averaging.grouping import bucket_count, bucket_of
 from swarmgrad.node.averaging.matchmaking import (
     EXPECTED_REFRESH_SECONDS,
     POLL_SECONDS,
-    PROBE_AFTER_SECONDS,
     READY_MARGIN_SECONDS,
 )
+from swarmgrad.node.averaging.membership import PROBE_AFTER_SECONDS
 from swarmgrad.node.averaging.plan import AllReduceConfig
 from swarmgrad.node.averaging.rounds import WITHDRAW_MARGIN_SECONDS
 from swarmgrad.node.discovery.directory import DirectoryConfig

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.averaging.grouping import assign_groups
-from swarmgrad.node.averaging.matchmaking import PROBE_AFTER_SECONDS
+from swarmgrad.node.averaging.membership import PROBE_AFTER_SECONDS
 from swarmgrad.node.cli import app
 from swarmgrad.node.reachability.service import LIVENESS_TIMEOUT_SECONDS
 from swarmgrad.node.runspec import RunSpec

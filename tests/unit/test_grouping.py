@@ -10,7 +10,7 @@ from typing import Any, cast
 import pytest
 
 from swarmgrad.node.averaging.grouping import assign_groups
-from swarmgrad.node.averaging.matchmaking import Matchmaker
+from swarmgrad.node.averaging.matchmaking import Hooks, Matchmaker
 from swarmgrad.node.discovery.base import dht_time
 from swarmgrad.node.discovery.records import (
     MAX_AVOIDS,
@@ -140,7 +140,8 @@ async def test_nodes_whose_bans_differ_still_cut_the_same_groups() -> None:
         bans = sorted(attackers) if identity.peer_id in banners else []
         return Matchmaker(
             cast(Any, board), identity, group_size=8, matchmaking_timeout_seconds=10.0,
-            settle_seconds=0.2, peers=read, excluded=lambda p: p in bans, avoiding=lambda: bans,
+            settle_seconds=0.2,
+            hooks=Hooks(peers=read, excluded=lambda p: p in bans, avoiding=lambda: bans),
         )  # fmt: skip
 
     groups = await asyncio.gather(

@@ -8,7 +8,8 @@ from collections import Counter
 from typing import Any, cast
 
 from swarmgrad.node.averaging.grouping import assign_groups, bucket_count, bucket_of
-from swarmgrad.node.averaging.matchmaking import PROBE_AFTER_SECONDS, Matchmaker
+from swarmgrad.node.averaging.matchmaking import Hooks, Matchmaker
+from swarmgrad.node.averaging.membership import PROBE_AFTER_SECONDS
 from swarmgrad.node.discovery.base import dht_time
 from swarmgrad.node.discovery.records import PeerRecord, ReadyRecord
 from swarmgrad.node.identity import Identity
@@ -47,8 +48,7 @@ def maker(board: Board, identity: Identity, peers: list[PeerRecord], **options: 
         group_size=4,
         matchmaking_timeout_seconds=10.0,
         settle_seconds=0.05,
-        peers=read,
-        **options,
+        hooks=Hooks(peers=read, **options),
     )
 
 
