@@ -27,7 +27,7 @@ processes import it.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable
 
 #: Signature checks per second a storing peer may cost a DHT node, sustained, and at once.
@@ -35,6 +35,8 @@ CHECKS_PER_SECOND = 64.0
 CHECKS_BURST = 512
 #: Storing peers whose buckets a node keeps.
 MAX_STORERS = 4096
+#: Storers whose refusals are counted by name between two reports (``take_refusals``).
+MAX_NAMED_REFUSERS = 256
 
 
 class CheckBudget:
@@ -53,8 +55,9 @@ class CheckBudget:
         self._per_second, self._burst, self._most = per_second, float(burst), most_storers
         self._clock = clock
         self._buckets: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()  # tokens, at
-        #: Checks refused, by storer: what the node's log reports.
+        #: Checks refused in all, and since the last report by storer (the node's log).
         self.refused = 0
+        self._refusers: Counter[Hashable] = Counter()
 
     def take(self, storer: Hashable) -> bool:
         """Whether ``storer`` may have one more new value checked now (and it is counted)."""
@@ -65,8 +68,17 @@ class CheckBudget:
         self._buckets[storer] = (tokens - 1.0 if allowed else tokens, now)
         if len(self._buckets) > self._most:
             self._buckets.popitem(last=False)  # the least recently seen storer
-        self.refused += not allowed
+        if not allowed:
+            self.refused += 1
+            if storer in self._refusers or len(self._refusers) < MAX_NAMED_REFUSERS:
+                self._refusers[storer] += 1
         return allowed
+
+    def take_refusals(self, most: int = 3) -> tuple[int, list[tuple[Hashable, int]]]:
+        """How many storers were refused since the last call (counted up to
+        :data:`MAX_NAMED_REFUSERS`), and the ``most`` refused most, with their counts."""
+        refusers, self._refusers = self._refusers, Counter()
+        return len(refusers), refusers.most_common(most)
 
     def for_storer(self, storer: Hashable | None) -> Callable[[], bool] | None:
         """What ``records.validate`` asks before it checks a new value for ``storer`` (None: a

@@ -17,7 +17,7 @@ import hivemind.dht.protocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import dht_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
@@ -97,11 +97,25 @@ class SealedValues(RecordValidatorBase):  # type: ignore[misc]
     def _log_refusals(self) -> None:
         now = time.monotonic()
         if now - self._logged_at >= LOG_EVERY_SECONDS:
+            storers, most = self.checks.take_refusals()
             log.info(
-                "refused %d stores from peers past their budget of signature checks",
-                self.checks.refused - self._logged_refused,
-            )
+                "refused %d stores past the budget of signature checks of their %d storers "
+                "(most: %s)",
+                self.checks.refused - self._logged_refused, storers,
+                ", ".join(f"{_storer_name(storer)} {count}" for storer, count in most),
+            )  # fmt: skip
             self._logged_at, self._logged_refused = now, self.checks.refused
+
+
+def _storer_name(storer: Hashable) -> str:
+    """A storer as the log names it: its libp2p peer id (and "cache" for its cache copies)."""
+    if isinstance(storer, tuple) and storer and isinstance(storer[0], bytes):
+        try:
+            name = PeerID(storer[0]).to_base58()
+        except Exception:  # not a peer id: name it by its bytes
+            name = storer[0].hex()
+        return f"{name} (cache)" if storer[1:] == (True,) else name
+    return str(storer)
 
 
 class BoundedStorage(DHTLocalStorage):  # type: ignore[misc]

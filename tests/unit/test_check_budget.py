@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from swarmgrad.node.discovery import envelope as envelope_module
-from swarmgrad.node.discovery.check_budget import CHECKS_BURST, CheckBudget
+from swarmgrad.node.discovery.check_budget import CHECKS_BURST, MAX_NAMED_REFUSERS, CheckBudget
 from swarmgrad.node.discovery.envelope import Kind, OverBudget, RecordError, open_envelope, peek
 from swarmgrad.node.discovery.libp2p_directory import Directory
 from swarmgrad.node.discovery.records import validate
@@ -49,6 +49,20 @@ def test_a_storer_gets_its_burst_then_its_rate_and_others_are_not_touched() -> N
     assert sum(checks.take("flooder") for _ in range(50)) == 10
     clock.now = 100.0  # idle for long: a burst again, never more
     assert sum(checks.take("flooder") for _ in range(50)) == 20
+
+
+def test_refusals_are_reported_by_storer_within_bounds() -> None:
+    checks = CheckBudget(per_second=1.0, burst=1, clock=Clock())
+    for storer in ("flooder", "flooder", "flooder", "other", "other"):
+        checks.take(storer)
+    assert checks.take_refusals() == (2, [("flooder", 2), ("other", 1)])
+    assert checks.take_refusals() == (0, [])  # reported once
+    for storer in range(MAX_NAMED_REFUSERS + 50):  # keys cost nothing: names are bounded
+        checks.take(storer)
+        checks.take(storer)
+    named, _ = checks.take_refusals()
+    assert named == MAX_NAMED_REFUSERS
+    assert checks.refused == 3 + MAX_NAMED_REFUSERS + 50  # while every refusal is counted
 
 
 def test_the_storers_table_is_bounded() -> None:
@@ -172,6 +186,25 @@ def test_a_hivemind_dht_node_checks_a_record_once_and_its_storer_pays_once(
         assert len(counted_checks) == 1
     finally:
         hivemind_storage._STORER.reset(token)
+
+
+def test_the_dht_log_names_the_peers_it_refused(caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("hivemind")
+    from hivemind.p2p import PeerID
+
+    from swarmgrad.node.discovery import hivemind_storage
+
+    flooder = PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N")
+    validator = hivemind_storage.SealedValues()
+    validator.checks = CheckBudget(per_second=1.0, burst=1, clock=Clock())
+    for _ in range(4):
+        validator.checks.take((flooder.to_bytes(), False))
+    validator.checks.take((flooder.to_bytes(), True))
+    validator.checks.take((flooder.to_bytes(), True))
+    with caplog.at_level("INFO", logger=hivemind_storage.__name__):
+        validator._log_refusals()
+    assert "refused 4 stores past the budget of signature checks of their 2 storers" in caplog.text
+    assert f"most: {flooder.to_base58()} 3, {flooder.to_base58()} (cache) 1" in caplog.text
 
 
 def test_matchmaking_reads_a_crowded_round_key_less_often() -> None:
