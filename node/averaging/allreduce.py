@@ -46,13 +46,14 @@ __all__ = [
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 
 from swarmgrad.compression import Codec, Meta, decode
+from swarmgrad.node.averaging.coverage import Coverage, chunk_offsets, cover
 from swarmgrad.node.averaging.group import Group, chunk_sizes
 from swarmgrad.node.averaging.hooks import RoundHooks
 from swarmgrad.node.averaging.plan import (
@@ -162,7 +163,7 @@ async def run_round(
 async def _reduce_own_part(state: _Round, values: torch.Tensor, out: torch.Tensor) -> None:
     reducer = state.plan.reducer
     assert reducer is not None  # a member with a part has a reducer for it
-    offsets = _offsets(reducer.chunk_numels)
+    offsets = chunk_offsets(reducer.chunk_numels)
     if not reducer.rules.owner_abstains:
         for index, (start, end) in enumerate(offsets):  # owners reduce on the CPU
             await reducer.accept(state.me, index, values[start:end].cpu())
@@ -182,7 +183,7 @@ async def _exchange_with_owner(
     group, config, traffic, side = plan.group, plan.config, plan.traffic, plan.side
     owner = group.members[part]
     numels = chunk_sizes(values.numel(), config.chunk_values)
-    offsets = _offsets(numels)
+    offsets = chunk_offsets(numels)
     codec, result_codec = config.make_codec(), config.make_result_codec()
     queue: asyncio.Queue[Framed | None] = asyncio.Queue(maxsize=2)
     header = _header(state, part)
@@ -262,7 +263,7 @@ async def _produce(
         sent = state.sent[first : first + values.numel()]
     numels = chunk_sizes(values.numel(), plan.config.chunk_values)
     try:
-        for index, (start, end) in enumerate(_offsets(numels)):
+        for index, (start, end) in enumerate(chunk_offsets(numels)):
             # A view of `values` for the identity codec: the caller's vector is not modified
             # during the round.
             payload, meta = await asyncio.to_thread(
@@ -335,14 +336,6 @@ def _check_contributors(response: averaging_pb2.AggregateResponse, group: Group)
         raise ProtocolViolation(ResultCode.BAD_PAYLOAD, f"bad contributor list {contributors}")
 
 
-def _offsets(numels: list[int]) -> list[tuple[int, int]]:
-    offsets, start = [], 0
-    for numel in numels:
-        offsets.append((start, start + numel))
-        start += numel
-    return offsets
-
-
 def _encode(
     codec: Codec, values: torch.Tensor, sent: torch.Tensor | None
 ) -> tuple[bytes | memoryview, Meta]:
@@ -374,54 +367,4 @@ def _summarize(state: _Round, bounds: list[tuple[int, int]], out: torch.Tensor) 
         failure_kinds=dict(state.failure_kinds),
         excluded_by=tuple(sorted(state.excluded_by)),
         chunk_contributors=dict(state.contributors),
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class Coverage:
-    """Which members' values a round's result holds, and where it holds none."""
-
-    contributors: tuple[str, ...]
-    partial: tuple[str, ...]
-    missing: tuple[tuple[int, int], ...]
-    #: Whether any chunk was averaged with another member than this one.
-    with_others: bool
-
-
-def cover(
-    group: Group,
-    config: AllReduceConfig,
-    bounds: list[tuple[int, int]],
-    contributors: Mapping[tuple[int, int], tuple[int, ...]],
-    me: int | None = None,
-    *,
-    abstains: bool = False,
-) -> Coverage:
-    """The :class:`Coverage` of a result whose chunks (part, index) hold ``contributors``'
-    values (absent: missing; ``abstains``: an owner's own values stay out of its part)."""
-    ids = [m.peer_id for m in group.members]
-    missing: list[tuple[int, int]] = []
-    seen_in: dict[int, int] = dict.fromkeys(range(len(ids)), 0)
-    averaged_chunks = 0
-    with_others = False
-    for part, (start, end) in enumerate(bounds):
-        for index, (cs, ce) in enumerate(_offsets(chunk_sizes(end - start, config.chunk_values))):
-            chunk = contributors.get((part, index))
-            if chunk is None:
-                if missing and missing[-1][1] == start + cs:
-                    missing[-1] = (missing[-1][0], start + ce)
-                else:
-                    missing.append((start + cs, start + ce))
-                continue
-            averaged_chunks += 1
-            with_others |= any(c != me for c in chunk)
-            for c in chunk:
-                seen_in[c] += 1
-            if abstains and part not in chunk:
-                seen_in[part] += 1  # an owner's values stay out of its own part
-    return Coverage(
-        contributors=tuple(ids[c] for c, n in seen_in.items() if n == averaged_chunks),
-        partial=tuple(ids[c] for c, n in seen_in.items() if 0 < n < averaged_chunks),
-        missing=tuple(missing),
-        with_others=with_others,
     )

@@ -12,7 +12,6 @@ import base64
 import contextlib
 import hashlib
 import itertools
-import json
 import logging
 import math
 import time
@@ -41,6 +40,7 @@ from swarmgrad.node.discovery.libp2p_directory import (
     encode_entries,
     merge,
 )
+from swarmgrad.node.discovery.libp2p_framing import Oversize, read_message, write_message
 
 log = logging.getLogger("swarmgrad.libp2p_sidecar")
 LOG_EVERY_SECONDS = 10.0
@@ -55,10 +55,6 @@ LOOKUP_SECONDS = 1.5  # a whole lookup; then the closest peers that answered are
 CONNECT_SECONDS = 5.0
 PENALTY_SECONDS = (10.0, 300.0)  # after a first failure; the cap after many in a row
 REFRESH_SECONDS = (2.0, 5.0, 15.0, 30.0)  # after joining, then every 30 s
-#: A message between peers: a get's answer is one key's entries, which the directory keeps
-#: under ``budget.MAX_BYTES_PER_KEY`` (base64 and JSON make them ~4/3 as large).
-MAX_MESSAGE_BYTES = 2 << 20
-
 # py-libp2p 0.8.1 dials a peer's addresses "happy eyeballs" style, but waits out the whole 250 ms
 # head start even when the first dial has already succeeded: every new connection costs 250 ms
 # (measured: connect 0.252 s, a query on an open connection 5-9 ms). Our peers are dialed at one
@@ -81,39 +77,6 @@ async def _bounded_ping(bucket: KBucket, peer: ID) -> bool:
 
 
 KBucket._ping_peer = _bounded_ping  # type: ignore[method-assign,assignment]
-
-
-# -- framing on libp2p streams -------------------------------------------------------------------
-
-
-class Oversize(ValueError):
-    """A message over ``MAX_MESSAGE_BYTES``: refused unread."""
-
-
-async def read_message(stream: INetStream) -> dict[str, Any]:
-    header = await _read_exactly(stream, 4)
-    size = int.from_bytes(header, "big")
-    if size > MAX_MESSAGE_BYTES:
-        raise Oversize(f"a message of {size} bytes")
-    message = json.loads(await _read_exactly(stream, size))
-    if not isinstance(message, dict):
-        raise ValueError("a message that is not an object")
-    return message
-
-
-async def write_message(stream: INetStream, message: dict[str, Any]) -> None:
-    data = json.dumps(message, separators=(",", ":")).encode()
-    await stream.write(len(data).to_bytes(4, "big") + data)
-
-
-async def _read_exactly(stream: INetStream, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = await stream.read(size - len(data))
-        if not chunk:
-            raise EOFError("the stream ended early")
-        data += chunk
-    return data
 
 
 # -- the node: host, DHT, lookups ----------------------------------------------------------------

@@ -152,7 +152,7 @@ def with_libp2p(args: argparse.Namespace) -> dict[str, Any]:
     from libp2p.peer.peerinfo import info_from_p2p_addr
     from libp2p.security.noise.transport import PROTOCOL_ID, Transport
 
-    from swarmgrad.node.discovery.libp2p_kademlia import read_message, write_message
+    from swarmgrad.node.discovery.libp2p_framing import read_message, write_message
     from swarmgrad.node.discovery.libp2p_sidecar import network_key
 
     directory = TProtocol("/swarmgrad/directory/1.0.0")

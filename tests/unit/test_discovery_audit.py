@@ -88,7 +88,7 @@ def test_a_flood_of_large_values_cannot_push_out_a_keys_records() -> None:
 
 def max_message_bytes() -> int:
     # libp2p cannot be imported into a process that may hold hivemind: read it in another.
-    code = "from swarmgrad.node.discovery.libp2p_kademlia import MAX_MESSAGE_BYTES as m; print(m)"
+    code = "from swarmgrad.node.discovery.libp2p_framing import MAX_MESSAGE_BYTES as m; print(m)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     return int(done.stdout)

@@ -25,7 +25,7 @@ from typing import Protocol
 import grpc
 import torch
 
-from swarmgrad.node.averaging.allreduce import cover
+from swarmgrad.node.averaging.coverage import cover
 from swarmgrad.node.averaging.group import Group, chunk_sizes
 from swarmgrad.node.averaging.open import audits
 from swarmgrad.node.averaging.open.checks import CheckBox, CheckRun, Verdict, run_checks
