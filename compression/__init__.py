@@ -7,7 +7,6 @@ Importing this package registers every built-in codec: ``none``, ``fp16``, ``bf1
 
 from swarmgrad.compression import floating, lowrank, quantization, sparse
 from swarmgrad.compression.base import (
-    DTYPES,
     MAX_NUMEL,
     Codec,
     CodecError,
@@ -18,6 +17,7 @@ from swarmgrad.compression.base import (
     get_codec,
     register,
 )
+from swarmgrad.compression.buffers import DTYPES
 from swarmgrad.compression.feedback import ErrorFeedback
 
 __all__ = [

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from swarmgrad.compression.base import Codec, Meta, decode, flat_float32
+from swarmgrad.compression.base import Codec, Meta, decode
+from swarmgrad.compression.buffers import flat_float32
 
 
 class ErrorFeedback:

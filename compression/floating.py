@@ -5,18 +5,14 @@ from __future__ import annotations
 import torch
 
 from swarmgrad.compression.base import (
-    DTYPES,
     DevicePayloadCodec,
     Meta,
     Ready,
-    Wire,
     check_finite,
-    device_flat,
     expect_params,
-    from_bytes,
     register,
-    scratch_bytes,
 )
+from swarmgrad.compression.buffers import DTYPES, Wire, device_flat, from_bytes, scratch_bytes
 
 _FP16_MAX = torch.finfo(torch.float16).max
 _BF16_BELOW_FP16_MAX = 65280.0  # the largest bfloat16 value that float16 holds

@@ -21,17 +21,14 @@ import math
 import torch
 
 from swarmgrad.compression.base import (
-    DTYPES,
     Codec,
     CodecError,
     Meta,
     check_finite,
     expect_params,
-    flat_float32,
-    from_bytes,
     register,
-    to_bytes,
 )
+from swarmgrad.compression.buffers import DTYPES, flat_float32, from_bytes, to_bytes
 
 _SEED = 0x5EED
 

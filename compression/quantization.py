@@ -31,16 +31,12 @@ from swarmgrad.compression.base import (
     Meta,
     NonFiniteError,
     Ready,
-    Wire,
     check_finite,
-    device_flat,
     expect_params,
     fits,
-    from_bytes,
     register,
-    scratch_bytes,
-    to_device,
 )
+from swarmgrad.compression.buffers import Wire, device_flat, from_bytes, scratch_bytes, to_device
 
 _CHUNK_VALUES = 1 << 20
 _DEVICE_CHUNK_VALUES = 1 << 24

@@ -25,17 +25,14 @@ import math
 import torch
 
 from swarmgrad.compression.base import (
-    DTYPES,
     Codec,
     CodecError,
     Meta,
     check_finite,
     expect_params,
-    flat_float32,
-    from_bytes,
     register,
-    to_bytes,
 )
+from swarmgrad.compression.buffers import DTYPES, flat_float32, from_bytes, to_bytes
 from swarmgrad.compression.quantization import Int8Blockwise
 
 _VALUE_BLOCK = 256

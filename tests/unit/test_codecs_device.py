@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from swarmgrad.compression import NonFiniteError, decode, get_codec, quantization
-from swarmgrad.compression.base import STAGE_BYTES, DevicePayloadCodec, to_device
+from swarmgrad.compression.base import DevicePayloadCodec
+from swarmgrad.compression.buffers import STAGE_BYTES, to_device
 
 DENSE = ["none", "fp16", "bf16", "int8", "int4"]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from swarmgrad.compression import decode, get_codec
-from swarmgrad.compression.base import _REGISTRY, from_bytes
+from swarmgrad.compression.base import _REGISTRY
+from swarmgrad.compression.buffers import from_bytes
 from swarmgrad.node.runspec import ModelSection
 from swarmgrad.node.training.device import (
     Prefetched,
