@@ -42,12 +42,13 @@ from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.discovery.start import start_discovery
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.kinds import Failure
-from swarmgrad.node.metrics import Links, NodeMetrics, Tallies
+from swarmgrad.node.metrics import NodeMetrics
 from swarmgrad.node.reachability.dialback import Reachability
 from swarmgrad.node.reachability.relay import RelayAdmission
 from swarmgrad.node.reachability.routes import PunchRoutes
 from swarmgrad.node.reachability.service import PeerService
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.scraped import Links, Tallies
 from swarmgrad.node.state.sync import StateParts, StateSync
 from swarmgrad.node.swarm_config import (
     MATCHMAKING_SETTLE_SECONDS,
@@ -327,7 +328,7 @@ class Swarm:
 
     @property
     def failures(self) -> Counter[str]:
-        """Failures by kind (:data:`swarmgrad.node.metrics.FAILURE_KINDS`)."""
+        """Failures by kind (:data:`swarmgrad.node.scraped.FAILURE_KINDS`)."""
         return self.tallies.failures
 
     @property

@@ -32,9 +32,9 @@ from swarmgrad.node.averaging.membership import Membership
 from swarmgrad.node.discovery.base import DiscoveryError
 from swarmgrad.node.discovery.directory import PeerDirectory
 from swarmgrad.node.kinds import Failure, RoundOutcome
-from swarmgrad.node.metrics import Tallies
 from swarmgrad.node.reachability.dialback import Reachability
 from swarmgrad.node.reachability.routes import PunchRoutes
+from swarmgrad.node.scraped import Tallies
 from swarmgrad.protocol.errors import RoundAborted
 
 log = logging.getLogger(__name__)

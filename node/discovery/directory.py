@@ -23,9 +23,9 @@ from swarmgrad.node.discovery.base import Discovery, DiscoveryError, dht_time
 from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.kinds import Failure
-from swarmgrad.node.metrics import Tallies
 from swarmgrad.node.published import listings
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.scraped import Tallies
 from swarmgrad.protocol.errors import SetupError
 
 log = logging.getLogger(__name__)

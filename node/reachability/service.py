@@ -18,11 +18,11 @@ from swarmgrad.compression import codec_names
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.kinds import Link, Reach
-from swarmgrad.node.metrics import Links
 from swarmgrad.node.reachability.dialback import Reachability
 from swarmgrad.node.reachability.punch import PunchResponder
 from swarmgrad.node.reachability.routes import PunchRoutes
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.scraped import Links
 from swarmgrad.node.transport.transport import Transport
 from swarmgrad.protocol import peer
 from swarmgrad.protocol.auth import Verifier

@@ -21,8 +21,8 @@ from typing import Protocol
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.kinds import Failure, Reach
-from swarmgrad.node.metrics import Tallies
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.scraped import Tallies
 from swarmgrad.node.state.download import download
 from swarmgrad.node.transport.transport import Transport
 from swarmgrad.protocol import state

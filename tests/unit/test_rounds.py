@@ -13,7 +13,7 @@ import torch
 from swarmgrad.node.averaging.allreduce import RoundResult
 from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.averaging.rounds import Outcome, RoundParts, Rounds, RoundsConfig
-from swarmgrad.node.metrics import Tallies
+from swarmgrad.node.scraped import Tallies
 from swarmgrad.protocol.errors import RoundAborted
 
 GROUP = Group(

@@ -22,9 +22,9 @@ from swarmgrad.node.discovery.directory import DirectoryConfig, PeerDirectory, S
 from swarmgrad.node.discovery.envelope import Envelope, Kind
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
-from swarmgrad.node.metrics import Tallies
 from swarmgrad.node.published import MAX_UNSIGNED_ROWS, PublishedRun, run_rows
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.scraped import Tallies
 from swarmgrad.node.trust.allowlist import Allowlist
 
 RUN = "claimed"

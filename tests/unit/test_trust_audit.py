@@ -15,7 +15,8 @@ from swarmgrad.node.averaging.open import evidence
 from swarmgrad.node.averaging.open.checks import verify_account
 from swarmgrad.node.averaging.plan import AllReduceConfig, round_key
 from swarmgrad.node.identity import Identity
-from swarmgrad.node.metrics import PEER_SERIES_ROUNDS, NodeMetrics
+from swarmgrad.node.metrics import NodeMetrics
+from swarmgrad.node.scraped import PEER_SERIES_ROUNDS
 from swarmgrad.node.trust.aggregate import Aggregator, aggregate
 from swarmgrad.node.trust.ledger import Flag, Observation, TrustLedger, TrustPolicy
 from swarmgrad.protocol.averaging import ACCOUNT_STATEMENT, seal
