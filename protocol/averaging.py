@@ -1,22 +1,17 @@
-"""The Averaging service's adapter: validate and decode peers' messages, hand them to the node.
+"""The Averaging service's wire side: stream headers and chunks, what members and owners sign
+of them, and the calls (``Aggregate``, ``Check``) a client makes.
 
-The servicer owns everything that can be checked without knowing the round's state (the signed
-header: the sender's key, the receiver, freshness, replays; message kinds, sizes, codec, shapes,
-decoding, NaN/Inf) and asks the node's :class:`AggregateHandler` for the rest (is there such a
-round, is the sender a member, has it sent this part already). The header's signature is checked
-before any chunk is read, and a sender's stream budget is charged only then: nobody can stream,
-or park streams, in a member's name. Every rejection ends the stream with the status of its
-ResultCode (see ``errors.py``) and is counted in :attr:`AveragingServicer.rejections`; the server
-keeps serving the other streams.
+What a peer sends is checked here before it touches memory: a header's signature, freshness
+and receiver (:func:`header_signed`), a chunk's kind, size, codec and shape (:func:`check_chunk`),
+its decoding with NaN/Inf refused (:func:`decode_chunk`). The server that applies those checks
+to streams is ``averaging_service.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import math
-from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -28,7 +23,6 @@ from swarmgrad.compression import CodecError, Meta, NonFiniteError, decode
 from swarmgrad.protocol.auth import (
     ANYONE,
     Signer,
-    Verifier,
     sign_request,
     sign_statement,
     signature_holds,
@@ -38,9 +32,8 @@ from swarmgrad.protocol.auth import (
 from swarmgrad.protocol.errors import ProtocolViolation, SwarmgradError, quote
 from swarmgrad.protocol.framing import Framed, serialize
 from swarmgrad.protocol.keys import verify_signature
-from swarmgrad.protocol.server import Malformed, Rejections, ServerLimits, lenient
 from swarmgrad.protocol.tensors import meta_from_proto, meta_to_proto
-from swarmgrad.protocol.v1 import averaging_pb2, averaging_pb2_grpc
+from swarmgrad.protocol.v1 import averaging_pb2
 from swarmgrad.protocol.v1.auth_pb2 import Auth
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
@@ -229,9 +222,6 @@ def check_method(channel: grpc.aio.Channel) -> grpc.aio.UnaryUnaryMultiCallable:
     )
 
 
-_SERVICE_NAME = "Averaging"
-
-
 def aggregate_method(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamMultiCallable:
     """The Aggregate call on ``channel``, sending Framed requests."""
     return channel.stream_stream(
@@ -239,252 +229,6 @@ def aggregate_method(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamMultiCal
         request_serializer=serialize,
         response_deserializer=averaging_pb2.AggregateResponse.FromString,
     )
-
-
-def add_to_server(servicer: AveragingServicer, server: grpc.aio.Server) -> None:
-    """Register ``servicer`` with Framed responses (the generated helper would reserialize)."""
-    handler = grpc.stream_stream_rpc_method_handler(
-        servicer.Aggregate,
-        request_deserializer=lenient(averaging_pb2.AggregateRequest.FromString),
-        response_serializer=serialize,
-    )
-    check = grpc.unary_unary_rpc_method_handler(
-        servicer.Check,
-        request_deserializer=lenient(averaging_pb2.Signed.FromString),
-        response_serializer=averaging_pb2.CheckReply.SerializeToString,
-    )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE, {"Aggregate": handler, "Check": check}),)
-    )
-
-
-class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
-    def __init__(
-        self,
-        handler: AggregateHandler,
-        *,
-        verifier: Verifier,
-        limits: ServerLimits | None = None,
-        rejections: Rejections | None = None,
-        pace: Callable[[int], Awaitable[None]] | None = None,
-    ) -> None:
-        """``pace`` waits until so many result bytes may go up the node's link (its upload cap):
-        an owner's results share the uplink with its own chunks."""
-        self._handler = handler
-        self._verifier = verifier
-        self._limits = limits or ServerLimits()
-        self._pace = pace
-        #: Streams open right now, by (authenticated) sender.
-        self.open_streams: Counter[str] = Counter()
-        #: Rejected streams, by ("Averaging", ResultCode name).
-        self.rejections = rejections if rejections is not None else Rejections()
-        #: Payload bytes "received" (members' chunks) and "sent" (averaged chunks).
-        self.traffic: Counter[str] = Counter()
-
-    async def Aggregate(
-        self,
-        request_iterator: Requests,
-        context: grpc.aio.ServicerContext[
-            averaging_pb2.AggregateRequest, averaging_pb2.AggregateResponse
-        ],
-    ) -> None:
-        session: PartSession | None = None
-        sender: str | None = None
-        try:
-            header = await _read_header(
-                request_iterator, self._verifier, self._limits.header_timeout_seconds
-            )
-            if self.open_streams[header.sender] >= self._limits.max_streams_per_peer:
-                raise ProtocolViolation(
-                    ResultCode.OVERLOADED,
-                    f"{header.sender} already has {self.open_streams[header.sender]} open streams",
-                )
-            sender = header.sender
-            self.open_streams[sender] += 1
-            session = await self._handler.open_session(header)
-            await _serve_stream(request_iterator, context, session, self.traffic, self._pace)
-            session.close(None)
-        except ProtocolViolation as error:
-            self.rejections.record(_SERVICE_NAME, error.code_name, str(error))
-            if session is not None:
-                session.close(error)
-            await context.abort(error.status, str(error))
-        except asyncio.CancelledError:
-            # The client went away (or the server is stopping): the owner drops this sender.
-            if session is not None:
-                session.close(ProtocolViolation(ResultCode.ABORTED, "stream cancelled"))
-            raise
-        except Exception as error:  # a bug of ours: counted, one rate-limited line
-            self.rejections.record(
-                _SERVICE_NAME, "INTERNAL", f"stream from {sender} failed: {error!r}"
-            )
-            if session is not None:
-                session.close(ProtocolViolation(ResultCode.ABORTED, f"stream failed: {error!r}"))
-            await context.abort(grpc.StatusCode.INTERNAL, f"stream failed: {type(error).__name__}")
-        finally:
-            if sender is not None:
-                self.open_streams[sender] -= 1
-                if self.open_streams[sender] <= 0:
-                    del self.open_streams[sender]
-
-    async def Check(
-        self,
-        request: averaging_pb2.Signed | Malformed,
-        context: grpc.aio.ServicerContext[averaging_pb2.Signed, averaging_pb2.CheckReply],
-    ) -> averaging_pb2.CheckReply:
-        """A member's reveal, report, accusation or audit request about a round (open runs)."""
-        try:
-            if isinstance(request, Malformed) or request.ByteSize() > MAX_CHECK_BYTES:
-                raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "a malformed check message")
-            signer, statement = unseal(request, CHECK_STATEMENT, averaging_pb2.CheckStatement)
-            # A private run's allowlist, as for a stream's header (Verifier.verify): a stranger's
-            # message must not wait in a slot for a round, nor reach the node at all.
-            admit = self._verifier.admit
-            if admit is not None and not admit(signer):
-                raise ProtocolViolation(
-                    ResultCode.NOT_ALLOWED, f"{signer} is not on this private run's allowlist"
-                )
-            if statement.sender != signer:
-                raise ProtocolViolation(
-                    ResultCode.UNAUTHENTICATED,
-                    f"a check message signed by {signer} in the name of {quote(statement.sender)}",
-                )
-            if statement.WhichOneof("body") is None:
-                raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "an empty check message")
-            chunk = await self._handler.check(statement, request)
-        except ProtocolViolation as error:
-            self.rejections.record(_SERVICE_NAME, error.code_name, str(error))
-            await context.abort(error.status, str(error))
-        return averaging_pb2.CheckReply(code=ResultCode.OK, payloads=[chunk] if chunk else [])
-
-
-async def _serve_stream(
-    requests: Requests,
-    context: grpc.aio.ServicerContext[
-        averaging_pb2.AggregateRequest, averaging_pb2.AggregateResponse
-    ],
-    session: PartSession,
-    traffic: Counter[str],
-    pace: Callable[[int], Awaitable[None]] | None,
-) -> None:
-    """Read chunks and write results concurrently; the first failure of either ends both."""
-
-    async def write_results() -> None:
-        async for result in session.results():
-            if pace is not None:
-                await pace(len(result.payload))
-            traffic["sent"] += len(result.payload)
-            await context.write(result.wire())
-        account = await session.account()
-        if account is not None:
-            await context.write(averaging_pb2.AggregateResponse(account=account))
-
-    reader = asyncio.create_task(_read_chunks(requests, session, traffic))
-    writer = asyncio.create_task(write_results())
-    try:
-        await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_EXCEPTION)
-        for task in (reader, writer):
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
-        await writer
-        await reader
-    finally:
-        for task in (reader, writer):
-            task.cancel()
-        await asyncio.gather(reader, writer, return_exceptions=True)
-
-
-Requests = AsyncIterator[averaging_pb2.AggregateRequest | Malformed]
-
-
-async def _read_header(
-    requests: Requests, verifier: Verifier, timeout_seconds: float
-) -> StreamHeader:
-    """The stream's first message, a header signed by its sender (the server's admission has
-    already bounded the wait; this bound holds for a servicer served without it)."""
-    try:
-        async with asyncio.timeout(timeout_seconds):
-            first = await anext(requests)
-    except TimeoutError:
-        raise ProtocolViolation(ResultCode.TIMED_OUT, "no header in time") from None
-    except StopAsyncIteration:
-        raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "empty stream") from None
-    if isinstance(first, Malformed) or first.WhichOneof("body") != "header":
-        raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "a stream must open with a PartHeader")
-    h = first.header
-    if not math.isfinite(h.weight) or h.weight < 0:
-        raise ProtocolViolation(ResultCode.BAD_PAYLOAD, f"bad weight {h.weight!r}")
-    if (
-        len(h.sender) > 256
-        or len(h.receiver) > 256
-        or len(h.key.run_id) > 256
-        or len(h.key.group_id) > 64
-        or len(h.key.spec_hash) > 64
-        or len(h.commitment) > 64
-    ):
-        raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "oversized header field")
-    header = StreamHeader(
-        run_id=h.key.run_id,
-        spec_hash=h.key.spec_hash,
-        round=h.key.round,
-        group_id=h.key.group_id,
-        sender=h.sender,
-        receiver=h.receiver,
-        part=h.part,
-        weight=h.weight,
-        commitment=h.commitment,
-        auth=h.auth,
-    )
-    verifier.verify(AGGREGATE, h.auth, receiver=h.receiver, fields=header.fields(), sender=h.sender)
-    return header
-
-
-async def _read_chunks(
-    requests: Requests,
-    session: PartSession,
-    traffic: Counter[str],
-) -> None:
-    """Validate, decode and pass on every chunk; close the session with the first violation."""
-    try:
-        expected = 0
-        # One decode buffer per stream, reused chunk after chunk: the session copies what it
-        # keeps, and a fresh multi-MiB tensor per chunk costs as much as decoding it.
-        scratch = torch.empty(max(session.chunk_numels, default=0), dtype=torch.float32)
-        while True:
-            try:
-                async with asyncio.timeout(session.sender_timeout_seconds):
-                    message = await anext(requests)
-            except StopAsyncIteration:
-                break
-            except TimeoutError:
-                raise ProtocolViolation(
-                    ResultCode.TIMED_OUT,
-                    f"no chunk {expected} within {session.sender_timeout_seconds:g} s",
-                ) from None
-            if isinstance(message, Malformed):
-                raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "a malformed message")
-            if message.WhichOneof("body") != "chunk":
-                raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "unexpected second header")
-            traffic["received"] += len(message.chunk.payload)
-            meta = check_chunk(
-                message.chunk,
-                index=expected,
-                numels=session.chunk_numels,
-                codec=session.codec,
-                max_bytes=session.max_chunk_bytes,
-            )
-            numel = session.chunk_numels[expected]
-            values = await decode_chunk(message.chunk.payload, meta, scratch[:numel])
-            await session.accept(expected, values, message.chunk)
-            expected += 1
-        if expected != len(session.chunk_numels):
-            raise ProtocolViolation(
-                ResultCode.BAD_SHAPE,
-                f"stream ended after {expected} of {len(session.chunk_numels)} chunks",
-            )
-    except ProtocolViolation as error:
-        session.close(error)
-        raise
 
 
 def check_chunk(

@@ -42,7 +42,8 @@ from swarmgrad.node.transport.memory import MemoryNetwork, MemoryTransport
 from swarmgrad.node.transport.transport import Transport, TransportConfig
 from swarmgrad.node.trust.ledger import TrustLedger
 from swarmgrad.protocol.auth import Verifier
-from swarmgrad.protocol.averaging import AveragingServicer, StreamHeader, add_to_server
+from swarmgrad.protocol.averaging import StreamHeader
+from swarmgrad.protocol.averaging_service import AveragingServicer, add_to_server
 from swarmgrad.protocol.errors import ProtocolViolation, RoundAborted, quote
 from swarmgrad.protocol.server import Rejections, ServerLimits
 from swarmgrad.protocol.v1 import averaging_pb2
