@@ -63,9 +63,9 @@ from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.training.device import pick_device
 from swarmgrad.node.training.diloco import DiLoCo
 from swarmgrad.node.training.trainer import set_lr
-from swarmgrad.protocol import stage as stage_protocol
 from swarmgrad.protocol.errors import ProtocolViolation, SwarmgradError
-from swarmgrad.protocol.stage import Computed, Microbatch, StageSchema, StageServicer
+from swarmgrad.protocol.stage import Computed, Microbatch, StageSchema
+from swarmgrad.protocol.stage_service import StageServicer, add_to_server
 from swarmgrad.protocol.v1 import stage_pb2
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
@@ -554,7 +554,7 @@ async def _serve(
         rejections=swarm.rejections,
         pace=swarm.transport.pace if swarm.transport.paced else None,
     )
-    swarm.transport.register(lambda server: stage_protocol.add_to_server(servicer, server))
+    swarm.transport.register(lambda server: add_to_server(servicer, server))
 
     metrics_url = [""]
 
