@@ -2,7 +2,7 @@
 
 An algorithm study, not a swarm: N replicas of the demo model in one process, each on its own
 data stream (as N peers would be), averaged exactly in fp32. It reuses the node's model, data
-and outer optimizer (:class:`swarmgrad.node.training.diloco.OuterOptimizer`); what it leaves
+and outer optimizer (:class:`swarmgrad.node.training.outer.OuterOptimizer`); what it leaves
 out is what ``benchmarks/communication.py`` measures (codecs, the wire, real processes). Three
 settings share the initial weights and the sample budget per replica:
 

@@ -56,8 +56,8 @@ from swarmgrad.node.training.device import (
     model_flops_utilization,
     peak_flops,
 )
-from swarmgrad.node.training.diloco import OuterOptimizer
 from swarmgrad.node.training.model import GPT, build_model
+from swarmgrad.node.training.outer import OuterOptimizer
 from swarmgrad.node.training.trainer import LOSS_READ_STEPS, InnerStep
 
 #: name: (d_model, n_layers, n_heads, seq_len, batch, vocab)

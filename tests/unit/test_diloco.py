@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarmgrad.node.training.diloco import OuterOptimizer
+from swarmgrad.node.training.outer import OuterOptimizer
 
 
 def randn(n: int, seed: int) -> torch.Tensor:

@@ -20,8 +20,8 @@ from swarmgrad.node.training.device import (
     model_flops_utilization,
     peak_flops,
 )
-from swarmgrad.node.training.diloco import OuterOptimizer
 from swarmgrad.node.training.model import build_model
+from swarmgrad.node.training.outer import OuterOptimizer
 from swarmgrad.node.training.trainer import InnerStep
 
 DEVICE_CODECS = ["none", "fp16", "bf16", "int8", "int4"]
