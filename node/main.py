@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import faulthandler
 import logging
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,10 @@ from swarmgrad.node.tracking import Tracker
 from swarmgrad.node.training.trainer import Progress, Trainer
 
 log = logging.getLogger(__name__)
+#: A node not in its swarm after this long writes every thread's stack to stderr (its log), once:
+#: a start has stalled (in CI: nothing logged after the peer id for 180 s), and the next one
+#: says where. The DHT's own start gives up after 60 s, so a slow start rarely comes this far.
+START_STALL_SECONDS = 90.0
 
 
 def write_status(path: Path, status: dict[str, Any]) -> None:
@@ -56,7 +62,11 @@ async def node(config: NodeConfig, stop: asyncio.Event) -> int:
     settings = config.settings
     # The checkpoint lock and the metrics socket come after the Swarm: its DHT forks a process,
     # which would inherit them (and hold them past a kill -9 of this one).
-    async with Swarm(config.spec, identity, config.swarm) as swarm:
+    with _stall_report():
+        swarm = Swarm(config.spec, identity, config.swarm)
+        await swarm.__aenter__()
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_exit(swarm.__aexit__)
         log.info(
             "joined run %s (spec %s); gRPC %s; DHT (%s) %s",
             config.spec.run.id,
@@ -72,6 +82,17 @@ async def node(config: NodeConfig, stop: asyncio.Event) -> int:
             serving(swarm.metrics, settings.metrics_address) as server,
         ):
             return await _train(config, swarm, checkpoints, server, stop)
+
+
+@contextlib.contextmanager
+def _stall_report() -> Iterator[None]:
+    """Write every thread's stack to stderr if the block is still running after
+    :data:`START_STALL_SECONDS`."""
+    faulthandler.dump_traceback_later(START_STALL_SECONDS)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 async def _train(
