@@ -28,6 +28,7 @@ from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.swarm_config import SwarmConfig
 from swarmgrad.node.transport.transport import Transport
 from swarmgrad.protocol import stage as stage_protocol
+from swarmgrad.protocol import stage_service
 from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.server import ServerLimits, open_channel, start_server
 from swarmgrad.protocol.v1 import stage_pb2
@@ -60,7 +61,7 @@ BATCH = 4
 class Replica:
     identity: Identity
     worker: StageWorker
-    servicer: stage_protocol.StageServicer
+    servicer: stage_service.StageServicer
     server: grpc.aio.Server
     port: int
 
@@ -74,11 +75,11 @@ async def _replica(index: int, identity: Identity, port: int = 0) -> Replica:
     module = build_stage(SPEC.model, SPEC.pipeline, index, seed=SPEC.data.seed)
     worker = StageWorker(module, SPEC, peer_id=identity.peer_id)
     worker.state = "serving"
-    servicer = stage_protocol.StageServicer(
+    servicer = stage_service.StageServicer(
         schema_of(SPEC, index), worker, verifier=Verifier(identity.peer_id)
     )
     server, bound = await start_server(
-        lambda s: stage_protocol.add_to_server(servicer, s), port=port
+        lambda s: stage_service.add_to_server(servicer, s), port=port
     )
     return Replica(identity, worker, servicer, server, bound)
 
@@ -445,10 +446,10 @@ async def test_a_stages_only_replica_that_missed_one_deadline_is_tried_again() -
                 await asyncio.sleep(1.5)
             return await worker.forward(mb, inputs)
 
-    servicer = stage_protocol.StageServicer(
+    servicer = stage_service.StageServicer(
         schema_of(spec, 0), cast(Any, SlowOnce()), verifier=Verifier(identity.peer_id)
     )
-    server, port = await start_server(lambda s: stage_protocol.add_to_server(servicer, s))
+    server, port = await start_server(lambda s: stage_service.add_to_server(servicer, s))
     transport = Transport(SwarmConfig().transport(ServerLimits()))
     try:
         async with transport:
@@ -499,7 +500,7 @@ async def test_nan_values_are_refused_as_non_finite_and_a_full_queue_as_overload
             await call(request(1, nan), timeout=10)
         assert "NON_FINITE" in (refused.value.details() or "")
         # The worker thread busy: beyond MAX_QUEUED the replica refuses before decoding more.
-        monkeypatch.setattr(stage_protocol, "MAX_QUEUED", 2)
+        monkeypatch.setattr(stage_service, "MAX_QUEUED", 2)
         release = asyncio.Event()
         real = replica.worker.forward_loss
 
