@@ -14,7 +14,7 @@ import contextlib
 import faulthandler
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +62,7 @@ async def node(config: NodeConfig, stop: asyncio.Event) -> int:
     settings = config.settings
     # The checkpoint lock and the metrics socket come after the Swarm: its DHT forks a process,
     # which would inherit them (and hold them past a kill -9 of this one).
-    with _stall_report():
-        swarm = Swarm(config.spec, identity, config.swarm)
-        await swarm.__aenter__()
-    async with contextlib.AsyncExitStack() as stack:
-        stack.push_async_exit(swarm.__aexit__)
+    async with _joined(Swarm(config.spec, identity, config.swarm)) as swarm:
         log.info(
             "joined run %s (spec %s); gRPC %s; DHT (%s) %s",
             config.spec.run.id,
@@ -93,6 +89,17 @@ def _stall_report() -> Iterator[None]:
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+@contextlib.asynccontextmanager
+async def _joined(swarm: Swarm) -> AsyncIterator[Swarm]:
+    """``async with swarm``, its start under :func:`_stall_report` (and only its start)."""
+    with _stall_report():
+        await swarm.__aenter__()
+    try:
+        yield swarm
+    finally:
+        await swarm.__aexit__(None, None, None)
 
 
 async def _train(

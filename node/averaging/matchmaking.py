@@ -200,7 +200,7 @@ class Matchmaker:
             # Readiness first: its signers' questions go before the census's.
             posted = await self._ready(round_, avoided)
             candidates = self._admit(round_, posted, records, probes, kept)
-            census = take_census(round_, me, peers, probes, self._excluded, self.group_size)
+            census = self._census(round_, peers, probes)
             while loop.time() < deadline:
                 told = self._tell(round_, candidates, census, told)
                 seen = {r.peer_id for r in candidates if census.in_bucket(r.peer_id)}
@@ -233,7 +233,7 @@ class Matchmaker:
                     records = {p.peer_id: p for p in peers if p.peer_id != me}
                 posted = await self._ready(round_, avoided)
                 candidates = self._admit(round_, posted, records, probes, kept)
-                census = take_census(round_, me, peers, probes, self._excluded, self.group_size)
+                census = self._census(round_, peers, probes)
             await asyncio.sleep(self.settle_seconds)
             posted = await self._ready(round_, avoided)
             candidates = self._admit(round_, posted, records, probes, kept)
@@ -242,7 +242,7 @@ class Matchmaker:
                 # node waits for the same answers, and so cuts the same groups.
                 await probes.settle()
                 candidates = self._admit(round_, posted, records, probes, kept)
-                census = take_census(round_, me, peers, probes, self._excluded, self.group_size)
+                census = self._census(round_, peers, probes)
             self._tell(round_, candidates, census, told)
         finally:
             liveness.close()
@@ -303,6 +303,10 @@ class Matchmaker:
             )  # fmt: skip
         return {p: by_id[p] for p in mine}
 
+    def _census(self, round_: int, peers: list[PeerRecord], probes: Probes | None) -> Census:
+        me = self._identity.peer_id
+        return take_census(round_, me, peers, probes, self._excluded, self.group_size)
+
     def _wave_over(self, candidates: list[ReadyRecord], census: Census) -> float:
         """When waiting stops mattering (DHT time): a record signed after this node's wave
         closed is in the next wave, and one signed before has had its margin to be read."""
@@ -333,7 +337,7 @@ class Matchmaker:
             held = kept.get(r.peer_id)
             if held is None or r.issued_at >= held.issued_at:
                 kept[r.peer_id] = r
-        return [r for r in freshest_first(round_, kept.values()) if r.expires_at > now]
+        return [r for r in kept.values() if r.expires_at > now]
 
     def _counted(
         self,

@@ -60,14 +60,14 @@ async def test_latecomers_within_one_wave_average_among_themselves() -> None:
     census = [peer(i.peer_id, 6) for i in ids.values()]
     makers = {name: maker(board, i, census) for name, i in ids.items()}
     for mm in makers.values():
-        mm.timeout_seconds = 2.0  # a 1 s wave
+        mm.timeout_seconds = 4.0  # a 2 s wave
 
     async def start(name: str, after_seconds: float) -> Group | None:
         await asyncio.sleep(after_seconds)
         return await makers[name].form_group(6, endpoint=f"{name}:1")
 
     a, b, late1, late2 = await asyncio.gather(
-        start("a", 0.0), start("b", 0.2), start("late1", 1.4), start("late2", 1.7)
+        start("a", 0.0), start("b", 0.2), start("late1", 2.8), start("late2", 3.3)
     )
     assert members(a) == members(b) == sorted([ids["a"].peer_id, ids["b"].peer_id])
     assert members(late1) == members(late2) == sorted([ids["late1"].peer_id, ids["late2"].peer_id])
