@@ -67,7 +67,7 @@ from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.training.data import load_corpus
 from swarmgrad.node.training.model import GPT, build_model, flatten, unflatten
 from swarmgrad.node.training.outer import OuterOptimizer
-from swarmgrad.node.training.trainer import set_lr
+from swarmgrad.node.training.step import set_lr
 from swarmgrad.node.trust.aggregate import Aggregate, Aggregator, aggregate
 from swarmgrad.node.trust.checks import holds, part_seed, project, signs
 from swarmgrad.node.trust.ledger import Flag, TrustLedger

@@ -35,7 +35,7 @@ from swarmgrad.node import config as node_config
 from swarmgrad.node.runspec import AlgorithmSection, RunSpec
 from swarmgrad.node.training.data import Batches, Corpus, load_corpus
 from swarmgrad.node.training.model import GPT, build_model
-from swarmgrad.node.training.trainer import set_lr
+from swarmgrad.node.training.step import set_lr
 from swarmgrad.simulations.baseline import adamw_step, diloco_exact, inner_optimizer, warm_start
 from swarmgrad.simulations.swarm import DEMO_SPEC
 

@@ -58,7 +58,8 @@ from swarmgrad.node.training.device import (
 )
 from swarmgrad.node.training.model import GPT, build_model
 from swarmgrad.node.training.outer import OuterOptimizer
-from swarmgrad.node.training.trainer import LOSS_READ_STEPS, InnerStep
+from swarmgrad.node.training.step import InnerStep
+from swarmgrad.node.training.trainer import LOSS_READ_STEPS
 
 #: name: (d_model, n_layers, n_heads, seq_len, batch, vocab)
 SIZES: dict[str, tuple[int, int, int, int, int, int]] = {

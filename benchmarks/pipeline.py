@@ -50,7 +50,8 @@ from swarmgrad.node.config import home
 from swarmgrad.node.pipeline.model import Pipeline
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.training.data import load_corpus
-from swarmgrad.simulations.pipeline import PIPELINE_DEMO_SPEC, PipelineSwarm
+from swarmgrad.simulations.pipeline import PIPELINE_DEMO_SPEC
+from swarmgrad.simulations.pipeline_swarm import PipelineSwarm
 
 SPEC = (
     PIPELINE_DEMO_SPEC.format(stages=4)
@@ -115,8 +116,7 @@ def pipeline_arm(
                 swarm.start_stage(stage, replica, *cap, *on)
         if kill or second_stage2:  # one more replica of stage 2 (which dies mid-run: kill)
             # It gets about half of the stage's 4 x steps forwards: it dies about mid-run.
-            crash = ["--crash-after-forwards", str(steps)] if kill else []
-            swarm.start_stage(2, 1, *crash, *cap, *on)
+            swarm.start_stage(2, 1, *cap, *on, crash_after_forwards=steps if kill else None)
         swarm.wait_serving()
         swarm.start_trainer(0, "--max-steps", str(steps), *cap)
         status = swarm.wait_finished("trainer0")

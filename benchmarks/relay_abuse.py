@@ -32,7 +32,9 @@ import time
 from typing import Any
 
 from swarmgrad.node.identity import Identity
-from swarmgrad.node.reachability.relay import RelayClient, RelayError, RelayServer
+from swarmgrad.node.reachability.relay import RelayError
+from swarmgrad.node.reachability.relay_client import RelayClient
+from swarmgrad.node.reachability.relay_server import RelayServer
 
 _WRITE_BYTES = 1 << 20
 

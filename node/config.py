@@ -71,9 +71,6 @@ class NodeConfig:
     stage: int | None = None
     #: A pipeline trainer stops after this many steps (None: when stopped).
     max_steps: int | None = None
-    #: Fault injection (tests, simulations): a stage server kills itself (SIGKILL) right after
-    #: answering this many forwards, between their forwards and backwards.
-    crash_after_forwards: int | None = None
 
     def __post_init__(self) -> None:
         self._check_role()
@@ -227,7 +224,6 @@ class CommandLine:
     role: str = "node"
     stage: int | None = None
     max_steps: int | None = None
-    crash_after_forwards: int | None = None
 
 
 def node_config(
@@ -288,7 +284,6 @@ def node_config(
         role=cli.role,
         stage=cli.stage,
         max_steps=cli.max_steps,
-        crash_after_forwards=cli.crash_after_forwards,
     )
 
 

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from swarmgrad.node.training.trainer import Progress
+from swarmgrad.node.training.progress import Progress
 
 
 def _bytes(n: float) -> str:

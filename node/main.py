@@ -30,7 +30,8 @@ from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.state.checkpoint import Checkpointer
 from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.tracking import Tracker
-from swarmgrad.node.training.trainer import Progress, Trainer
+from swarmgrad.node.training.progress import Progress
+from swarmgrad.node.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 #: A node not in its swarm after this long writes every thread's stack to stderr (its log), once:

@@ -1,8 +1,8 @@
-"""A node's place in the swarm: the parts it is built from, and their lifetimes.
+"""A node's place in the swarm: the parts it is made of, and their lifetimes.
 
 ``Swarm`` is what trainers (the CLI's and a researcher's own loop, through
-``node/training/api.py``) talk to. It builds the node's parts, each with what it depends on, and
-owns them, in start order:
+``node/training/api.py``) talk to. Its parts are built in ``node/swarm_parts.py``, each by its
+own room's constructor, and started in this order when the node joins:
 
 1. the DHT (``discovery/``; first, before any gRPC object: hivemind forks), and the run's
    :class:`PeerDirectory` on it, which refuses a run trained with another spec;
@@ -11,7 +11,8 @@ owns them, in start order:
 3. :class:`Reachability` and punching routes (``reachability/``);
 4. :class:`Rounds` (``averaging/``): matchmaking and the all-reduce under one round budget;
 5. :class:`StateSync` (``state/``): what this node serves, and downloads when behind;
-6. the tasks that keep this node's record fresh and its reachability known.
+6. the tasks that keep this node's record fresh and its reachability known (and, in private
+   and open runs, its allowlist and ban records).
 
 Trainers run in a worker thread and reach the loop through :meth:`Swarm.call`; everything here
 runs on the loop.
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
 from collections import Counter
 from collections.abc import Callable, Coroutine
@@ -29,162 +29,61 @@ from typing import Any, TypeVar
 
 import torch
 
-from swarmgrad.compression import get_codec
-from swarmgrad.node.averaging.averager import Averager, LossProbe
-from swarmgrad.node.averaging.matchmaking import Hooks as MatchmakingHooks
-from swarmgrad.node.averaging.matchmaking import Matchmaker
-from swarmgrad.node.averaging.membership import Membership
-from swarmgrad.node.averaging.open.evidence import verify_bytes
-from swarmgrad.node.averaging.rounds import Averaged, RoundParts, Rounds
-from swarmgrad.node.discovery.base import Discovery
+from swarmgrad.node.averaging.averager import LossProbe
+from swarmgrad.node.averaging.rounds import Averaged
 from swarmgrad.node.discovery.directory import PeerDirectory
 from swarmgrad.node.discovery.records import PeerRecord
-from swarmgrad.node.discovery.start import start_discovery
 from swarmgrad.node.identity import Identity
-from swarmgrad.node.kinds import Failure
-from swarmgrad.node.metrics import NodeMetrics
 from swarmgrad.node.reachability.dialback import Reachability
-from swarmgrad.node.reachability.relay import RelayAdmission
-from swarmgrad.node.reachability.routes import PunchRoutes
-from swarmgrad.node.reachability.service import PeerService
 from swarmgrad.node.runspec import RunSpec
-from swarmgrad.node.scraped import Links, Tallies
-from swarmgrad.node.state.sync import StateParts, StateSync
-from swarmgrad.node.swarm_config import (
-    MATCHMAKING_SETTLE_SECONDS,
-    SwarmConfig,
-    allreduce_config,
-    round_budget_seconds,
-)
+from swarmgrad.node.swarm_config import SwarmConfig
+from swarmgrad.node.swarm_metrics import watch
+from swarmgrad.node.swarm_parts import Joined, Parts, build_parts, excluded, join_parts
 from swarmgrad.node.tasks import LoopBridge, TaskSet
-from swarmgrad.node.transport.transport import Transport
-from swarmgrad.node.trust.allowlist import AllowlistWatcher
 from swarmgrad.node.trust.board import BanBoard
 from swarmgrad.node.trust.ledger import TrustLedger
-from swarmgrad.protocol import stage, state
-from swarmgrad.protocol.auth import Verifier
-from swarmgrad.protocol.server import Rejections, ServerLimits
+from swarmgrad.protocol import state
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def stage_message_bytes(spec: RunSpec) -> int:
-    """The largest request a pipeline stage server takes: a microbatch as large as the whole
-    batch, its inputs and their gradients in fp32, plus headers (0 without a pipeline)."""
-    if spec.pipeline.stages < 2:
-        return 0
-    return stage.max_message_bytes(spec.data.batch_size, spec.model.seq_len, spec.model.d_model)
-
-
 class Swarm:
-    """``async with Swarm(spec, identity, config) as swarm``: this node joined to its run."""
+    """``async with Swarm(spec, identity, config) as swarm``: this node joined to its run.
 
-    def __init__(self, spec: RunSpec, identity: Identity, config: SwarmConfig) -> None:
+    Its parts are built by :func:`~swarmgrad.node.swarm_parts.build_parts` (or passed in as
+    ``parts``) and, once it joins, :func:`~swarmgrad.node.swarm_parts.join_parts`; ``describe``
+    adds to this node's record as it is at each announcement (a stage replica's stage fields).
+    """
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        identity: Identity,
+        config: SwarmConfig,
+        *,
+        describe: Callable[[], dict[str, Any]] = dict,
+        parts: Parts | None = None,
+    ) -> None:
         self.spec, self.identity, self.config = spec, identity, config
         self.peer_id = identity.peer_id
-        self.codec = get_codec(spec.averaging.codec)
-        self.codec_is_lossless = spec.averaging.codec == "none"
-        #: What happened to this node, by event, and its failures by kind.
-        self.tallies = Tallies()
-        self.metrics = NodeMetrics(
-            peer_id=self.peer_id,
-            run_id=spec.run.id,
-            spec_hash=spec.short_hash,
-            algorithm=spec.algorithm.name,
-            codec=spec.averaging.codec,
+        self.describe = describe
+        self.parts = parts = parts if parts is not None else build_parts(spec, identity, config)
+        self.codec, self.codec_is_lossless = parts.codec, spec.averaging.codec == "none"
+        self.tallies, self.metrics = parts.tallies, parts.metrics
+        self.allowlist, self.verifier, self.rejections = (
+            parts.allowlist,
+            parts.verifier,
+            parts.rejections,
         )
-        #: A private run's allowlist (None: anyone may take part).
-        self.allowlist = (
-            AllowlistWatcher(spec.trust.run_key, self.peer_id) if spec.trust.private else None
-        )
-        #: Checks every signed request this node receives (one replay memory for all services).
-        self.verifier = Verifier(
-            self.peer_id, admit=self.allowlist.allowed if self.allowlist is not None else None
-        )
-        #: Requests this node's services refused, by service and result code.
-        self.rejections = Rejections()
-        # What does not need the DHT is built now; the rest once it runs (__aenter__).
-        rounds = allreduce_config(spec)
-        self.routes = PunchRoutes(
-            identity,
-            spec,
-            host=config.host,
-            public_host=lambda: self.peer_service.public_host(),
-            enabled=config.reachability.punch,
-        )
-        limits = ServerLimits(
-            max_message_bytes=max(
-                2 * rounds.max_chunk_bytes, state.MAX_MESSAGE_BYTES, stage_message_bytes(spec)
-            )
-        )
-        self.transport = Transport(
-            config.transport(limits), route=self.routes.resolve, rejections=self.rejections
-        )
-        self.state = StateSync(
-            StateParts(
-                identity=identity,
-                spec=spec,
-                transport=self.transport,
-                verifier=self.verifier,
-                rejections=self.rejections,
-                tallies=self.tallies,
-                observe_seconds=self.metrics.state_sync_duration.observe,
-            ),
-            config.state_sync(),
-        )
-        self.peer_service = PeerService(
-            identity,
-            spec,
-            self.transport,
-            verifier=self.verifier,
-            rejections=self.rejections,
-            punch=config.reachability.punch,
-        )
-        self._averager = Averager(
-            identity,
-            rounds,
-            self.transport,
-            verifier=self.verifier,
-            rejections=self.rejections,
-            ledger=TrustLedger(store=config.bans_path if spec.trust.open else None),
-        )
-        #: Whose readiness counts in matchmaking: peers it averaged with lately, the
-        #: allowlist's, newcomers that answer a probe (``averaging/membership.py``).
-        self.membership = Membership(
-            self.peer_service.alive,
-            allowed=self.allowlist.allowed if self.allowlist is not None else None,
-        )
-        self._discovery: Discovery | None = None
-        self.directory: PeerDirectory | None = None
-        self.reachability: Reachability | None = None
-        self._rounds: Rounds | None = None
+        self.routes, self.transport, self.state = parts.routes, parts.transport, parts.state
+        self.peer_service, self.membership = parts.peer_service, parts.membership
+        self._averager = parts.averager
+        self._joined: Joined | None = None
         self._bridge = LoopBridge()
         self._tasks = TaskSet()
         self.throughput = 0.0  # samples/s, announced
-        #: More of this node's record, as it is now (a stage replica's stage fields).
-        self.describe: Callable[[], dict[str, Any]] = dict
-        self.metrics.read_tallies(traffic=self._traffic_totals, failures=self._failure_totals)
-        self.metrics.read_links(self._links)
-        self.metrics.read_relay(self._relay_counts)
-        self.metrics.read_rejections(self.rejections.snapshot)
-        #: Open runs: bans published with their evidence, read and checked (None otherwise).
-        self.board: BanBoard | None = None
-        if spec.trust.open:
-            ledger = self._averager.ledger
-            checks = self._averager.checks
-            self.board = board = BanBoard(
-                ledger,
-                me=self.peer_id,
-                verify=functools.partial(verify_bytes, run_id=spec.run.id, spec_hash=spec.hash),
-            )
-            self.metrics.read_trust(
-                lambda: (ledger.table(), (*ledger.counts(), dict(checks), dict(board.counts)))
-            )
-        sample = torch.randn(  # its own generator: the process's random stream is the user's
-            min(spec.averaging.chunk_values, 1 << 16), generator=torch.Generator().manual_seed(0)
-        )
-        self.metrics.compression_ratio.set(sample.nbytes / len(self.codec.encode(sample)[0]))
+        watch(self)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -192,80 +91,15 @@ class Swarm:
         if self._bridge.released:  # its transport, averager and tasks are closed for good
             raise RuntimeError("this Swarm was closed: make a new one to join again")
         self._bridge.attach(asyncio.get_running_loop())
-        spec, config = self.spec, self.config
-        self._discovery = await start_discovery(
-            config.discovery_config(), self.identity, run_id=spec.run.id, spec_hash=spec.hash
-        )
         try:
-            self.directory = PeerDirectory(
-                self._discovery,
-                spec,
-                config.directory(),
+            self._joined = await join_parts(
+                self.spec,
+                self.identity,
+                self.config,
+                self.parts,
                 own_record=self._own_record,
-                tallies=self.tallies,
-                seen=self.metrics.peers.set,
+                tasks=self._tasks,
             )
-            await self.directory.check_spec()
-            await self.transport.__aenter__()
-            self.reachability = Reachability(
-                self.identity,
-                spec,
-                self.transport,
-                peers=self.directory.refresh,
-                changed=self.directory.changed,
-                # Its relay serves the run's peers (a live record), and only the allowed ones.
-                admit=RelayAdmission(
-                    peers=lambda: self.peers,
-                    reread=self.directory.refresh,
-                    allowed=self.allowlist.allowed if self.allowlist is not None else None,
-                ),
-                config=config.reachability,
-            )
-            matchmaker = Matchmaker(
-                self._discovery,
-                self.identity,
-                group_size=spec.averaging.group_size,
-                matchmaking_timeout_seconds=spec.averaging.matchmaking_timeout_seconds,
-                settle_seconds=MATCHMAKING_SETTLE_SECONDS,
-                hooks=MatchmakingHooks(
-                    peers=self.directory.refresh,
-                    excluded=self.excludes,
-                    avoiding=self._averager.ledger.newest_bans,
-                    membership=self.membership,
-                    expect=self._averager.expect,
-                ),
-            )
-            budget = round_budget_seconds(
-                spec, config, dht_call_seconds=self._discovery.call_timeout_seconds
-            )
-            self._rounds = Rounds(
-                RoundParts(
-                    matchmaker=matchmaker,
-                    averager=self._averager,
-                    directory=self.directory,
-                    reachability=self.reachability,
-                    routes=self.routes,
-                    tallies=self.tallies,
-                    spawn=self._spawn,
-                    membership=self.membership,
-                ),
-                config.rounds(budget_seconds=budget),
-            )
-            if self.allowlist is not None:
-                self.allowlist.read = self._discovery.find_allowlists
-                await self.allowlist.refresh()
-                self._spawn(self.allowlist.run(), "allowlist")
-            if self.board is not None:
-                discovery = self._discovery
-                self.board.read = discovery.find_bans
-                self.board.publish = lambda body, until: discovery.publish_bans(
-                    body, expires_at=until
-                )
-                self._spawn(self.board.run(), "ban-records")
-            await self.directory.join()
-            self._spawn(self.directory.keep_fresh(), "announce")
-            self._spawn(self.reachability.run(), "reachability")
-            self.peer_service.attach(self.reachability, self.transport.port)
         except BaseException:
             await self._close()
             raise
@@ -278,19 +112,38 @@ class Swarm:
         """Graceful leave: withdraw the record, stop serving (with a grace period), stop the DHT."""
         self.release_waiters()
         await self._tasks.close()
-        if self.directory is not None:
-            await self.directory.leave()
+        joined, self._joined = self._joined, None
+        if joined is not None:
+            await joined.directory.leave()
         await self.routes.close()
         await self.peer_service.close()  # and reachability: unmap ports, leave relays
         await self.transport.close()  # stop serving (with its grace), then the rounds
         await self._averager.stop()
         await self.membership.close()  # its questions still open
-        if self._discovery is not None:
-            await self._discovery.close()
-            self._discovery = None
+        if joined is not None:
+            await joined.discovery.close()
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        self._tasks.spawn(coro, name)
+    @property
+    def directory(self) -> PeerDirectory | None:
+        """The run's peers in the DHT (None until this node joined)."""
+        return self._joined.directory if self._joined is not None else None
+
+    @property
+    def reachability(self) -> Reachability | None:
+        """How peers reach this node (None until it joined)."""
+        return self._joined.reachability if self._joined is not None else None
+
+    @property
+    def board(self) -> BanBoard | None:
+        """Open runs: bans published with their evidence, read and checked (None otherwise,
+        and until this node joined)."""
+        return self._joined.board if self._joined is not None else None
+
+    @property
+    def ban_counts(self) -> Counter[str]:
+        """Ban records read, by outcome, and published (:class:`BanBoard`)."""
+        board = self.board
+        return board.counts if board is not None else Counter()
 
     # -- what the trainer, the CLI and the metrics read ----------------------------------------
 
@@ -341,31 +194,11 @@ class Swarm:
         return self._averager.traffic
 
     def visible_maddrs(self) -> list[str]:
-        return self._discovery.visible_maddrs() if self._discovery is not None else []
+        return self._joined.discovery.visible_maddrs() if self._joined is not None else []
 
     def reachability_summary(self) -> dict[str, Any]:
         """How peers reach this node, and what it relays for others."""
         return self.peer_service.summary(self.routes)
-
-    def _links(self) -> Links:
-        return self.peer_service.links(self.routes, self.peers, self.peer_id)
-
-    def _relay_counts(self) -> Counter[str]:
-        relay = self.reachability.relay_server if self.reachability is not None else None
-        return relay.counts if relay is not None else Counter()
-
-    def _traffic_totals(self) -> dict[tuple[str, str], int]:
-        averaging = self.traffic
-        return {
-            ("sent", "averaging"): averaging["sent"],
-            ("received", "averaging"): averaging["received"],
-            ("sent", "state"): self.state.servicer.sent_bytes,
-            ("received", "state"): self.state.received_bytes,
-        }
-
-    def _failure_totals(self) -> Counter[str]:
-        # Streams our servicer rejected are violations by the peers that sent them.
-        return self.failures + Counter({Failure.PROTOCOL_VIOLATION: self.rejections.total()})
 
     # -- this node's record -------------------------------------------------------------------
 
@@ -408,8 +241,8 @@ class Swarm:
 
     async def records_of(self, spec: RunSpec) -> list[PeerRecord]:
         """The peer records of another run on this node's DHT (a pipeline's other stages)."""
-        assert self._discovery is not None
-        return await self._discovery.for_run(spec.run.id, spec.hash).find()
+        assert self._joined is not None
+        return await self._joined.discovery.for_run(spec.run.id, spec.hash).find()
 
     async def refresh_peers(self) -> list[PeerRecord]:
         assert self.directory is not None
@@ -426,9 +259,7 @@ class Swarm:
     def excludes(self, peer_id: str) -> bool:
         """Peers this node does not average with or learn from: banned by its ledger (open
         runs), or not on the allowlist (private runs)."""
-        if self._averager.ledger.banned(peer_id):
-            return True
-        return self.allowlist is not None and not self.allowlist.allowed(peer_id)
+        return excluded(self._averager.ledger, self.allowlist, peer_id)
 
     async def download_state(
         self, donors: list[PeerRecord], num_values: int
@@ -445,8 +276,10 @@ class Swarm:
         keep_sent: bool = False,
     ) -> Averaged:
         """One round (``averaging/rounds.py``): a group for ``epoch``, then the all-reduce."""
-        assert self._rounds is not None
-        return await self._rounds.run(vector, epoch=epoch, weight=weight, keep_sent=keep_sent)
+        assert self._joined is not None
+        return await self._joined.rounds.run(
+            vector, epoch=epoch, weight=weight, keep_sent=keep_sent
+        )
 
     # -- the trainer's thread -------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from swarmgrad.node.runspec import AlgorithmSection, RunSpec
 from swarmgrad.node.training.data import Batches, Corpus, load_corpus
 from swarmgrad.node.training.model import CausalLM, build_model, flatten, save_weights, unflatten
 from swarmgrad.node.training.outer import OuterOptimizer
-from swarmgrad.node.training.trainer import evaluate, set_lr
+from swarmgrad.node.training.step import evaluate, set_lr
 
 
 def train_alone(

@@ -34,6 +34,12 @@ def adversary_command(attack: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "swarmgrad.simulations.adversary", "--attack", attack, *args]
 
 
+def crashing_stage_command(forwards: int, *args: str) -> list[str]:
+    """``swarmgrad <args>``, its stage server dying after ``forwards`` forwards (``faults.py``)."""
+    module = "swarmgrad.simulations.faults"
+    return [sys.executable, "-m", module, "--crash-after-forwards", str(forwards), *args]
+
+
 def stop_gracefully(process: Child, timeout_seconds: float = 15.0) -> None:
     """SIGTERM (a node leaves gracefully), then SIGKILL its whole session if it is not gone
     within ``timeout_seconds``."""

@@ -7,6 +7,7 @@ two lanes for ``pytest -n 2``.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -28,6 +29,29 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     if config.getoption("dist") != "load":
         return None
     return lanes.make_scheduler(config, log)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each test's seconds (setup, call and teardown together) and lane, for the timings file."""
+    _TIMINGS.setdefault(report.nodeid, 0.0)
+    _TIMINGS[report.nodeid] += report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Write every test's seconds and lane to ``.pytest_cache/timings.json`` (the suite's time,
+    by lane: what ``tests/lanes.py`` balances; ``scripts/timings.py`` reads it)."""
+    if not _TIMINGS or hasattr(session.config, "workerinput"):  # a worker: its controller writes
+        return
+    out = session.config.rootpath / ".pytest_cache" / "timings.json"
+    out.parent.mkdir(exist_ok=True)
+    rows = [
+        {"test": nodeid, "lane": lanes.lane(nodeid), "seconds": round(seconds, 2)}
+        for nodeid, seconds in sorted(_TIMINGS.items(), key=lambda item: -item[1])
+    ]
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+_TIMINGS: dict[str, float] = {}
 
 
 class Peers:

@@ -56,7 +56,8 @@ class _DHT(hivemind.DHT):  # type: ignore[misc]
     SIGTERM mid-reply) leaves it held for good: every later DHT process forked from the same
     parent hangs at its first reply, before it can even say it is ready (seen: a test process's
     fork server, after ~30 DHTs killed mid-call). Here the replies to one node take a
-    :class:`ReplyLock` instead, which the kernel releases when its holder dies.
+    :class:`ReplyLock` instead, which the kernel releases when its holder dies (and every
+    forked process has hivemind's other locks to itself: :func:`_own_locks`).
     """
 
     def __init__(self, *args: Any, from_clean_process: bool, **kwargs: Any) -> None:
@@ -90,11 +91,28 @@ class _DHT(hivemind.DHT):  # type: ignore[misc]
         # process, they are bounded ones, and stores are checked within the storer's budget.
         hivemind.dht.protocol.DHTLocalStorage = BoundedStorage
         hivemind.dht.node.DHTProtocol = StorerProtocol
-        # Before anything takes them. hivemind's two other process-wide locks guard only this
-        # process's own state (its reply backend, its shared bytes): a thread lock each.
+        # Before anything takes it (the fork gave this process locks of its own for the rest:
+        # _own_locks).
         MPFuture._update_lock = self._reply_lock
-        MPFuture._initialization_lock = threading.Lock()
-        SharedBytes._lock = threading.Lock()
+
+
+def _own_locks() -> None:
+    """Give this process hivemind's process-wide locks of its own (run in every child forked
+    from a process that imported this module).
+
+    hivemind makes them at import, as multiprocessing semaphores, and so every process forked
+    after shares them. They guard only each process's own state (its shared bytes, its reply
+    backend; the replies to a node take a :class:`ReplyLock`), but a process killed while it
+    holds one (SIGKILL, while it allocates shared bytes for a DHT call's future) leaves it held
+    for good, for all its siblings: every node forked later from the same zygote or fork server
+    hung at its DHT's first future, right after logging its peer id (the lone node's start stall
+    CI saw for 180 s, and a whole simulation's bootstrap in a namespace). A thread lock each."""
+    MPFuture._update_lock = threading.Lock()
+    MPFuture._initialization_lock = threading.Lock()
+    SharedBytes._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_own_locks)
 
 
 class ReplyLock:

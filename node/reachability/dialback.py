@@ -35,13 +35,9 @@ from swarmgrad.node.identity import Identity
 from swarmgrad.node.kinds import Reach
 from swarmgrad.node.metrics import parse_address
 from swarmgrad.node.reachability.portmap import PortMapError, PortMapping, map_port
-from swarmgrad.node.reachability.relay import (
-    Admit,
-    RelayClient,
-    RelayError,
-    RelayLimits,
-    RelayServer,
-)
+from swarmgrad.node.reachability.relay import Admit, RelayError, RelayLimits
+from swarmgrad.node.reachability.relay_client import RelayClient
+from swarmgrad.node.reachability.relay_server import RelayServer
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.transport.transport import Transport
 from swarmgrad.protocol.errors import SwarmgradError

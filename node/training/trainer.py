@@ -15,8 +15,6 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import torch
 
@@ -34,13 +32,14 @@ from swarmgrad.node.training.api import DiLoCo, RoundReport, SyncDataParallel
 from swarmgrad.node.training.data import TOKENIZER_TENSOR, Batches, load_corpus, tokenizer_tensor
 from swarmgrad.node.training.device import (
     Prefetched,
-    autocast,
     model_flops_utilization,
     peak_flops,
     pick_device,
 )
-from swarmgrad.node.training.model import CausalLM, build_model
+from swarmgrad.node.training.model import build_model
+from swarmgrad.node.training.progress import Progress
 from swarmgrad.node.training.spot_check import LossProbe
+from swarmgrad.node.training.step import InnerStep, evaluate, set_lr
 
 log = logging.getLogger(__name__)
 
@@ -51,93 +50,6 @@ LOSS_READ_STEPS = 16
 #: At the last epoch, how long a node waits for its peers' records to reach it before it
 #: checks that it holds the majority's state (Replica.settle).
 SETTLE_SECONDS = 10.0
-
-
-@dataclass(slots=True)
-class Progress:
-    """What the display and the status file show; updated by the trainer thread."""
-
-    peer_id: str = ""
-    algorithm: str = ""
-    device: str = ""
-    epoch: int = 0
-    steps: int = 0
-    samples: int = 0
-    tokens: int = 0
-    loss: float = math.nan  # moving average of the training loss
-    val_loss: float = math.nan
-    initial_val_loss: float = math.nan
-    tokens_per_second: float = 0.0  # this process's: its own tokens over its own seconds
-    parameters: int = 0
-    #: Model FLOPs utilization: 6 x parameters x tokens/s over the device's bf16 peak (NaN:
-    #: unknown peak, e.g. a CPU).
-    mfu: float = math.nan
-    lr: float = math.nan  # the inner optimizer's learning rate at the last step
-    peers: int = 0
-    group_size: int = 0
-    #: Like steps, samples and tokens, these are the node's totals over its restarts (kept in
-    #: its checkpoints): they never go down.
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    last_round_seconds: float = 0.0
-    compute_seconds: float = 0.0
-    communication_seconds: float = 0.0
-    checksum: str = ""
-    checkpoint: str = ""  # the last one written
-    resumed_from: str = ""  # the checkpoint this run started from
-    outcomes: dict[str, int] = field(default_factory=dict)
-    #: Open runs: per peer this node aggregated, its scores, flags and ban (the trust ledger).
-    trust: dict[str, dict[str, object]] = field(default_factory=dict)
-    history: list[dict[str, Any]] = field(default_factory=list)  # one entry per round
-    started_at: float = field(default_factory=time.time)
-    finished: bool = False
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@torch.no_grad()
-def evaluate(model: CausalLM, windows: torch.Tensor, device: torch.device) -> float:
-    model.eval()
-    windows = windows.to(device)
-    with autocast(device):
-        loss = model.loss(windows[:, :-1], windows[:, 1:])
-    model.train()
-    return float(loss)
-
-
-class InnerStep:
-    """One inner training step as the trainer runs it, with no host sync: bf16 autocast on a GPU,
-    the forward and loss compiled on request (the model itself stays a plain module: replicas,
-    checkpoints and evaluation see its parameters), backward, and (DiLoCo) the optimizer's step.
-    Returns the loss, detached, still on the device. ``benchmarks/gpu.py`` times this very code.
-    """
-
-    def __init__(
-        self,
-        model: CausalLM,
-        optimizer: torch.optim.Optimizer,
-        device: torch.device,
-        *,
-        compile: bool = False,
-        optimizer_steps: bool = True,
-    ) -> None:
-        self.optimizer, self.device, self.optimizer_steps = optimizer, device, optimizer_steps
-        self._loss = torch.compile(model.loss) if compile else model.loss
-
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with autocast(self.device):
-            loss = self._loss(inputs, targets)
-        loss.backward()  # type: ignore[no-untyped-call]
-        if self.optimizer_steps:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
 
 
 class Trainer:

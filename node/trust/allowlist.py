@@ -60,14 +60,16 @@ class Allowlist:
         return cls(version=version, peers=frozenset(peers))
 
 
+#: Reads the allowlists filed under the run (the run's DHT).
+Read = Callable[[], Awaitable[list[Envelope]]]
+
+
 class AllowlistWatcher:
     """This node's view of its private run's allowlist."""
 
     def __init__(self, run_key_id: str, me: str) -> None:
         self.run_key_id, self.me = run_key_id, me
         self.current: Allowlist | None = None
-        #: Reads the allowlists filed under the run (set once the node's DHT runs).
-        self.read: Callable[[], Awaitable[list[Envelope]]] | None = None
 
     def allowed(self, peer_id: str) -> bool:
         current = self.current
@@ -100,19 +102,18 @@ class AllowlistWatcher:
         )
         return True
 
-    async def refresh(self) -> bool:
-        if self.read is None:
-            return False
+    async def refresh(self, read: Read) -> bool:
+        """Adopt the newest allowlist ``read`` finds (the run's DHT); whether it changed."""
         try:
-            return self.take(await self.read())
+            return self.take(await read())
         except DiscoveryError as error:
             log.warning("could not read the allowlist (keeping version %s): %s",
                         self.current.version if self.current else "none", error)  # fmt: skip
             return False
 
-    async def run(self, changed: Callable[[], None] = lambda: None) -> None:
+    async def run(self, read: Read, changed: Callable[[], None] = lambda: None) -> None:
         """Read the allowlist every :data:`REFRESH_SECONDS` (``changed`` after a new one)."""
         while True:
-            if await self.refresh():
+            if await self.refresh(read):
                 changed()
             await asyncio.sleep(REFRESH_SECONDS)

@@ -20,7 +20,8 @@ import asyncio
 import hashlib
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from google.protobuf.message import DecodeError
 
@@ -48,14 +49,21 @@ _MEMORY = 4096
 Verify = Callable[[bytes], tuple[str, Flag, int]]
 
 
+class Channel(Protocol):
+    """Where ban records are filed (:class:`~swarmgrad.node.discovery.base.Discovery`)."""
+
+    async def publish_bans(self, body: bytes, *, expires_at: float) -> None: ...
+
+    async def find_bans(self) -> list[Envelope]: ...
+
+
 class BanBoard:
     """This node's side of the run's published bans."""
 
-    def __init__(self, ledger: TrustLedger, *, me: str, verify: Verify) -> None:
+    def __init__(self, ledger: TrustLedger, *, me: str, verify: Verify, channel: Channel) -> None:
         self.ledger, self.me, self.verify = ledger, me, verify
-        #: Reads every node's records; publishes this node's (set once the DHT runs).
-        self.read: Callable[[], Awaitable[list[Envelope]]] | None = None
-        self.publish: Callable[[bytes, float], Awaitable[None]] | None = None
+        #: Where every node's records are read and this node's published (the run's DHT).
+        self.channel = channel
         #: Evidence read, by outcome: "adopted", "known" (already banned on evidence),
         #: "rejected", "against_me"; and records "published".
         self.counts: Counter[str] = Counter()
@@ -126,13 +134,11 @@ class BanBoard:
         """Publish this node's records (if it has any), then read and check the others'."""
         body = self.body()
         try:
-            if self.publish is not None and (body or self._published):
-                await self.publish(body, dht_time() + TTL_SECONDS)
+            if body or self._published:
+                await self.channel.publish_bans(body, expires_at=dht_time() + TTL_SECONDS)
                 self._published = body
                 self.counts["published"] += bool(body)
-            if self.read is None:
-                return 0
-            envelopes = await self.read()
+            envelopes = await self.channel.find_bans()
             return await asyncio.to_thread(self.take, envelopes)  # signatures: off the loop
         except DiscoveryError as error:
             log.warning("could not exchange ban records: %s", error)

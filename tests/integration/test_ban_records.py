@@ -54,9 +54,8 @@ def board_of(identity: Identity, dht: HivemindDiscovery, ledger: TrustLedger) ->
         ledger,
         me=identity.peer_id,
         verify=lambda data: verify_bytes(data, run_id=RUN, spec_hash=SPEC),
+        channel=dht,
     )
-    board.read = dht.find_bans
-    board.publish = lambda body, until: dht.publish_bans(body, expires_at=until)
     return board
 
 

@@ -22,7 +22,7 @@ from swarmgrad.node.training.data import (
 )
 from swarmgrad.node.training.export import ExportError, export
 from swarmgrad.node.training.model import GPT, build_model
-from swarmgrad.node.training.trainer import evaluate
+from swarmgrad.node.training.step import evaluate
 from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
 
 SPEC = RunSpec.from_toml(

@@ -25,12 +25,11 @@ import pytest
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.simulations.pipeline import (
     PipelineSimulation,
-    PipelineSwarm,
     reference_losses,
     simulate_pipeline,
-    trainer_identity,
     whole_model_bytes,
 )
+from swarmgrad.simulations.pipeline_swarm import PipelineSwarm, trainer_identity
 from swarmgrad.simulations.processes import node_command
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -142,7 +141,7 @@ def test_replicas_fail_over_the_router_prefers_the_fast_one_and_a_lost_stage_wai
         # It dies after its 4th forward: two equal replicas need not share a stage's work
         # (an idle one that measured faster gets each microbatch, the other waits as a spare:
         # one CI run gave it 9 of 160), so a later crash might never come.
-        swarm.start_stage(2, 1, "--crash-after-forwards", "4")
+        swarm.start_stage(2, 1, crash_after_forwards=4)
         swarm.start_stage(3)
         swarm.wait_serving()
         swarm.start_trainer(0, "--max-steps", str(steps))

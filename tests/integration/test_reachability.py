@@ -20,7 +20,9 @@ import pytest
 
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.reachability.punch import PunchResponder
-from swarmgrad.node.reachability.relay import RelayClient, RelayError, RelayLimits, RelayServer
+from swarmgrad.node.reachability.relay import RelayError, RelayLimits
+from swarmgrad.node.reachability.relay_client import RelayClient
+from swarmgrad.node.reachability.relay_server import RelayServer
 from swarmgrad.protocol import peer
 from swarmgrad.protocol.auth import Verifier, sign_request
 from swarmgrad.protocol.errors import STATUS_OF, PeerUnavailable, ProtocolViolation

@@ -18,14 +18,10 @@ import pytest
 from swarmgrad.node.discovery.base import dht_time
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
-from swarmgrad.node.reachability.relay import (
-    MIB,
-    RelayAdmission,
-    RelayClient,
-    RelayError,
-    RelayLimits,
-    RelayServer,
-)
+from swarmgrad.node.reachability.relay import MIB, RelayError, RelayLimits
+from swarmgrad.node.reachability.relay_admission import RelayAdmission
+from swarmgrad.node.reachability.relay_client import RelayClient
+from swarmgrad.node.reachability.relay_server import RelayServer
 from swarmgrad.protocol import peer
 from swarmgrad.protocol.server import start_server
 from tests.helpers import until

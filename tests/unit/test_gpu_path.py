@@ -22,7 +22,7 @@ from swarmgrad.node.training.device import (
 )
 from swarmgrad.node.training.model import build_model
 from swarmgrad.node.training.outer import OuterOptimizer
-from swarmgrad.node.training.trainer import InnerStep
+from swarmgrad.node.training.step import InnerStep
 
 DEVICE_CODECS = ["none", "fp16", "bf16", "int8", "int4"]
 

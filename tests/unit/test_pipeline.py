@@ -15,7 +15,8 @@ from rich.console import Console
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.pipeline.balance import Move, Replica, choose_stage, plan_move
 from swarmgrad.node.pipeline.model import Pipeline, build_stage, parameter_bytes
-from swarmgrad.node.pipeline.trainer import BAN_SECONDS, Router, stages_round
+from swarmgrad.node.pipeline.routing import BAN_SECONDS, Router
+from swarmgrad.node.pipeline.trainer import stages_round
 from swarmgrad.node.runspec import PipelineSection, RunSpec, RunSpecError
 from swarmgrad.node.status import ScoresError, read_traffic, stage_summary, stages_table
 from swarmgrad.simulations.pipeline import PipelineSimulation, simulate_pipeline

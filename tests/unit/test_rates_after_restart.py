@@ -27,7 +27,8 @@ from swarmgrad.node.training import replica as replica_module
 from swarmgrad.node.training import trainer as trainer_module
 from swarmgrad.node.training.api import DiLoCo
 from swarmgrad.node.training.model import build_model
-from swarmgrad.node.training.trainer import Progress, Trainer
+from swarmgrad.node.training.progress import Progress
+from swarmgrad.node.training.trainer import Trainer
 from tests.unit.test_node_parts import fake_sdist
 
 SPEC = """\

@@ -12,7 +12,9 @@ from prometheus_client import generate_latest
 from swarmgrad.node.discovery.base import dht_time
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.metrics import NodeMetrics
-from swarmgrad.node.reachability.relay import MIB, RelayAdmission, RelayLimits, _Budget
+from swarmgrad.node.reachability.relay import MIB, RelayLimits
+from swarmgrad.node.reachability.relay_admission import RelayAdmission
+from swarmgrad.node.reachability.relay_server import _Budget
 
 
 def record(peer_id: str, ttl_seconds: float = 60.0) -> PeerRecord:

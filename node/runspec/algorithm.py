@@ -1,0 +1,75 @@
+"""``[algorithm]``: DiLoCo or per-step sync, its steps, learning rates and schedule."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from swarmgrad.node.runspec.errors import RunSpecError, positive
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AlgorithmSection:
+    name: str = "diloco"  # "diloco", or "sync" (per-step gradient averaging, the reference)
+    inner_steps: int = 50
+    inner_lr: float = 3e-4
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    target_batch_size: int = 256  # sync: samples per global step
+    # The inner learning rate's schedule, by inner optimizer step over the whole run (diloco:
+    # epoch x inner_steps + steps into the round; sync: the global step): a linear warm-up over
+    # warmup_steps, then, if decay_steps > 0, a cosine decay that reaches min_lr_ratio x
+    # inner_lr at step decay_steps and stays there. All 0: a constant inner_lr.
+    warmup_steps: int = 0
+    decay_steps: int = 0
+    min_lr_ratio: float = 0.1
+    #: diloco: overlap each round's all-reduce with the next round's inner steps (its outer
+    #: update lands one round late, the local progress made meanwhile carried onto it).
+    overlap: bool = False
+    #: diloco: sync the model in this many fragments, one every inner_steps / fragments steps.
+    fragments: int = 1
+
+    def __post_init__(self) -> None:
+        if self.overlap and self.name != "diloco":
+            raise RunSpecError("algorithm.overlap is for algorithm.name = 'diloco'")
+        if self.fragments != 1 and self.name != "diloco":
+            raise RunSpecError("algorithm.fragments is for algorithm.name = 'diloco'")
+        if self.fragments < 1 or self.inner_steps % self.fragments:
+            raise RunSpecError(
+                f"algorithm.fragments ({self.fragments}) must be at least 1 and divide "
+                f"algorithm.inner_steps ({self.inner_steps})"
+            )
+        if self.name not in ("diloco", "sync"):
+            raise RunSpecError(f"algorithm.name must be 'diloco' or 'sync', got {self.name!r}")
+        positive(
+            "algorithm",
+            inner_steps=self.inner_steps,
+            inner_lr=self.inner_lr,
+            outer_lr=self.outer_lr,
+            target_batch_size=self.target_batch_size,
+        )
+        if not 0 <= self.outer_momentum < 1:
+            raise RunSpecError(
+                f"algorithm.outer_momentum must be in [0, 1), got {self.outer_momentum!r}"
+            )
+        if self.warmup_steps < 0 or self.decay_steps < 0:
+            raise RunSpecError("algorithm.warmup_steps and algorithm.decay_steps must be >= 0")
+        if self.decay_steps and self.decay_steps <= self.warmup_steps:
+            raise RunSpecError(
+                f"algorithm.decay_steps ({self.decay_steps}) must exceed algorithm.warmup_steps "
+                f"({self.warmup_steps}): the decay follows the warm-up (0 turns it off)"
+            )
+        if not 0 < self.min_lr_ratio <= 1:
+            raise RunSpecError(
+                f"algorithm.min_lr_ratio must be in (0, 1], got {self.min_lr_ratio!r}"
+            )
+
+    def lr_at(self, step: int) -> float:
+        """The inner learning rate for inner optimizer step ``step`` (0-based, whole run)."""
+        if step < self.warmup_steps:
+            return self.inner_lr * (step + 1) / self.warmup_steps
+        if not self.decay_steps:
+            return self.inner_lr
+        done = min(1.0, (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps))
+        floor = self.inner_lr * self.min_lr_ratio
+        return floor + (self.inner_lr - floor) * 0.5 * (1.0 + math.cos(math.pi * done))

@@ -1,0 +1,58 @@
+"""``[averaging]``: how a round's values travel (codec, chunks), its groups and deadlines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swarmgrad.node.averaging.matchmaking import MAX_MATCHMAKING_TIMEOUT_SECONDS
+from swarmgrad.node.runspec.errors import RunSpecError, positive
+
+# What importing ``swarmgrad.compression`` registers (a unit test keeps the two equal).
+BUILTIN_CODECS = frozenset({"none", "fp16", "bf16", "int8", "int4", "topk", "powersgd"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AveragingSection:
+    codec: str = "int8"
+    group_size: int = 4
+    chunk_values: int = 1 << 20
+    matchmaking_timeout_seconds: float = 15.0
+    round_timeout_seconds: float = 60.0
+    sender_timeout_seconds: float = 10.0
+    reducer_timeout_seconds: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.codec not in BUILTIN_CODECS:
+            # Only a codec registered from Python (which imported torch already) needs the
+            # registry: the commands that read a spec and train nothing stay free of torch.
+            from swarmgrad.compression import codec_names
+
+            if self.codec not in codec_names():
+                known = ", ".join(codec_names())
+                raise RunSpecError(
+                    f"averaging.codec {self.codec!r} is unknown; choose one of {known}"
+                )
+        if self.group_size < 2:
+            raise RunSpecError(f"averaging.group_size must be at least 2, got {self.group_size}")
+        positive(
+            "averaging",
+            chunk_values=self.chunk_values,
+            matchmaking_timeout_seconds=self.matchmaking_timeout_seconds,
+            round_timeout_seconds=self.round_timeout_seconds,
+            sender_timeout_seconds=self.sender_timeout_seconds,
+            reducer_timeout_seconds=self.reducer_timeout_seconds,
+        )
+        if self.matchmaking_timeout_seconds > MAX_MATCHMAKING_TIMEOUT_SECONDS:
+            raise RunSpecError(
+                f"averaging.matchmaking_timeout_seconds must be at most "
+                f"{MAX_MATCHMAKING_TIMEOUT_SECONDS:g} (readiness records must fit the DHT's "
+                f"lifetime cap), got {self.matchmaking_timeout_seconds:g}"
+            )
+        if not self.sender_timeout_seconds < self.reducer_timeout_seconds:
+            raise RunSpecError(
+                "averaging.reducer_timeout_seconds must exceed averaging.sender_timeout_seconds"
+            )
+        if not self.reducer_timeout_seconds <= self.round_timeout_seconds:
+            raise RunSpecError(
+                "averaging.round_timeout_seconds must be at least averaging.reducer_timeout_seconds"
+            )

@@ -1,0 +1,51 @@
+"""What a node's trainer reports as it goes: the display and the status file read it."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Progress:
+    """What the display and the status file show; updated by the trainer thread."""
+
+    peer_id: str = ""
+    algorithm: str = ""
+    device: str = ""
+    epoch: int = 0
+    steps: int = 0
+    samples: int = 0
+    tokens: int = 0
+    loss: float = math.nan  # moving average of the training loss
+    val_loss: float = math.nan
+    initial_val_loss: float = math.nan
+    tokens_per_second: float = 0.0  # this process's: its own tokens over its own seconds
+    parameters: int = 0
+    #: Model FLOPs utilization: 6 x parameters x tokens/s over the device's bf16 peak (NaN:
+    #: unknown peak, e.g. a CPU).
+    mfu: float = math.nan
+    lr: float = math.nan  # the inner optimizer's learning rate at the last step
+    peers: int = 0
+    group_size: int = 0
+    #: Like steps, samples and tokens, these are the node's totals over its restarts (kept in
+    #: its checkpoints): they never go down.
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    last_round_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    communication_seconds: float = 0.0
+    checksum: str = ""
+    checkpoint: str = ""  # the last one written
+    resumed_from: str = ""  # the checkpoint this run started from
+    outcomes: dict[str, int] = field(default_factory=dict)
+    #: Open runs: per peer this node aggregated, its scores, flags and ban (the trust ledger).
+    trust: dict[str, dict[str, object]] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)  # one entry per round
+    started_at: float = field(default_factory=time.time)
+    finished: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
