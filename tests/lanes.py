@@ -53,11 +53,25 @@ SWARM_TESTS = (
 )
 
 
+#: Tests of swarm-lane modules that train no swarm and bound no time a busy machine takes: one
+#: process at a time that fails its start (a bad spec, a port in use, a wrong DHT key), or a lone
+#: node stopped by a signal. Each waits for its processes, with deadlines of tens of seconds, so
+#: it fits in the waiting lane (~110 s off the swarm lane, the suite's critical path).
+WAITING_TESTS = (
+    "tests/integration/test_swarm.py::test_the_cli_explains_bad_input",
+    "tests/integration/test_swarm.py::test_ctrl_c_leaves_gracefully_and_a_second_exits_at_once",
+    "tests/integration/test_discovery_audit.py::test_a_taken_port_fails_the_start_and_a_restart",
+    "tests/integration/test_discovery_audit.py::test_a_wrong_dht_secret_is_named_as_a_cause",
+)
+
+
 def lane(nodeid: str) -> str:
     """The lane of the test ``nodeid`` (``tests/.../test_x.py::test_y[param]``)."""
     module = nodeid.split("::", 1)[0]
     if nodeid.startswith(SWARM_TESTS):
         return SWARM
+    if nodeid.startswith(WAITING_TESTS):
+        return WAITING
     if module.startswith("tests/unit/") or module in WAITING_MODULES:
         return WAITING
     return SWARM
