@@ -183,103 +183,91 @@ async def join_parts(
         config.discovery_config(), identity, run_id=spec.run.id, spec_hash=spec.hash
     )
     try:
-        return await _on(discovery, spec, identity, config, parts, own_record, tasks)
+        directory = PeerDirectory(
+            discovery,
+            spec,
+            config.directory(),
+            own_record=own_record,
+            tallies=parts.tallies,
+            seen=parts.metrics.peers.set,
+        )
+        await directory.check_spec()
+        await parts.transport.__aenter__()
+        allowlist = parts.allowlist
+        reachability = Reachability(
+            identity,
+            spec,
+            parts.transport,
+            peers=directory.refresh,
+            changed=directory.changed,
+            # Its relay serves the run's peers (a live record), and only the allowed ones.
+            admit=RelayAdmission(
+                peers=lambda: directory.peers,
+                reread=directory.refresh,
+                allowed=allowlist.allowed if allowlist is not None else None,
+            ),
+            config=config.reachability,
+        )
+        averager = parts.averager
+        excludes = functools.partial(excluded, averager.ledger, allowlist)
+        matchmaker = Matchmaker(
+            discovery,
+            identity,
+            group_size=spec.averaging.group_size,
+            matchmaking_timeout_seconds=spec.averaging.matchmaking_timeout_seconds,
+            settle_seconds=MATCHMAKING_SETTLE_SECONDS,
+            hooks=MatchmakingHooks(
+                peers=directory.refresh,
+                excluded=excludes,
+                avoiding=averager.ledger.newest_bans,
+                membership=parts.membership,
+                expect=averager.expect,
+            ),
+        )
+        budget = round_budget_seconds(spec, config, dht_call_seconds=discovery.call_timeout_seconds)
+
+        def spawn(coro: Coroutine[Any, Any, None], name: str) -> None:
+            tasks.spawn(coro, name)
+
+        rounds = Rounds(
+            RoundParts(
+                matchmaker=matchmaker,
+                averager=averager,
+                directory=directory,
+                reachability=reachability,
+                routes=parts.routes,
+                tallies=parts.tallies,
+                spawn=spawn,
+                membership=parts.membership,
+            ),
+            config.rounds(budget_seconds=budget),
+        )
+        board = None
+        if allowlist is not None:
+            await allowlist.refresh(discovery.find_allowlists)
+            tasks.spawn(allowlist.run(discovery.find_allowlists), "allowlist")
+        if spec.trust.open:
+            board = BanBoard(
+                averager.ledger,
+                me=identity.peer_id,
+                verify=functools.partial(verify_bytes, run_id=spec.run.id, spec_hash=spec.hash),
+                channel=discovery,
+            )
+            tasks.spawn(board.run(), "ban-records")
+        await directory.join()
+        tasks.spawn(directory.keep_fresh(), "announce")
+        tasks.spawn(reachability.run(), "reachability")
+        parts.peer_service.attach(reachability, parts.transport.port)
+        return Joined(
+            discovery=discovery,
+            directory=directory,
+            reachability=reachability,
+            rounds=rounds,
+            board=board,
+        )
     except BaseException:
         await discovery.close()
         raise
-
-
-async def _on(
-    discovery: Discovery,
-    spec: RunSpec,
-    identity: Identity,
-    config: SwarmConfig,
-    parts: Parts,
-    own_record: OwnRecord,
-    tasks: TaskSet,
-) -> Joined:
-    directory = PeerDirectory(
-        discovery,
-        spec,
-        config.directory(),
-        own_record=own_record,
-        tallies=parts.tallies,
-        seen=parts.metrics.peers.set,
-    )
-    await directory.check_spec()
-    await parts.transport.__aenter__()
-    allowlist = parts.allowlist
-    reachability = Reachability(
-        identity,
-        spec,
-        parts.transport,
-        peers=directory.refresh,
-        changed=directory.changed,
-        # Its relay serves the run's peers (a live record), and only the allowed ones.
-        admit=RelayAdmission(
-            peers=lambda: directory.peers,
-            reread=directory.refresh,
-            allowed=allowlist.allowed if allowlist is not None else None,
-        ),
-        config=config.reachability,
-    )
-    averager = parts.averager
-    excludes = functools.partial(excluded, averager.ledger, allowlist)
-    matchmaker = Matchmaker(
-        discovery,
-        identity,
-        group_size=spec.averaging.group_size,
-        matchmaking_timeout_seconds=spec.averaging.matchmaking_timeout_seconds,
-        settle_seconds=MATCHMAKING_SETTLE_SECONDS,
-        hooks=MatchmakingHooks(
-            peers=directory.refresh,
-            excluded=excludes,
-            avoiding=averager.ledger.newest_bans,
-            membership=parts.membership,
-            expect=averager.expect,
-        ),
-    )
-    budget = round_budget_seconds(spec, config, dht_call_seconds=discovery.call_timeout_seconds)
-
-    def spawn(coro: Coroutine[Any, Any, None], name: str) -> None:
-        tasks.spawn(coro, name)
-
-    rounds = Rounds(
-        RoundParts(
-            matchmaker=matchmaker,
-            averager=averager,
-            directory=directory,
-            reachability=reachability,
-            routes=parts.routes,
-            tallies=parts.tallies,
-            spawn=spawn,
-            membership=parts.membership,
-        ),
-        config.rounds(budget_seconds=budget),
-    )
-    board = None
-    if allowlist is not None:
-        await allowlist.refresh(discovery.find_allowlists)
-        tasks.spawn(allowlist.run(discovery.find_allowlists), "allowlist")
-    if spec.trust.open:
-        board = BanBoard(
-            averager.ledger,
-            me=identity.peer_id,
-            verify=functools.partial(verify_bytes, run_id=spec.run.id, spec_hash=spec.hash),
-            channel=discovery,
-        )
-        tasks.spawn(board.run(), "ban-records")
-    await directory.join()
-    tasks.spawn(directory.keep_fresh(), "announce")
-    tasks.spawn(reachability.run(), "reachability")
-    parts.peer_service.attach(reachability, parts.transport.port)
-    return Joined(
-        discovery=discovery,
-        directory=directory,
-        reachability=reachability,
-        rounds=rounds,
-        board=board,
-    )
 
 
 def excluded(ledger: TrustLedger, allowlist: AllowlistWatcher | None, peer_id: str) -> bool:

@@ -112,7 +112,10 @@ async def test_a_silent_bootstrap_peer_fails_the_join_within_its_deadline(start:
         started = time.monotonic()
         with pytest.raises(DiscoveryError, match=r"could not join the DHT.*no answer in 5 s"):
             await start(Identity.generate(), initial_peers=[silent])
-        assert time.monotonic() - started < 15
+        # The 5 s, after the sidecar's own start (an interpreter importing py-libp2p: seconds,
+        # 12 s once beside a swarm test in CI). What this bound tells apart is the join that
+        # waited for py-libp2p's 120 s (before) from one that gives up on its deadline.
+        assert time.monotonic() - started < 60
     finally:
         listener.close()
 
