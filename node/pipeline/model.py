@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarmgrad.node.runspec import ModelSection, PipelineSection
+from swarmgrad.node.runspec import ModelSection, PipelineSection, RunSpec
 from swarmgrad.node.training.model import Block
+from swarmgrad.protocol.stage import StageSchema
 
 
 class Stage(nn.Module):
@@ -149,3 +150,25 @@ class GradientSum:
         for parameter, total in zip(self._params, self._sums, strict=True):
             parameter.grad = total.to(parameter.dtype)
             total.zero_()
+
+
+def schema_of(spec: RunSpec, index: int) -> StageSchema:
+    """What stage ``index`` of ``spec``'s pipeline accepts."""
+    pipeline, model = spec.pipeline, spec.model
+    return StageSchema(
+        run_id=spec.run.id,
+        spec_hash=spec.hash,
+        stage=index,
+        stages=pipeline.stages,
+        seq_len=model.seq_len,
+        d_model=model.d_model,
+        vocab_size=model.vocab_size,
+        max_batch=spec.data.batch_size,
+        activations=pipeline.activations,
+        gradients=pipeline.gradients,
+    )
+
+
+def module_index(module: Stage, spec: RunSpec) -> int:
+    """Which of ``spec``'s stages ``module`` is (by its span of layers)."""
+    return spec.pipeline.spans(spec.model.n_layers).index(module.span)

@@ -46,8 +46,8 @@ from swarmgrad.node.identity import Identity
 from swarmgrad.node.metrics import serving
 from swarmgrad.node.pipeline.balance import Move, choose_stage, plan_move
 from swarmgrad.node.pipeline.balance import Replica as BalanceReplica
-from swarmgrad.node.pipeline.model import build_stage, parameter_bytes
-from swarmgrad.node.pipeline.worker import StageWorker, schema_of
+from swarmgrad.node.pipeline.model import build_stage, parameter_bytes, schema_of
+from swarmgrad.node.pipeline.worker import StageWorker
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.state.checkpoint import Checkpointer
 from swarmgrad.node.swarm import Swarm

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from swarmgrad.node.pipeline.barrier import RoundBarrier
-from swarmgrad.node.pipeline.model import GradientSum, Stage, parameter_bytes
+from swarmgrad.node.pipeline.model import GradientSum, Stage, module_index, parameter_bytes
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.state.checkpoint import (
     Checkpoint,
@@ -28,7 +28,7 @@ from swarmgrad.node.state.checkpoint import (
 from swarmgrad.node.training.diloco import DiLoCo
 from swarmgrad.node.training.step import set_lr
 from swarmgrad.protocol.errors import ProtocolViolation
-from swarmgrad.protocol.stage import Computed, Microbatch, StageSchema
+from swarmgrad.protocol.stage import Computed, Microbatch
 from swarmgrad.protocol.v1 import stage_pb2
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
@@ -45,23 +45,6 @@ MAX_STALE_STEPS = 4
 THROUGHPUT_ALPHA = 0.3
 #: Microbatches remembered as accumulated (for de-duplication).
 DEDUP_MEMORY = 4096
-
-
-def schema_of(spec: RunSpec, index: int) -> StageSchema:
-    """What stage ``index`` of ``spec``'s pipeline accepts."""
-    pipeline, model = spec.pipeline, spec.model
-    return StageSchema(
-        run_id=spec.run.id,
-        spec_hash=spec.hash,
-        stage=index,
-        stages=pipeline.stages,
-        seq_len=model.seq_len,
-        d_model=model.d_model,
-        vocab_size=model.vocab_size,
-        max_batch=spec.data.batch_size,
-        activations=pipeline.activations,
-        gradients=pipeline.gradients,
-    )
 
 
 @dataclass(slots=True)
@@ -420,7 +403,3 @@ class StageWorker:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
-
-
-def module_index(module: Stage, spec: RunSpec) -> int:
-    return spec.pipeline.spans(spec.model.n_layers).index(module.span)

@@ -21,8 +21,8 @@ import torch
 
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.pipeline.client import FaultyReplica, PipelineClient
-from swarmgrad.node.pipeline.model import build_stage
-from swarmgrad.node.pipeline.worker import StageWorker, schema_of
+from swarmgrad.node.pipeline.model import build_stage, schema_of
+from swarmgrad.node.pipeline.worker import StageWorker
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.swarm_config import SwarmConfig
