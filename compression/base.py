@@ -20,6 +20,7 @@ codecs work on the CPU and move tensors across.
 
 from __future__ import annotations
 
+import importlib
 import math
 import sys
 from abc import ABC, abstractmethod
@@ -37,6 +38,7 @@ from swarmgrad.compression.buffers import (
     to_bytes,
     to_device,
 )
+from swarmgrad.compression.traits import Traits
 
 if sys.byteorder != "little":  # pragma: no cover - no such machine in CI
     raise ImportError("swarmgrad codecs assume a little-endian machine")
@@ -102,6 +104,8 @@ class Codec(ABC):
     #: Whether ``_decode_into`` also takes the payload as a uint8 tensor on a GPU (and decodes
     #: there); otherwise a GPU ``out`` gets the CPU decoding copied in.
     device_decode: ClassVar[bool] = False
+    #: Where its values may go (open runs, pipeline boundaries); see ``compression/traits.py``.
+    traits: ClassVar[Traits] = Traits()
 
     @abstractmethod
     def encode(self, tensor: torch.Tensor) -> tuple[bytes, Meta]:
@@ -228,6 +232,18 @@ class _ToHost:
 
 
 _REGISTRY: dict[tuple[str, int], type[Codec]] = {}
+_BUILTIN_MODULES = ("floating", "quantization", "sparse", "lowrank")
+_builtins_loaded = False
+
+
+def _registry() -> dict[tuple[str, int], type[Codec]]:
+    """The registry, with the built-in codecs' modules imported (each registers its codecs)."""
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        for module in _BUILTIN_MODULES:
+            importlib.import_module(f"swarmgrad.compression.{module}")
+    return _REGISTRY
 
 
 def register(cls: type[Codec]) -> type[Codec]:
@@ -239,14 +255,19 @@ def register(cls: type[Codec]) -> type[Codec]:
     return cls
 
 
+def registered_traits() -> dict[str, Traits]:
+    """Each registered codec's traits (its newest version's), by name."""
+    return {name: cls.traits for (name, _), cls in sorted(_registry().items())}
+
+
 def codec_names() -> list[str]:
     """Names of all registered codecs, in registration order."""
-    return list(dict.fromkeys(name for name, _ in _REGISTRY))
+    return list(dict.fromkeys(name for name, _ in _registry()))
 
 
 def get_codec(name: str, **options: int | float) -> Codec:
     """Build the newest version of codec ``name`` with ``options`` (e.g. ``block_size=256``)."""
-    versions = [v for (n, v) in _REGISTRY if n == name]
+    versions = [v for (n, v) in _registry() if n == name]
     if not versions:
         raise ValueError(f"unknown codec {name!r}; known: {', '.join(codec_names())}")
     cls = _REGISTRY[(name, max(versions))]
@@ -273,7 +294,7 @@ def decode(
     ``out`` may hold partial values. ``out`` may live on a GPU; without ``out``, the result is
     made on ``device`` (the CPU by default).
     """
-    cls = _REGISTRY.get((meta.codec, meta.version))
+    cls = _registry().get((meta.codec, meta.version))
     if cls is None:
         known = [v for (n, v) in _REGISTRY if n == meta.codec]
         if known:

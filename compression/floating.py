@@ -13,6 +13,7 @@ from swarmgrad.compression.base import (
     register,
 )
 from swarmgrad.compression.buffers import DTYPES, Wire, device_flat, from_bytes, scratch_bytes
+from swarmgrad.compression.traits import BUILTIN
 
 _FP16_MAX = torch.finfo(torch.float16).max
 _BF16_BELOW_FP16_MAX = 65280.0  # the largest bfloat16 value that float16 holds
@@ -26,6 +27,7 @@ class NoCompression(DevicePayloadCodec):
 
     name = "none"
     version = 1
+    traits = BUILTIN["none"]
     lossless = True
 
     def _payload(
@@ -103,6 +105,7 @@ class Float16(_CastCodec):
 
     name = "fp16"
     version = 1
+    traits = BUILTIN["fp16"]
     wire_dtype = torch.float16
 
     def _fix_range(self, wire: torch.Tensor, source: torch.dtype) -> None:
@@ -117,6 +120,7 @@ class BFloat16(_CastCodec):
 
     name = "bf16"
     version = 1
+    traits = BUILTIN["bf16"]
     wire_dtype = torch.bfloat16
 
     def _fix_range(self, wire: torch.Tensor, source: torch.dtype) -> None:

@@ -29,6 +29,7 @@ from swarmgrad.compression.base import (
     register,
 )
 from swarmgrad.compression.buffers import DTYPES, flat_float32, from_bytes, to_bytes
+from swarmgrad.compression.traits import BUILTIN
 
 _SEED = 0x5EED
 
@@ -50,6 +51,7 @@ class PowerSGD(Codec):
 
     name = "powersgd"
     version = 1
+    traits = BUILTIN["powersgd"]
 
     def __init__(self, rank: int = 4, iterations: int = 2) -> None:
         if not isinstance(rank, int) or rank < 1:

@@ -37,6 +37,7 @@ from swarmgrad.compression.base import (
     register,
 )
 from swarmgrad.compression.buffers import Wire, device_flat, from_bytes, scratch_bytes, to_device
+from swarmgrad.compression.traits import BUILTIN
 
 _CHUNK_VALUES = 1 << 20
 _DEVICE_CHUNK_VALUES = 1 << 24
@@ -317,6 +318,7 @@ class Int8Blockwise(_BlockwiseAbsmax):
 
     name = "int8"
     version = 1
+    traits = BUILTIN["int8"]
     bits = 8
     default_block_size = 256
 
@@ -345,6 +347,7 @@ class Int4Blockwise(_BlockwiseAbsmax):
 
     name = "int4"
     version = 1
+    traits = BUILTIN["int4"]
     bits = 4
     default_block_size = 64
 

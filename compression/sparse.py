@@ -34,6 +34,7 @@ from swarmgrad.compression.base import (
 )
 from swarmgrad.compression.buffers import DTYPES, flat_float32, from_bytes, to_bytes
 from swarmgrad.compression.quantization import Int8Blockwise
+from swarmgrad.compression.traits import BUILTIN
 
 _VALUE_BLOCK = 256
 _PREFILTER_MIN_NUMEL = 1 << 16
@@ -46,6 +47,7 @@ class TopK(Codec):
 
     name = "topk"
     version = 1
+    traits = BUILTIN["topk"]
 
     def __init__(self, fraction: float = 0.01) -> None:
         if not 0.0 < fraction <= 1.0:

@@ -39,7 +39,7 @@ spec itself, its cross-section checks and its reading are ``spec.py``.
 """
 
 from swarmgrad.node.runspec.algorithm import AlgorithmSection
-from swarmgrad.node.runspec.averaging import BUILTIN_CODECS, AveragingSection
+from swarmgrad.node.runspec.averaging import AveragingSection
 from swarmgrad.node.runspec.data import DataSection
 from swarmgrad.node.runspec.errors import RunSpecError
 from swarmgrad.node.runspec.model import HF_MODEL_TYPES, MODEL_KINDS, ModelSection
@@ -50,12 +50,11 @@ from swarmgrad.node.runspec.operational import (
     NodeSection,
     TrackingSection,
 )
-from swarmgrad.node.runspec.pipeline import PIPELINE_CODECS, PipelineSection
+from swarmgrad.node.runspec.pipeline import PipelineSection
 from swarmgrad.node.runspec.run import RunSection
 from swarmgrad.node.runspec.spec import OPERATIONAL, RunSpec
 from swarmgrad.node.runspec.trust import (
     AGGREGATORS,
-    NOT_IN_OPEN_RUNS,
     OPEN_GROUP_SIZE,
     OPEN_JUDGED_GROUP_SIZE,
     TRUST_MODES,
@@ -64,15 +63,12 @@ from swarmgrad.node.runspec.trust import (
 
 __all__ = [
     "AGGREGATORS",
-    "BUILTIN_CODECS",
     "DEVICES",
     "HF_MODEL_TYPES",
     "MODEL_KINDS",
-    "NOT_IN_OPEN_RUNS",
     "OPEN_GROUP_SIZE",
     "OPEN_JUDGED_GROUP_SIZE",
     "OPERATIONAL",
-    "PIPELINE_CODECS",
     "TRACKERS",
     "TRUST_MODES",
     "AlgorithmSection",

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from swarmgrad.compression.traits import known_codecs, traits_of
 from swarmgrad.node.averaging.matchmaking import MAX_MATCHMAKING_TIMEOUT_SECONDS
 from swarmgrad.node.runspec.errors import RunSpecError, positive
-
-# What importing ``swarmgrad.compression`` registers (a unit test keeps the two equal).
-BUILTIN_CODECS = frozenset({"none", "fp16", "bf16", "int8", "int4", "topk", "powersgd"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -22,16 +20,9 @@ class AveragingSection:
     reducer_timeout_seconds: float = 20.0
 
     def __post_init__(self) -> None:
-        if self.codec not in BUILTIN_CODECS:
-            # Only a codec registered from Python (which imported torch already) needs the
-            # registry: the commands that read a spec and train nothing stay free of torch.
-            from swarmgrad.compression import codec_names
-
-            if self.codec not in codec_names():
-                known = ", ".join(codec_names())
-                raise RunSpecError(
-                    f"averaging.codec {self.codec!r} is unknown; choose one of {known}"
-                )
+        if traits_of(self.codec) is None:
+            known = ", ".join(known_codecs())
+            raise RunSpecError(f"averaging.codec {self.codec!r} is unknown; choose one of {known}")
         if self.group_size < 2:
             raise RunSpecError(f"averaging.group_size must be at least 2, got {self.group_size}")
         positive(

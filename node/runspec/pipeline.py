@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from swarmgrad.compression.traits import refusal
 from swarmgrad.node.runspec.errors import RunSpecError, positive
-
-#: What may cross a pipeline boundary: fp32 ("none"), bf16, or blockwise 8-bit absmax (int8).
-PIPELINE_CODECS = ("none", "bf16", "int8")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,17 +46,11 @@ class PipelineSection:
                 "pipeline.rebalance_seconds must be >= 0 (0: never) and pipeline.hysteresis "
                 "in (0, 1)"
             )
-        if self.gradients == "fp16":
-            raise RunSpecError(
-                "pipeline.gradients = 'fp16' is refused: activation gradients underflow fp16 "
-                "(most lie below its smallest normal number); use int8, bf16 or none (fp32)"
-            )
         for key in ("activations", "gradients"):
-            if getattr(self, key) not in PIPELINE_CODECS:
-                raise RunSpecError(
-                    f"pipeline.{key} must be one of {', '.join(PIPELINE_CODECS)}, got "
-                    f"{getattr(self, key)!r}"
-                )
+            # What may cross a stage boundary is what the codec says it is safe for.
+            why = refusal(getattr(self, key), key)
+            if why is not None:
+                raise RunSpecError(f"pipeline.{key}: {why}")
         if self.boundaries and len(self.boundaries) != self.stages - 1:
             raise RunSpecError(
                 f"pipeline.boundaries needs {self.stages - 1} layer indices (where stages 2.."

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from swarmgrad.compression.traits import refusal
 from swarmgrad.node.runspec.algorithm import AlgorithmSection
 from swarmgrad.node.runspec.averaging import AveragingSection
 from swarmgrad.node.runspec.data import DataSection
@@ -22,7 +23,6 @@ from swarmgrad.node.runspec.operational import NetworkSection, NodeSection, Trac
 from swarmgrad.node.runspec.pipeline import PipelineSection
 from swarmgrad.node.runspec.run import RunSection
 from swarmgrad.node.runspec.trust import (
-    NOT_IN_OPEN_RUNS,
     OPEN_GROUP_SIZE,
     OPEN_JUDGED_GROUP_SIZE,
     TrustSection,
@@ -48,12 +48,10 @@ class RunSpec:
     def __post_init__(self) -> None:
         if self.pipeline.enabled:
             self._check_pipeline()
-        if self.trust.open and self.averaging.codec in NOT_IN_OPEN_RUNS:
-            raise RunSpecError(
-                f"averaging.codec {self.averaging.codec!r} is refused when trust.mode = "
-                f'"open": its values cannot be checked or robustly aggregated per coordinate; '
-                f"use int8, int4, fp16, bf16 or none"
-            )
+        why = refusal(self.averaging.codec, "open_runs") if self.trust.open else None
+        if why is not None:
+            # Its values cannot be screened, robustly aggregated or checked per coordinate.
+            raise RunSpecError(f"averaging.{why}")
 
     def warnings(self) -> list[str]:
         """What a user must know about whom this run trusts, and how far (printed by the node

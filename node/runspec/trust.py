@@ -14,9 +14,6 @@ OPEN_GROUP_SIZE = 8
 #: ``MIN_JUDGED_MEMBERS`` other members, the owner's own values being out of its part).
 OPEN_JUDGED_GROUP_SIZE = 6
 AGGREGATORS = ("mean", "centered_clip", "median", "trimmed_mean")
-#: Codecs an open run refuses: low-rank factors and per-member top-k indices cannot be screened
-#: or robustly aggregated coordinate by coordinate.
-NOT_IN_OPEN_RUNS = frozenset({"powersgd", "topk"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

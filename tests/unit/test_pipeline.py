@@ -50,7 +50,7 @@ def test_stages_split_the_layers_evenly_or_at_the_boundaries_given() -> None:
     ("pipeline", "message"),
     [
         ('stages = 2\ngradients = "fp16"', "underflow"),
-        ('stages = 2\nactivations = "int4"', "pipeline.activations must be one of"),
+        ('stages = 2\nactivations = "int4"', "'int4' is not safe for pipeline activations"),
         ("stages = 7", "at most model.n_layers"),
         ("stages = 3\nboundaries = [2]", "needs 2 layer indices"),
         ("stages = 3\nboundaries = [3, 2]", "must increase"),

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -138,17 +141,53 @@ def test_the_spec_knows_every_built_in_codec_and_one_registered_from_python(
 ) -> None:
     from swarmgrad.compression import base, codec_names, register
     from swarmgrad.compression.floating import Float16
-    from swarmgrad.node.runspec import BUILTIN_CODECS
+    from swarmgrad.compression.traits import BUILTIN, Traits
 
-    assert set(codec_names()) == BUILTIN_CODECS
+    # The torch-free table says of each built-in codec what its class says.
+    assert base.registered_traits() == BUILTIN
+    assert set(codec_names()) == set(BUILTIN)
     monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))  # the registration ends here
 
     @register
     class Halves(Float16):  # a user's own codec, known only to the registry
         name = "test-halves"
+        traits = Traits()  # declares nothing: safe for neither open runs nor the pipeline
 
     spec = RunSpec.from_toml(MINIMAL + "[averaging]\ncodec = 'test-halves'\n")
     assert spec.averaging.codec == "test-halves"
+    with pytest.raises(RunSpecError, match=re.escape("'test-halves' is not safe for trust.mode")):
+        RunSpec.from_toml(MINIMAL + "[averaging]\ncodec = 'test-halves'\n[trust]\nmode = 'open'\n")
+
+    @register
+    class CheckedHalves(Float16):
+        name = "test-checked-halves"
+        traits = Traits(open_runs=True)
+
+    spec = RunSpec.from_toml(
+        MINIMAL + "[averaging]\ncodec = 'test-checked-halves'\n[trust]\nmode = 'open'\n"
+    )
+    assert spec.trust.open
+
+
+@pytest.mark.parametrize("codec", ["topk", "powersgd"])
+def test_an_open_run_refuses_a_codec_whose_values_cannot_be_checked(codec: str) -> None:
+    with pytest.raises(RunSpecError) as refused:
+        RunSpec.from_toml(MINIMAL + f"[averaging]\ncodec = '{codec}'\n[trust]\nmode = 'open'\n")
+    message = str(refused.value)
+    assert "cannot be screened" in message
+    assert "use none, fp16, bf16, int8, int4" in message  # what the codecs say is safe
+
+
+def test_a_spec_is_checked_without_importing_torch() -> None:
+    # ``status``, ``runs`` and ``publish`` read specs: the codec checks must not pull torch in.
+    code = (
+        "import sys; from swarmgrad.node.runspec import RunSpec; "
+        'RunSpec.from_toml(\'[run]\\nid = "x"\\n[averaging]\\ncodec = "int4"\\n'
+        "[trust]\\nmode = \"open\"\\n'); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
 
 
 def test_open_runs_default_to_groups_whose_parts_can_judge_their_members() -> None:
