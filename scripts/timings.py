@@ -18,14 +18,16 @@ def main() -> int:
     except (OSError, ValueError) as error:
         print(f"no timings to read ({error}): run the tests first", file=sys.stderr)
         return 1
-    lanes: dict[str, list[float]] = defaultdict(list)
+    lanes: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for row in rows:
-        lanes[row["lane"]].append(row["seconds"])
-    for lane, seconds in sorted(lanes.items()):
-        print(f"{lane}: {len(seconds)} tests, {sum(seconds):.0f} s")
-    print(f"slowest {top}:")
+        lanes[row["lane"]].append((row["seconds"], row.get("cpu_seconds", 0.0)))
+    for lane, times in sorted(lanes.items()):
+        wall, cpu = sum(t for t, _ in times), sum(c for _, c in times)
+        print(f"{lane}: {len(times)} tests, {wall:.0f} s, {cpu:.0f} CPU s")
+    print(f"slowest {top} (wall s, CPU s of the test and the processes it reaped):")
     for row in rows[:top]:
-        print(f"  {row['seconds']:7.1f} s  {row['lane']:<13} {row['test']}")
+        cpu = row.get("cpu_seconds", 0.0)
+        print(f"  {row['seconds']:7.1f} s {cpu:7.1f} cpu  {row['lane']:<13} {row['test']}")
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -31,10 +32,41 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     return lanes.make_scheduler(config, log)
 
 
+def _cpu_seconds() -> float:
+    """CPU this process and its reaped children have used (user and system)."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_CPU_AT_START] = _cpu_seconds()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Iterator[None] | pytest.TestReport:
+    report: pytest.TestReport = yield
+    if call.when == "teardown" and _CPU_AT_START in item.stash:
+        # CPU of the test's own process and of the children it reaped (node processes are
+        # reaped by the time it ends): with the seconds, what tells a test that computes from
+        # one that waits (xdist sends user_properties to the controller).
+        report.user_properties.append(("cpu_seconds", _cpu_seconds() - item.stash[_CPU_AT_START]))
+    return report
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Each test's seconds (setup, call and teardown together) and lane, for the timings file."""
+    """Each test's seconds (setup, call and teardown together), CPU and lane, for the timings
+    file."""
     _TIMINGS.setdefault(report.nodeid, 0.0)
     _TIMINGS[report.nodeid] += report.duration
+    for key, value in report.user_properties:
+        if key == "cpu_seconds":
+            _CPU[report.nodeid] = float(value)  # type: ignore[arg-type]
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -45,13 +77,20 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     out = session.config.rootpath / ".pytest_cache" / "timings.json"
     out.parent.mkdir(exist_ok=True)
     rows = [
-        {"test": nodeid, "lane": lanes.lane(nodeid), "seconds": round(seconds, 2)}
+        {
+            "test": nodeid,
+            "lane": lanes.lane(nodeid),
+            "seconds": round(seconds, 2),
+            "cpu_seconds": round(_CPU.get(nodeid, 0.0), 2),
+        }
         for nodeid, seconds in sorted(_TIMINGS.items(), key=lambda item: -item[1])
     ]
     out.write_text(json.dumps(rows, indent=1) + "\n")
 
 
 _TIMINGS: dict[str, float] = {}
+_CPU: dict[str, float] = {}
+_CPU_AT_START = pytest.StashKey[float]()
 
 
 class Peers:
