@@ -112,6 +112,8 @@ def export(checkpoint: Path, out_dir: Path, *, cache_dir: Path) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
         _write(found, model, tokenizer, partial)
+        for path in partial.iterdir():  # whoever wrote it (safetensors, transformers): 0644
+            path.chmod(0o644)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         partial.rename(out_dir)
@@ -132,25 +134,50 @@ def _write(
         "epoch": found.epoch,
         "checkpoint": found.path.name,
     }
+    special = special_tokens(tokenizer)
+    ids = {f"{role}_token_id": tokenizer.token_to_id(token) if token else None
+           for role, token in special.items()}  # fmt: skip
     if spec.model.kind == "hf":
         hf = build_hf(spec.model, seed=0)
         with torch.no_grad():
             for name, parameter in hf.named_parameters():  # tied weights: named once
                 parameter.copy_(model[name])
+        for key, value in ids.items():
+            setattr(hf.hf.config, key, value)
+            setattr(hf.hf.generation_config, key, value)
         save_hf(hf, out_dir, metadata)
     else:
-        _save_gpt2(spec, model, out_dir, metadata)
+        _save_gpt2(spec, model, out_dir, {"swarmgrad": metadata, **ids})
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    tokenizer_config = {
+    tokenizer_config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": spec.model.seq_len,
         "clean_up_tokenization_spaces": False,
     }
+    tokenizer_config.update({f"{role}_token": token for role, token in special.items() if token})
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
 
 
+#: What a special token's text says of its role (GPT-2's ``<|endoftext|>`` ends and begins).
+_ROLES = {
+    "bos": ("<s>", "<bos>", "<|begin_of_text|>", "<|endoftext|>", "[CLS]"),
+    "eos": ("</s>", "<eos>", "<|end_of_text|>", "<|endoftext|>", "[SEP]"),
+    "pad": ("<pad>", "[PAD]", "<|pad|>"),
+}
+
+
+def special_tokens(tokenizer: Tokenizer) -> dict[str, str | None]:
+    """The tokenizer's own begin, end and padding tokens (None where it has none: the demo's
+    byte-level BPE has no special token at all, so transformers must not assume GPT-2's)."""
+    specials = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    return {
+        role: next((token for token in names if token in specials), None)
+        for role, names in _ROLES.items()
+    }
+
+
 def _save_gpt2(
-    spec: RunSpec, model: dict[str, torch.Tensor], out_dir: Path, metadata: dict[str, Any]
+    spec: RunSpec, model: dict[str, torch.Tensor], out_dir: Path, extra: dict[str, Any]
 ) -> None:
     save_file(
         gpt2_tensors(model, spec.model.n_layers),
@@ -173,6 +200,6 @@ def _save_gpt2(
         "attn_pdrop": 0.0,
         "tie_word_embeddings": True,
         "torch_dtype": "float32",
-        "swarmgrad": metadata,
+        **extra,  # the special tokens' ids, and the checkpoint's own description
     }
     (out_dir / "config.json").write_text(json.dumps(config, indent=1))

@@ -3,7 +3,11 @@ generates text with the run's tokenizer."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +57,22 @@ def _hf(out: Path) -> Any:
     return transformers.AutoModelForCausalLM.from_pretrained(out).eval()
 
 
+@contextlib.contextmanager
+def _transformers_warnings(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Fail on any warning transformers logs or raises inside (it logs to its own handler)."""
+    transformers.logging.enable_propagation()
+    try:
+        with caplog.at_level(logging.WARNING, logger="transformers"), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            yield
+    finally:
+        transformers.logging.disable_propagation()
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("transformers")]
+    assert not said, said
+
+
 def test_transformers_loads_the_export_with_the_same_logits(
-    tmp_path: Path, cache_dir: Path
+    tmp_path: Path, cache_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     torch.manual_seed(0)
     model = _trained_like(build_model(SPEC.model, seed=0)).eval()
@@ -67,8 +85,19 @@ def test_transformers_loads_the_export_with_the_same_logits(
         )
     out = tmp_path / "hf"
     assert export(tmp_path / "checkpoints", out, cache_dir=cache_dir) == path  # the newest
+    # Every file as readable as the rest (safetensors wrote its own 0600 once).
+    assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()} == {
+        name: 0o644
+        for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+    }
+    # The run's tokenizer has no special token: the config must not claim GPT-2's 50256,
+    # which is past this vocabulary's end.
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (None,) * 3
 
-    hf = _hf(out)
+    with _transformers_warnings(caplog):
+        hf = _hf(out)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     assert isinstance(hf, transformers.GPT2LMHeadModel)
     tokens = torch.randint(0, 2048, (3, 32))
     with torch.no_grad():
@@ -76,7 +105,6 @@ def test_transformers_loads_the_export_with_the_same_logits(
     assert json.loads((out / "config.json").read_text())["swarmgrad"]["epoch"] == 3
 
     # The run's tokenizer comes along, and the model generates text with it.
-    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     ours = load_corpus(SPEC.data, vocab_size=2048, cache_dir=cache_dir).tokenizer
     line = "To be, or not to be, that is the question:"
     assert tokenizer(line)["input_ids"] == ours.encode(line).ids
