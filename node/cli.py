@@ -226,6 +226,13 @@ def bootstrap(
     dht_secret: Annotated[
         str, typer.Option(help="libp2p: a private run's DHT key (its nodes give the same).")
     ] = "",
+    identity: Annotated[
+        Path | None,
+        typer.Option(
+            help="Key file of its peer id, made at the first start: the multiaddr stays the "
+            "same across restarts (default: $SWARMGRAD_HOME/bootstrap.key)."
+        ),
+    ] = None,
 ) -> None:
     """Run a DHT-only bootstrap node and print the multiaddr to give to nodes (--bootstrap)."""
     from swarmgrad.node import main
@@ -243,9 +250,10 @@ def bootstrap(
                 stop=stop,
                 backend=discovery,
                 network_secret=dht_secret,
+                identity_path=identity or node_config.home() / "bootstrap.key",
             )
         )
-    except (ValueError, SetupError) as error:  # a bad address, a port in use
+    except (ValueError, SetupError) as error:  # a bad address, a port in use, a bad key
         raise _fail(EXIT_CONFIG, str(error)) from None
     except DiscoveryError as error:
         raise _fail(EXIT_NETWORK, str(error)) from None

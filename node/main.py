@@ -208,12 +208,15 @@ async def bootstrap(
     stop: asyncio.Event,
     backend: str = "hivemind",
     network_secret: str = "",
+    identity_path: Path | None = None,
 ) -> int:
     """A DHT-only node that others join through; prints the multiaddrs to give them.
 
-    It holds no run's records of its own (any run may bootstrap through it), so its identity is
-    a throwaway one and its run and spec are placeholders.
+    Its peer id is ``identity_path``'s key (made there at the first start), so the multiaddrs
+    it hands out hold across restarts; without one, a throwaway key. It holds no run's records
+    of its own (any run may bootstrap through it): its run and spec are placeholders.
     """
+    identity = Identity.load_or_create(identity_path) if identity_path else Identity.generate()
     dht = await start_discovery(
         DiscoveryConfig(
             backend=backend,
@@ -221,8 +224,9 @@ async def bootstrap(
             host=host,
             port=port,
             network_secret=network_secret,
+            keep_peer_id=True,
         ),
-        Identity.generate(),
+        identity,
         run_id="bootstrap",
         spec_hash=bytes(32),
     )

@@ -53,7 +53,15 @@ def start_bootstrap(host: Host, out_dir: Path, timeout_seconds: float = 60.0) ->
     maddrs.unlink(missing_ok=True)
     process = host.fork(
         "bootstrap",
-        node_command("bootstrap", "--host", host.address, "--maddrs-file", str(maddrs)),
+        node_command(
+            "bootstrap",
+            "--host",
+            host.address,
+            "--maddrs-file",
+            str(maddrs),
+            "--identity",
+            str(out_dir / "bootstrap.key"),
+        ),
         out_dir / "bootstrap.log",
     )
     deadline = time.monotonic() + timeout_seconds

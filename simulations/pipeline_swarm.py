@@ -76,7 +76,13 @@ class PipelineSwarm:
         self._bootstrap = LocalProcess(
             "bootstrap",
             node_command(
-                "bootstrap", "--maddrs-file", str(maddrs_file), "--discovery", self.discovery
+                "bootstrap",
+                "--maddrs-file",
+                str(maddrs_file),
+                "--discovery",
+                self.discovery,
+                "--identity",
+                str(self.out_dir / "bootstrap.key"),
             ),
             self.out_dir / "bootstrap.log",
             self._env,

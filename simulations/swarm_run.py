@@ -117,8 +117,9 @@ class SwarmRun:
         maddrs_file = self.config.out_dir / "bootstrap.json"
         maddrs_file.unlink(missing_ok=True)
         command = node_command(
-            "bootstrap", "--maddrs-file", str(maddrs_file), "--discovery", self.config.discovery
-        )
+            "bootstrap", "--maddrs-file", str(maddrs_file), "--discovery", self.config.discovery,
+            "--identity", str(self.config.out_dir / "bootstrap.key"),
+        )  # fmt: skip
         host = self.wan.host() if self.wan is not None else None
         if host is not None:
             command += ["--host", host.address]

@@ -26,6 +26,7 @@ WAITING = "waiting lane"
 WAITING_MODULES = frozenset(
     {
         "tests/integration/test_ban_records.py",
+        "tests/integration/test_bootstrap_identity.py",
         "tests/integration/test_delay_proxy.py",
         "tests/integration/test_discovery.py",
         "tests/integration/test_export.py",

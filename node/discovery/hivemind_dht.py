@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import hivemind
 import hivemind.dht.node
 import hivemind.dht.protocol
+from cryptography.hazmat.primitives import serialization
+from hivemind.proto import crypto_pb2
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
 from swarmgrad.node.discovery.base import DiscoveryError, SignedDirectory
@@ -193,9 +195,16 @@ JOIN_RETRY_SECONDS = 1.0
 
 
 async def start_dht(
-    initial_peers: Sequence[str], *, host: str, port: int, start_timeout_seconds: float
+    initial_peers: Sequence[str],
+    *,
+    host: str,
+    port: int,
+    start_timeout_seconds: float,
+    identity: Identity | None = None,
 ) -> Any:
-    """A running ``hivemind.DHT`` (its own process), joined through ``initial_peers`` if any.
+    """A running ``hivemind.DHT`` (its own process), joined through ``initial_peers`` if any;
+    with ``identity``, its libp2p peer id is that identity's (the same at every start, and the
+    one the libp2p backend gives it), else a new one.
 
     A DHT that is not up within the deadline is killed: no process or thread is left waiting.
     A failed join through bootstrap peers is tried again (``JOIN_ATTEMPTS`` in all) while the
@@ -206,9 +215,14 @@ async def start_dht(
     attempt = 1
     while True:
         try:
-            return await _start_dht_once(
-                initial_peers, host=host, port=port, timeout_seconds=deadline - time.monotonic()
-            )
+            with tempfile.TemporaryDirectory(prefix="swarmgrad-p2p-") as folder:
+                return await _start_dht_once(
+                    initial_peers,
+                    host=host,
+                    port=port,
+                    timeout_seconds=deadline - time.monotonic(),
+                    key_path=_p2p_key_file(identity, Path(folder)) if identity else None,
+                )
         except TimeoutError:
             raise DiscoveryError(f"the DHT did not start in {start_timeout_seconds:g} s") from None
         except _JoinFailed as failed:
@@ -231,17 +245,44 @@ async def start_dht(
             attempt += 1
 
 
+def _p2p_key_file(identity: Identity, folder: Path) -> Path:
+    """``identity``'s key as libp2p's daemon reads it (a ``crypto.pb.PrivateKey`` of type
+    Ed25519: the 32-byte seed, then the public key), in a file only this user reads; the daemon
+    reads it once, at start."""
+    seed = identity.private_key.private_bytes(
+        serialization.Encoding.Raw,
+        serialization.PrivateFormat.Raw,
+        serialization.NoEncryption(),
+    )
+    message = crypto_pb2.PrivateKey(
+        key_type=crypto_pb2.KeyType.Ed25519, data=seed + identity.public_key
+    )
+    path = folder / "p2p.key"
+    path.touch(mode=0o600)
+    path.write_bytes(message.SerializeToString())
+    return path
+
+
 async def _start_dht_once(
-    initial_peers: Sequence[str], *, host: str, port: int, timeout_seconds: float
+    initial_peers: Sequence[str],
+    *,
+    host: str,
+    port: int,
+    timeout_seconds: float,
+    key_path: Path | None,
 ) -> Any:
     """One try; TimeoutError if not up within ``timeout_seconds``, _JoinFailed if hivemind
     raised (the DHT's process killed either way)."""
+    # hivemind's check that a key is not in use elsewhere reads RSA keys only: the key is the
+    # identity's own, and a second process holding it is the operator's mistake to make.
+    key = {"identity_path": str(key_path), "check_if_identity_free": False} if key_path else {}
     dht = _DHT(
         initial_peers=list(initial_peers),
         host_maddrs=[f"/ip4/{host}/tcp/{port}"],
         start=False,
         record_validators=[SealedValues()],
         from_clean_process=grpc_started(),
+        **key,
     )
 
     def start() -> None:
@@ -326,6 +367,7 @@ class HivemindDiscovery(SignedDirectory):
             host=config.host,
             port=config.port,
             start_timeout_seconds=config.start_timeout_seconds,
+            identity=identity if config.keep_peer_id else None,
         )
         return cls(
             dht,

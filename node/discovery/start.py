@@ -24,6 +24,10 @@ class DiscoveryConfig:
     #: libp2p only: a private run's DHT key; its DHT then never merges with any other.
     network_secret: str = ""
     start_timeout_seconds: float = 60.0
+    #: hivemind: the DHT's libp2p peer id is the node identity's, the same at every start (a
+    #: bootstrap's, whose multiaddr others hold); else a new one each start. The libp2p backend
+    #: always takes the identity's.
+    keep_peer_id: bool = False
     #: Each call into the DHT (store, get) ends by then.
     call_timeout_seconds: float = 10.0
 

@@ -222,13 +222,29 @@ def test_the_cli_explains_bad_input(tmp_path: Path) -> None:
         taken.listen()
         port = str(taken.getsockname()[1])
         in_use = swarmgrad(
-            "node", str(good), "--port", port, "--identity", str(tmp_path / "k"),
-            "--checkpoint-dir", str(tmp_path / "checkpoints"), "--metrics-address", "off",
-        )  # fmt: skip
+            "node",
+            str(good),
+            "--port",
+            port,
+            "--identity",
+            str(tmp_path / "k"),
+            "--checkpoint-dir",
+            str(tmp_path / "checkpoints"),
+            "--metrics-address",
+            "off",
+        )
         # The DHT's port (a bootstrap node's) in use: also exit 2, on both backends (it was
         # a traceback, then "could not join the DHT": exit 4, as for an unreachable swarm).
         dht_in_use = [
-            swarmgrad("bootstrap", "--port", port, "--discovery", backend)
+            swarmgrad(
+                "bootstrap",
+                "--port",
+                port,
+                "--discovery",
+                backend,
+                "--identity",
+                str(tmp_path / "boot.key"),
+            )
             for backend in ("hivemind", "libp2p")
         ]
     assert (in_use.returncode, "Traceback" in in_use.stderr) == (2, False), in_use.stderr[-2000:]

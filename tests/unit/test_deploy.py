@@ -65,7 +65,12 @@ def test_trainers_join_through_the_bootstrap_and_announce_their_names(tmp_path: 
     maddrs_file = _option(bootstrap["command"], "--maddrs-file")
     shared = str(Path(maddrs_file).parent)
     assert _option(bootstrap["command"], "--host") == "0.0.0.0"
-    assert maddrs_file in " ".join(bootstrap["healthcheck"]["test"])  # healthy once written
+    health = " ".join(bootstrap["healthcheck"]["test"])
+    assert maddrs_file in health  # healthy once written by this start, and listening
+    assert "create_connection(('127.0.0.1', 31337)" in health
+    key = _option(bootstrap["command"], "--identity")  # a peer id that survives restarts
+    assert str(Path(key).parent) in _mounts(bootstrap)  # kept on a volume of its own
+    assert str(Path(key).parent) != shared  # not where trainers read
     spec_file = tmp_path / "bootstrap.json"  # what the bootstrap writes
     spec_file.write_text(json.dumps({"maddrs": ["/ip4/172.18.0.2/tcp/31337/p2p/QmBootstrap"]}))
     for name in TRAINERS:
