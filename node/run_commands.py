@@ -62,6 +62,11 @@ def _read_dht(
         return tasks.run(lambda stop: tasks.unless_stopped(stop, run()))
     except tasks.Stopped:  # a Ctrl-C: nothing was written, nothing to say
         raise typer.Exit(130) from None
+    except TimeoutError:  # says nothing by itself
+        raise DiscoveryError(
+            f"the DHT gave no answer within {timeout:g} s (--timeout; bootstrap: "
+            f"{', '.join(maddrs)})"
+        ) from None
 
 
 def run_key(

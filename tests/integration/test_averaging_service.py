@@ -133,10 +133,14 @@ async def pair() -> AsyncIterator[tuple[Averager, Averager]]:
         yield owner, honest
 
 
-async def rpc(endpoint: str, messages: list[Request]) -> grpc.StatusCode:
+async def rpc(
+    endpoint: str, messages: list[Request], timeout_seconds: float = 10.0
+) -> grpc.StatusCode:
     """Send ``messages`` on one Aggregate stream; the status it ended with."""
     async with grpc.aio.insecure_channel(endpoint) as channel:
-        call = averaging_pb2_grpc.AveragingStub(channel).Aggregate(iter(messages), timeout=10)
+        call = averaging_pb2_grpc.AveragingStub(channel).Aggregate(
+            iter(messages), timeout=timeout_seconds
+        )
         try:
             async for _ in call:
                 pass
@@ -419,7 +423,9 @@ async def test_fuzz_1000_mutated_streams_crash_nothing_and_honest_rounds_stay_ex
         target = rng.randrange(2)
         messages = [mutate(m, rng) if j == target else m for j, m in enumerate(valid)]
         async with limit:
-            statuses.append(await rpc(owner.endpoint, messages))
+            # A deadline far past a check's time: on a loaded machine a stream cut by its own
+            # deadline (CI: 16 of 1000 at 10 s) would end before the owner rejected it.
+            statuses.append(await rpc(owner.endpoint, messages, timeout_seconds=120))
 
     await asyncio.gather(*(one(i) for i in range(streams)))
     assert len(statuses) == streams

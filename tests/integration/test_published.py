@@ -94,6 +94,11 @@ def bootstrap(tmp_path: Path, processes: list[Child]) -> list[str]:
     return ["--bootstrap-file", str(maddrs)]
 
 
+#: A reader's deadline for commands that read the DHT: the default 30 s is a user's wait on an
+#: idle machine; beside a swarm test a reader's start alone took most of it (CI: exit 4).
+PATIENT = ("--timeout", "90")
+
+
 def finish(process: subprocess.Popen[bytes], seconds: float) -> tuple[int, str]:
     out, err = process.communicate(timeout=seconds)
     return process.returncode, (out or b"").decode() + (err or b"").decode()
@@ -125,7 +130,7 @@ def test_a_volunteer_joins_a_published_run_by_its_id(
     for log in ("publish.log", "mallory.log"):
         wait_for_pattern(tmp_path / log, "published run", timeout_seconds=60)
 
-    code, out = finish(swarmgrad("runs", *boot, "--json", home=tmp_path / "reader"), 60)
+    code, out = finish(swarmgrad("runs", *boot, *PATIENT, "--json", home=tmp_path / "reader"), 120)
     assert code == 0, out
     listed = {(r["run_id"], r["run_key_id"]): r for r in json.loads(out)}
     assert listed[("published-demo", fingerprint)]["spec_hash"] == spec.short_hash
@@ -295,7 +300,9 @@ async def test_a_look_alike_announced_under_the_run_id_keeps_no_volunteer_out(
                                     "published run", timeout_seconds=60)  # fmt: skip
 
         # runs names every claim, each run key in full (the table folds; these lines do not).
-        code, out = await asyncio.to_thread(finish, swarmgrad("runs", *boot, home=tmp_path), 60)
+        code, out = await asyncio.to_thread(
+            finish, swarmgrad("runs", *boot, *PATIENT, home=tmp_path), 120
+        )
         assert code == 0, out
         assert "3 claims on run id 'published-demo'" in out, out
         for key, text in ((organizer, SPEC), (mallory, look_alike)):
@@ -360,14 +367,14 @@ async def test_runs_and_status_count_a_private_runs_peers_on_its_allowlist_only(
             await node.announce(record)
 
         code, out = await asyncio.to_thread(
-            finish, swarmgrad("runs", *boot, "--json", home=tmp_path), 60
+            finish, swarmgrad("runs", *boot, *PATIENT, "--json", home=tmp_path), 120
         )
         assert code == 0, out
         (row,) = json.loads(out)
         assert (row["peers"], row["not_on_allowlist"], row["epoch"]) == (1, 1, 3)
         code, out = await asyncio.to_thread(
-            finish, swarmgrad("status", str(tmp_path / "run.toml"), *boot, "--json",
-                              home=tmp_path), 60,
+            finish, swarmgrad("status", str(tmp_path / "run.toml"), *boot, *PATIENT, "--json",
+                              home=tmp_path), 120,
         )  # fmt: skip
         assert code == 0, out
         shown = json.loads(out)
