@@ -38,109 +38,182 @@ def node(
     spec: Annotated[Path, typer.Argument(help="The run spec (TOML) shared by the run's peers.")],
     bootstrap: Annotated[
         list[str] | None,
-        typer.Option(help="Multiaddr of a peer to join through (repeatable); adds to the spec's."),
+        typer.Option(
+            rich_help_panel="Network",
+            help="Multiaddr of a peer to join through (repeatable); adds to the spec's.",
+        ),
     ] = None,
     bootstrap_file: Annotated[
         Path | None,
-        typer.Option(help="Read multiaddrs from a bootstrap's --maddrs-file (JSON)."),
+        typer.Option(
+            rich_help_panel="Network",
+            help="Read multiaddrs from a bootstrap's --maddrs-file (JSON).",
+        ),
     ] = None,
     identity: Annotated[
-        Path | None, typer.Option(help="Ed25519 key file (default: $SWARMGRAD_HOME/identity.key).")
+        Path | None,
+        typer.Option(
+            rich_help_panel="Files",
+            help="Ed25519 key file (default: $SWARMGRAD_HOME/identity.key).",
+        ),
     ] = None,
     cache_dir: Annotated[
-        Path | None, typer.Option(help="Data cache (default: $SWARMGRAD_HOME/cache).")
+        Path | None,
+        typer.Option(rich_help_panel="Files", help="Data cache (default: $SWARMGRAD_HOME/cache)."),
     ] = None,
     checkpoint_dir: Annotated[
         Path | None,
-        typer.Option(help="Checkpoints (default: $SWARMGRAD_HOME/checkpoints/<run id>)."),
+        typer.Option(
+            rich_help_panel="Files",
+            help="Checkpoints (default: $SWARMGRAD_HOME/checkpoints/<run id>).",
+        ),
     ] = None,
     host: Annotated[
-        str | None, typer.Option(help="Address to serve gRPC and the DHT on [127.0.0.1].")
+        str | None,
+        typer.Option(
+            rich_help_panel="Network", help="Address to serve gRPC and the DHT on \\[127.0.0.1]."
+        ),
     ] = None,
-    port: Annotated[int | None, typer.Option(help="gRPC port (0: any free port) [0].")] = None,
+    port: Annotated[
+        int | None,
+        typer.Option(rich_help_panel="Network", help="gRPC port (0: any free port) \\[0]."),
+    ] = None,
     public_host: Annotated[
         str | None,
-        typer.Option(help="Address peers dial, if not --host (a container's name) \\[unset]."),
+        typer.Option(
+            rich_help_panel="Network",
+            help="Address peers dial, if not --host (a container's name) \\[unset].",
+        ),
     ] = None,
     discovery: Annotated[
         str | None,
-        typer.Option(help="DHT backend: hivemind, or libp2p (pure Python, anywhere) \\[hivemind]."),
+        typer.Option(
+            rich_help_panel="Network",
+            help="DHT backend: hivemind, or libp2p (pure Python, anywhere) \\[hivemind].",
+        ),
     ] = None,
     dht_secret: Annotated[
         str | None,
         typer.Option(
-            help="libp2p: a private run's DHT key; nodes without it cannot connect \\[unset]."
+            rich_help_panel="Network",
+            help="libp2p: a private run's DHT key; nodes without it cannot connect \\[unset].",
         ),
     ] = None,
-    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda \\[auto].")] = None,
+    device: Annotated[
+        str | None, typer.Option(rich_help_panel="Device", help="auto, cpu or cuda \\[auto].")
+    ] = None,
     threads: Annotated[
-        int | None, typer.Option(help="Torch CPU threads (0: torch's default) [0].")
+        int | None,
+        typer.Option(
+            rich_help_panel="Device", help="Torch CPU threads (0: torch's default) \\[0]."
+        ),
     ] = None,
     compile: Annotated[
         str | None,
         typer.Option(
-            help="on: torch.compile the training step (faster on GPUs, slow start) \\[off]."
+            rich_help_panel="Device",
+            help="on: torch.compile the training step (faster on GPUs, slow start) \\[off].",
         ),
     ] = None,
     peak_tflops: Annotated[
         int | None,
         typer.Option(
+            rich_help_panel="Device",
             help="The device's dense bf16 peak for MFU, in whole TFLOP/s (0: known GPUs' "
-            "figure) [0]."
+            "figure) \\[0].",
         ),
     ] = None,
     metrics_address: Annotated[
         str | None,
-        typer.Option(help="Serve Prometheus metrics on host:port, or 'off' [127.0.0.1:9464]."),
+        typer.Option(
+            rich_help_panel="Network",
+            help="Serve Prometheus metrics on host:port, 'auto' (127.0.0.1:9464, else a free "
+            "port) or 'off' \\[auto].",
+        ),
     ] = None,
     checkpoint_every_rounds: Annotated[
-        int | None, typer.Option(help="Write a checkpoint every this many rounds [10].")
+        int | None,
+        typer.Option(
+            rich_help_panel="Files", help="Write a checkpoint every this many rounds \\[10]."
+        ),
     ] = None,
     keep_checkpoints: Annotated[
-        int | None, typer.Option(help="Keep this many newest checkpoints [3].")
+        int | None,
+        typer.Option(rich_help_panel="Files", help="Keep this many newest checkpoints \\[3]."),
     ] = None,
     max_epochs: Annotated[
-        int | None, typer.Option(help="Stop training once the model reaches this epoch.")
+        int | None,
+        typer.Option(
+            rich_help_panel="Training", help="Stop training once the model reaches this epoch."
+        ),
     ] = None,
     linger: Annotated[
         bool,
-        typer.Option(help="After --max-epochs, keep serving state to peers until stopped."),
+        typer.Option(
+            rich_help_panel="Training",
+            help="After --max-epochs, keep serving state to peers until stopped.",
+        ),
     ] = False,
     slowdown: Annotated[
-        float, typer.Option(help="Simulate slower compute: each step takes this many times longer.")
+        float,
+        typer.Option(
+            rich_help_panel="Simulation",
+            help="Simulate slower compute: each step takes this many times longer.",
+        ),
     ] = 1.0,
     bandwidth: Annotated[
-        float, typer.Option(help="Relative upload capacity: the share of each vector owned.")
+        float,
+        typer.Option(
+            rich_help_panel="Simulation",
+            help="Relative upload capacity: the share of each vector owned.",
+        ),
     ] = 1.0,
     upload_limit: Annotated[
-        float | None, typer.Option(help="Cap averaging uploads at this many bytes/s (simulation).")
+        float | None,
+        typer.Option(
+            rich_help_panel="Simulation",
+            help="Cap averaging uploads at this many bytes/s (simulation).",
+        ),
     ] = None,
     status_file: Annotated[
-        Path | None, typer.Option(help="Write a JSON summary here after every round.")
+        Path | None,
+        typer.Option(rich_help_panel="Files", help="Write a JSON summary here after every round."),
     ] = None,
-    display: Annotated[str, typer.Option(help="auto, live, log or none.")] = "auto",
+    display: Annotated[
+        str, typer.Option(rich_help_panel="Training", help="auto, live, log or none.")
+    ] = "auto",
     eval_windows: Annotated[
         int,
         typer.Option(
+            rich_help_panel="Training",
             help="Held-out windows evaluated after each round: more give a steadier "
-            "validation loss and take longer."
+            "validation loss and take longer.",
         ),
     ] = 32,
     stage: Annotated[
         str | None,
         typer.Option(
+            rich_help_panel="Pipeline",
             help="A pipeline run: serve this stage's layers (0..stages-1), or 'auto' (the "
-            "stage with the least capacity)."
+            "stage with the least capacity).",
         ),
     ] = None,
     role: Annotated[
         str | None,
-        typer.Option(help="A pipeline run: 'trainer' owns the data and routes microbatches."),
+        typer.Option(
+            rich_help_panel="Pipeline",
+            help="A pipeline run: 'trainer' owns the data and routes microbatches.",
+        ),
     ] = None,
     max_steps: Annotated[
-        int | None, typer.Option(help="A pipeline trainer: stop after this many steps.")
+        int | None,
+        typer.Option(
+            rich_help_panel="Pipeline", help="A pipeline trainer: stop after this many steps."
+        ),
     ] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Debug logging.", rich_help_panel="Training")
+    ] = False,
 ) -> None:
     """Train with the run's peers: join, average every round, leave gracefully on Ctrl-C.
 

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+from swarmgrad.node import preflight
 from swarmgrad.node.config import NodeConfig
 from swarmgrad.node.discovery.start import DiscoveryConfig, start_discovery
 from swarmgrad.node.display import Display
@@ -56,11 +57,17 @@ async def run(config: NodeConfig, stop: asyncio.Event) -> int:
 
 
 async def node(config: NodeConfig, stop: asyncio.Event) -> int:
+    settings = config.settings
+    preflight.check(
+        config.spec,
+        host=config.swarm.host,
+        port=config.swarm.port,
+        metrics_address=settings.metrics_address,
+    )  # before the network: a taken port or a missing shard is exit 2, with no trace in the DHT
     identity = Identity.load_or_create(config.identity_path)
     log.info("peer id %s (key %s)", identity.peer_id, config.identity_path)
     for warning in config.spec.warnings():
         log.warning("%s", warning)
-    settings = config.settings
     # The checkpoint lock and the metrics socket come after the Swarm: its DHT forks a process,
     # which would inherit them (and hold them past a kill -9 of this one).
     async with _joined(Swarm(config.spec, identity, config.swarm)) as swarm:

@@ -168,6 +168,19 @@ class NodeMetrics:
         return MetricsServer(server=server, thread=thread, host=host)
 
 
+#: Where ``metrics_address = "auto"`` serves when it can (Prometheus's port for exporters of
+#: client libraries); a second node on the machine takes a free port instead.
+AUTO_ADDRESS = "127.0.0.1:9464"
+
+
+def _auto(metrics: NodeMetrics) -> MetricsServer:
+    try:
+        return metrics.serve(AUTO_ADDRESS)
+    except OSError:
+        log.info("metrics: %s is taken (another node here?); serving on a free port", AUTO_ADDRESS)
+        return metrics.serve(AUTO_ADDRESS.rsplit(":", 1)[0] + ":0")
+
+
 @contextlib.contextmanager
 def serving(metrics: NodeMetrics, address: str) -> Iterator[MetricsServer | None]:
     """Serve ``metrics`` on ``address`` ("off": not at all) while the block runs; an address
@@ -176,7 +189,7 @@ def serving(metrics: NodeMetrics, address: str) -> Iterator[MetricsServer | None
         yield None
         return
     try:
-        server = metrics.serve(address)
+        server = _auto(metrics) if address == "auto" else metrics.serve(address)
     except (OSError, ValueError) as error:
         raise SetupError(str(error)) from None
     log.info("metrics on %s", server.url)

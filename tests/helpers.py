@@ -120,3 +120,18 @@ def doc_blocks(language: str) -> list[tuple[Path, str]]:
     """Every ```language block of ``linked_docs()``, with the page it is on."""
     fence = re.compile(rf"^```{re.escape(language)}\n(.*?)^```", re.M | re.S)
     return [(page, block) for page, text in linked_docs().items() for block in fence.findall(text)]
+
+
+def libp2p_peer_id(public_key: bytes) -> str:
+    """libp2p's peer id of an Ed25519 key: the identity multihash (0x00, length) of the key's
+    ``crypto.pb.PublicKey`` (type 1, Ed25519), in base58."""
+    message = bytes([0x08, 0x01, 0x12, len(public_key)]) + public_key
+    number = int.from_bytes(bytes([0x00, len(message)]) + message, "big")
+    digits = ""
+    while number:
+        number, digit = divmod(number, 58)
+        digits = BASE58[digit] + digits
+    return "1" + digits  # the multihash's leading zero byte
+
+
+BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"

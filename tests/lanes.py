@@ -36,6 +36,7 @@ WAITING_MODULES = frozenset(
         "tests/integration/test_netem.py",
         "tests/integration/test_open_rounds.py",
         "tests/integration/test_packaging.py",
+        "tests/integration/test_preflight.py",
         "tests/integration/test_published.py",
         "tests/integration/test_reachability.py",
         "tests/integration/test_readiness.py",

@@ -29,6 +29,7 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
 from swarmgrad.node.discovery.base import DiscoveryError, SignedDirectory
+from swarmgrad.node.discovery.diagnose import explain
 from swarmgrad.node.discovery.hivemind_storage import BoundedStorage, SealedValues, StorerProtocol
 from swarmgrad.node.identity import Identity
 
@@ -237,8 +238,10 @@ async def start_dht(
                 or time.monotonic() + pause_seconds >= deadline
             ):
                 tries = f" ({attempt} tries)" if attempt > 1 else ""
+                found = await asyncio.to_thread(explain, initial_peers) if initial_peers else ""
                 raise DiscoveryError(
                     f"could not join the DHT (bootstrap: {peers}){tries}: {failed.error}"
+                    + (f". {found}" if found else "")
                 ) from failed.error
             log.warning("could not join the DHT (%s); trying again", failed.error)
             await asyncio.sleep(pause_seconds)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
 from swarmgrad.node.discovery.base import DiscoveryError, SignedDirectory
+from swarmgrad.node.discovery.diagnose import explain
 from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.errors import BindError
 
@@ -143,7 +144,11 @@ class Sidecar:
             if ready.get("bind"):  # a configuration error (exit 2), not an unreachable swarm
                 raise BindError(f"the DHT cannot listen on {self._listen}: {ready['error']}")
             peers = ", ".join(bootstrap) or "none"
-            raise DiscoveryError(f"could not join the DHT (bootstrap: {peers}): {ready['error']}")
+            found = await asyncio.to_thread(explain, bootstrap) if bootstrap else ""
+            raise DiscoveryError(
+                f"could not join the DHT (bootstrap: {peers}): {ready['error']}"
+                + (f". {found}" if found else "")
+            )
         self._process, self._writer = process, writer
         self.maddrs = [str(m) for m in ready["maddrs"]]
         self._port = int(self.maddrs[0].split("/tcp/")[1].split("/")[0])  # keep it on restart

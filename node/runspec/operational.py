@@ -52,7 +52,8 @@ class NodeSection:
     threads: int = 0  # torch CPU threads; 0: torch's default
     compile: str = "off"  # on: torch.compile the model's training step (minutes of start-up)
     peak_tflops: int = 0  # the device's dense bf16 peak for MFU; 0: known GPUs' datasheet figure
-    metrics_address: str = "127.0.0.1:9464"  # Prometheus endpoint, host:port, or "off"
+    #: Prometheus endpoint: host:port, "auto" (127.0.0.1:9464, else a free port) or "off".
+    metrics_address: str = "auto"
     checkpoint_every_rounds: int = 10
     keep_checkpoints: int = 3
     discovery: str = "hivemind"  # the DHT backend: hivemind or libp2p (pure Python)
@@ -82,11 +83,12 @@ class NodeSection:
             raise RunSpecError(f"node.peak_tflops must be >= 0, got {self.peak_tflops}")
         if self.threads < 0:
             raise RunSpecError(f"node.threads must be 0 (torch's default) or more: {self.threads}")
-        if self.metrics_address != "off":
+        if self.metrics_address not in ("off", "auto"):
             host, sep, port = self.metrics_address.rpartition(":")
             if not sep or not host or not port.isdigit() or int(port) > 65535:
                 raise RunSpecError(
-                    f"node.metrics_address must be host:port or 'off', got {self.metrics_address!r}"
+                    "node.metrics_address must be host:port, 'auto' or 'off', got "
+                    f"{self.metrics_address!r}"
                 )
         positive(
             "node",

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from swarmgrad.node.identity import Identity
-from tests.helpers import wait_until
+from tests.helpers import libp2p_peer_id, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -78,21 +78,6 @@ def _peer_id(maddr: str) -> str:
     return maddr.rsplit("/p2p/", 1)[1]
 
 
-def _libp2p_peer_id(public_key: bytes) -> str:
-    """libp2p's peer id of an Ed25519 key: the identity multihash (0x00, length) of the key's
-    ``crypto.pb.PublicKey`` (type 1, Ed25519), in base58."""
-    message = bytes([0x08, 0x01, 0x12, len(public_key)]) + public_key
-    number = int.from_bytes(bytes([0x00, len(message)]) + message, "big")
-    digits = ""
-    while number:
-        number, digit = divmod(number, 58)
-        digits = _BASE58[digit] + digits
-    return "1" + digits  # the multihash's leading zero byte
-
-
-_BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
-
-
 @pytest.mark.parametrize("backend", ["hivemind", "libp2p"])
 def test_a_restarted_bootstrap_keeps_its_multiaddr_and_nodes_join_through_the_old_one(
     tmp_path: Path, bootstraps: list[_Bootstrap], backend: str
@@ -111,4 +96,4 @@ def test_a_restarted_bootstrap_keeps_its_multiaddr_and_nodes_join_through_the_ol
     assert json.loads(joined.stdout) == []  # joined a DHT where nobody published a run yet
 
     # The peer id is the key file's own (libp2p's id of its Ed25519 key), on either backend.
-    assert _peer_id(first) == _libp2p_peer_id(Identity.load_or_create(key).public_key)
+    assert _peer_id(first) == libp2p_peer_id(Identity.load_or_create(key).public_key)

@@ -35,7 +35,7 @@ from swarmgrad.node.discovery.records import (
 from swarmgrad.node.discovery.start import DiscoveryConfig, start_discovery
 from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.server import start_server
-from tests.helpers import until
+from tests.helpers import libp2p_peer_id, until
 
 RUN, SPEC = "run-a", b"\x07" * 32
 
@@ -433,8 +433,22 @@ async def test_unreachable_bootstrap_is_reported_clearly(
     tries = r" \(3 tries\)" if "hivemind" in request.node.name else ""
     with pytest.raises(
         DiscoveryError, match=rf"could not join the DHT \(bootstrap: .*tcp/9.*\){tries}:"
-    ):
+    ) as failed:
         await start(Identity.generate(), initial_peers=[dead])
+    assert "nobody listens at 127.0.0.1:9 (is the bootstrap node up?" in str(failed.value)
+
+
+async def test_a_bootstrap_whose_peer_id_changed_is_named_as_a_cause(start: Starter) -> None:
+    # A volunteer holding a multiaddr from before the bootstrap restarted with a new key: the
+    # address answers, under another peer id.
+    live = await start(Identity.generate())
+    maddr = next(m for m in live.visible_maddrs() if "/127.0.0.1/" in m)
+    other = libp2p_peer_id(Identity.generate().public_key)
+    stale = maddr.rsplit("/p2p/", 1)[0] + "/p2p/" + other
+    with pytest.raises(DiscoveryError) as failed:
+        await start(Identity.generate(), initial_peers=[stale])
+    assert "accepts connections, yet joining through it failed" in str(failed.value)
+    assert "restarted without --identity" in str(failed.value)
 
 
 async def test_a_join_that_fails_once_is_tried_again(

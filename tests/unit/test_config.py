@@ -77,7 +77,7 @@ def test_bad_values_name_their_layer(spec: Path, tmp_path: Path) -> None:
         node_config(
             spec_path=spec, environ=_env(tmp_path), cli=CommandLine(settings={"device": "tpu"})
         )
-    with pytest.raises(ConfigError, match="--metrics-address must be host:port or 'off'"):
+    with pytest.raises(ConfigError, match="--metrics-address must be host:port, 'auto' or 'off'"):
         node_config(
             spec_path=spec,
             environ=_env(tmp_path),

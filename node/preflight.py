@@ -1,0 +1,59 @@
+"""What a node checks on its own machine before it touches the network: its ports (gRPC,
+metrics) and its data shards.
+
+A node that joined the DHT and served gRPC before finding its metrics port taken (or a data
+file missing) left a record behind that peers then found dead. Here each such mistake is a
+:class:`~swarmgrad.protocol.errors.SetupError` (exit 2) before the first packet.
+
+Probing a port is a bind that is let go at once: something may still take the port before the
+node binds it for real, which then fails as before (exit 2 too), only later.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.training.shards import shard_paths
+from swarmgrad.protocol.errors import BindError, SetupError
+
+
+def check(spec: RunSpec, *, host: str, port: int, metrics_address: str) -> None:
+    """Every local check, in order; SetupError (saying what to do) for the first that fails."""
+    if port:
+        _free(host, port, f"cannot listen on {host}:{port}: the port is in use", "--port")
+    if metrics_address not in ("off", "auto"):  # auto: 9464, else a free port (metrics.py)
+        metrics_host, _, metrics_port = metrics_address.rpartition(":")
+        if int(metrics_port):
+            _free(
+                metrics_host.strip("[]"),
+                int(metrics_port),
+                f"cannot serve metrics on {metrics_address}: the port is in use",
+                "--metrics-address (auto: 9464, else a free port; off)",
+            )
+    if spec.data.source == "files":
+        shard_paths(spec.data)  # DataError: a missing file, a pattern that matches nothing
+
+
+def _free(host: str, port: int, message: str, option: str) -> None:
+    if _in_use(host, port):
+        raise BindError(f"{message} (another process listens there; choose another {option})")
+
+
+def _in_use(host: str, port: int) -> bool:
+    """Whether binding ``host:port`` fails because the port is taken (other errors, such as an
+    address this machine does not have, are left to the real bind, which says so)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as error:
+        raise SetupError(f"cannot resolve {host!r}: {error}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        # As servers do: a port a closed connection left in TIME_WAIT is free to listen on.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as error:
+            return error.errno == errno.EADDRINUSE
+    return False

@@ -1,0 +1,120 @@
+"""A node's local checks come before the network: a taken port (gRPC or metrics) and a missing
+data shard are exit 2 before the node joins anything, and two nodes on one machine run with the
+defaults (the second's metrics on a free port)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from swarmgrad.simulations.swarm import DEMO_SPEC
+from tests.helpers import light, wait_until
+
+pytestmark = pytest.mark.slow
+
+#: A bootstrap nobody answers at: a node that got as far as the network would fail there, with
+#: exit 4, after its join deadline; one stopped by a local check never tries it.
+NOBODY = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
+
+
+def _node(tmp_path: Path, cache_dir: Path, name: str, *args: str) -> list[str]:
+    spec = tmp_path / "run.toml"
+    if not spec.exists():  # a lone node's first round (and status file) comes within seconds
+        fast = light(DEMO_SPEC).replace(
+            "matchmaking_timeout_seconds = 20.0", "matchmaking_timeout_seconds = 3.0"
+        )
+        assert fast != light(DEMO_SPEC)
+        spec.write_text(fast)
+    return [
+        sys.executable, "-m", "swarmgrad.node.cli", "node", str(spec),
+        "--identity", str(tmp_path / f"{name}.key"), "--cache-dir", str(cache_dir),
+        "--checkpoint-dir", str(tmp_path / f"{name}-checkpoints"), "--display", "log",
+        "--threads", "1", "--status-file", str(tmp_path / f"{name}.json"), *args,
+    ]  # fmt: skip
+
+
+def _refused(command: list[str]) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, "Traceback" in done.stderr) == (2, False), done.stderr[-2000:]
+    assert "peer id" not in done.stderr, done.stderr[-2000:]  # nothing started: no DHT, no key
+    return done
+
+
+def test_a_taken_port_or_a_missing_shard_stops_the_node_before_the_network(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        grpc_taken = _refused(
+            _node(tmp_path, cache_dir, "a", "--port", port, "--bootstrap", NOBODY)
+        )
+        metrics_taken = _refused(
+            _node(tmp_path, cache_dir, "b", "--metrics-address", f"127.0.0.1:{port}",
+                  "--bootstrap", NOBODY)
+        )  # fmt: skip
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in grpc_taken.stderr
+    assert f"cannot serve metrics on 127.0.0.1:{port}: the port is in use" in metrics_taken.stderr
+    assert "--metrics-address" in metrics_taken.stderr  # what to do about it
+
+    shards = tmp_path / "files.toml"
+    shards.write_text(
+        light(DEMO_SPEC).replace('source = "demo"', 'source = "files"\npaths = ["missing.txt"]')
+    )
+    command = _node(tmp_path, cache_dir, "c", "--bootstrap", NOBODY)
+    command[command.index(str(tmp_path / "run.toml"))] = str(shards)
+    missing = _refused(command)
+    assert "data.paths: missing.txt does not exist" in missing.stderr
+
+
+@pytest.fixture
+def nodes() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+    for process in started:
+        try:
+            process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+
+
+def test_two_nodes_on_one_machine_run_with_the_default_metrics_address(
+    tmp_path: Path, cache_dir: Path, nodes: list[subprocess.Popen[str]]
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMGRAD_")}
+    names = ("first", "second")
+    for name in names:
+        with (tmp_path / f"{name}.log").open("w") as log:
+            command = _node(tmp_path, cache_dir, name)
+            nodes.append(subprocess.Popen(command, env=env, stdout=log, stderr=log, text=True))
+
+    def urls() -> list[str]:
+        for name, process in zip(names, nodes, strict=True):
+            if process.poll() is not None:
+                raise AssertionError((tmp_path / f"{name}.log").read_text()[-2000:])
+        paths = [tmp_path / f"{name}.json" for name in names]
+        found = [
+            json.loads(path.read_text()).get("metrics_url", "") if path.exists() else ""
+            for path in paths
+        ]
+        return found if all(found) else []
+
+    served = wait_until(urls, timeout_seconds=120, what="both nodes' metrics URLs")
+    assert served[0] != served[1]
+    for url in served:  # each answers with its own node's series
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert b"swarmgrad_" in response.read()
