@@ -4,11 +4,13 @@ it from TOML (every section's keys and types checked, each message naming ``sect
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import tomllib
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,16 +205,26 @@ class RunSpec:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RunSpec:
+        """The spec of a parsed TOML table; every mistake in it is reported at once (unknown
+        sections and keys with the nearest known name, bad values), as one RunSpecError."""
         sections = {f.name: f for f in dataclasses.fields(cls)}
+        problems: list[str] = []
         unknown = sorted(set(raw) - set(sections))
         if unknown:
-            raise RunSpecError(
-                f"unknown section(s) {', '.join(unknown)}; known: {', '.join(sections)}"
-            )
+            named = ", ".join(_with_hint(name, sections, "[{}]") for name in unknown)
+            problems.append(f"unknown section(s) {named}; known: {', '.join(sections)}")
         if "run" not in raw:
-            raise RunSpecError("the [run] section (with at least id = ...) is required")
+            problems.append("the [run] section (with at least id = ...) is required")
         hints = typing.get_type_hints(cls)
-        built = {name: _build(name, hints[name], value) for name, value in raw.items()}
+        built = {}
+        for name, value in raw.items():
+            if name in sections:
+                try:
+                    built[name] = _build(name, hints[name], value)
+                except RunSpecError as error:
+                    problems.extend(error.problems)
+        if problems:
+            raise RunSpecError.of(problems)
         trust, averaging = raw.get("trust", {}), raw.get("averaging", {})
         if trust.get("mode") == "open" and "group_size" not in averaging:
             built["averaging"] = dataclasses.replace(
@@ -221,18 +233,32 @@ class RunSpec:
         return cls(**built)
 
 
+def _with_hint(name: str, known: Iterable[str], form: str = "{}") -> str:
+    """``name``, with the known name it most likely misspells."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f"{form.format(name)} (did you mean {form.format(close[0])}?)" if close else name
+
+
 def _build(section: str, kind: type[Any], raw: Any) -> Any:
     if not isinstance(raw, dict):
         raise RunSpecError(f"[{section}] must be a table")
     fields = {f.name: f for f in dataclasses.fields(kind)}
+    problems: list[str] = []
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        raise RunSpecError(
-            f"unknown key(s) {', '.join(f'{section}.{k}' for k in unknown)}; "
-            f"known: {', '.join(fields)}"
-        )
+        named = ", ".join(_with_hint(f"{section}.{k}", [f"{section}.{f}" for f in fields])
+                          for k in unknown)  # fmt: skip
+        problems.append(f"unknown key(s) {named}; known: {', '.join(fields)}")
     hints = typing.get_type_hints(kind)
-    values = {key: _check(f"{section}.{key}", hints[key], value) for key, value in raw.items()}
+    values = {}
+    for key, value in raw.items():
+        if key in fields:
+            try:
+                values[key] = _check(f"{section}.{key}", hints[key], value)
+            except RunSpecError as error:
+                problems.extend(error.problems)
+    if problems:
+        raise RunSpecError.of(problems)
     try:
         return kind(**values)
     except TypeError as error:  # a required key is missing

@@ -208,3 +208,22 @@ def test_open_runs_default_to_groups_whose_parts_can_judge_their_members() -> No
     (warning,) = small.warnings()
     assert "group_size = 4" in warning
     assert "noise is merely clipped" in warning
+
+
+def test_every_mistake_in_a_spec_is_reported_at_once_with_the_name_it_likely_meant() -> None:
+    text = (
+        '[run]\nid = "x"\n[modle]\nd_model = 64\n'
+        '[averaging]\ncodek = "int8"\ngroup_size = "four"\n[data]\nbatch_sise = 3\n'
+    )
+    with pytest.raises(RunSpecError) as refused:
+        RunSpec.from_toml(text)
+    message = str(refused.value)
+    assert message.startswith("4 problems:\n"), message
+    assert "unknown section(s) [modle] (did you mean [model]?)" in message
+    assert "averaging.codek (did you mean averaging.codec?)" in message
+    assert "averaging.group_size must be int, got 'four'" in message
+    assert "data.batch_sise (did you mean data.batch_size?)" in message
+    assert len(refused.value.problems) == 4
+    # One mistake reads as before: one line.
+    with pytest.raises(RunSpecError, match=r"^unknown key\(s\) data.batch_sise \(did you mean"):
+        RunSpec.from_toml('[run]\nid = "x"\n[data]\nbatch_sise = 3\n')
