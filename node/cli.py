@@ -18,6 +18,7 @@ from swarmgrad.node.cli_common import (
 )
 from swarmgrad.node.cli_common import fail as _fail
 from swarmgrad.node.cli_common import setup_logging as _logging
+from swarmgrad.node.cli_doctor import doctor
 from swarmgrad.node.cli_simulate import simulate
 from swarmgrad.node.cli_status import status
 from swarmgrad.node.config import ConfigError
@@ -334,6 +335,7 @@ def bootstrap(
 
 
 app.command()(status)
+app.command()(doctor)
 app.command()(simulate)
 
 

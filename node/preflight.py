@@ -37,11 +37,11 @@ def check(spec: RunSpec, *, host: str, port: int, metrics_address: str) -> None:
 
 
 def _free(host: str, port: int, message: str, option: str) -> None:
-    if _in_use(host, port):
+    if in_use(host, port):
         raise BindError(f"{message} (another process listens there; choose another {option})")
 
 
-def _in_use(host: str, port: int) -> bool:
+def in_use(host: str, port: int) -> bool:
     """Whether binding ``host:port`` fails because the port is taken (other errors, such as an
     address this machine does not have, are left to the real bind, which says so)."""
     try:

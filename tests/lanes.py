@@ -28,6 +28,7 @@ WAITING_MODULES = frozenset(
         "tests/integration/test_ban_records.py",
         "tests/integration/test_bootstrap_identity.py",
         "tests/integration/test_delay_proxy.py",
+        "tests/integration/test_doctor.py",
         "tests/integration/test_discovery.py",
         "tests/integration/test_export.py",
         "tests/integration/test_file_data.py",

@@ -1,0 +1,166 @@
+"""``swarmgrad doctor``: can this machine run a node of this run? One line a check, OK or the
+problem and what to do about it.
+
+Each check is a function returning a :class:`Finding`; none changes anything on the machine
+(ports are probed with a bind let go at once, the DHT with a short-lived reader).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import shutil
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from swarmgrad.node.runspec import RunSpec
+
+#: What a node keeps per parameter, roughly: fp32 weights, the outer state (a copy and its
+#: momentum), Adam's two moments, gradients and the averaging buffers.
+STATE_BYTES_PER_PARAMETER = 4 * 8
+#: A checkpoint holds weights, outer state and optimizer moments: about 5 fp32 copies.
+CHECKPOINT_BYTES_PER_PARAMETER = 4 * 5
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        mark = "OK  " if self.ok else "FAIL"
+        fix = f" -> {self.fix}" if self.fix and not self.ok else ""
+        return f"{mark} {self.name:<10} {self.detail}{fix}"
+
+
+def python() -> Finding:
+    version = platform.python_version()
+    ok = sys.version_info >= (3, 11)
+    return Finding("python", ok, version, "install Python 3.11 or newer")
+
+
+def device(wanted: str) -> Finding:
+    """Which device a node with ``--device wanted`` trains on, and whether that is possible."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if wanted == "cuda" and not cuda:
+        return Finding(
+            "device",
+            False,
+            f"cuda asked for, but torch {torch.__version__} sees no CUDA device",
+            "install a CUDA build of torch (docs/gpu.md) or use --device cpu",
+        )
+    if cuda and wanted != "cpu":
+        name = torch.cuda.get_device_name(0)
+        bf16 = "bf16" if torch.cuda.is_bf16_supported() else "no bf16 (fp32 instead)"
+        return Finding("device", True, f"cuda: {name}, {bf16} (torch {torch.__version__})")
+    threads = torch.get_num_threads()
+    return Finding("device", True, f"cpu, {threads} threads (torch {torch.__version__})")
+
+
+def parameters(spec: RunSpec) -> int:
+    from swarmgrad.node.training.model import skeleton
+
+    return sum(p.numel() for p in skeleton(spec.model).parameters())
+
+
+def memory(spec: RunSpec) -> Finding:
+    need = parameters(spec) * STATE_BYTES_PER_PARAMETER
+    available = _available_memory()
+    if available is None:
+        return Finding(
+            "memory", True, f"~{_size(need)} needed; this system does not say how much is free"
+        )
+    return Finding(
+        "memory",
+        available > need,
+        f"~{_size(need)} needed for the model's state, {_size(available)} available",
+        "close other programs, or join a run with a smaller model",
+    )
+
+
+def disk(spec: RunSpec, folder: Path) -> Finding:
+    need = parameters(spec) * CHECKPOINT_BYTES_PER_PARAMETER * (spec.node.keep_checkpoints + 1)
+    where = folder if folder.exists() else next(p for p in folder.parents if p.exists())
+    free = shutil.disk_usage(where).free
+    return Finding(
+        "disk",
+        free > need,
+        f"~{_size(need)} for {spec.node.keep_checkpoints} checkpoints, "
+        f"{_size(free)} free in {where}",
+        "free some space, or point $SWARMGRAD_HOME (or --checkpoint-dir) at a larger disk",
+    )
+
+
+def port(host: str, number: int, what: str, option: str) -> Finding:
+    from swarmgrad.node.preflight import in_use
+
+    if number == 0:
+        return Finding(what, True, "any free port (0)")
+    taken = in_use(host, number)
+    return Finding(
+        what,
+        not taken,
+        f"{host}:{number} {'is in use' if taken else 'is free'}",
+        f"stop what listens there, or choose another {option}",
+    )
+
+
+def run(spec: RunSpec, bootstrap: Sequence[str], *, timeout_seconds: float) -> Finding:
+    """Whether the run's DHT answers through ``bootstrap``, and how many peers it lists."""
+    from swarmgrad.node.discovery.base import DiscoveryError
+    from swarmgrad.node.discovery.start import start_reader
+
+    if not bootstrap:
+        return Finding("run", False, "no bootstrap multiaddr to reach the run through",
+                       "give --bootstrap (or [network] bootstrap in the spec)")  # fmt: skip
+
+    async def peers() -> int:
+        async with asyncio.timeout(timeout_seconds):
+            dht = await start_reader(
+                bootstrap,
+                backend=spec.node.discovery,
+                network_secret=spec.node.dht_secret,
+                timeout_seconds=timeout_seconds,
+                run_id=spec.run.id,
+                spec_hash=spec.hash,
+            )
+            try:
+                return len(await dht.find())
+            finally:
+                await dht.close()
+
+    try:
+        count = asyncio.run(peers())
+    except (DiscoveryError, TimeoutError, OSError) as error:
+        said = str(error) or f"no answer in {timeout_seconds:g} s"
+        return Finding("run", False, f"the run's DHT is unreachable: {said}",
+                       "check the bootstrap multiaddr and this machine's connection")  # fmt: skip
+    return Finding("run", True, f"{spec.run.id}: the DHT answers, {count} peer(s) listed")
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024:
+            return f"{nbytes:.0f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} TiB"
