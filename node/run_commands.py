@@ -16,6 +16,7 @@ from swarmgrad.node.cli_common import EXIT_CONFIG, EXIT_NETWORK, fail, setup_log
 from swarmgrad.node.discovery.base import Discovery, DiscoveryError
 from swarmgrad.node.discovery.start import start_reader
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.ticket import MAX_TICKET_CHARS, Ticket, looks_like_ticket
 from swarmgrad.protocol.errors import SetupError
 
 T = TypeVar("T")
@@ -94,8 +95,13 @@ def publish(
     discovery: Backend = "hivemind",
     dht_secret: Secret = "",
     timeout: Timeout = 30.0,
+    ticket_file: Annotated[
+        Path | None,
+        typer.Option(help="Also write the run's ticket (what volunteers join with) here."),
+    ] = None,
 ) -> None:
-    """Publish a run in the DHT, signed by its run key, and keep it there until stopped."""
+    """Publish a run in the DHT, signed by its run key, and keep it there until stopped; print
+    its ticket: the one string a volunteer joins with (swarmgrad join TICKET)."""
     from swarmgrad.node.runspec import RunSpec
 
     setup_logging(False)
@@ -120,6 +126,15 @@ def publish(
         raise fail(EXIT_CONFIG, str(error)) from None
     if known is not None and known != key.peer_id:
         typer.echo(f"run {loaded.run.id}: this machine's run key was {known}; now {key.peer_id}")
+    ticket = Ticket(
+        run_id=loaded.run.id,
+        run_key=key.public_key,
+        spec_hash=loaded.hash.hex(),
+        bootstrap=maddrs,
+        discovery=discovery,
+    ).encode(key)
+    if ticket_file is not None:
+        ticket_file.write_text(ticket + "\n")
 
     def read_allowlist() -> list[str]:
         assert allowlist is not None
@@ -133,9 +148,7 @@ def publish(
             typer.echo(
                 f"publishing run {loaded.run.id} (spec {loaded.short_hash}); volunteers join with:"
             )
-            typer.echo(
-                f"  swarmgrad join {loaded.run.id} --run-key-id {key.peer_id} --bootstrap ..."
-            )
+            typer.echo(f"  swarmgrad join {ticket}")
             await published.publish(
                 dht, key, text, stop=stop, allowlist=read_allowlist if allowlist else None
             )
@@ -229,7 +242,13 @@ def _claims(rows: list[dict[str, Any]]) -> list[str]:
 
 def join(
     ctx: typer.Context,
-    run_id: Annotated[str, typer.Argument(help="The run's id.")],
+    run_id: Annotated[
+        str,
+        typer.Argument(
+            help="The run's ticket (sgrun1..., from its organizer, or a file holding it), "
+            "or its id."
+        ),
+    ],
     run_key_id: Annotated[
         str | None,
         typer.Option(help="The run key's fingerprint (sg...), from its organizer; remembered."),
@@ -242,11 +261,23 @@ def join(
 ) -> None:
     """Fetch a published run's signed spec, check it, show it, and start a node in it.
 
-    Options after the run id that ``join`` does not know go to ``swarmgrad node``.
+    With a ticket nothing else is needed; with a run id, give --run-key-id and --bootstrap.
+    Options after the ticket (or run id) that ``join`` does not know go to ``swarmgrad node``.
     """
     setup_logging(False, quiet=True)  # the run is read quietly; the node it starts logs in full
     try:
-        maddrs = _addresses(bootstrap, bootstrap_file)
+        ticket = _ticket(run_id)
+        if ticket is not None:
+            if run_key_id is not None and run_key_id != ticket.run_key_id:
+                raise node_config.ConfigError(
+                    f"--run-key-id {run_key_id} is not the ticket's run key {ticket.run_key_id}"
+                )
+            run_id, run_key_id = ticket.run_id, ticket.run_key_id
+            source = ctx.get_parameter_source("discovery")
+            if source is None or source.name == "DEFAULT":  # not given: the ticket's
+                discovery = ticket.discovery
+        extra = node_config.bootstrap_addresses((), bootstrap or (), bootstrap_file=bootstrap_file)
+        maddrs = (*ticket.bootstrap, *extra) if ticket else _addresses(bootstrap, bootstrap_file)
         known = node_config.known_run_key(run_id)
     except SetupError as error:
         raise fail(EXIT_CONFIG, str(error)) from None
@@ -270,6 +301,12 @@ def join(
     except (DiscoveryError, TimeoutError) as error:
         raise fail(EXIT_NETWORK, f"could not read the published runs: {error}") from None
     spec = listing.spec
+    if ticket is not None and spec.hash.hex() != ticket.spec_hash:
+        raise fail(
+            EXIT_CONFIG,
+            f"run {run_id} is published with spec {spec.short_hash}, the ticket names spec "
+            f"{ticket.spec_hash[:12]}: the organizer changed the run; ask for its new ticket",
+        )
     typer.echo(
         f"run {spec.run.id}, spec {spec.short_hash}, signed by {listing.run_key_id}: "
         f"model d{spec.model.d_model} x {spec.model.n_layers} layers, {spec.algorithm.name}, "
@@ -283,6 +320,18 @@ def join(
     args += ["--discovery", discovery, *(["--dht-secret", dht_secret] if dht_secret else [])]
     command = typer.main.get_command(app)
     command.main(args=[*args, *ctx.args], prog_name="swarmgrad", standalone_mode=True)
+
+
+def _ticket(argument: str) -> Ticket | None:
+    """The ticket ``argument`` is (or names a file holding), or None for a run id."""
+    if looks_like_ticket(argument):
+        return Ticket.parse(argument)
+    path = Path(argument)
+    if path.is_file() and path.stat().st_size <= MAX_TICKET_CHARS:
+        text = path.read_text(errors="replace")
+        if looks_like_ticket(text):
+            return Ticket.parse(text)
+    return None
 
 
 def register(app: typer.Typer) -> None:

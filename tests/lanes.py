@@ -45,6 +45,7 @@ WAITING_MODULES = frozenset(
         "tests/integration/test_restarts.py",
         "tests/integration/test_stage_service.py",
         "tests/integration/test_state_sync.py",
+        "tests/integration/test_ticket_join.py",
     }
 )
 

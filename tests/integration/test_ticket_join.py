@@ -1,0 +1,90 @@
+"""A volunteer joins a published run from its ticket alone, through whichever of the ticket's
+bootstraps still answers; an altered ticket, and one for a spec the run no longer has, are
+refused before any node starts."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from swarmgrad.node.identity import Identity
+from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.ticket import PREFIX, Ticket
+from swarmgrad.simulations.processes import Child
+from tests.helpers import wait_for_pattern, wait_until
+from tests.integration.test_published import SPEC, finish, processes, start, swarmgrad
+
+__all__ = ["processes"]  # the fixture, shared with test_published
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+def _bootstrap(tmp_path: Path, name: str, processes: list[Child], *peers: str) -> str:
+    maddrs = tmp_path / f"{name}.json"
+    links = [arg for peer in peers for arg in ("--peer", peer)]
+    processes.append(
+        start("bootstrap", "--maddrs-file", str(maddrs), *links, home=tmp_path / name,
+              log=tmp_path / f"{name}.log")
+    )  # fmt: skip
+    wait_until(maddrs.exists, timeout_seconds=60, what=f"bootstrap {name}")
+    return str(json.loads(maddrs.read_text())["maddrs"][0])
+
+
+def test_a_volunteer_joins_from_the_ticket_alone_with_one_bootstrap_down(
+    tmp_path: Path, cache_dir: Path, processes: list[Child]
+) -> None:
+    first = _bootstrap(tmp_path, "boot-1", processes)
+    second = _bootstrap(tmp_path, "boot-2", processes, first)  # one DHT, two ways in
+    organizer = tmp_path / "organizer"
+    assert finish(swarmgrad("run-key", str(organizer / "run.key"), home=organizer), 60)[0] == 0
+    (organizer / "run.toml").write_text(SPEC)
+    ticket_file = organizer / "ticket.txt"
+    processes.append(
+        start("publish", str(organizer / "run.toml"), "--run-key", str(organizer / "run.key"),
+              "--bootstrap", first, "--bootstrap", second, "--ticket-file", str(ticket_file),
+              home=organizer, log=tmp_path / "publish.log")
+    )  # fmt: skip
+    wait_for_pattern(tmp_path / "publish.log", "published run", timeout_seconds=90)
+    ticket = ticket_file.read_text().strip()
+    assert ticket in (tmp_path / "publish.log").read_text()  # what the organizer copies
+    assert Ticket.parse(ticket).bootstrap == (first, second)
+
+    # An altered ticket (a bootstrap swapped by someone in between) and one for a spec the run
+    # no longer has: exit 2, and no node started.
+    payload, signature = ticket[len(PREFIX) :].split(".")
+    flipped = payload[:-3] + ("A" if payload[-3] != "A" else "B") + payload[-2:]
+    volunteer = tmp_path / "volunteer"
+    code, out = finish(swarmgrad("join", f"{PREFIX}{flipped}.{signature}", home=volunteer), 60)
+    assert code == 2, out
+    assert "altered" in out or "not valid JSON" in out or "not a version-1" in out, out
+    key = Identity.load(organizer / "run.key")
+    stale = Ticket(run_id="published-demo", run_key=key.public_key, spec_hash="0" * 64,
+                   bootstrap=(second,)).encode(key)  # fmt: skip
+    code, out = finish(swarmgrad("join", stale, "--timeout", "90", home=volunteer), 150)
+    assert code == 2, out
+    assert "the organizer changed the run; ask for its new ticket" in out
+    assert not (volunteer / "runs" / "known.json").exists()
+
+    # The first bootstrap goes down; the ticket still gets the volunteer in, through the other.
+    processes[0].send_signal(signal.SIGINT)
+    processes[0].wait(timeout=30)
+    (volunteer / "ticket.txt").parent.mkdir(parents=True, exist_ok=True)
+    (volunteer / "ticket.txt").write_text(ticket + "\n")  # a file holding it works too
+    joined = start("join", str(volunteer / "ticket.txt"), "--timeout", "90",
+                   "--cache-dir", str(cache_dir), "--metrics-address", "off",
+                   "--display", "log", home=volunteer, log=tmp_path / "join.log")  # fmt: skip
+    processes.append(joined)
+    wait_for_pattern(tmp_path / "join.log", "joined run published-demo", timeout_seconds=240)
+    joined.send_signal(signal.SIGINT)  # a volunteer's Ctrl-C: a graceful leave
+    code = joined.wait(120)
+    assert code == 0, (tmp_path / "join.log").read_text()[-3000:]
+    assert (
+        RunSpec.load(volunteer / "runs" / "published-demo.toml").hash
+        == RunSpec.from_toml(SPEC).hash
+    )
+    assert json.loads((volunteer / "runs" / "known.json").read_text()) == {
+        "published-demo": key.peer_id
+    }
