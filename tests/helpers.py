@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
+import subprocess
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -135,3 +137,20 @@ def libp2p_peer_id(public_key: bytes) -> str:
 
 
 BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+
+
+def stop_processes(
+    started: Sequence[Any], sig: int = signal.SIGINT, timeout_seconds: float = 60
+) -> None:
+    """Ask each of ``started`` (``Popen``s, or launchers' children) still running to stop with
+    ``sig``, then wait for all of them, killing any that outlive ``timeout_seconds`` (a test
+    fixture's teardown; their output goes to files, not pipes)."""
+    for process in started:
+        if process.poll() is None:
+            process.send_signal(sig)
+    for process in started:
+        try:
+            process.wait(timeout=timeout_seconds)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from swarmgrad.simulations.swarm import DEMO_SPEC
-from tests.helpers import light, wait_until
+from tests.helpers import light, stop_processes, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -81,15 +80,7 @@ def test_a_taken_port_or_a_missing_shard_stops_the_node_before_the_network(
 def nodes() -> Iterator[list[subprocess.Popen[str]]]:
     started: list[subprocess.Popen[str]] = []
     yield started
-    for process in started:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-    for process in started:
-        try:
-            process.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.communicate()
+    stop_processes(started)
 
 
 def test_two_nodes_on_one_machine_run_with_the_default_metrics_address(

@@ -26,7 +26,7 @@ from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.trust.allowlist import Allowlist
 from swarmgrad.simulations.launchers import LocalProcess
 from swarmgrad.simulations.processes import Child
-from tests.helpers import wait_for_pattern, wait_until
+from tests.helpers import stop_processes, wait_for_pattern, wait_until
 
 SMALL = """\
 [model]
@@ -73,14 +73,7 @@ def processes() -> Iterator[list[Child]]:
     """The test's processes, stopped (then killed) at its end."""
     started: list[Child] = []
     yield started
-    for process in started:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    for process in started:
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    stop_processes(started, signal.SIGTERM, timeout_seconds=20)
 
 
 def bootstrap(tmp_path: Path, processes: list[Child]) -> list[str]:
