@@ -50,6 +50,12 @@ class Identity:
         return self._public
 
     @property
+    def seed(self) -> bytes:
+        """The private key's raw 32 bytes (what the key file holds; libp2p derives its key
+        pair from them)."""
+        return self.private_key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+
+    @property
     def peer_id(self) -> str:
         return peer_id_of(self.public_key)
 
@@ -110,7 +116,7 @@ class Identity:
     def _save(self, path: Path) -> bool:
         """Write the key to ``path`` unless a key is there already; whether it wrote it."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        raw = self.private_key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+        raw = self.seed
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:

@@ -24,13 +24,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import hivemind
 import hivemind.dht.node
 import hivemind.dht.protocol
-from cryptography.hazmat.primitives import serialization
-from hivemind.proto import crypto_pb2
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
 from swarmgrad.node.discovery.base import DiscoveryError, SignedDirectory
 from swarmgrad.node.discovery.diagnose import explain
 from swarmgrad.node.discovery.hivemind_storage import BoundedStorage, SealedValues, StorerProtocol
+from swarmgrad.node.discovery.p2p_key import p2p_key_file
 from swarmgrad.node.identity import Identity
 
 if TYPE_CHECKING:
@@ -216,13 +215,13 @@ async def start_dht(
     attempt = 1
     while True:
         try:
-            with tempfile.TemporaryDirectory(prefix="swarmgrad-p2p-") as folder:
+            with p2p_key_file(identity) as key_path:
                 return await _start_dht_once(
                     initial_peers,
                     host=host,
                     port=port,
                     timeout_seconds=deadline - time.monotonic(),
-                    key_path=_p2p_key_file(identity, Path(folder)) if identity else None,
+                    key_path=key_path,
                 )
         except TimeoutError:
             raise DiscoveryError(f"the DHT did not start in {start_timeout_seconds:g} s") from None
@@ -246,24 +245,6 @@ async def start_dht(
             log.warning("could not join the DHT (%s); trying again", failed.error)
             await asyncio.sleep(pause_seconds)
             attempt += 1
-
-
-def _p2p_key_file(identity: Identity, folder: Path) -> Path:
-    """``identity``'s key as libp2p's daemon reads it (a ``crypto.pb.PrivateKey`` of type
-    Ed25519: the 32-byte seed, then the public key), in a file only this user reads; the daemon
-    reads it once, at start."""
-    seed = identity.private_key.private_bytes(
-        serialization.Encoding.Raw,
-        serialization.PrivateFormat.Raw,
-        serialization.NoEncryption(),
-    )
-    message = crypto_pb2.PrivateKey(
-        key_type=crypto_pb2.KeyType.Ed25519, data=seed + identity.public_key
-    )
-    path = folder / "p2p.key"
-    path.touch(mode=0o600)
-    path.write_bytes(message.SerializeToString())
-    return path
 
 
 async def _start_dht_once(

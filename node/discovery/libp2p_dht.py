@@ -28,8 +28,6 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
-
 from swarmgrad.node.discovery.base import DiscoveryError, SignedDirectory
 from swarmgrad.node.discovery.diagnose import explain
 from swarmgrad.node.identity import Identity
@@ -69,9 +67,7 @@ class Sidecar:
         network_secret: str,
         start_timeout_seconds: float,
     ) -> None:
-        self._seed = identity.private_key.private_bytes(
-            Encoding.Raw, PrivateFormat.Raw, NoEncryption()
-        )
+        self._seed = identity.seed
         self.initial_peers = list(initial_peers)
         #: The peers the sidecar last said it knew: a restart joins through them as well.
         self.known_peers: list[str] = []
