@@ -3,10 +3,11 @@
 The DHT's own NAT tricks only carry DHT traffic; the gRPC endpoint is this module's job. A node
 never trusts its own view of its address. It asks a few peers to dial its port back
 (``protocol/peer.py``): any success makes it *direct*. If helpers answered and none got through,
-it is behind a NAT or a firewall; it then, in order:
+it is behind a NAT or a firewall; it then:
 
 1. asks its router for a port mapping (UPnP IGD, ``portmap.py``), and has peers dial
-   the mapped port back: *upnp*;
+   the mapped port back: *upnp*. Finding a gateway takes seconds, so it holds a relay (2.)
+   meanwhile and leaves it once the mapped port is dialed back;
 2. otherwise takes a relay: a peer not known to be NAT'd that offers one (its record's ``relay``)
    carries connections to this node (``relay.py``): *relayed*, announced with the relay's
    peer id. When the relay goes silent, another is found within seconds;
@@ -157,10 +158,24 @@ class Reachability:
             return self.config.recheck_seconds
         self.observed_host = verdict.observed_host
         await self._stop_relay_server()
-        if await self._try_port_mapping():
-            return self.config.recheck_seconds
-        await self._relay_until_recheck()
-        return 0.0
+        if not self.config.upnp:
+            await self._relay_until_recheck()
+            return 0.0
+        # Finding a gateway takes seconds (miniupnpc asks for six device types in turn: ~9 s
+        # where none answers, the common case): hold a relay meanwhile, and move to the mapped
+        # port once a peer has dialed it back.
+        relaying = asyncio.create_task(self._relay_until_recheck())
+        try:
+            mapped = await self._mapped_endpoint()
+        except BaseException:
+            await _cancelled(relaying)
+            raise
+        if mapped is None:
+            await relaying
+            return 0.0
+        await _cancelled(relaying)
+        await self._become_reachable(Reach.UPNP, mapped)
+        return self.config.recheck_seconds
 
     def _direct_endpoint(self, verdict: DialBack) -> str:
         host = self._public_host or self._host
@@ -218,9 +233,9 @@ class Reachability:
             return None
         return next((a for a in answers if a.reachable), answers[0])
 
-    async def _try_port_mapping(self) -> bool:
-        if not self.config.upnp:
-            return False
+    async def _mapped_endpoint(self) -> str | None:
+        """Map this node's port on the router and have a peer dial it back: the endpoint to
+        announce, or None (no gateway, or the mapped port is not reachable either)."""
         try:
             if self._mapping is None:
                 self._mapping = await map_port(self._host, self._port)
@@ -229,24 +244,26 @@ class Reachability:
         except PortMapError as error:
             log.info("no port mapping: %s", error)
             self._mapping = None
-            return False
+            return None
         verdict = await self._probe(self._mapping.external_port)
         if verdict is None or not verdict.reachable:
             log.info("the mapped port %d is not reachable either", self._mapping.external_port)
             await self._unmap()
-            return False
+            return None
         # The address the helper saw and dialed back, not the one the gateway reports: behind
         # a second NAT the gateway's own WAN address reaches nobody.
-        await self._become_reachable(
-            Reach.UPNP, endpoint_of(verdict.observed_host, self._mapping.external_port)
-        )
-        return True
+        return endpoint_of(verdict.observed_host, self._mapping.external_port)
 
     async def _relay_until_recheck(self) -> None:
         """Hold a relay (finding another whenever one dies) until it is time to check again."""
         loop = asyncio.get_running_loop()
         recheck_at = loop.time() + self.config.recheck_seconds
         while loop.time() < recheck_at:
+            held = self._relay_client
+            if held is not None and held.alive:  # checked again while relayed: keep this one
+                if not await self._hold(held, recheck_at):
+                    return
+                continue
             relay = await self._pick_relay()
             if relay is None:
                 self._set(Reach.UNREACHABLE, endpoint_of(self._host, self._port))
@@ -264,17 +281,28 @@ class Reachability:
                 log.info("relay %s: %s", relay.peer_id, error)
                 self._bad_relays[relay.peer_id] = loop.time() + 60.0
                 continue
+            except BaseException:  # cancelled mid-handshake: the mapped port won
+                await client.close()
+                raise
             self._relay_client = client
             self._set(Reach.RELAYED, endpoint, via=relay.peer_id)
-            try:
-                async with asyncio.timeout(max(0.0, recheck_at - loop.time())):
-                    await client.wait_closed()
-            except TimeoutError:
-                return  # still relayed; probe again (the relay stays until a better verdict)
-            except RelayError as error:
-                log.warning("relay %s lost: %s; finding another", relay.peer_id, error)
-            self._bad_relays[relay.peer_id] = loop.time() + 60.0
-            await self._leave_relay()
+            if not await self._hold(client, recheck_at):
+                return
+
+    async def _hold(self, client: RelayClient, recheck_at: float) -> bool:
+        """Wait until the relay goes (True: find another) or it is time to check again (False:
+        probe again; the relay stays until a better verdict)."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(max(0.0, recheck_at - loop.time())):
+                await client.wait_closed()
+        except TimeoutError:
+            return False
+        except RelayError as error:
+            log.warning("relay %s lost: %s; finding another", self.via, error)
+        self._bad_relays[self.via] = loop.time() + 60.0
+        await self._leave_relay()
+        return True
 
     async def _pick_relay(self) -> PeerRecord | None:
         now = asyncio.get_running_loop().time()
@@ -319,3 +347,8 @@ class Reachability:
         await self._leave_relay()
         await self._stop_relay_server()
         await self._unmap()
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

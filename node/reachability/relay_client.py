@@ -92,6 +92,11 @@ class RelayClient:
         self._session = asyncio.create_task(self._run())
         return self.endpoint
 
+    @property
+    def alive(self) -> bool:
+        """Connected, and the relay has not gone away."""
+        return self._session is not None and not self._session.done()
+
     async def wait_closed(self) -> None:
         assert self._session is not None, "connect first"
         await self._session

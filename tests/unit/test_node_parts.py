@@ -330,12 +330,13 @@ async def test_upnp_announces_the_address_dialed_back_and_a_failed_check_is_retr
     async def nobody(peer_id: str) -> str | None:
         return "no relay here"
 
+    mapped = asyncio.Event()  # unreachable (no relay offered) while the gateway is asked
     reach = Reachability(
         cast(Any, SimpleNamespace(peer_id="me")),
         cast(Any, spec),
         cast(Any, transport),
         peers=no_peers,
-        changed=lambda: None,
+        changed=lambda: mapped.set() if reach.kind == Reach.UPNP else None,
         admit=nobody,  # never asked: this node offers no relay
         config=ReachabilityConfig(retry_seconds=0.01, relay_limits=RelayLimits(max_clients=0)),
     )
@@ -352,8 +353,7 @@ async def test_upnp_announces_the_address_dialed_back_and_a_failed_check_is_retr
     task = asyncio.create_task(reach.run())
     try:
         async with asyncio.timeout(5):
-            await reach.settled.wait()
-        assert reach.kind == Reach.UPNP
+            await mapped.wait()
         assert reach.endpoint == "203.0.113.7:4242"
         assert reach.failures == 1
         assert not task.done()
