@@ -1,29 +1,59 @@
-"""``swarmgrad status``: a run's peers as the DHT has them (and, for a pipeline, its stages)."""
+"""``swarmgrad status``: a run's peers as the DHT has them (and, for a pipeline, its stages), once
+or, with ``--watch``, refreshed through one DHT reader until Ctrl-C."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import logging
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from swarmgrad.node import config as node_config
 from swarmgrad.node import tasks
-from swarmgrad.node.cli_common import (
-    EXIT_CONFIG,
-    EXIT_NETWORK,
-)
+from swarmgrad.node.cli_common import EXIT_CONFIG, EXIT_NETWORK
 from swarmgrad.node.cli_common import fail as _fail
 from swarmgrad.node.cli_common import setup_logging as _logging
 from swarmgrad.node.discovery.base import DiscoveryError
 from swarmgrad.node.runspec import RunSpecError
+from swarmgrad.node.ticket import TicketError, read_ticket
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+
+    from swarmgrad.node.runspec import RunSpec
+    from swarmgrad.node.status import RunPeers
+
+#: The shortest --watch period: each refresh reads every peer record of the run from the DHT.
+MIN_WATCH_SECONDS = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """Whose peers to read, and through which DHT."""
+
+    run_id: str
+    spec: RunSpec | None
+    bootstrap: tuple[str, ...]
+    backend: str
+    secret: str
 
 
 def status(
     spec: Annotated[
-        Path | None, typer.Argument(help="The run spec (its run id, spec and bootstrap).")
+        str | None,
+        typer.Argument(
+            help="The run spec (its run id, spec and bootstrap), or the run's ticket "
+            "(sgrun1..., or a file holding it): then the peers of every spec in use.",
+            show_default=False,
+        ),
     ] = None,
     run: Annotated[
         str | None, typer.Option(help="Run id, without a spec: peers of every spec in use.")
@@ -35,13 +65,26 @@ def status(
         Path | None, typer.Option(help="Read multiaddrs from a bootstrap's --maddrs-file.")
     ] = None,
     discovery: Annotated[
-        str | None, typer.Option(help="DHT backend \\[the spec's node.discovery, or hivemind].")
+        str | None,
+        typer.Option(help="DHT backend: hivemind or libp2p \\[the spec's or ticket's]."),
     ] = None,
     dht_secret: Annotated[
         str | None, typer.Option(help="libp2p: a private run's DHT key \\[the spec's].")
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON, not a table.")] = False,
-    timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 30.0,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print JSON (with --watch: one line a refresh).")
+    ] = False,
+    timeout: Annotated[
+        float, typer.Option(help="Give up on the DHT (with --watch: on a refresh) after this.")
+    ] = 30.0,
+    watch: Annotated[
+        float | None,
+        typer.Option(
+            help="Refresh every this many seconds through one DHT reader, until Ctrl-C.",
+            min=MIN_WATCH_SECONDS,
+            show_default=False,
+        ),
+    ] = None,
     scores: Annotated[
         Path | None,
         typer.Option(
@@ -59,113 +102,205 @@ def status(
 ) -> None:
     """Show a run's peers from the DHT: id, role, epoch, throughput, reachability, last seen;
     for a pipeline, its stage replicas and a row per stage."""
-    import json
-
     _logging(False, quiet=True)  # the table is the output; retries are warnings
-
-    from rich.console import Console
-    from rich.table import Table
-
-    from swarmgrad.node.runspec import RunSpec
-    from swarmgrad.node.status import (
-        ScoresError,
-        read_scores,
-        read_traffic,
-        run_peers,
-        scores_table,
-        stage_summary,
-        stages_table,
-        traffic_table,
-    )
-
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+
+    from swarmgrad.node.status import ScoresError, read_scores, read_traffic
+
+    def files() -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The status files, read afresh (the node writing them keeps them current)."""
+        return (
+            read_scores(scores) if scores is not None else None,
+            read_traffic(traffic) if traffic is not None else None,
+        )
+
     try:
-        scored = read_scores(scores) if scores is not None else None
-        seen = read_traffic(traffic) if traffic is not None else None
+        scored, seen = files()
     except ScoresError as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
-
-    def print_files() -> None:
-        if scored is not None:
-            Console().print(scores_table(scored))
-        if seen is not None:
-            Console().print(traffic_table(seen))
-
     if (scored is not None or seen is not None) and spec is None and run is None:
         if as_json:
             typer.echo(json.dumps({"scores": scored, "traffic": seen}, indent=1))
         else:
-            print_files()
+            _print(_files_view(scored, seen))
         return
+    target = _target(spec, run, bootstrap, bootstrap_file, discovery, dht_secret)
+
+    def view(found: RunPeers) -> tuple[dict[str, Any], list[RenderableType]]:
+        try:
+            now_scored, now_seen = files()
+        except ScoresError as error:  # mid-rewrite or gone: say so, keep reading the DHT
+            now_scored, now_seen = None, None
+            typer.echo(f"warning: {error}", err=True)
+        return _report(target, found, now_scored, now_seen)
+
+    if watch is not None:
+        _watch(target, every=watch, timeout=timeout, view=view, as_json=as_json)
+        return
+    found = _read_once(target, timeout)
+    document, renderables = view(found)
+    if as_json:
+        typer.echo(json.dumps(document, indent=1))
+    else:
+        _print(renderables)
+
+
+def _target(
+    argument: str | None,
+    run: str | None,
+    bootstrap: list[str] | None,
+    bootstrap_file: Path | None,
+    backend: str | None,
+    secret: str | None,
+) -> _Target:
+    from swarmgrad.node.runspec import RunSpec
+
     try:
-        loaded = RunSpec.load(spec) if spec is not None else None
-        if (loaded is None) == (run is None):
-            raise node_config.ConfigError("give either a run spec or --run ID")
+        ticket = read_ticket(argument) if argument is not None else None
+        loaded = RunSpec.load(Path(argument)) if argument is not None and not ticket else None
+        if (argument is None) == (run is None):
+            raise node_config.ConfigError("give a run spec, a ticket or --run ID")
         maddrs = node_config.bootstrap_addresses(
-            loaded.network.bootstrap if loaded is not None else (),
+            (*ticket.bootstrap,) if ticket else loaded.network.bootstrap if loaded else (),
             bootstrap or (),
             bootstrap_file=bootstrap_file,
         )
         if not maddrs:
             raise node_config.ConfigError("no bootstrap multiaddr: give --bootstrap")
-    except (RunSpecError, node_config.ConfigError) as error:
+    except (RunSpecError, TicketError, node_config.ConfigError) as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
-    run_id = loaded.run.id if loaded is not None else str(run)
-    pipeline = loaded.pipeline if loaded is not None and loaded.pipeline.stages > 1 else None
+    return _Target(
+        run_id=ticket.run_id if ticket else loaded.run.id if loaded else str(run),
+        spec=loaded,
+        bootstrap=tuple(maddrs),
+        backend=backend
+        or (ticket.discovery if ticket else loaded.node.discovery if loaded else "hivemind"),
+        secret=secret if secret is not None else loaded.node.dht_secret if loaded else "",
+    )
+
+
+def _reader(target: _Target, timeout: float) -> Any:
+    from swarmgrad.node.status import peer_reader
+
+    return peer_reader(
+        target.bootstrap,
+        run_id=target.run_id,
+        spec=target.spec,
+        timeout_seconds=timeout,
+        backend=target.backend,
+        network_secret=target.secret,
+    )
+
+
+def _read_once(target: _Target, timeout: float) -> RunPeers:
+    async def read() -> RunPeers:
+        async with asyncio.timeout(timeout), _reader(target, timeout) as peers:
+            result: RunPeers = await peers()
+            return result
+
     try:
-        found = tasks.run(
-            lambda stop: tasks.unless_stopped(
-                stop,
-                run_peers(
-                    bootstrap=maddrs,
-                    run_id=run_id,
-                    spec=loaded,
-                    timeout_seconds=timeout,
-                    backend=discovery
-                    or (loaded.node.discovery if loaded is not None else "hivemind"),
-                    network_secret=(
-                        dht_secret
-                        if dht_secret is not None
-                        else (loaded.node.dht_secret if loaded is not None else "")
-                    ),
-                ),
-            )
-        )
+        return tasks.run(lambda stop: tasks.unless_stopped(stop, read()))
     except tasks.Stopped:
         raise typer.Exit(130) from None
-    except ValueError as error:
-        raise _fail(EXIT_CONFIG, str(error)) from None
-    except DiscoveryError as error:
-        raise _fail(EXIT_NETWORK, f"could not read the run's peers: {error}") from None
-    except TimeoutError:
-        raise _fail(
+    except (ValueError, DiscoveryError, TimeoutError) as error:
+        raise _network_failure(error, timeout) from None
+
+
+def _network_failure(error: Exception, timeout: float) -> typer.Exit:
+    if isinstance(error, DiscoveryError):
+        return _fail(EXIT_NETWORK, f"could not read the run's peers: {error}")
+    if isinstance(error, TimeoutError):
+        return _fail(
             EXIT_NETWORK, f"could not read the run's peers: no answer from the DHT in {timeout:g} s"
-        ) from None
+        )
+    return _fail(EXIT_CONFIG, str(error))
+
+
+def _watch(
+    target: _Target,
+    *,
+    every: float,
+    timeout: float,
+    view: Callable[[RunPeers], tuple[dict[str, Any], list[RenderableType]]],
+    as_json: bool,
+) -> None:
+    """Read and show the run's peers every ``every`` seconds through one reader. A refresh the
+    DHT does not answer in ``timeout`` is said and tried again; Ctrl-C ends it (exit 0)."""
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.text import Text
+
+    console = Console()
+    terminal = console.is_terminal and not as_json
+    live = Live(console=console, auto_refresh=False) if terminal else None
+
+    def show(document: dict[str, Any] | None, renderables: list[RenderableType], note: str) -> None:
+        if as_json:
+            if document is not None:
+                typer.echo(json.dumps(document, separators=(",", ":")))
+            else:
+                typer.echo(note, err=True)
+        elif live is not None:
+            shown = [Text(r) if isinstance(r, str) else r for r in renderables]
+            live.update(Group(*shown, Text(note, style="dim")), refresh=True)
+        else:  # piped: one report after another
+            _print([*renderables, note, ""])
+
+    async def loop(stop: asyncio.Event) -> None:
+        async with _reader(target, timeout) as peers:
+            shown: list[RenderableType] = []
+            while not stop.is_set():
+                clock = time.strftime("%H:%M:%S")
+                try:
+                    async with asyncio.timeout(timeout):
+                        document, shown = view(await peers())
+                    show(document, shown, f"read at {clock}, every {every:g} s; Ctrl-C to stop")
+                except (TimeoutError, DiscoveryError) as error:
+                    reason = error if str(error) else f"no answer in {timeout:g} s"
+                    show(None, shown, f"{clock}: the DHT did not answer ({reason}); trying again")
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(every):
+                        await stop.wait()
+
+    try:
+        with live if live is not None else contextlib.nullcontext():
+            tasks.run(lambda stop: tasks.unless_stopped(stop, loop(stop)))
+    except tasks.Stopped:
+        pass  # Ctrl-C is how a watch ends
+    except (ValueError, DiscoveryError, TimeoutError) as error:
+        raise _network_failure(error, timeout) from None
+
+
+def _report(
+    target: _Target,
+    found: RunPeers,
+    scored: dict[str, Any] | None,
+    seen: dict[str, Any] | None,
+) -> tuple[dict[str, Any], list[RenderableType]]:
+    """What ``status`` shows: the JSON document and the tables."""
+    from rich.table import Table
+
+    from swarmgrad.node.status import stage_summary, stages_table
+
+    spec = target.spec
+    pipeline = spec.pipeline if spec is not None and spec.pipeline.stages > 1 else None
     rows = found.rows
     stages = (
-        stage_summary(rows, pipeline.spans(loaded.model.n_layers))
-        if loaded is not None and pipeline is not None
+        stage_summary(rows, pipeline.spans(spec.model.n_layers))
+        if spec is not None and pipeline is not None
         else None
     )
-    if as_json:
-        typer.echo(
-            json.dumps(
-                {
-                    "run": run_id,
-                    "peers": rows,
-                    "not_on_allowlist": found.not_on_allowlist,
-                    "warnings": found.warnings,
-                    "stages": stages,
-                    "scores": scored,
-                    "traffic": seen,
-                },
-                indent=1,
-            )
-        )
-        return
-    for warning in found.warnings:
-        typer.echo(f"warning: {warning}")
-    table = Table(title=f"run {run_id}: {len(rows)} peer(s)")
+    document = {
+        "run": target.run_id,
+        "peers": rows,
+        "not_on_allowlist": found.not_on_allowlist,
+        "warnings": found.warnings,
+        "stages": stages,
+        "scores": scored,
+        "traffic": seen,
+    }
+    shown: list[RenderableType] = [f"warning: {w}" for w in found.warnings]
+    table = Table(title=f"run {target.run_id}: {len(rows)} peer(s)")
     columns = ("peer", "spec", "role", "epoch", "samples/s", "endpoint", "reached", "seen")
     for column in columns:
         table.add_column(column, justify="right" if column in ("epoch", "samples/s") else "left")
@@ -189,9 +324,30 @@ def status(
             + (f", {row['punched']} punched" if row["punched"] else ""),
             f"{row['last_seen_seconds']:.0f} s ago",
         )
-    Console().print(table)
+    shown.append(table)
     if found.not_on_allowlist:
-        typer.echo(f"not on the allowlist: {found.not_on_allowlist} (peer records left out)")
+        shown.append(f"not on the allowlist: {found.not_on_allowlist} (peer records left out)")
     if stages is not None:
-        Console().print(stages_table(stages))
-    print_files()
+        shown.append(stages_table(stages))
+    return document, shown + _files_view(scored, seen)
+
+
+def _files_view(scored: dict[str, Any] | None, seen: dict[str, Any] | None) -> list[Any]:
+    from swarmgrad.node.status import scores_table, traffic_table
+
+    return [
+        *([scores_table(scored)] if scored is not None else []),
+        *([traffic_table(seen)] if seen is not None else []),
+    ]
+
+
+def _print(renderables: list[Any]) -> None:
+    """Tables through rich, lines as they are (no markup, no wrapping)."""
+    from rich.console import Console
+
+    console = Console()
+    for renderable in renderables:
+        if isinstance(renderable, str):
+            typer.echo(renderable)
+        else:
+            console.print(renderable)

@@ -16,7 +16,7 @@ from swarmgrad.node.cli_common import EXIT_CONFIG, EXIT_NETWORK, fail, setup_log
 from swarmgrad.node.discovery.base import Discovery, DiscoveryError
 from swarmgrad.node.discovery.start import start_reader
 from swarmgrad.node.identity import Identity
-from swarmgrad.node.ticket import MAX_TICKET_CHARS, Ticket, looks_like_ticket
+from swarmgrad.node.ticket import Ticket, read_ticket
 from swarmgrad.protocol.errors import SetupError
 
 T = TypeVar("T")
@@ -266,7 +266,7 @@ def join(
     """
     setup_logging(False, quiet=True)  # the run is read quietly; the node it starts logs in full
     try:
-        ticket = _ticket(run_id)
+        ticket = read_ticket(run_id)
         if ticket is not None:
             if run_key_id is not None and run_key_id != ticket.run_key_id:
                 raise node_config.ConfigError(
@@ -320,18 +320,6 @@ def join(
     args += ["--discovery", discovery, *(["--dht-secret", dht_secret] if dht_secret else [])]
     command = typer.main.get_command(app)
     command.main(args=[*args, *ctx.args], prog_name="swarmgrad", standalone_mode=True)
-
-
-def _ticket(argument: str) -> Ticket | None:
-    """The ticket ``argument`` is (or names a file holding), or None for a run id."""
-    if looks_like_ticket(argument):
-        return Ticket.parse(argument)
-    path = Path(argument)
-    if path.is_file() and path.stat().st_size <= MAX_TICKET_CHARS:
-        text = path.read_text(errors="replace")
-        if looks_like_ticket(text):
-            return Ticket.parse(text)
-    return None
 
 
 def register(app: typer.Typer) -> None:

@@ -8,8 +8,9 @@ private is flagged: its stage replicas are trusted."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,10 +45,34 @@ async def run_peers(
     backend: str = "hivemind",
     network_secret: str = "",
 ) -> RunPeers:
-    """The peers of ``run_id`` (of ``spec`` and its pipeline's stages, or of every spec in use).
+    """The peers of ``run_id`` (of ``spec`` and its pipeline's stages, or of every spec in use),
+    read once within ``timeout_seconds``."""
+    async with asyncio.timeout(timeout_seconds):
+        async with peer_reader(
+            bootstrap,
+            run_id=run_id,
+            spec=spec,
+            timeout_seconds=timeout_seconds,
+            backend=backend,
+            network_secret=network_secret,
+        ) as read:
+            return await read()
 
-    The reader joins the DHT with a throwaway identity: it announces nothing.
-    """
+
+@contextlib.asynccontextmanager
+async def peer_reader(
+    bootstrap: Sequence[str],
+    *,
+    run_id: str,
+    spec: RunSpec | None,
+    timeout_seconds: float,
+    backend: str = "hivemind",
+    network_secret: str = "",
+) -> AsyncIterator[Callable[[], Awaitable[RunPeers]]]:
+    """A DHT reader joined once (``status --watch`` reads through it again and again): yields
+    the coroutine function that reads the run's peers now. The reader joins with a throwaway
+    identity and announces nothing; starting it is bounded by ``timeout_seconds``, each read is
+    not (the caller bounds it)."""
     async with asyncio.timeout(timeout_seconds):
         discovery = await start_reader(
             bootstrap,
@@ -57,29 +82,31 @@ async def run_peers(
             run_id=run_id,
             spec_hash=spec.hash if spec is not None else bytes(32),
         )
-        try:
-            specs: list[tuple[str, RunSpec | None]]
-            if spec is not None:
-                specs = [(spec.hash.hex(), spec)]
-            else:
-                announced = await discovery.find_specs()
-                specs = [(h, announced_spec(announced[h], h)) for h in sorted(announced)]
-            rows, strangers, warnings = [], 0, []
-            for spec_hash, each in specs:
-                view = discovery.for_spec(bytes.fromhex(spec_hash))
-                views = [view]
-                if each is not None and spec is not None and each.pipeline.enabled:
-                    stages = [each.stage_spec(k) for k in range(each.pipeline.stages)]
-                    views += [discovery.for_run(stage.run.id, stage.hash) for stage in stages]
-                found, left_out = await _members(view, views, each)
-                rows += [_row(record, dht_time()) for record in found]
-                strangers += left_out
-                warnings += each.warnings() if each is not None else []
-            return RunPeers(
-                rows, not_on_allowlist=strangers, warnings=list(dict.fromkeys(warnings))
-            )
-        finally:
-            await discovery.close()
+
+    async def read() -> RunPeers:
+        specs: list[tuple[str, RunSpec | None]]
+        if spec is not None:
+            specs = [(spec.hash.hex(), spec)]
+        else:
+            announced = await discovery.find_specs()
+            specs = [(h, announced_spec(announced[h], h)) for h in sorted(announced)]
+        rows, strangers, warnings = [], 0, []
+        for spec_hash, each in specs:
+            view = discovery.for_spec(bytes.fromhex(spec_hash))
+            views = [view]
+            if each is not None and spec is not None and each.pipeline.enabled:
+                stages = [each.stage_spec(k) for k in range(each.pipeline.stages)]
+                views += [discovery.for_run(stage.run.id, stage.hash) for stage in stages]
+            found, left_out = await _members(view, views, each)
+            rows += [_row(record, dht_time()) for record in found]
+            strangers += left_out
+            warnings += each.warnings() if each is not None else []
+        return RunPeers(rows, not_on_allowlist=strangers, warnings=list(dict.fromkeys(warnings)))
+
+    try:
+        yield read
+    finally:
+        await discovery.close()
 
 
 async def _members(

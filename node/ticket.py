@@ -18,6 +18,7 @@ import base64
 import binascii
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from swarmgrad.node.discovery.base import BACKENDS
@@ -25,7 +26,14 @@ from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.errors import SetupError
 from swarmgrad.protocol.keys import KEY_BYTES, peer_id_of, verify_signature
 
-__all__ = ["MAX_TICKET_CHARS", "PREFIX", "Ticket", "TicketError", "looks_like_ticket"]
+__all__ = [
+    "MAX_TICKET_CHARS",
+    "PREFIX",
+    "Ticket",
+    "TicketError",
+    "looks_like_ticket",
+    "read_ticket",
+]
 
 PREFIX = "sgrun1."
 _DOMAIN = b"swarmgrad run ticket v1\x00"
@@ -94,6 +102,19 @@ class Ticket:
 
 def looks_like_ticket(text: str) -> bool:
     return text.strip().startswith(PREFIX)
+
+
+def read_ticket(argument: str) -> Ticket | None:
+    """The ticket ``argument`` is (or names a file holding), or None for anything else (a run
+    id, a spec file); TicketError for a ticket that is not valid."""
+    if looks_like_ticket(argument):
+        return Ticket.parse(argument)
+    path = Path(argument)
+    if path.is_file() and path.stat().st_size <= MAX_TICKET_CHARS:
+        text = path.read_text(errors="replace")
+        if looks_like_ticket(text):
+            return Ticket.parse(text)
+    return None
 
 
 def _validate(payload: bytes) -> Ticket:

@@ -5,6 +5,7 @@ refused before any node starts."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 from pathlib import Path
 
@@ -78,6 +79,25 @@ def test_a_volunteer_joins_from_the_ticket_alone_with_one_bootstrap_down(
                    "--display", "log", home=volunteer, log=tmp_path / "join.log")  # fmt: skip
     processes.append(joined)
     wait_for_pattern(tmp_path / "join.log", "joined run published-demo", timeout_seconds=240)
+
+    # The volunteer watches the run from the same ticket: one DHT reader, a JSON line a refresh,
+    # and the volunteer among the peers; Ctrl-C ends the watch with exit 0.
+    found = re.search(r"peer id (sg\w+)", (tmp_path / "join.log").read_text())
+    assert found is not None
+    me, watch_log = found.group(1), tmp_path / "watch.log"
+    watcher = start("status", ticket, "--watch", "1", "--json", "--timeout", "60",
+                    home=volunteer, log=watch_log)  # fmt: skip
+    processes.append(watcher)
+
+    def showing_me() -> int:
+        lines = watch_log.read_text().split("\n")[:-1]  # whole lines only
+        reads = [json.loads(line) for line in lines if line.startswith("{")]
+        return sum(me in {peer["peer_id"] for peer in read["peers"]} for read in reads)
+
+    wait_until(lambda: showing_me() >= 2, timeout_seconds=120, what="two reads with the volunteer")
+    watcher.send_signal(signal.SIGINT)
+    assert watcher.wait(60) == 0, watch_log.read_text()[-3000:]
+
     joined.send_signal(signal.SIGINT)  # a volunteer's Ctrl-C: a graceful leave
     code = joined.wait(120)
     assert code == 0, (tmp_path / "join.log").read_text()[-3000:]

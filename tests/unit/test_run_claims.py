@@ -25,6 +25,7 @@ from swarmgrad.node.identity import Identity
 from swarmgrad.node.published import MAX_UNSIGNED_ROWS, PublishedRun, run_rows
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.scraped import Tallies
+from swarmgrad.node.ticket import Ticket
 from swarmgrad.node.trust.allowlist import Allowlist
 
 RUN = "claimed"
@@ -277,6 +278,41 @@ def test_status_shows_a_private_runs_peers_and_counts_the_others_apart(
     shown = json.loads(status_of(tmp_path / "run.toml", dht, monkeypatch, "--json"))
     assert [row["peer_id"] for row in shown["peers"]] == [member.peer_id]
     assert shown["not_on_allowlist"] == 1
+
+
+def test_status_reads_a_run_from_its_ticket_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A ticket names the run, its bootstraps and its DHT backend: nothing else is needed, and
+    # every spec in use is shown. An altered ticket is refused before the DHT is asked.
+    spec = RunSpec.from_toml(SPEC)
+    member = Identity.from_seed("claims/member")
+    dht = FakeDHT()
+    dht.announce_by(member, spec)
+    dht.peers[(RUN, spec.hash.hex())] = [peer(member, spec, 7)]
+    ticket = Ticket(run_id=RUN, run_key=ORGANIZER.public_key, spec_hash=spec.hash.hex(),
+                    bootstrap=(MULTIADDR,), discovery="libp2p").encode(ORGANIZER)  # fmt: skip
+    asked: list[tuple[Any, ...]] = []
+
+    async def reader(bootstrap: Any, **kwargs: Any) -> FakeDHT:
+        asked.append((tuple(bootstrap), kwargs["backend"]))
+        return dht.for_run(kwargs["run_id"], kwargs["spec_hash"])
+
+    monkeypatch.setattr(status, "start_reader", reader)
+    (tmp_path / "ticket.txt").write_text(ticket + "\n")
+    for argument in (ticket, str(tmp_path / "ticket.txt")):
+        result = CliRunner().invoke(app, ["status", argument, "--json"])
+        assert result.exit_code == 0, result.output
+        shown = json.loads(result.output)
+        assert (shown["run"], [row["epoch"] for row in shown["peers"]]) == (RUN, [7])
+    assert asked == [((MULTIADDR,), "libp2p")] * 2
+    altered = ticket[:-6] + ("AAAAAA" if not ticket.endswith("AAAAAA") else "BBBBBB")
+    result = CliRunner().invoke(app, ["status", altered])
+    assert result.exit_code == 2
+    assert "ticket" in result.output
+    assert len(asked) == 2
+    result = CliRunner().invoke(app, ["status", ticket, "--watch", "0.1"])
+    assert result.exit_code == 2 and "--watch" in result.output
 
 
 def test_a_run_joined_under_a_run_key_ties_this_machines_nodes_to_it(tmp_path: Path) -> None:
