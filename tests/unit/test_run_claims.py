@@ -312,7 +312,8 @@ def test_status_reads_a_run_from_its_ticket_alone(
     assert "ticket" in result.output
     assert len(asked) == 2
     result = CliRunner().invoke(app, ["status", ticket, "--watch", "0.1"])
-    assert result.exit_code == 2 and "--watch" in result.output
+    assert result.exit_code == 2
+    assert "--watch" in result.output
 
 
 def test_a_run_joined_under_a_run_key_ties_this_machines_nodes_to_it(tmp_path: Path) -> None:
