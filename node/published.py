@@ -144,9 +144,11 @@ async def publish(
             if listed is not None:
                 view = dht.for_run(spec.run.id, spec.hash)
                 await view.publish_allowlist(run_key, listed.body(), expires_at=expires_at)
+            # The first publication (and a new allowlist's) is news; each renewal is not.
+            level = logging.INFO if renewed == -math.inf else logging.DEBUG
             renewed = loop_time
-            log.info("published run %s (spec %s) as %s",
-                     spec.run.id, spec.short_hash, run_key.peer_id)  # fmt: skip
+            log.log(level, "published run %s (spec %s) as %s",
+                    spec.run.id, spec.short_hash, run_key.peer_id)  # fmt: skip
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), ALLOWLIST_CHECK_SECONDS)
 

@@ -37,6 +37,15 @@ class RoundReport:
     detail: str = ""
     allreduce_seconds: float = 0.0  # the all-reduce alone (no matchmaking), when there was one
 
+    @property
+    def summary(self) -> str:
+        """The round as a log line names it: "averaged (group of 4)", "resynced", ..."""
+        if self.outcome is RoundOutcome.NO_GROUP:
+            return "no group, trained on alone"
+        if self.outcome in (RoundOutcome.RESYNCED, RoundOutcome.ALONE):
+            return str(self.outcome)
+        return f"{self.outcome} (group of {self.group_size})"
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PendingRound:

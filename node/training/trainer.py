@@ -372,10 +372,9 @@ class Trainer:
             }
         )
         log.info(
-            "epoch %d: %s (group of %d) in %.2f s, val loss %.3f, %s",
+            "epoch %d: %s in %.2f s, val loss %.3f, %s",
             report.epoch,
-            report.outcome,
-            report.group_size,
+            report.summary,
             report.seconds,
             val_loss,
             report.detail or "ok",
