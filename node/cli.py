@@ -15,6 +15,9 @@ from swarmgrad.node.cli_common import (
     EXIT_CONFIG,
     EXIT_NETWORK,
     EXIT_SPEC_MISMATCH,
+    Backend,
+    Display,
+    OnOff,
 )
 from swarmgrad.node.cli_common import fail as _fail
 from swarmgrad.node.cli_common import setup_logging as _logging
@@ -87,10 +90,10 @@ def node(
         ),
     ] = None,
     discovery: Annotated[
-        str | None,
+        Backend | None,
         typer.Option(
             rich_help_panel="Network",
-            help="DHT backend: hivemind, or libp2p (pure Python, anywhere) \\[hivemind].",
+            help="DHT backend (libp2p: pure Python, anywhere) \\[hivemind].",
         ),
     ] = None,
     dht_secret: Annotated[
@@ -110,10 +113,10 @@ def node(
         ),
     ] = None,
     compile: Annotated[
-        str | None,
+        OnOff | None,
         typer.Option(
             rich_help_panel="Device",
-            help="on: torch.compile the training step (faster on GPUs, slow start) \\[off].",
+            help="torch.compile the training step (faster on GPUs, slow start) \\[off].",
         ),
     ] = None,
     peak_tflops: Annotated[
@@ -151,6 +154,8 @@ def node(
     linger: Annotated[
         bool,
         typer.Option(
+            "--linger",
+            metavar="",
             rich_help_panel="Training",
             help="After --max-epochs, keep serving state to peers until stopped.",
         ),
@@ -181,7 +186,11 @@ def node(
         typer.Option(rich_help_panel="Files", help="Write a JSON summary here after every round."),
     ] = None,
     display: Annotated[
-        str, typer.Option(rich_help_panel="Training", help="auto, live, log or none.")
+        Display,
+        typer.Option(
+            rich_help_panel="Training",
+            help="Progress: a live panel, log lines or none; auto: live on a terminal.",
+        ),
     ] = "auto",
     eval_windows: Annotated[
         int,
@@ -213,7 +222,10 @@ def node(
         ),
     ] = None,
     verbose: Annotated[
-        bool, typer.Option("--verbose", "-v", help="Debug logging.", rich_help_panel="Training")
+        bool,
+        typer.Option(
+            "--verbose", "-v", metavar="", help="Debug logging.", rich_help_panel="Training"
+        ),
     ] = False,
 ) -> None:
     """Train with the run's peers: join, average every round, leave gracefully on Ctrl-C.
@@ -295,7 +307,8 @@ def bootstrap(
         Path | None, typer.Option(help="Also write the multiaddrs here (JSON).")
     ] = None,
     discovery: Annotated[
-        str, typer.Option(help="DHT backend: hivemind or libp2p (the run's nodes use the same).")
+        Backend,
+        typer.Option(help="DHT backend: hivemind or libp2p (the run's nodes use the same)."),
     ] = "hivemind",
     dht_secret: Annotated[
         str, typer.Option(help="libp2p: a private run's DHT key (its nodes give the same).")

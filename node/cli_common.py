@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Literal
 
 import typer
 
+from swarmgrad.node.discovery.base import BackendName
+
 #: A bad configuration, a spec the run's peers do not train, an unreachable network.
 EXIT_CONFIG, EXIT_SPEC_MISMATCH, EXIT_NETWORK = 2, 3, 4
+
+#: Choice lists: a command's help shows them (``<hivemind|libp2p>``) and refuses other values by
+#: name (``config.DISPLAYS`` and ``node.compile``'s check hold the same lists; a unit test too).
+Backend = BackendName
+Display = Literal["auto", "live", "log", "none"]
+OnOff = Literal["off", "on"]
 
 
 def setup_logging(verbose: bool, *, quiet: bool = False) -> None:

@@ -8,9 +8,7 @@ from typing import Annotated
 
 import typer
 
-from swarmgrad.node.cli_common import (
-    EXIT_CONFIG,
-)
+from swarmgrad.node.cli_common import EXIT_CONFIG, Backend
 from swarmgrad.node.cli_common import fail as _fail
 from swarmgrad.node.cli_common import setup_logging as _logging
 from swarmgrad.protocol.errors import SetupError
@@ -42,7 +40,8 @@ def simulate(
         ),
     ] = None,
     discovery: Annotated[
-        str, typer.Option(help="DHT backend of the bootstrap and the nodes: hivemind or libp2p.")
+        Backend,
+        typer.Option(help="DHT backend of the bootstrap and the nodes: hivemind or libp2p."),
     ] = "hivemind",
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 600.0,
     seed: Annotated[
@@ -63,8 +62,9 @@ def simulate(
     netem: Annotated[
         bool,
         typer.Option(
+            metavar="",
             help="processes: each node in its own network namespace, links shaped by tbf and "
-            "nftables from its profile, partition/heal in the churn schedule (root)."
+            "nftables from its profile, partition/heal in the churn schedule (root).",
         ),
     ] = False,
     launcher: Annotated[
@@ -105,9 +105,10 @@ def simulate(
     fork_nodes: Annotated[
         bool,
         typer.Option(
+            metavar="",
             help="processes: fork the local node processes from one process that imported "
             "the node's modules once (faster starts); --no-fork-nodes starts each from a "
-            "fresh interpreter."
+            "fresh interpreter.",
         ),
     ] = True,
 ) -> None:

@@ -18,7 +18,7 @@ import typer
 
 from swarmgrad.node import config as node_config
 from swarmgrad.node import tasks
-from swarmgrad.node.cli_common import EXIT_CONFIG, EXIT_NETWORK
+from swarmgrad.node.cli_common import EXIT_CONFIG, EXIT_NETWORK, Backend
 from swarmgrad.node.cli_common import fail as _fail
 from swarmgrad.node.cli_common import setup_logging as _logging
 from swarmgrad.node.discovery.base import DiscoveryError
@@ -65,14 +65,15 @@ def status(
         Path | None, typer.Option(help="Read multiaddrs from a bootstrap's --maddrs-file.")
     ] = None,
     discovery: Annotated[
-        str | None,
+        Backend | None,
         typer.Option(help="DHT backend: hivemind or libp2p \\[the spec's or ticket's]."),
     ] = None,
     dht_secret: Annotated[
         str | None, typer.Option(help="libp2p: a private run's DHT key \\[the spec's].")
     ] = None,
     as_json: Annotated[
-        bool, typer.Option("--json", help="Print JSON (with --watch: one line a refresh).")
+        bool,
+        typer.Option("--json", metavar="", help="Print JSON (with --watch: one line a refresh)."),
     ] = False,
     timeout: Annotated[
         float, typer.Option(help="Give up on the DHT (with --watch: on a refresh) after this.")

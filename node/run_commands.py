@@ -12,7 +12,7 @@ import typer
 
 from swarmgrad.node import config as node_config
 from swarmgrad.node import published, tasks
-from swarmgrad.node.cli_common import EXIT_CONFIG, EXIT_NETWORK, fail, setup_logging
+from swarmgrad.node.cli_common import EXIT_CONFIG, EXIT_NETWORK, Backend, fail, setup_logging
 from swarmgrad.node.discovery.base import Discovery, DiscoveryError
 from swarmgrad.node.discovery.start import start_reader
 from swarmgrad.node.identity import Identity
@@ -27,7 +27,7 @@ Bootstrap = Annotated[
 BootstrapFile = Annotated[
     Path | None, typer.Option(help="Read multiaddrs from a bootstrap's --maddrs-file.")
 ]
-Backend = Annotated[str, typer.Option(help="DHT backend: hivemind or libp2p.")]
+BackendOption = Annotated[Backend, typer.Option(help="The DHT backend.")]
 Secret = Annotated[str, typer.Option(help="libp2p: a private DHT's key.")]
 Timeout = Annotated[float, typer.Option(help="Give up reading the DHT after this many seconds.")]
 
@@ -92,7 +92,7 @@ def publish(
     ] = None,
     bootstrap: Bootstrap = None,
     bootstrap_file: BootstrapFile = None,
-    discovery: Backend = "hivemind",
+    discovery: BackendOption = "hivemind",
     dht_secret: Secret = "",
     timeout: Timeout = 30.0,
     ticket_file: Annotated[
@@ -166,9 +166,11 @@ def publish(
 def runs(
     bootstrap: Bootstrap = None,
     bootstrap_file: BootstrapFile = None,
-    discovery: Backend = "hivemind",
+    discovery: BackendOption = "hivemind",
     dht_secret: Secret = "",
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON, not a table.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", metavar="", help="Print JSON, not a table.")
+    ] = False,
     timeout: Timeout = 30.0,
 ) -> None:
     """List the runs published in the DHT: id, run key, spec, peers, epoch; and every spec that
@@ -255,7 +257,7 @@ def join(
     ] = None,
     bootstrap: Bootstrap = None,
     bootstrap_file: BootstrapFile = None,
-    discovery: Backend = "hivemind",
+    discovery: BackendOption = "hivemind",
     dht_secret: Secret = "",
     timeout: Timeout = 30.0,
 ) -> None:

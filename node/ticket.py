@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from swarmgrad.node.discovery.base import BACKENDS
+from swarmgrad.node.discovery.base import BACKENDS, BackendName
 from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.errors import SetupError
 from swarmgrad.protocol.keys import KEY_BYTES, peer_id_of, verify_signature
@@ -54,7 +54,7 @@ class Ticket:
     run_key: bytes  # the run key's raw Ed25519 public key
     spec_hash: str  # hex sha256 of the spec's canonical form
     bootstrap: tuple[str, ...]
-    discovery: str = "hivemind"
+    discovery: BackendName = "hivemind"
 
     @property
     def run_key_id(self) -> str:
@@ -133,7 +133,8 @@ def _validate(payload: bytes) -> Ticket:
         raise TicketError("the ticket's run key is not an Ed25519 public key")
     if not isinstance(spec, str) or len(spec) != 64 or not _is_hex(spec):
         raise TicketError("the ticket's spec hash is not a sha256 in hex")
-    if dht not in BACKENDS:
+    backend = next((b for b in BACKENDS if b == dht), None)
+    if backend is None:
         raise TicketError(f"the ticket's DHT backend must be one of {', '.join(BACKENDS)}")
     if (
         not isinstance(boot, list)
@@ -143,7 +144,7 @@ def _validate(payload: bytes) -> Ticket:
         raise TicketError(
             f"the ticket needs 1 to {MAX_BOOTSTRAPS} bootstrap multiaddrs (each /ip4/...)"
         )
-    return Ticket(run_id=run, run_key=key, spec_hash=spec, bootstrap=tuple(boot), discovery=dht)
+    return Ticket(run_id=run, run_key=key, spec_hash=spec, bootstrap=tuple(boot), discovery=backend)
 
 
 def _maddr(value: object) -> bool:

@@ -15,7 +15,7 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from typing import Protocol, Self
+from typing import Literal, Protocol, Self, get_args
 
 from swarmgrad.node.discovery.envelope import (
     MAX_TTL_SECONDS,
@@ -38,7 +38,9 @@ from swarmgrad.protocol.keys import peer_id_of
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("hivemind", "libp2p")
+#: The DHT backends a run may use (a command's ``--discovery`` choices).
+BackendName = Literal["hivemind", "libp2p"]
+BACKENDS: tuple[BackendName, ...] = get_args(BackendName)
 STORE_BACKOFF_SECONDS = (0.25, 0.5, 1.0, 2.0)  # between tries of a store nobody took
 
 
