@@ -21,6 +21,7 @@ from swarmgrad.node.cli_common import (
 )
 from swarmgrad.node.cli_common import fail as _fail
 from swarmgrad.node.cli_common import setup_logging as _logging
+from swarmgrad.node.cli_dashboard import dashboard
 from swarmgrad.node.cli_doctor import doctor
 from swarmgrad.node.cli_simulate import simulate
 from swarmgrad.node.cli_status import status
@@ -348,6 +349,7 @@ def bootstrap(
 
 
 app.command()(status)
+app.command()(dashboard)
 app.command()(doctor)
 app.command()(simulate)
 

@@ -36,7 +36,7 @@ MIN_WATCH_SECONDS = 1.0
 
 
 @dataclass(frozen=True, slots=True)
-class _Target:
+class RunTarget:
     """Whose peers to read, and through which DHT."""
 
     run_id: str
@@ -125,7 +125,7 @@ def status(
         else:
             _print(_files_view(scored, seen))
         return
-    target = _target(spec, run, bootstrap, bootstrap_file, discovery, dht_secret)
+    target = run_target(spec, run, bootstrap, bootstrap_file, discovery, dht_secret)
 
     def view(found: RunPeers) -> tuple[dict[str, Any], list[RenderableType]]:
         try:
@@ -146,14 +146,14 @@ def status(
         _print(renderables)
 
 
-def _target(
+def run_target(
     argument: str | None,
     run: str | None,
     bootstrap: list[str] | None,
     bootstrap_file: Path | None,
     backend: str | None,
     secret: str | None,
-) -> _Target:
+) -> RunTarget:
     from swarmgrad.node.runspec import RunSpec
 
     try:
@@ -170,7 +170,7 @@ def _target(
             raise node_config.ConfigError("no bootstrap multiaddr: give --bootstrap")
     except (RunSpecError, TicketError, node_config.ConfigError) as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
-    return _Target(
+    return RunTarget(
         run_id=ticket.run_id if ticket else loaded.run.id if loaded else str(run),
         spec=loaded,
         bootstrap=tuple(maddrs),
@@ -180,7 +180,7 @@ def _target(
     )
 
 
-def _reader(target: _Target, timeout: float) -> Any:
+def reader(target: RunTarget, timeout: float) -> Any:
     from swarmgrad.node.status import peer_reader
 
     return peer_reader(
@@ -193,9 +193,9 @@ def _reader(target: _Target, timeout: float) -> Any:
     )
 
 
-def _read_once(target: _Target, timeout: float) -> RunPeers:
+def _read_once(target: RunTarget, timeout: float) -> RunPeers:
     async def read() -> RunPeers:
-        async with asyncio.timeout(timeout), _reader(target, timeout) as peers:
+        async with asyncio.timeout(timeout), reader(target, timeout) as peers:
             result: RunPeers = await peers()
             return result
 
@@ -218,7 +218,7 @@ def _network_failure(error: Exception, timeout: float) -> typer.Exit:
 
 
 def _watch(
-    target: _Target,
+    target: RunTarget,
     *,
     every: float,
     timeout: float,
@@ -248,7 +248,7 @@ def _watch(
             _print([*renderables, note, ""])
 
     async def loop(stop: asyncio.Event) -> None:
-        async with _reader(target, timeout) as peers:
+        async with reader(target, timeout) as peers:
             shown: list[RenderableType] = []
             while not stop.is_set():
                 clock = time.strftime("%H:%M:%S")
@@ -273,7 +273,7 @@ def _watch(
 
 
 def _report(
-    target: _Target,
+    target: RunTarget,
     found: RunPeers,
     scored: dict[str, Any] | None,
     seen: dict[str, Any] | None,

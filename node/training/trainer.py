@@ -366,6 +366,7 @@ class Trainer:
                 "group_size": report.group_size,
                 "round_seconds": report.seconds,
                 "allreduce_seconds": report.allreduce_seconds,
+                "outer_seconds": report.outer_seconds,
                 "bytes_sent": progress.bytes_sent,
                 "bytes_received": progress.bytes_received,
                 "missing_values": report.missing_values,

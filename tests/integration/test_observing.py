@@ -1,6 +1,8 @@
-"""Watching a 2-node local swarm train: a real Prometheus server scrapes it and the round and
-byte counters it stores rise; what the nodes expose passes ``promtool check metrics``; and
-``swarmgrad status`` lists both peers from the DHT."""
+"""Watching a 3-node local swarm train: a real Prometheus server scrapes it and the round and
+byte counters it stores rise; what the nodes expose passes ``promtool check metrics``;
+``swarmgrad status`` lists the peers from the DHT; and the run page (``swarmgrad dashboard``),
+loaded in a real headless browser, draws the run's peers and a node's loss curve and rounds (its
+screenshot kept in .pytest_cache/artefacts/)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import pytest
 from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
 from tests.helpers import light, wait_for_pattern
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 def _binary(name: str) -> str:
@@ -59,7 +61,7 @@ def _query(prometheus: str, promql: str) -> dict[str, float]:
 def test_prometheus_and_status_see_the_swarm_train(tmp_path: Path) -> None:
     prometheus_bin, promtool = _binary("prometheus"), _binary("promtool")
     spec = tmp_path / "run.toml"
-    spec.write_text(light(DEMO_SPEC).replace("group_size = 4", "group_size = 2"))
+    spec.write_text(light(DEMO_SPEC).replace("group_size = 4", "group_size = 3"))
     out = tmp_path / "sim"
     result: dict[str, Any] = {}
     # The nodes stay in the swarm until status has seen them (on a busy machine the 20 rounds
@@ -70,7 +72,7 @@ def test_prometheus_and_status_see_the_swarm_train(tmp_path: Path) -> None:
         try:
             result["summary"] = simulate(
                 SimulationConfig(
-                    nodes=2, rounds=20, spec_path=spec, profile_path=None, out_dir=out, hold=seen
+                    nodes=3, rounds=20, spec_path=spec, profile_path=None, out_dir=out, hold=seen
                 )
             )
         except Exception as error:  # reported by the main thread
@@ -83,7 +85,7 @@ def test_prometheus_and_status_see_the_swarm_train(tmp_path: Path) -> None:
         deadline = time.monotonic() + 120
         urls = [
             _wait_for(r"metrics on (http://\S+/metrics)", out / f"node-{i}.log", deadline)[1]
-            for i in range(2)
+            for i in range(3)
         ]
         targets = [urllib.parse.urlparse(u).netloc for u in urls]
         config = tmp_path / "prometheus.yml"
@@ -152,7 +154,7 @@ def test_prometheus_and_status_see_the_swarm_train(tmp_path: Path) -> None:
 
         # swarmgrad status: both trainers, from the DHT, by spec or by run id.
         endpoints = {
-            _wait_for(r"gRPC (\S+);", out / f"node-{i}.log", deadline)[1] for i in range(2)
+            _wait_for(r"gRPC (\S+);", out / f"node-{i}.log", deadline)[1] for i in range(3)
         }
         bootstrap = str(out / "bootstrap.json")
         shown = _swarmgrad("status", str(spec), "--bootstrap-file", bootstrap, "--json")
@@ -166,8 +168,12 @@ def test_prometheus_and_status_see_the_swarm_train(tmp_path: Path) -> None:
             assert peer["last_seen_seconds"] < 60
         table = _swarmgrad("status", "--run", "shakespeare-demo", "--bootstrap-file", bootstrap)
         assert table.returncode == 0, table.stderr
-        assert "2 peer(s)" in table.stdout
+        assert "3 peer(s)" in table.stdout
         assert peers[0]["peer_id"][:10] in table.stdout
+
+        # The run page, in a real browser: the peers from the DHT, node 0's loss and rounds.
+        ids, page_deadline = {p["peer_id"] for p in peers}, time.monotonic() + 150
+        _run_page_shows_the_swarm(spec, out, ids, tmp_path, page_deadline)
     finally:
         seen.set()
         if prometheus is not None:
@@ -176,3 +182,59 @@ def test_prometheus_and_status_see_the_swarm_train(tmp_path: Path) -> None:
         swarm.join(timeout=200)
     assert "error" not in result, result.get("error")
     assert result["summary"]["replicas_identical"]
+
+
+def _run_page_shows_the_swarm(
+    spec: Path, out: Path, peer_ids: set[str], tmp_path: Path, deadline: float
+) -> None:
+    browser = _binary("chromium-headless-shell")
+    log = tmp_path / "dashboard.log"
+    command = [sys.executable, "-m", "swarmgrad.node.cli", "dashboard", str(spec),
+               "--bootstrap-file", str(out / "bootstrap.json"), "--port", "0",
+               "--status-file", str(out / "node-0.json"), "--refresh", "1"]  # fmt: skip
+    with log.open("w") as output:
+        page = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+    try:
+        url = _wait_for(r"run page at (http://\S+)", log, deadline)[1]
+
+        def shown() -> dict[str, Any]:
+            with urllib.request.urlopen(url + "api/run", timeout=5) as answer:
+                return dict(json.load(answer))
+
+        while len((run := shown())["peers"]) < 3 or len(run["node"].get("rounds", [])) < 2:
+            assert time.monotonic() < deadline, run
+            time.sleep(0.5)
+        assert {p["peer_id"] for p in run["peers"]} == peer_ids
+        assert sum(p["share"] for p in run["peers"]) == pytest.approx(1.0)
+
+        def load(*args: str) -> str:
+            loaded = subprocess.run(
+                [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                 "--virtual-time-budget=15000", *args, url],
+                capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert loaded.returncode == 0, loaded.stderr[-3000:]
+            return loaded.stdout
+
+        dom = load("--dump-dom")
+        body = re.search(r"<body([^>]*)>", dom)
+        assert body is not None, dom[:2000]
+        drawn = dict(re.findall(r'data-([a-z-]+)="([^"]*)"', body[1]))
+        assert int(drawn["reads"]) >= 1, drawn
+        assert int(drawn["peers"]) == 3, drawn
+        assert int(drawn["loss-points"]) >= 2, drawn
+        assert int(drawn["rounds"]) >= 2, drawn
+        assert dom.count('class="main-svg"') >= 3  # plotly drew each of the three charts
+        assert dom.count('class="trace scatter') >= 2  # the loss curves
+        assert dom.count('class="trace bars') >= 2  # the rounds' parts and the peers
+        for peer in peer_ids:  # a row each, as text
+            assert f'data-peer="{peer}"' in dom
+        assert "the last read failed" not in dom
+        artefacts = Path(__file__).parents[2] / ".pytest_cache" / "artefacts"
+        artefacts.mkdir(parents=True, exist_ok=True)
+        screenshot = artefacts / "run-page.png"
+        load(f"--screenshot={screenshot}", "--window-size=1280,1500")
+        assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        page.terminate()
+        page.wait(timeout=30)

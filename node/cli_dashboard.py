@@ -1,0 +1,98 @@
+"""``swarmgrad dashboard``: the run page, served until Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from swarmgrad.node import tasks
+from swarmgrad.node.cli_common import EXIT_CONFIG, EXIT_NETWORK, Backend
+from swarmgrad.node.cli_common import fail as _fail
+from swarmgrad.node.cli_common import setup_logging as _logging
+from swarmgrad.node.cli_status import reader, run_target
+from swarmgrad.node.discovery.base import DiscoveryError
+
+log = logging.getLogger(__name__)
+
+
+def dashboard(
+    spec: Annotated[
+        str | None,
+        typer.Argument(
+            help="The run's ticket (sgrun1..., or a file holding it) or its spec.",
+            show_default=False,
+        ),
+    ] = None,
+    run: Annotated[str | None, typer.Option(help="Run id, with --bootstrap.")] = None,
+    bootstrap: Annotated[
+        list[str] | None, typer.Option(help="Multiaddr of a peer to ask through (repeatable).")
+    ] = None,
+    bootstrap_file: Annotated[
+        Path | None, typer.Option(help="Read multiaddrs from a bootstrap's --maddrs-file.")
+    ] = None,
+    discovery: Annotated[
+        Backend | None, typer.Option(help="DHT backend \\[the spec's or ticket's].")
+    ] = None,
+    dht_secret: Annotated[
+        str | None, typer.Option(help="libp2p: a private run's DHT key \\[the spec's].")
+    ] = None,
+    status_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="A node's --status-file: adds its loss curve, rounds, trust scores and "
+            "contribution."
+        ),
+    ] = None,
+    host: Annotated[
+        str, typer.Option(help="Serve the page on this address (0.0.0.0: to other machines).")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Serve the page on this port (0: any free).")] = 8470,
+    refresh: Annotated[
+        float, typer.Option(help="Read the run from the DHT every this many seconds.", min=1.0)
+    ] = 5.0,
+    timeout: Annotated[
+        float, typer.Option(help="Give up on the DHT (at start, and on a read) after this.")
+    ] = 30.0,
+) -> None:
+    """Serve the run page: the run's peers (throughput, share, reachability, trust, bans) and,
+    with --status-file, a node's loss curve, rounds and contribution, refreshing live."""
+    _logging(False)
+    from swarmgrad.node.dashboard.server import (
+        DashboardError,
+        RunState,
+        application,
+        keep_reading,
+        plotly_js,
+        serving,
+    )
+
+    target = run_target(spec, run, bootstrap, bootstrap_file, discovery, dht_secret)
+    try:
+        plotly_js()
+    except DashboardError as error:
+        raise _fail(EXIT_CONFIG, str(error)) from None
+    state = RunState(run_id=target.run_id, status_file=status_file)
+
+    async def main(stop: asyncio.Event) -> None:
+        app = application(state, refresh_seconds=refresh)
+        async with serving(app, host, port) as url:
+            typer.echo(f"run page at {url} (Ctrl-C to stop)")
+            async with reader(target, timeout) as peers:
+                log.info("reading run %s from the DHT every %g s", target.run_id, refresh)
+                await keep_reading(
+                    state, peers, refresh_seconds=refresh, timeout_seconds=timeout, stop=stop
+                )
+
+    try:
+        tasks.run(lambda stop: tasks.unless_stopped(stop, main(stop)))
+    except tasks.Stopped:
+        pass  # Ctrl-C is how the page stops
+    except DashboardError as error:
+        raise _fail(EXIT_CONFIG, str(error)) from None
+    except (DiscoveryError, TimeoutError) as error:
+        reason = str(error) or f"no answer from the DHT in {timeout:g} s"
+        raise _fail(EXIT_NETWORK, f"could not read the run: {reason}") from None
