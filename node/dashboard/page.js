@@ -3,8 +3,11 @@
 "use strict";
 
 const REFRESH_MS = Number(document.body.dataset.refreshMs) || 5000;
-const LAYOUT = { margin: { l: 50, r: 10, t: 10, b: 40 }, legend: { orientation: "h" } };
-const CONFIG = { displaylogo: false, responsive: true };
+const LAYOUT = {
+  margin: { l: 50, r: 10, t: 10, b: 80 },
+  legend: { orientation: "h", x: 0, y: -0.3, yanchor: "top" },
+};
+const CONFIG = { displaylogo: false, responsive: true, displayModeBar: "hover" };
 
 function text(id, value) {
   document.getElementById(id).textContent = value;
