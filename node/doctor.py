@@ -17,12 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.ticket import Ticket
+from swarmgrad.protocol.auth import CLOCK_WINDOW_SECONDS
 
 #: What a node keeps per parameter, roughly: fp32 weights, the outer state (a copy and its
 #: momentum), Adam's two moments, gradients and the averaging buffers.
 STATE_BYTES_PER_PARAMETER = 4 * 8
 #: A checkpoint holds weights, outer state and optimizer moments: about 5 fp32 copies.
 CHECKPOINT_BYTES_PER_PARAMETER = 4 * 5
+#: How often a node re-issues its peer record (``DirectoryConfig.announce_interval_seconds``).
+ANNOUNCE_SECONDS = 15.0
+#: How far off a clock may look before it is called off: half the signed messages' window.
+CLOCK_SLACK_SECONDS = CLOCK_WINDOW_SECONDS / 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,37 +118,107 @@ def port(host: str, number: int, what: str, option: str) -> Finding:
     )
 
 
-def run(spec: RunSpec, bootstrap: Sequence[str], *, timeout_seconds: float) -> Finding:
-    """Whether the run's DHT answers through ``bootstrap``, and how many peers it lists."""
-    from swarmgrad.node.discovery.base import DiscoveryError
+@dataclass(frozen=True, slots=True)
+class RunRead:
+    """What reading the run's DHT found: the finding, the run's spec (a ticket's, read from its
+    publication), and the issue times its peers' records carry (their clocks)."""
+
+    finding: Finding
+    spec: RunSpec | None = None
+    issued: tuple[float, ...] = ()
+    read_at: float = 0.0
+
+
+def run(
+    bootstrap: Sequence[str],
+    *,
+    spec: RunSpec | None = None,
+    ticket: Ticket | None = None,
+    timeout_seconds: float,
+) -> RunRead:
+    """Whether the run's DHT answers through ``bootstrap`` and how many peers it lists. For a
+    ``ticket``, the run's spec is read from its publication: sealed by the ticket's run key,
+    with the ticket's hash."""
+    from swarmgrad.node import published
+    from swarmgrad.node.discovery.base import DiscoveryError, dht_time
     from swarmgrad.node.discovery.start import start_reader
 
     if not bootstrap:
-        return Finding("run", False, "no bootstrap multiaddr to reach the run through",
-                       "give --bootstrap (or [network] bootstrap in the spec)")  # fmt: skip
+        return RunRead(
+            Finding("run", False, "no bootstrap multiaddr to reach the run through",
+                    "give --bootstrap (or [network] bootstrap in the spec)")
+        )  # fmt: skip
+    if spec is not None:
+        run_id, backend, secret, spec_hash = (
+            spec.run.id, spec.node.discovery, spec.node.dht_secret, spec.hash
+        )  # fmt: skip
+    elif ticket is not None:
+        run_id, backend, secret = ticket.run_id, ticket.discovery, ""
+        spec_hash = bytes.fromhex(ticket.spec_hash)
+    else:
+        raise ValueError("a spec or a ticket")
 
-    async def peers() -> int:
+    async def read() -> RunRead:
         async with asyncio.timeout(timeout_seconds):
             dht = await start_reader(
                 bootstrap,
-                backend=spec.node.discovery,
-                network_secret=spec.node.dht_secret,
+                backend=backend,
+                network_secret=secret,
                 timeout_seconds=timeout_seconds,
-                run_id=spec.run.id,
-                spec_hash=spec.hash,
+                run_id=run_id,
+                spec_hash=spec_hash,
             )
             try:
-                return len(await dht.find())
+                found = spec
+                if ticket is not None:
+                    listing = await published.fetch(dht, ticket.run_id, ticket.run_key_id)
+                    found = listing.spec
+                    if found.hash.hex() != ticket.spec_hash:
+                        return RunRead(Finding(
+                            "run", False, f"{run_id} is published with spec {found.short_hash}, "
+                            f"the ticket names {ticket.spec_hash[:12]}",
+                            "the organizer changed the run: ask for its new ticket"))  # fmt: skip
+                records = await dht.find()
+                return RunRead(
+                    Finding("run", True,
+                            f"{run_id}: the DHT answers, {len(records)} peer(s) listed"),
+                    found, tuple(r.issued_at for r in records), dht_time(),
+                )  # fmt: skip
             finally:
                 await dht.close()
 
     try:
-        count = asyncio.run(peers())
+        return asyncio.run(read())
+    except published.RunNotFound as error:
+        return RunRead(Finding("run", False, str(error), "check the ticket with its organizer"))
     except (DiscoveryError, TimeoutError, OSError) as error:
         said = str(error) or f"no answer in {timeout_seconds:g} s"
-        return Finding("run", False, f"the run's DHT is unreachable: {said}",
-                       "check the bootstrap multiaddr and this machine's connection")  # fmt: skip
-    return Finding("run", True, f"{spec.run.id}: the DHT answers, {count} peer(s) listed")
+        return RunRead(
+            Finding("run", False, f"the run's DHT is unreachable: {said}",
+                    "check the bootstrap multiaddr and this machine's connection")
+        )  # fmt: skip
+
+
+def clock(read: RunRead) -> Finding:
+    """This clock against the run's peers', from their records' issue times. A record is
+    re-issued every ``ANNOUNCE_SECONDS``, so with clocks that agree its age is 0 to that; the
+    median over peers (a few that lie move it little) says how far off this one is."""
+    if not read.issued:
+        return Finding("clock", True, "no peers' records to compare this clock with")
+    ages = sorted(read.read_at - issued for issued in read.issued)
+    median = ages[len(ages) // 2]
+    if median < -CLOCK_SLACK_SECONDS:
+        off = f"~{-median:.0f} s behind"
+    elif median > ANNOUNCE_SECONDS + CLOCK_SLACK_SECONDS:
+        off = f"~{median - ANNOUNCE_SECONDS:.0f} s or more ahead of"
+    else:
+        return Finding("clock", True, f"agrees with {len(ages)} peer(s)' records")
+    return Finding(
+        "clock",
+        False,
+        f"this clock is {off} the run's peers' (signed messages allow {CLOCK_WINDOW_SECONDS:g} s)",
+        "sync it: enable NTP (timedatectl set-ntp true, or chrony)",
+    )
 
 
 def _available_memory() -> int | None:

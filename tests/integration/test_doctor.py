@@ -1,5 +1,6 @@
 """``swarmgrad doctor`` names what stops this machine from running a node of a run: a taken
-port, a device it does not have, a run it cannot reach; and passes on a machine that can."""
+port, a device it does not have, a run it cannot reach; and passes on a machine that can. (From
+a ticket, on a live run: tests/integration/test_ticket_join.py.)"""
 
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ def test_doctor_passes_on_a_machine_that_can_join_the_run(tmp_path: Path) -> Non
         boot.wait(timeout=30)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     lines = _lines(done.stdout)
-    assert set(lines) == {"python", "device", "grpc", "memory", "disk", "run"}
+    assert set(lines) == {"python", "device", "grpc", "memory", "disk", "run", "clock"}
     assert "the DHT answers, 0 peer(s) listed" in lines["run"]
+    assert "no peers' records to compare this clock with" in lines["clock"]
     assert done.stdout.rstrip().endswith("all checks passed")

@@ -100,6 +100,17 @@ def test_a_volunteer_joins_from_the_ticket_alone_with_one_bootstrap_down(
     watcher.send_signal(signal.SIGINT)
     assert watcher.wait(60) == 0, watch_log.read_text()[-3000:]
 
+    # doctor from the ticket: the run's published spec sized against this machine, the run's
+    # DHT through the bootstrap still up, and this clock against the volunteer's record.
+    asked = swarmgrad("doctor", "--run", str(volunteer / "ticket.txt"), "--device", "cpu",
+                      "--timeout", "90", home=volunteer)  # fmt: skip
+    code, out = finish(asked, 150)
+    assert code == 0, out
+    checked = {line.split()[1]: line for line in out.splitlines() if line[:4] in ("OK  ", "FAIL")}
+    assert {"memory", "disk", "run", "clock"} <= set(checked), out
+    assert "published-demo: the DHT answers, 1 peer(s) listed" in checked["run"]
+    assert "agrees with 1 peer(s)' records" in checked["clock"]
+
     joined.send_signal(signal.SIGINT)  # a volunteer's Ctrl-C: a graceful leave
     code = joined.wait(120)
     assert code == 0, (tmp_path / "join.log").read_text()[-3000:]
