@@ -44,6 +44,8 @@ class RunTarget:
     bootstrap: tuple[str, ...]
     backend: str
     secret: str
+    #: A local node's peers page: read there, not from the DHT.
+    node: str = ""
 
 
 def status(
@@ -78,6 +80,14 @@ def status(
     timeout: Annotated[
         float, typer.Option(help="Give up on the DHT (with --watch: on a refresh) after this.")
     ] = 30.0,
+    node: Annotated[
+        str | None,
+        typer.Option(
+            help="A local node's metrics address (host:port, or the URL its log gives): its "
+            "view of the run's peers, at once, without joining the DHT.",
+            show_default=False,
+        ),
+    ] = None,
     watch: Annotated[
         float | None,
         typer.Option(
@@ -125,7 +135,10 @@ def status(
         else:
             _print(_files_view(scored, seen))
         return
-    target = run_target(spec, run, bootstrap, bootstrap_file, discovery, dht_secret)
+    if node is not None:
+        target = node_target(node, timeout)
+    else:
+        target = run_target(spec, run, bootstrap, bootstrap_file, discovery, dht_secret)
 
     def view(found: RunPeers) -> tuple[dict[str, Any], list[RenderableType]]:
         try:
@@ -180,9 +193,25 @@ def run_target(
     )
 
 
-def reader(target: RunTarget, timeout: float) -> Any:
-    from swarmgrad.node.status import peer_reader
+def node_target(address: str, timeout: float) -> RunTarget:
+    """A local node's view of its run (its run id read from its page at once)."""
+    from swarmgrad.node.status import node_page_url, read_node_page
 
+    try:
+        url = node_page_url(address)
+        run_id, _ = read_node_page(url, timeout)
+    except ValueError as error:
+        raise _fail(EXIT_CONFIG, str(error)) from None
+    except DiscoveryError as error:
+        raise _fail(EXIT_NETWORK, f"could not read the run's peers: {error}") from None
+    return RunTarget(run_id=run_id, spec=None, bootstrap=(), backend="", secret="", node=url)
+
+
+def reader(target: RunTarget, timeout: float) -> Any:
+    from swarmgrad.node.status import node_reader, peer_reader
+
+    if target.node:
+        return node_reader(target.node, timeout)
     return peer_reader(
         target.bootstrap,
         run_id=target.run_id,

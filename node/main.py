@@ -29,6 +29,7 @@ from swarmgrad.node.pipeline.server import serve_stage
 from swarmgrad.node.pipeline.trainer import train_pipeline
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.state.checkpoint import Checkpointer
+from swarmgrad.node.status import PEERS_PAGE, peers_page
 from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.tracking import Tracker
 from swarmgrad.node.training.progress import Progress
@@ -79,6 +80,7 @@ async def node(config: NodeConfig, stop: asyncio.Event) -> int:
             config.swarm.discovery,
             " ".join(swarm.visible_maddrs()),
         )
+        swarm.metrics.pages[PEERS_PAGE] = lambda: peers_page(config.spec, swarm.peers)
         with (
             Checkpointer(
                 config.checkpoint_dir, config.spec, keep=settings.keep_checkpoints

@@ -10,14 +10,17 @@ per node, never the global default one: two nodes in one process (tests) would o
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import socket
+import socketserver
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from swarmgrad.node.kinds import RoundOutcome
 from swarmgrad.node.scraped import (
@@ -47,6 +50,9 @@ class NodeMetrics:
 
     def __init__(self, *, peer_id: str, run_id: str, spec_hash: str, algorithm: str, codec: str):
         registry = self.registry = CollectorRegistry()
+        #: JSON pages served beside ``/metrics``: path -> what to send (called per request, on
+        #: the server's thread: it must only read).
+        self.pages: dict[str, Callable[[], object]] = {}
         info = Gauge(
             "swarmgrad_node_info",
             "Constant 1, labelled with what this node is.",
@@ -156,16 +162,60 @@ class NodeMetrics:
         self.registry.register(RelayCollector(relay))
 
     def serve(self, address: str) -> MetricsServer:
-        """Serve ``/metrics`` on ``host:port`` (port 0: any free port) in a daemon thread."""
+        """Serve ``/metrics`` (and :attr:`pages`) on ``host:port`` (port 0: any free port) in a
+        daemon thread."""
         host, port = parse_address(address)
         try:
-            server, thread = start_http_server(port, addr=host, registry=self.registry)
+            server, thread = _start(host, port, _application(self.registry, self.pages))
         except OSError as error:
             raise OSError(
                 f"cannot serve metrics on {address}: {error.strerror} (use another "
                 f"--metrics-address, port 0 for any free port, or 'off')"
             ) from None
         return MetricsServer(server=server, thread=thread, host=host)
+
+
+def _application(
+    registry: CollectorRegistry, pages: dict[str, Callable[[], object]]
+) -> Callable[..., Iterable[bytes]]:
+    """Prometheus's exposition, and each of ``pages`` (path -> what to send as JSON)."""
+    metrics = make_wsgi_app(registry)
+
+    def application(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        page = pages.get(environ.get("PATH_INFO", ""))
+        if page is None:
+            return metrics(environ, start_response)
+        body = json.dumps(page(), allow_nan=False).encode()
+        start_response("200 OK", [("Content-Type", "application/json"),
+                                  ("Content-Length", str(len(body))),
+                                  ("Cache-Control", "no-store")])  # fmt: skip
+        return [body]
+
+    return application
+
+
+class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # a scrape a second is not news
+
+
+def _start(
+    host: str, port: int, application: Callable[..., Iterable[bytes]]
+) -> tuple[WSGIServer, threading.Thread]:
+    server: WSGIServer = make_server(
+        host, port, application, _Server6 if ":" in host else _Server, _Quiet
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True, name="metrics-http")
+    thread.start()
+    return server, thread
 
 
 #: Where ``metrics_address = "auto"`` serves when it can (Prometheus's port for exporters of

@@ -17,7 +17,7 @@ from typing import Any
 
 from rich.table import Table
 
-from swarmgrad.node.discovery.base import Discovery, dht_time
+from swarmgrad.node.discovery.base import Discovery, DiscoveryError, dht_time
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.discovery.start import start_reader
 from swarmgrad.node.published import announced_spec, on_allowlist
@@ -118,6 +118,68 @@ async def _members(
     if spec is None or not spec.trust.private:
         return records, 0
     return on_allowlist(records, spec, await run.find_allowlists())
+
+
+#: The largest peers page read from a node (a run of thousands of peers is ~1 MB).
+MAX_PAGE_BYTES = 16 << 20
+#: Where a node's metrics server answers with its view of the run's peers (``status --node``).
+PEERS_PAGE = "/peers.json"
+
+
+def peers_page(spec: RunSpec, records: Sequence[PeerRecord]) -> dict[str, Any]:
+    """What a node serves at :data:`PEERS_PAGE`: the run's peers as it last read them."""
+    now = dht_time()
+    return {"run": spec.run.id, "spec": spec.hash.hex(), "read_at": now,
+            "peers": [_row(record, now) for record in records]}  # fmt: skip
+
+
+#: What a row of the peers page must hold (what ``status`` prints of it).
+_ROW_KEYS = frozenset(("peer_id", "spec", "role", "epoch", "throughput", "endpoint",
+                       "reachability", "via", "punched", "last_seen_seconds"))  # fmt: skip
+
+
+def node_page_url(address: str) -> str:
+    """The peers page of the node whose metrics are at ``address`` (``host:port``, or the URL
+    its log gives: ``http://127.0.0.1:9464/metrics``)."""
+    address = address.strip().removesuffix("/").removesuffix("/metrics")
+    if "://" not in address:
+        address = f"http://{address}"
+    if not address.startswith(("http://", "https://")):
+        raise ValueError(f"--node takes a node's metrics address (host:port), not {address!r}")
+    return address + PEERS_PAGE
+
+
+def read_node_page(url: str, timeout_seconds: float) -> tuple[str, RunPeers]:
+    """The run id and the run's peers as the node serving ``url`` last read them; DiscoveryError
+    if it does not answer, or answers with something else."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_seconds) as answer:
+            page = json.loads(answer.read(MAX_PAGE_BYTES + 1)[:MAX_PAGE_BYTES])
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        raise DiscoveryError(f"the node at {url} did not answer: {error}") from None
+    if (
+        not isinstance(page, dict)
+        or not isinstance(page.get("run"), str)
+        or not isinstance(rows := page.get("peers"), list)
+        or not all(isinstance(r, dict) and set(r) >= _ROW_KEYS for r in rows)
+    ):
+        raise DiscoveryError(f"{url} is not a swarmgrad node's peers page")
+    return page["run"], RunPeers(rows)
+
+
+@contextlib.asynccontextmanager
+async def node_reader(
+    url: str, timeout_seconds: float
+) -> AsyncIterator[Callable[[], Awaitable[RunPeers]]]:
+    """Like :func:`peer_reader`, from a local node's page: no DHT to join."""
+
+    async def read() -> RunPeers:
+        return (await asyncio.to_thread(read_node_page, url, timeout_seconds))[1]
+
+    yield read
 
 
 def _row(record: PeerRecord, now: float) -> dict[str, Any]:

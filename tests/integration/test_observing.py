@@ -1,8 +1,8 @@
 """Watching a 3-node local swarm train: a real Prometheus server scrapes it and the round and
 byte counters it stores rise; what the nodes expose passes ``promtool check metrics``;
-``swarmgrad status`` lists the peers from the DHT; and the run page (``swarmgrad dashboard``),
-loaded in a real headless browser, draws the run's peers and a node's loss curve and rounds (its
-screenshot kept in .pytest_cache/artefacts/)."""
+``swarmgrad status`` lists the peers from the DHT (and from a node's own view); and the run
+page (``swarmgrad dashboard``), loaded in a real headless browser, draws the run's peers and a
+node's loss curve and rounds (its screenshot kept in .pytest_cache/artefacts/)."""
 
 from __future__ import annotations
 
@@ -170,6 +170,10 @@ def test_prometheus_and_status_see_the_swarm_train(tmp_path: Path) -> None:
         assert table.returncode == 0, table.stderr
         assert "3 peer(s)" in table.stdout
         assert peers[0]["peer_id"][:10] in table.stdout
+        # ... and from a local node's own view, without joining the DHT.
+        local = _swarmgrad("status", "--node", urls[0], "--json")
+        assert local.returncode == 0, local.stderr
+        assert {p["endpoint"] for p in json.loads(local.stdout)["peers"]} == endpoints
 
         # The run page, in a real browser: the peers from the DHT, node 0's loss and rounds.
         ids, page_deadline = {p["peer_id"] for p in peers}, time.monotonic() + 150
