@@ -42,6 +42,7 @@ WAITING_MODULES = frozenset(
         "tests/integration/test_reachability.py",
         "tests/integration/test_readiness.py",
         "tests/integration/test_readme.py",
+        "tests/integration/test_readme_paths.py",
         "tests/integration/test_restarts.py",
         "tests/integration/test_stage_service.py",
         "tests/integration/test_state_sync.py",
