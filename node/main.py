@@ -50,6 +50,14 @@ def write_status(path: Path, status: dict[str, Any]) -> None:
 
 async def run(config: NodeConfig, stop: asyncio.Event) -> int:
     """The node's part in its run: the whole model, a pipeline stage, or a pipeline trainer."""
+    preflight.check(
+        config.spec,
+        host=config.swarm.host,
+        port=config.swarm.port,
+        metrics_address=config.settings.metrics_address,
+        device=config.settings.device,
+        checkpoint_dir=config.checkpoint_dir,
+    )  # before the network: a taken port, no CUDA, a missing shard: exit 2, no trace in the DHT
     if config.role == "stage":
         return await serve_stage(config, stop)
     if config.role == "trainer":
@@ -59,12 +67,6 @@ async def run(config: NodeConfig, stop: asyncio.Event) -> int:
 
 async def node(config: NodeConfig, stop: asyncio.Event) -> int:
     settings = config.settings
-    preflight.check(
-        config.spec,
-        host=config.swarm.host,
-        port=config.swarm.port,
-        metrics_address=settings.metrics_address,
-    )  # before the network: a taken port or a missing shard is exit 2, with no trace in the DHT
     identity = Identity.load_or_create(config.identity_path)
     log.info("peer id %s (key %s)", identity.peer_id, config.identity_path)
     for warning in config.spec.warnings():

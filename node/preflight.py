@@ -1,5 +1,6 @@
 """What a node checks on its own machine before it touches the network: its ports (gRPC,
-metrics) and its data shards.
+metrics), its device, its checkpoint folder and its data shards (every role: a whole-model
+node, a pipeline stage, a pipeline trainer).
 
 A node that joined the DHT and served gRPC before finding its metrics port taken (or a data
 file missing) left a record behind that peers then found dead. Here each such mistake is a
@@ -13,13 +14,23 @@ from __future__ import annotations
 
 import errno
 import socket
+import tempfile
+from pathlib import Path
 
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.training.shards import shard_paths
 from swarmgrad.protocol.errors import BindError, SetupError
 
 
-def check(spec: RunSpec, *, host: str, port: int, metrics_address: str) -> None:
+def check(
+    spec: RunSpec,
+    *,
+    host: str,
+    port: int,
+    metrics_address: str,
+    device: str = "auto",
+    checkpoint_dir: Path | None = None,
+) -> None:
     """Every local check, in order; SetupError (saying what to do) for the first that fails."""
     if port:
         _free(host, port, f"cannot listen on {host}:{port}: the port is in use", "--port")
@@ -32,8 +43,35 @@ def check(spec: RunSpec, *, host: str, port: int, metrics_address: str) -> None:
                 f"cannot serve metrics on {metrics_address}: the port is in use",
                 "--metrics-address (auto: 9464, else a free port; off)",
             )
+    if device == "cuda":
+        _cuda()
+    if checkpoint_dir is not None:
+        _writable(checkpoint_dir)
     if spec.data.source == "files":
         shard_paths(spec.data)  # DataError: a missing file, a pattern that matches nothing
+
+
+def _cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SetupError(
+            f"--device cuda: torch {torch.__version__} sees no CUDA device (install a CUDA "
+            f"build of torch, docs/gpu.md, or use --device cpu or auto)"
+        )
+
+
+def _writable(folder: Path) -> None:
+    """The checkpoint folder exists (made if not) and takes a file."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".preflight-"):
+            pass
+    except OSError as error:
+        raise SetupError(
+            f"cannot write checkpoints to {folder}: {error.strerror or error} (choose another "
+            f"--checkpoint-dir, or free or fix that folder)"
+        ) from None
 
 
 def _free(host: str, port: int, message: str, option: str) -> None:

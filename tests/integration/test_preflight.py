@@ -1,5 +1,6 @@
-"""A node's local checks come before the network: a taken port (gRPC or metrics) and a missing
-data shard are exit 2 before the node joins anything, and two nodes on one machine run with the
+"""A node's local checks come before the network: a taken port (gRPC or metrics, for a pipeline
+stage too), a missing data shard, a checkpoint folder it cannot write and a CUDA device it does
+not have are exit 2 before the node joins anything, and two nodes on one machine run with the
 defaults (the second's metrics on a free port)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from swarmgrad.simulations.pipeline import PIPELINE_DEMO_SPEC
 from swarmgrad.simulations.swarm import DEMO_SPEC
 from tests.helpers import light, stop_processes, wait_until
 
@@ -62,6 +64,14 @@ def test_a_taken_port_or_a_missing_shard_stops_the_node_before_the_network(
             _node(tmp_path, cache_dir, "b", "--metrics-address", f"127.0.0.1:{port}",
                   "--bootstrap", NOBODY)
         )  # fmt: skip
+        # A pipeline stage server checks the same, before its stage's DHT.
+        pipeline = tmp_path / "pipe.toml"
+        pipeline.write_text(PIPELINE_DEMO_SPEC)
+        stage = _node(tmp_path, cache_dir, "s", "--stage", "0", "--port", port,
+                      "--bootstrap", NOBODY)  # fmt: skip
+        stage[stage.index(str(tmp_path / "run.toml"))] = str(pipeline)
+        stage_taken = _refused(stage)
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in stage_taken.stderr
     assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in grpc_taken.stderr
     assert f"cannot serve metrics on 127.0.0.1:{port}: the port is in use" in metrics_taken.stderr
     assert "--metrics-address" in metrics_taken.stderr  # what to do about it
@@ -74,6 +84,18 @@ def test_a_taken_port_or_a_missing_shard_stops_the_node_before_the_network(
     command[command.index(str(tmp_path / "run.toml"))] = str(shards)
     missing = _refused(command)
     assert "data.paths: missing.txt does not exist" in missing.stderr
+
+    (tmp_path / "a file").write_text("not a folder")
+    unwritable = _refused(_node(tmp_path, cache_dir, "d", "--checkpoint-dir",
+                                str(tmp_path / "a file"), "--bootstrap", NOBODY))  # fmt: skip
+    assert f"cannot write checkpoints to {tmp_path / 'a file'}" in unwritable.stderr
+    import torch
+
+    if not torch.cuda.is_available():
+        no_cuda = _refused(_node(tmp_path, cache_dir, "e", "--device", "cuda",
+                                 "--bootstrap", NOBODY))  # fmt: skip
+        assert "--device cuda: torch" in no_cuda.stderr
+        assert "sees no CUDA device" in no_cuda.stderr
 
 
 @pytest.fixture
