@@ -12,6 +12,7 @@ from swarmgrad.node import config as node_config
 from swarmgrad.node.cli_common import EXIT_CONFIG
 from swarmgrad.node.cli_common import fail as _fail
 from swarmgrad.node.cli_common import setup_logging as _logging
+from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec, RunSpecError
 from swarmgrad.node.ticket import TicketError, read_ticket
 
@@ -35,6 +36,13 @@ def doctor(
     device: Annotated[
         str, typer.Option(help="The device the node would use: auto, cpu, cuda.")
     ] = "auto",
+    host: Annotated[
+        str | None,
+        typer.Option(
+            help="The address the node would listen on \\[the spec's, or 127.0.0.1].",
+            show_default=False,
+        ),
+    ] = None,
     port: Annotated[int, typer.Option(help="The gRPC port the node would listen on.")] = 0,
     metrics_address: Annotated[
         str, typer.Option(help="The node's metrics address: host:port, auto or off.")
@@ -61,7 +69,7 @@ def doctor(
         )
     except (RunSpecError, TicketError, node_config.ConfigError) as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
-    host = loaded.node.host if loaded is not None else "127.0.0.1"
+    host = host or (loaded.node.host if loaded is not None else "127.0.0.1")
     findings = [checks.python(), checks.device(device), checks.port(host, port, "grpc", "--port")]
     if metrics_address not in ("auto", "off"):
         metrics_host, _, metrics_port = metrics_address.rpartition(":")
@@ -69,7 +77,11 @@ def doctor(
             checks.port(metrics_host, int(metrics_port), "metrics", "--metrics-address")
         )
     if loaded is not None or ticket is not None:
-        read = checks.run(maddrs, spec=loaded, ticket=ticket, timeout_seconds=timeout)
+        # As the node: its key if this machine has one (a private run serves only its own).
+        key_file = node_config.home() / "identity.key"
+        key = Identity.load(key_file) if key_file.is_file() else Identity.generate()
+        read = checks.run(maddrs, spec=loaded, ticket=ticket, timeout_seconds=timeout,
+                          dial_back=(key, host, port))  # fmt: skip
         known = read.spec or loaded  # a ticket's spec is read from the run's DHT
         if known is not None:
             findings += [
@@ -77,6 +89,7 @@ def doctor(
                 checks.disk(known, node_config.home() / "checkpoints"),
             ]
         findings += [read.finding, checks.clock(read)] if read.finding.ok else [read.finding]
+        findings += [read.reach] if read.reach is not None else []
     for finding in findings:
         typer.echo(finding.line())
     failed = [f.name for f in findings if not f.ok]

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.ticket import Ticket
 from swarmgrad.protocol.auth import CLOCK_WINDOW_SECONDS
@@ -127,6 +128,8 @@ class RunRead:
     spec: RunSpec | None = None
     issued: tuple[float, ...] = ()
     read_at: float = 0.0
+    #: Whether the run's peers could dial this machine back (None: not asked).
+    reach: Finding | None = None
 
 
 def run(
@@ -135,13 +138,16 @@ def run(
     spec: RunSpec | None = None,
     ticket: Ticket | None = None,
     timeout_seconds: float,
+    dial_back: tuple[Identity, str, int] | None = None,
 ) -> RunRead:
     """Whether the run's DHT answers through ``bootstrap`` and how many peers it lists. For a
     ``ticket``, the run's spec is read from its publication: sealed by the ticket's run key,
-    with the ticket's hash."""
+    with the ticket's hash. With ``dial_back`` (the key, host and port the node would use), the
+    run's peers are also asked to dial this machine back."""
     from swarmgrad.node import published
     from swarmgrad.node.discovery.base import DiscoveryError, dht_time
     from swarmgrad.node.discovery.start import start_reader
+    from swarmgrad.node.doctor_reach import reachability
 
     if not bootstrap:
         return RunRead(
@@ -179,10 +185,19 @@ def run(
                             f"the ticket names {ticket.spec_hash[:12]}",
                             "the organizer changed the run: ask for its new ticket"))  # fmt: skip
                 records = await dht.find()
+                read_at = dht_time()
+                reach = None
+                if dial_back is not None:
+                    key, host, port = dial_back
+                    ok, said, fix = await reachability(
+                        records, identity=key, run_id=run_id, spec_hash=spec_hash,
+                        host=host, port=port,
+                    )  # fmt: skip
+                    reach = Finding("reach", ok, said, fix)
                 return RunRead(
                     Finding("run", True,
                             f"{run_id}: the DHT answers, {len(records)} peer(s) listed"),
-                    found, tuple(r.issued_at for r in records), dht_time(),
+                    found, tuple(r.issued_at for r in records), read_at, reach,
                 )  # fmt: skip
             finally:
                 await dht.close()

@@ -80,7 +80,8 @@ def test_doctor_passes_on_a_machine_that_can_join_the_run(tmp_path: Path) -> Non
         boot.wait(timeout=30)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     lines = _lines(done.stdout)
-    assert set(lines) == {"python", "device", "grpc", "memory", "disk", "run", "clock"}
+    assert set(lines) == {"python", "device", "grpc", "memory", "disk", "run", "clock", "reach"}
     assert "the DHT answers, 0 peer(s) listed" in lines["run"]
     assert "no peers' records to compare this clock with" in lines["clock"]
+    assert "no reachable peer of the run to ask" in lines["reach"]
     assert done.stdout.rstrip().endswith("all checks passed")

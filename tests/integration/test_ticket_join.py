@@ -100,16 +100,18 @@ def test_a_volunteer_joins_from_the_ticket_alone_with_one_bootstrap_down(
     watcher.send_signal(signal.SIGINT)
     assert watcher.wait(60) == 0, watch_log.read_text()[-3000:]
 
-    # doctor from the ticket: the run's published spec sized against this machine, the run's
-    # DHT through the bootstrap still up, and this clock against the volunteer's record.
+    # doctor from the ticket, on another volunteer's machine: the run's published spec sized
+    # against it, the run's DHT through the bootstrap still up, its clock against the running
+    # volunteer's record, and that volunteer asked to dial it back.
     asked = swarmgrad("doctor", "--run", str(volunteer / "ticket.txt"), "--device", "cpu",
-                      "--timeout", "90", home=volunteer)  # fmt: skip
+                      "--timeout", "90", home=tmp_path / "another")  # fmt: skip
     code, out = finish(asked, 150)
     assert code == 0, out
     checked = {line.split()[1]: line for line in out.splitlines() if line[:4] in ("OK  ", "FAIL")}
-    assert {"memory", "disk", "run", "clock"} <= set(checked), out
+    assert {"memory", "disk", "run", "clock", "reach"} <= set(checked), out
     assert "published-demo: the DHT answers, 1 peer(s) listed" in checked["run"]
     assert "agrees with 1 peer(s)' records" in checked["clock"]
+    assert "direct: a peer dialed this machine back at 127.0.0.1" in checked["reach"]
 
     joined.send_signal(signal.SIGINT)  # a volunteer's Ctrl-C: a graceful leave
     code = joined.wait(120)
