@@ -66,7 +66,7 @@ def test_a_taken_port_or_a_missing_shard_stops_the_node_before_the_network(
         )  # fmt: skip
         # A pipeline stage server checks the same, before its stage's DHT.
         pipeline = tmp_path / "pipe.toml"
-        pipeline.write_text(PIPELINE_DEMO_SPEC)
+        pipeline.write_text(PIPELINE_DEMO_SPEC.format(stages=2))
         stage = _node(tmp_path, cache_dir, "s", "--stage", "0", "--port", port,
                       "--bootstrap", NOBODY)  # fmt: skip
         stage[stage.index(str(tmp_path / "run.toml"))] = str(pipeline)
