@@ -1,0 +1,162 @@
+"""The model's state of one peer (``ModelPeer``: its life, its DHT record, its counts) and of
+one round (``Board``: the readiness records, who decided which group, the exchanges)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import simpy
+
+from swarmgrad.node.averaging.grouping import bucket_of
+from swarmgrad.node.averaging.membership import PROBE_AFTER_SECONDS
+from swarmgrad.node.reachability.service import LIVENESS_TIMEOUT_SECONDS
+from swarmgrad.simulations.des.config import UNCAPPED_BYTES_PER_SECOND
+from swarmgrad.simulations.des.groups import Candidates
+from swarmgrad.simulations.des.traffic import Traffic
+from swarmgrad.simulations.profiles import PeerProfile
+
+
+@dataclass(slots=True)
+class ModelPeer:
+    index: int
+    peer_id: str
+    profile: PeerProfile
+    alive: bool = False
+    paused: bool = False
+    finished: bool = False
+    epoch: int = 0
+    record_epoch: int = -1  # what its live DHT peer record says (-1: none)
+    record_token: int = 0  # which announcement that record is (a lapse checks it)
+    state: Hashable = "init"  # which replica state it holds (its checksum, in the node)
+    record_state: Hashable = "init"  # the state its live record announces
+    record_lapses_at: float = math.inf  # when its record goes, once it stopped announcing
+    process: simpy.Process | None = None
+    relay: int | None = None  # a relayed peer's relay (a direct peer's index)
+    exchange: Exchange | None = None  # the all-reduce it is in now
+    samples: int = 0
+    unaveraged: int = 0  # samples since its last averaged round
+    dropped: int = 0  # samples thrown away: by a resync (the swarm's state), or a crash
+    compute_seconds: float = 0.0
+    communication_seconds: float = 0.0
+    online_seconds: float = 0.0  # its ended sessions' time (a pause counts: the node runs on)
+    online_since: float = 0.0  # when its current session began
+    trained_online: float = 0.0  # its time online at its last inner step (for tokens/s)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    sessions: int = 0
+
+    @property
+    def up(self) -> float:
+        return self.profile.upload_bytes_per_second or UNCAPPED_BYTES_PER_SECOND
+
+    @property
+    def down(self) -> float:
+        link = self.profile.download_bytes_per_second or UNCAPPED_BYTES_PER_SECOND
+        if self.profile.loss > 0:  # TCP under random loss (Mathis et al.): MSS / (RTT sqrt(p))
+            rtt = max(2 * self.latency_seconds, 0.001)
+            return min(link, 1.22 * 1460 / (rtt * math.sqrt(self.profile.loss)))
+        return link
+
+    @property
+    def latency_seconds(self) -> float:
+        return self.profile.latency_ms / 1000.0
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One group's all-reduce among the members that agreed on it."""
+
+    group: tuple[str, ...]
+    members: tuple[int, ...]  # peer indices taking part
+    done: simpy.Event
+    process: simpy.Process | None = None
+    dead: list[int] = field(default_factory=list)
+    traffic: dict[int, Traffic] = field(default_factory=dict)
+    #: The share of the vector's chunks averaged: less than 1 when the round deadline passed
+    #: first (the rest is missing), 0 when no chunk made it (the node's RoundAborted).
+    share: float = 1.0
+
+
+@dataclass(slots=True)
+class Bucket:
+    visible: Candidates
+    changed: simpy.Event
+
+
+class Board:
+    """Round r's readiness records: who is visible (in each bucket of each bucket count in
+    use), who decided which group, the exchanges."""
+
+    def __init__(self, env: simpy.Environment, round_: int, group_size: int) -> None:
+        self.env = env
+        self.round = round_
+        self.group_size = group_size
+        self.visible: set[str] = set()
+        self.buckets: dict[int, dict[int, Bucket]] = {}
+        self.expected: dict[int, tuple[float, dict[int, list[ModelPeer]]]] = {}
+        self.bucket_count: tuple[float, int] | None = None  # (read at, count)
+        self.decided: dict[str, tuple[tuple[str, ...] | None, float]] = {}
+        self.waiting: dict[tuple[str, ...], simpy.Event] = {}
+        #: The groups whose exchange waits for a peer's decision, by peer.
+        self.watchers: dict[str, list[tuple[str, ...]]] = {}
+        self.exchanges: dict[tuple[str, ...], Exchange] = {}
+        #: Each peer's latest readiness record (a number per announcement).
+        self.records: dict[str, int] = {}
+
+    def bucket(self, buckets: int, index: int) -> Bucket:
+        partition = self.buckets.get(buckets)
+        if partition is None:
+            partition = self.buckets[buckets] = {}
+        bucket = partition.get(index)
+        if bucket is None:
+            bucket = partition[index] = Bucket(
+                Candidates(self.round, self.group_size), self.env.event()
+            )
+            for peer_id in self.visible:
+                if bucket_of(self.round, peer_id, buckets) == index:
+                    bucket.visible.add(peer_id)
+        return bucket
+
+    def _buckets_of(self, peer_id: str) -> list[Bucket]:
+        return [
+            bucket
+            for count, partition in self.buckets.items()
+            if (bucket := partition.get(bucket_of(self.round, peer_id, count))) is not None
+        ]
+
+    def show(self, peer_id: str, record: int) -> None:
+        if self.records.get(peer_id) == record:
+            self.visible.add(peer_id)
+            for bucket in self._buckets_of(peer_id):
+                bucket.visible.add(peer_id)
+                changed, bucket.changed = bucket.changed, self.env.event()
+                changed.succeed()
+
+    def withdraw(self, peer_id: str, record: int) -> None:
+        """Withdraw (or let expire) ``peer_id``'s record, if it is still that announcement."""
+        if self.records.get(peer_id) == record:
+            del self.records[peer_id]
+            self.visible.discard(peer_id)
+            for bucket in self._buckets_of(peer_id):
+                bucket.visible.remove(peer_id)
+
+
+def checksum(state: Hashable) -> bytes:
+    return hashlib.blake2b(repr(state).encode(), digest_size=8).digest()
+
+
+def gone_at(peer: ModelPeer, started: float) -> float:
+    """When a matchmaking that began at ``started`` stops waiting for ``peer``: once it has asked
+    it (after ``PROBE_AFTER_SECONDS``) and a dead one's connection was refused (a round trip) or
+    a paused one's deadline passed; never while it runs."""
+    if peer.alive and not peer.paused:
+        return math.inf
+    answer = LIVENESS_TIMEOUT_SECONDS if peer.alive else 2 * peer.latency_seconds
+    return started + PROBE_AFTER_SECONDS + answer

@@ -1,0 +1,271 @@
+"""A round in the model, as the node runs it: matchmaking (buckets, the census of whom to wait
+for, the groups cut from the visible candidates) and the all-reduce (its bytes over the
+members' links and relays, its latencies and codec time, the round deadline)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import simpy
+
+from swarmgrad.node.averaging.group import Group, Member
+from swarmgrad.node.averaging.grouping import bucket_count, bucket_of
+from swarmgrad.node.averaging.matchmaking import (
+    EXPECTED_REFRESH_SECONDS,
+    POLL_SECONDS,
+    READY_MARGIN_SECONDS,
+)
+from swarmgrad.node.averaging.rounds import WITHDRAW_MARGIN_SECONDS
+from swarmgrad.node.swarm_config import MATCHMAKING_SETTLE_SECONDS
+from swarmgrad.simulations.des.board import Board, Exchange, ModelPeer, gone_at
+from swarmgrad.simulations.des.config import Events
+from swarmgrad.simulations.des.state import ModelState
+from swarmgrad.simulations.des.traffic import Traffic, round_traffic
+
+
+class Rounds(ModelState):
+    """A peer's round: matchmaking, then its group's exchange."""
+
+    # -- matchmaking ------------------------------------------------------------------------------
+
+    def _bucket_count(self, board: Board) -> int:
+        """The node's bucket count for ``board``'s round from the live peer records at its epoch
+        - 1 or later, re-read as often as the node reads its census."""
+        cached = board.bucket_count
+        if cached is None or self.env.now - cached[0] > EXPECTED_REFRESH_SECONDS:
+            peers = [
+                self.peers[i].peer_id
+                for epoch, ids in self.census.items()
+                if epoch >= board.round - 1
+                for i in ids
+            ]
+            cached = board.bucket_count = (
+                self.env.now,
+                bucket_count(board.round, peers, self.group_size),
+            )
+        return cached[1]
+
+    def _expected(self, board: Board, buckets: int, index: int) -> list[ModelPeer]:
+        """The census of ``board``'s round in one bucket, re-read as often as the node does."""
+        read = board.expected.get(buckets)
+        if read is None or self.env.now - read[0] > EXPECTED_REFRESH_SECONDS:
+            by_bucket: dict[int, list[ModelPeer]] = {}
+            for epoch in (board.round - 1, board.round):
+                for i in self.census.get(epoch, ()):
+                    peer = self.peers[i]
+                    by_bucket.setdefault(bucket_of(board.round, peer.peer_id, buckets), []).append(
+                        peer
+                    )
+            read = board.expected[buckets] = (self.env.now, by_bucket)
+        return read[1].get(index, [])
+
+    def _board(self, round_: int) -> Board:
+        board = self.boards.get(round_)
+        if board is None:
+            board = self.boards[round_] = Board(self.env, round_, self.group_size)
+            self.boards.pop(round_ - 3, None)  # nobody reads that far back
+        return board
+
+    def _round(self, peer: ModelPeer) -> Events:
+        """Matchmaking, then the all-reduce: (outcome, group size, the state it leaves)."""
+        env, board, me = self.env, self._board(peer.epoch), peer.peer_id
+        board.decided.pop(me, None)  # an earlier attempt's
+        record = self._records = self._records + 1
+        earlier = board.records.get(me)
+        if earlier is not None:
+            board.withdraw(me, earlier)
+        board.records[me] = record
+        delay = self.config.dht_seconds + peer.latency_seconds
+        env.process(self._after(delay, board.show, me, record))
+        # It lapses unless withdrawn sooner (a crashed peer's stays until then).
+        lapse = delay + self.matchmaking_timeout + READY_MARGIN_SECONDS
+        env.process(self._after(lapse, board.withdraw, me, record))
+        started, deadline = env.now, env.now + self.matchmaking_timeout
+        while True:
+            r = peer.epoch
+            buckets = self._bucket_count(board)
+            index = bucket_of(r, me, buckets)
+            bucket = board.bucket(buckets, index)
+            if env.now >= deadline:
+                break
+            seen = bucket.visible.ids
+            wake = deadline
+            if len(seen) >= 2 and me in seen:
+                expected = self._expected(board, buckets, index)
+                awaited = [
+                    p
+                    for p in expected
+                    if p.peer_id not in seen
+                    and p.record_epoch in (r - 1, r)
+                    and env.now < gone_at(p, started)
+                ]
+                if not awaited:
+                    break
+                # Nothing changes for this peer until one of them shows up (bucket.changed), the
+                # record of one that stopped announcing lapses, or a dead one fails its liveness
+                # probe: no need to poll till then.
+                wake = min(wake, *(min(p.record_lapses_at, gone_at(p, started)) for p in awaited))
+            else:
+                wake = min(wake, env.now + EXPECTED_REFRESH_SECONDS)
+            wake = max(wake, env.now + POLL_SECONDS)
+            yield env.any_of([bucket.changed, env.timeout(wake - env.now)])
+        yield env.timeout(POLL_SECONDS / 2 + MATCHMAKING_SETTLE_SECONDS)
+        group = bucket.visible.group_of(me)
+        if group is not None and all(self.by_id[p].relay is not None for p in group):
+            group = None  # the node's "no member of the group can be dialed"
+        board.decided[me] = (group, env.now)
+        self._settled(board, me)
+        if group is None:
+            board.withdraw(me, record)
+            return "no group", 1, None
+        early = MATCHMAKING_SETTLE_SECONDS + WITHDRAW_MARGIN_SECONDS
+        env.process(self._after(early, board.withdraw, me, record))
+        try:
+            return (yield from self._average(peer, board, group))
+        finally:
+            if peer.alive and not peer.paused:
+                board.withdraw(me, record)
+
+    # -- the all-reduce ---------------------------------------------------------------------------
+
+    def _average(self, peer: ModelPeer, board: Board, group: tuple[str, ...]) -> Events:
+        exchange = yield from self._exchange(board, group)
+        self._fire_armed(peer, "round")
+        if peer.index not in exchange.members:
+            return "aborted", len(group), None
+        peer.exchange = exchange
+        yield exchange.done
+        peer.exchange = None
+        traffic = exchange.traffic.get(peer.index)
+        if traffic is not None:
+            peer.bytes_sent += traffic.sent
+            peer.bytes_received += traffic.received
+        if len(exchange.members) < 2 or exchange.share == 0:
+            return "aborted", len(group), None
+        if self.config.round_overhead_seconds:
+            yield self.env.timeout(self.config.round_overhead_seconds)  # the outer step
+        complete = len(exchange.members) == len(group) and not exchange.dead and exchange.share == 1
+        # Every member of one exchange ends with the same values; other groups with others.
+        state = (peer.epoch, exchange.group, exchange.members, tuple(exchange.dead), exchange.share)
+        return ("averaged" if complete else "partial"), len(group), state
+
+    def _after(self, delay: float, action: Callable[[str, int], None], *args: Any) -> Events:
+        yield self.env.timeout(delay)
+        action(*args)
+
+    def _exchange(self, board: Board, group: tuple[str, ...]) -> Events:
+        """The exchange of ``group``: once every member has decided (or a sender timeout has
+        passed), the members that computed this same group average among themselves."""
+        exchange = board.exchanges.get(group)
+        if exchange is not None:
+            return exchange
+        if not self._all_decided(board, group):
+            waiting = board.waiting.get(group)
+            if waiting is None:
+                waiting = board.waiting[group] = self.env.event()
+                for p in group:
+                    board.watchers.setdefault(p, []).append(group)
+            yield self.env.any_of(
+                [waiting, self.env.timeout(self.allreduce.sender_timeout_seconds)]
+            )
+        exchange = board.exchanges.get(group)
+        if exchange is None:
+            agreed = tuple(
+                self.by_id[p].index
+                for p in group
+                if board.decided.get(p, (None, 0.0))[0] == group and self.by_id[p].alive
+            )
+            exchange = Exchange(group=group, members=agreed, done=self.env.event())
+            board.exchanges[group] = exchange
+            exchange.process = self.env.process(self._transfer(exchange, board))
+        return exchange
+
+    def _all_decided(self, board: Board, group: tuple[str, ...]) -> bool:
+        return all(p in board.decided or not self.by_id[p].alive for p in group)
+
+    def _settled(self, board: Board, peer_id: str) -> None:
+        """``peer_id`` decided (or died): wake the exchanges that were waiting for it."""
+        for group in board.watchers.pop(peer_id, []):
+            waiting = board.waiting.get(group)
+            if waiting is not None and not waiting.triggered and self._all_decided(board, group):
+                waiting.succeed()
+
+    def _transfer(self, exchange: Exchange, board: Board) -> Events:
+        """The all-reduce: as long as its bytes need, and never past the round deadline
+        (``round_timeout_seconds``), where the chunks that had not arrived are missing."""
+        env = self.env
+        seconds, chunks = self._transfer_seconds(exchange)
+        timeout = self.allreduce.round_timeout_seconds
+        deadline = env.now + timeout
+        end = min(env.now + seconds, deadline)
+        while env.now < end:
+            try:
+                yield env.timeout(end - env.now)
+            except simpy.Interrupt:  # a member died: the others drop it after the sender timeout
+                end = min(max(end, env.now + self.allreduce.sender_timeout_seconds), deadline)
+        if seconds > timeout:
+            # The parts stream their chunks side by side: by the deadline, about this share of
+            # each part's chunks is through (none at all: the round is aborted), and about this
+            # share of each member's bytes has moved.
+            moved = timeout / seconds
+            exchange.share = math.floor(chunks * moved) / chunks
+            exchange.traffic = {
+                i: Traffic(sent=int(t.sent * moved), received=int(t.received * moved))
+                for i, t in exchange.traffic.items()
+            }
+        exchange.done.succeed()
+        # A later attempt at this round that computes the same group is a new exchange.
+        del board.exchanges[exchange.group]
+        board.waiting.pop(exchange.group, None)
+
+    def _transfer_seconds(self, exchange: Exchange) -> tuple[float, int]:
+        """How long the all-reduce needs for its bytes, without a deadline, and the most chunks
+        one part is cut into."""
+        members = [self.by_id[p] for p in exchange.group]
+        if len(exchange.members) < 2:
+            return 0.0, 1
+        group = Group(
+            round=0,
+            members=tuple(
+                Member(
+                    peer_id=m.peer_id,
+                    endpoint=m.peer_id,
+                    bandwidth=m.profile.bandwidth if m.profile.nat == "direct" else 0.0,
+                )
+                for m in members
+            ),
+        )
+        position = {m.index: i for i, m in enumerate(members)}
+        taking = [position[i] for i in exchange.members]
+        by_position = round_traffic(group, self.params, self.allreduce, taking)
+        chunks = max(
+            -(-(end - start) // self.allreduce.chunk_values)
+            for start, end in group.partition(self.params)
+        )
+        exchange.traffic = {members[i].index: t for i, t in by_position.items()}
+        up: Counter[int] = Counter()
+        down: Counter[int] = Counter()
+        for index, t in exchange.traffic.items():
+            up[index] += t.sent
+            down[index] += t.received
+            relay = self.peers[index].relay
+            if relay is not None:  # the relay carries both directions of the relayed peer
+                up[relay] += t.received
+                down[relay] += t.sent
+        transfer = max(
+            max(b / self.peers[i].up for i, b in up.items()),
+            max(b / self.peers[i].down for i, b in down.items()),
+        )
+        hops = [
+            self.peers[i].latency_seconds * (1 if self.peers[i].relay is None else 2) for i in up
+        ]
+        latency = 3 * (sorted(hops)[-1] + sorted(hops)[-2]) if len(hops) > 1 else 0.0
+        codec = 0.0
+        if self.config.codec_values_per_second:
+            codec = 2 * self.params / self.config.codec_values_per_second
+        if len(exchange.members) < len(exchange.group):  # streams to dissenters time out
+            transfer = max(transfer, self.allreduce.join_timeout_seconds)
+        return transfer + latency + codec, max(chunks, 1)
