@@ -13,7 +13,7 @@ from swarmgrad.node import tasks
 from swarmgrad.node.cli_common import EXIT_CONFIG, EXIT_NETWORK, Backend
 from swarmgrad.node.cli_common import fail as _fail
 from swarmgrad.node.cli_common import setup_logging as _logging
-from swarmgrad.node.cli_status import reader, run_target
+from swarmgrad.node.cli_status import node_target, reader, run_target
 from swarmgrad.node.discovery.base import DiscoveryError
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ def dashboard(
     spec: Annotated[
         str | None,
         typer.Argument(
-            help="The run's ticket (sgrun1..., or a file holding it) or its spec.",
+            help="The run's ticket (sgrun1..., or a file holding it) or its spec (or --node).",
             show_default=False,
         ),
     ] = None,
@@ -39,6 +39,14 @@ def dashboard(
     ] = None,
     dht_secret: Annotated[
         str | None, typer.Option(help="libp2p: a private run's DHT key \\[the spec's].")
+    ] = None,
+    node: Annotated[
+        str | None,
+        typer.Option(
+            help="A local node's metrics address (host:port): read the run's peers from its "
+            "view instead of joining the DHT.",
+            show_default=False,
+        ),
     ] = None,
     status_file: Annotated[
         Path | None,
@@ -70,7 +78,10 @@ def dashboard(
         serving,
     )
 
-    target = run_target(spec, run, bootstrap, bootstrap_file, discovery, dht_secret)
+    if node is not None:
+        target = node_target(node, timeout)
+    else:
+        target = run_target(spec, run, bootstrap, bootstrap_file, discovery, dht_secret)
     try:
         plotly_js()
     except DashboardError as error:
@@ -82,7 +93,8 @@ def dashboard(
         async with serving(app, host, port) as url:
             typer.echo(f"run page at {url} (Ctrl-C to stop)")
             async with reader(target, timeout) as peers:
-                log.info("reading run %s from the DHT every %g s", target.run_id, refresh)
+                source = f"node {target.node}" if target.node else "the DHT"
+                log.info("reading run %s from %s every %g s", target.run_id, source, refresh)
                 await keep_reading(
                     state, peers, refresh_seconds=refresh, timeout_seconds=timeout, stop=stop
                 )
