@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+import typer.rich_utils
 
 from swarmgrad.node import config as node_config
 from swarmgrad.node import run_commands, tasks
@@ -29,6 +30,10 @@ from swarmgrad.node.config import ConfigError
 from swarmgrad.node.discovery.base import DiscoveryError
 from swarmgrad.node.discovery.directory import SpecMismatch
 from swarmgrad.protocol.errors import PeerUnavailable, SetupError
+
+# Defaults one way in every --help: "[x]", as the options whose default comes from the spec or
+# the environment write theirs (typer's own would be "[default: x]").
+typer.rich_utils.DEFAULT_STRING = "[{}]"
 
 app = typer.Typer(
     help="Train one model on many volunteer machines: run a node, a bootstrap, or a local swarm.",

@@ -1,5 +1,6 @@
 """What a volunteer reads in ``--help``: choices listed where a value must be one of a few, no
-type shown for a flag, and the lists the same as the configuration checks."""
+type shown for a flag, defaults written one way, and the lists the same as the configuration
+checks."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def test_help_shows_choices_not_free_text_and_no_type_for_a_flag(command: str) -
     shown = CliRunner().invoke(app, [command, "--help"], terminal_width=80)
     assert shown.exit_code == 0, shown.output
     assert shown.output.count("<bool>") <= 1, shown.output  # --help's own, typer's to show
+    assert "[default:" not in shown.output  # defaults one way: "[x]"
     names = {option.name for option in typer.main.get_command(app).commands[command].params}  # type: ignore[attr-defined]
     for name, choices in (
         ("discovery", BACKENDS),
