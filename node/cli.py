@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 import typer.rich_utils
@@ -18,12 +18,12 @@ from swarmgrad.node.cli_common import (
     EXIT_SPEC_MISMATCH,
     Backend,
     Display,
-    OnOff,
 )
 from swarmgrad.node.cli_common import fail as _fail
 from swarmgrad.node.cli_common import setup_logging as _logging
 from swarmgrad.node.cli_dashboard import dashboard
 from swarmgrad.node.cli_doctor import doctor
+from swarmgrad.node.cli_settings import with_settings
 from swarmgrad.node.cli_simulate import simulate
 from swarmgrad.node.cli_status import status
 from swarmgrad.node.config import ConfigError
@@ -44,6 +44,7 @@ app = typer.Typer(
 
 
 @app.command()
+@with_settings(after="checkpoint_dir")
 def node(
     spec: Annotated[Path, typer.Argument(help="The run spec (TOML) shared by the run's peers.")],
     bootstrap: Annotated[
@@ -77,79 +78,6 @@ def node(
             rich_help_panel="Files",
             help="Checkpoints (default: $SWARMGRAD_HOME/checkpoints/<run id>).",
         ),
-    ] = None,
-    host: Annotated[
-        str | None,
-        typer.Option(
-            rich_help_panel="Network", help="Address to serve gRPC and the DHT on \\[127.0.0.1]."
-        ),
-    ] = None,
-    port: Annotated[
-        int | None,
-        typer.Option(rich_help_panel="Network", help="gRPC port (0: any free port) \\[0]."),
-    ] = None,
-    public_host: Annotated[
-        str | None,
-        typer.Option(
-            rich_help_panel="Network",
-            help="Address peers dial, if not --host (a container's name) \\[unset].",
-        ),
-    ] = None,
-    discovery: Annotated[
-        Backend | None,
-        typer.Option(
-            rich_help_panel="Network",
-            help="DHT backend (libp2p: pure Python, anywhere) \\[hivemind].",
-        ),
-    ] = None,
-    dht_secret: Annotated[
-        str | None,
-        typer.Option(
-            rich_help_panel="Network",
-            help="libp2p: a private run's DHT key; nodes without it cannot connect \\[unset].",
-        ),
-    ] = None,
-    device: Annotated[
-        str | None, typer.Option(rich_help_panel="Device", help="auto, cpu or cuda \\[auto].")
-    ] = None,
-    threads: Annotated[
-        int | None,
-        typer.Option(
-            rich_help_panel="Device", help="Torch CPU threads (0: torch's default) \\[0]."
-        ),
-    ] = None,
-    compile: Annotated[
-        OnOff | None,
-        typer.Option(
-            rich_help_panel="Device",
-            help="torch.compile the training step (faster on GPUs, slow start) \\[off].",
-        ),
-    ] = None,
-    peak_tflops: Annotated[
-        int | None,
-        typer.Option(
-            rich_help_panel="Device",
-            help="The device's dense bf16 peak for MFU, in whole TFLOP/s (0: known GPUs' "
-            "figure) \\[0].",
-        ),
-    ] = None,
-    metrics_address: Annotated[
-        str | None,
-        typer.Option(
-            rich_help_panel="Network",
-            help="Serve Prometheus metrics on host:port, 'auto' (127.0.0.1:9464, else a free "
-            "port) or 'off' \\[auto].",
-        ),
-    ] = None,
-    checkpoint_every_rounds: Annotated[
-        int | None,
-        typer.Option(
-            rich_help_panel="Files", help="Write a checkpoint every this many rounds \\[10]."
-        ),
-    ] = None,
-    keep_checkpoints: Annotated[
-        int | None,
-        typer.Option(rich_help_panel="Files", help="Keep this many newest checkpoints \\[3]."),
     ] = None,
     max_epochs: Annotated[
         int | None,
@@ -227,6 +155,7 @@ def node(
             rich_help_panel="Pipeline", help="A pipeline trainer: stop after this many steps."
         ),
     ] = None,
+    settings: dict[str, Any] | None = None,  # the [node] settings' options (cli_settings.py)
     verbose: Annotated[
         bool,
         typer.Option(
@@ -254,20 +183,7 @@ def node(
             checkpoint_dir=checkpoint_dir,
             bandwidth=bandwidth,
             upload_bytes_per_second=upload_limit,
-            settings={
-                "host": host,
-                "port": port,
-                "public_host": public_host,
-                "discovery": discovery,
-                "dht_secret": dht_secret,
-                "device": device,
-                "threads": threads,
-                "compile": compile,
-                "peak_tflops": peak_tflops,
-                "metrics_address": metrics_address,
-                "checkpoint_every_rounds": checkpoint_every_rounds,
-                "keep_checkpoints": keep_checkpoints,
-            },
+            settings=settings or {},
             max_epochs=max_epochs,
             linger=linger,
             slowdown=slowdown,

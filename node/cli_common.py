@@ -14,10 +14,10 @@ from swarmgrad.node.discovery.base import BackendName
 EXIT_CONFIG, EXIT_SPEC_MISMATCH, EXIT_NETWORK = 2, 3, 4
 
 #: Choice lists: a command's help shows them (``<hivemind|libp2p>``) and refuses other values by
-#: name (``config.DISPLAYS`` and ``node.compile``'s check hold the same lists; a unit test too).
+#: name (``config.DISPLAYS`` holds the same list; a unit test checks). The ``[node]`` settings'
+#: choices come from their fields (``cli_settings.py``).
 Backend = BackendName
 Display = Literal["auto", "live", "log", "none"]
-OnOff = Literal["off", "on"]
 
 
 def setup_logging(verbose: bool, *, quiet: bool = False) -> None:

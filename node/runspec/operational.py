@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from swarmgrad.node.discovery.base import BACKENDS
 from swarmgrad.node.runspec.errors import RunSpecError, positive
 
 DEVICES = ("auto", "cpu", "cuda")
+SWITCH = ("off", "on")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,24 +42,47 @@ class TrackingSection:
             )
 
 
+def _setting(default: Any, panel: str, help: str, choices: tuple[str, ...] = ()) -> Any:
+    """A ``[node]`` setting: its default, and what the ``node`` command's option says of it (its
+    help panel, its help, its choices): the options are made from these (``cli_settings.py``)."""
+    return field(default=default, metadata={"panel": panel, "help": help, "choices": choices})
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NodeSection:
     """Defaults for this run's nodes, which each node may override (``SWARMGRAD_*`` variables,
     then command-line options). Operational: not part of the spec hash."""
 
-    host: str = "127.0.0.1"  # where to serve gRPC and the DHT
-    port: int = 0  # gRPC port; 0: any free port
-    public_host: str = ""  # the address peers dial, if not host (a container's name)
-    device: str = "auto"  # auto, cpu or cuda
-    threads: int = 0  # torch CPU threads; 0: torch's default
-    compile: str = "off"  # on: torch.compile the model's training step (minutes of start-up)
-    peak_tflops: int = 0  # the device's dense bf16 peak for MFU; 0: known GPUs' datasheet figure
-    #: Prometheus endpoint: host:port, "auto" (127.0.0.1:9464, else a free port) or "off".
-    metrics_address: str = "auto"
-    checkpoint_every_rounds: int = 10
-    keep_checkpoints: int = 3
-    discovery: str = "hivemind"  # the DHT backend: hivemind or libp2p (pure Python)
-    dht_secret: str = ""  # libp2p only: a private run's DHT key (never merges with others)
+    host: str = _setting("127.0.0.1", "Network", "Address to serve gRPC and the DHT on")
+    port: int = _setting(0, "Network", "gRPC port (0: any free port)")
+    public_host: str = _setting(
+        "", "Network", "Address peers dial, if not --host (a container's name)"
+    )
+    device: str = _setting("auto", "Device", "The device to train on", DEVICES)
+    threads: int = _setting(0, "Device", "Torch CPU threads (0: torch's default)")
+    compile: str = _setting(
+        "off", "Device", "torch.compile the training step (faster on GPUs, slow start)", SWITCH
+    )
+    peak_tflops: int = _setting(
+        0,
+        "Device",
+        "The device's dense bf16 peak for MFU, in whole TFLOP/s (0: known GPUs' figure)",
+    )
+    metrics_address: str = _setting(
+        "auto",
+        "Network",
+        "Serve Prometheus metrics on host:port, 'auto' (127.0.0.1:9464, else a free port) or 'off'",
+    )
+    checkpoint_every_rounds: int = _setting(
+        10, "Files", "Write a checkpoint every this many rounds"
+    )
+    keep_checkpoints: int = _setting(3, "Files", "Keep this many newest checkpoints")
+    discovery: str = _setting(
+        "hivemind", "Network", "DHT backend (libp2p: pure Python, anywhere)", BACKENDS
+    )
+    dht_secret: str = _setting(
+        "", "Network", "libp2p: a private run's DHT key; nodes without it cannot connect"
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -77,7 +102,7 @@ class NodeSection:
             )
         if self.dht_secret and self.discovery != "libp2p":
             raise RunSpecError('node.dht_secret needs node.discovery = "libp2p"')
-        if self.compile not in ("off", "on"):
+        if self.compile not in SWITCH:
             raise RunSpecError(f"node.compile must be off or on, got {self.compile!r}")
         if self.peak_tflops < 0:
             raise RunSpecError(f"node.peak_tflops must be >= 0, got {self.peak_tflops}")
