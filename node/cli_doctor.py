@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -34,7 +34,7 @@ def doctor(
         list[str] | None, typer.Option(help="Multiaddr to reach the run through (repeatable).")
     ] = None,
     device: Annotated[
-        str, typer.Option(help="The device the node would use: auto, cpu, cuda.")
+        Literal["auto", "cpu", "cuda"], typer.Option(help="The device the node would use.")
     ] = "auto",
     host: Annotated[
         str | None,

@@ -4,7 +4,7 @@ large one), with profiles, churn and shaped links."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -53,7 +53,7 @@ def simulate(
         ),
     ] = None,
     engine: Annotated[
-        str,
+        Literal["processes", "des"],
         typer.Option(
             help="processes: real node processes on loopback; des: the discrete-event model "
             "(thousands of peers in seconds, no training: times, bytes and rounds)."
@@ -68,7 +68,7 @@ def simulate(
         ),
     ] = False,
     launcher: Annotated[
-        str,
+        Literal["local", "ray"],
         typer.Option(
             help="processes: local (children of this one) or ray (actors on a Ray cluster; "
             "the output folder on storage every machine sees)."
@@ -119,8 +119,6 @@ def simulate(
     from swarmgrad.simulations.summary import print_summary
 
     _logging(False)
-    if engine not in ("processes", "des"):
-        raise _fail(EXIT_CONFIG, f"--engine must be processes or des, got {engine!r}")
     if engine == "des" and (netem or launcher != "local" or ray_address):
         raise _fail(EXIT_CONFIG, "--engine des models the swarm: no --netem, --launcher or Ray")
     if engine == "processes" and (step_seconds is not None or codec_rate is not None):

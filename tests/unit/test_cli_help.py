@@ -16,6 +16,7 @@ from swarmgrad.node.config import DISPLAYS
 from swarmgrad.node.discovery.base import BACKENDS
 from swarmgrad.node.runspec import RunSpec, RunSpecError
 from swarmgrad.node.runspec.operational import SWITCH
+from swarmgrad.simulations.launchers import LAUNCHERS
 
 COMMANDS = sorted(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
 
@@ -40,6 +41,9 @@ def test_help_shows_choices_not_free_text_and_no_type_for_a_flag(command: str) -
         ("discovery", BACKENDS),
         ("display", DISPLAYS),
         ("compile", ("off", "on")),
+        ("device", ("auto", "cpu", "cuda")),
+        ("engine", ("processes", "des")),
+        ("launcher", LAUNCHERS),
     ):
         if name in names:
             # (at 80 columns a long list may wrap inside its cell)
