@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Literal
+from pathlib import Path
+from typing import Annotated, Literal
 
 import typer
 
@@ -18,6 +19,30 @@ EXIT_CONFIG, EXIT_SPEC_MISMATCH, EXIT_NETWORK = 2, 3, 4
 #: choices come from their fields (``cli_settings.py``).
 Backend = BackendName
 Display = Literal["auto", "live", "log", "none"]
+
+#: Options the commands that read a run share (status, dashboard, runs, publish, join).
+Bootstrap = Annotated[
+    list[str] | None,
+    typer.Option(help="Multiaddr of a peer to reach the DHT through (repeatable)."),
+]
+BootstrapFile = Annotated[
+    Path | None, typer.Option(help="Read multiaddrs from a bootstrap's --maddrs-file.")
+]
+#: The DHT backend and key when a spec or a ticket may give them.
+LayeredBackend = Annotated[
+    Backend | None, typer.Option(help="DHT backend \\[the spec's or ticket's].")
+]
+LayeredSecret = Annotated[
+    str | None, typer.Option(help="libp2p: a private run's DHT key \\[the spec's].")
+]
+NodeAddress = Annotated[
+    str | None,
+    typer.Option(
+        help="A local node's metrics address (host:port, or the URL its log gives): its view "
+        "of the run's peers, at once, without joining the DHT.",
+        show_default=False,
+    ),
+]
 
 
 def setup_logging(verbose: bool, *, quiet: bool = False) -> None:

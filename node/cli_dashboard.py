@@ -10,7 +10,15 @@ from typing import Annotated
 import typer
 
 from swarmgrad.node import tasks
-from swarmgrad.node.cli_common import EXIT_CONFIG, EXIT_NETWORK, Backend
+from swarmgrad.node.cli_common import (
+    EXIT_CONFIG,
+    EXIT_NETWORK,
+    Bootstrap,
+    BootstrapFile,
+    LayeredBackend,
+    LayeredSecret,
+    NodeAddress,
+)
 from swarmgrad.node.cli_common import fail as _fail
 from swarmgrad.node.cli_common import setup_logging as _logging
 from swarmgrad.node.cli_status import node_target, reader, run_target
@@ -28,26 +36,11 @@ def dashboard(
         ),
     ] = None,
     run: Annotated[str | None, typer.Option(help="Run id, with --bootstrap.")] = None,
-    bootstrap: Annotated[
-        list[str] | None, typer.Option(help="Multiaddr of a peer to ask through (repeatable).")
-    ] = None,
-    bootstrap_file: Annotated[
-        Path | None, typer.Option(help="Read multiaddrs from a bootstrap's --maddrs-file.")
-    ] = None,
-    discovery: Annotated[
-        Backend | None, typer.Option(help="DHT backend \\[the spec's or ticket's].")
-    ] = None,
-    dht_secret: Annotated[
-        str | None, typer.Option(help="libp2p: a private run's DHT key \\[the spec's].")
-    ] = None,
-    node: Annotated[
-        str | None,
-        typer.Option(
-            help="A local node's metrics address (host:port): read the run's peers from its "
-            "view instead of joining the DHT.",
-            show_default=False,
-        ),
-    ] = None,
+    bootstrap: Bootstrap = None,
+    bootstrap_file: BootstrapFile = None,
+    discovery: LayeredBackend = None,
+    dht_secret: LayeredSecret = None,
+    node: NodeAddress = None,
     status_file: Annotated[
         Path | None,
         typer.Option(

@@ -18,7 +18,15 @@ import typer
 
 from swarmgrad.node import config as node_config
 from swarmgrad.node import tasks
-from swarmgrad.node.cli_common import EXIT_CONFIG, EXIT_NETWORK, Backend
+from swarmgrad.node.cli_common import (
+    EXIT_CONFIG,
+    EXIT_NETWORK,
+    Bootstrap,
+    BootstrapFile,
+    LayeredBackend,
+    LayeredSecret,
+    NodeAddress,
+)
 from swarmgrad.node.cli_common import fail as _fail
 from swarmgrad.node.cli_common import setup_logging as _logging
 from swarmgrad.node.discovery.base import DiscoveryError
@@ -60,19 +68,10 @@ def status(
     run: Annotated[
         str | None, typer.Option(help="Run id, without a spec: peers of every spec in use.")
     ] = None,
-    bootstrap: Annotated[
-        list[str] | None, typer.Option(help="Multiaddr of a peer to ask through (repeatable).")
-    ] = None,
-    bootstrap_file: Annotated[
-        Path | None, typer.Option(help="Read multiaddrs from a bootstrap's --maddrs-file.")
-    ] = None,
-    discovery: Annotated[
-        Backend | None,
-        typer.Option(help="DHT backend: hivemind or libp2p \\[the spec's or ticket's]."),
-    ] = None,
-    dht_secret: Annotated[
-        str | None, typer.Option(help="libp2p: a private run's DHT key \\[the spec's].")
-    ] = None,
+    bootstrap: Bootstrap = None,
+    bootstrap_file: BootstrapFile = None,
+    discovery: LayeredBackend = None,
+    dht_secret: LayeredSecret = None,
     as_json: Annotated[
         bool,
         typer.Option("--json", metavar="", help="Print JSON (with --watch: one line a refresh)."),
@@ -80,14 +79,7 @@ def status(
     timeout: Annotated[
         float, typer.Option(help="Give up on the DHT (with --watch: on a refresh) after this.")
     ] = 30.0,
-    node: Annotated[
-        str | None,
-        typer.Option(
-            help="A local node's metrics address (host:port, or the URL its log gives): its "
-            "view of the run's peers, at once, without joining the DHT.",
-            show_default=False,
-        ),
-    ] = None,
+    node: NodeAddress = None,
     watch: Annotated[
         float | None,
         typer.Option(

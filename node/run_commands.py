@@ -12,7 +12,15 @@ import typer
 
 from swarmgrad.node import config as node_config
 from swarmgrad.node import published, tasks
-from swarmgrad.node.cli_common import EXIT_CONFIG, EXIT_NETWORK, Backend, fail, setup_logging
+from swarmgrad.node.cli_common import (
+    EXIT_CONFIG,
+    EXIT_NETWORK,
+    Backend,
+    Bootstrap,
+    BootstrapFile,
+    fail,
+    setup_logging,
+)
 from swarmgrad.node.discovery.base import Discovery, DiscoveryError
 from swarmgrad.node.discovery.start import start_reader
 from swarmgrad.node.identity import Identity
@@ -20,13 +28,6 @@ from swarmgrad.node.ticket import Ticket, read_ticket
 from swarmgrad.protocol.errors import SetupError
 
 T = TypeVar("T")
-Bootstrap = Annotated[
-    list[str] | None,
-    typer.Option(help="Multiaddr of a peer to reach the DHT through (repeatable)."),
-]
-BootstrapFile = Annotated[
-    Path | None, typer.Option(help="Read multiaddrs from a bootstrap's --maddrs-file.")
-]
 BackendOption = Annotated[Backend, typer.Option(help="The DHT backend.")]
 Secret = Annotated[str, typer.Option(help="libp2p: a private DHT's key.")]
 Timeout = Annotated[float, typer.Option(help="Give up reading the DHT after this many seconds.")]
