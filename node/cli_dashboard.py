@@ -23,6 +23,7 @@ from swarmgrad.node.cli_common import fail as _fail
 from swarmgrad.node.cli_common import setup_logging as _logging
 from swarmgrad.node.cli_status import node_target, reader, run_target
 from swarmgrad.node.discovery.base import DiscoveryError
+from swarmgrad.node.preflight import in_use
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +82,16 @@ def dashboard(
         raise _fail(EXIT_CONFIG, str(error)) from None
     state = RunState(run_id=target.run_id, status_file=status_file)
 
+    if port and in_use(host, port):  # said before the DHT is joined, not after
+        raise _fail(EXIT_CONFIG, f"cannot serve the run page on {host}:{port}: the port is in use")
+
     async def main(stop: asyncio.Event) -> None:
-        app = application(state, refresh_seconds=refresh)
-        async with serving(app, host, port) as url:
-            typer.echo(f"run page at {url} (Ctrl-C to stop)")
-            async with reader(target, timeout) as peers:
+        # The reader first: joining the DHT (importing its backend, too) holds the event loop
+        # for seconds, which a page already served would spend not answering.
+        async with reader(target, timeout) as peers:
+            app = application(state, refresh_seconds=refresh)
+            async with serving(app, host, port) as url:
+                typer.echo(f"run page at {url} (Ctrl-C to stop)")
                 source = f"node {target.node}" if target.node else "the DHT"
                 log.info("reading run %s from %s every %g s", target.run_id, source, refresh)
                 await keep_reading(

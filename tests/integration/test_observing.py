@@ -202,7 +202,7 @@ def _run_page_shows_the_swarm(
         url = _wait_for(r"run page at (http://\S+)", log, deadline)[1]
 
         def shown() -> dict[str, Any]:
-            with urllib.request.urlopen(url + "api/run", timeout=5) as answer:
+            with urllib.request.urlopen(url + "api/run", timeout=30) as answer:
                 return dict(json.load(answer))
 
         while len((run := shown())["peers"]) < 3 or len(run["node"].get("rounds", [])) < 2:
