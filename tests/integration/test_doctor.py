@@ -45,7 +45,7 @@ def test_doctor_names_a_taken_port_a_missing_device_and_an_unreachable_run(
         taken.listen()
         port = str(taken.getsockname()[1])
         done = _doctor(tmp_path, str(spec), "--port", port, "--bootstrap", NOBODY,
-                       "--device", "cuda", "--timeout", "20")  # fmt: skip
+                       "--device", "cuda", "--timeout", "90")  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr[-2000:]
     lines = _lines(done.stdout)
     assert lines["grpc"].startswith("FAIL")
