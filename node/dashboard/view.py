@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from swarmgrad.node.files import jsonable
 from swarmgrad.node.kinds import Reach
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ def run_view(state: RunState, node: dict[str, Any] | None) -> dict[str, Any]:
     for row in rows:
         row["share"] = offered[row["peer_id"]] / total if total > 0 else 0.0
         row["trust"] = trust.get(row["peer_id"])
-    document: dict[str, Any] = _finite(
+    document: dict[str, Any] = jsonable(
         {
             "run": state.run_id,
             "read_at": state.read_at or None,
@@ -55,18 +56,6 @@ def run_view(state: RunState, node: dict[str, Any] | None) -> dict[str, Any]:
         }
     )
     return document
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with every NaN or infinity (a peer's record may hold one) made null: the page
-    gets strict JSON."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(item) for item in value]
-    return value
 
 
 def _owned(row: dict[str, Any]) -> float:
