@@ -24,8 +24,6 @@ from swarmgrad.protocol.auth import CLOCK_WINDOW_SECONDS
 #: What a node keeps per parameter, roughly: fp32 weights, the outer state (a copy and its
 #: momentum), Adam's two moments, gradients and the averaging buffers.
 STATE_BYTES_PER_PARAMETER = 4 * 8
-#: A checkpoint holds weights, outer state and optimizer moments: about 5 fp32 copies.
-CHECKPOINT_BYTES_PER_PARAMETER = 4 * 5
 #: How often a node re-issues its peer record (``DirectoryConfig.announce_interval_seconds``).
 ANNOUNCE_SECONDS = 15.0
 #: How far off a clock may look before it is called off: half the signed messages' window.
@@ -93,7 +91,9 @@ def memory(spec: RunSpec) -> Finding:
 
 
 def disk(spec: RunSpec, folder: Path) -> Finding:
-    need = parameters(spec) * CHECKPOINT_BYTES_PER_PARAMETER * (spec.node.keep_checkpoints + 1)
+    from swarmgrad.node.preflight import checkpoint_bytes
+
+    need = checkpoint_bytes(spec) * (spec.node.keep_checkpoints + 1)
     where = folder if folder.exists() else next(p for p in folder.parents if p.exists())
     free = shutil.disk_usage(where).free
     return Finding(

@@ -1,6 +1,6 @@
 """What a node checks on its own machine before it touches the network: its ports (gRPC,
-metrics), its device, its checkpoint folder and its data shards (every role: a whole-model
-node, a pipeline stage, a pipeline trainer).
+metrics), its device, its checkpoint folder (writable, with room for a checkpoint) and its data
+shards (every role: a whole-model node, a pipeline stage, a pipeline trainer).
 
 A node that joined the DHT and served gRPC before finding its metrics port taken (or a data
 file missing) left a record behind that peers then found dead. Here each such mistake is a
@@ -13,6 +13,7 @@ node binds it for real, which then fails as before (exit 2 too), only later.
 from __future__ import annotations
 
 import errno
+import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -20,6 +21,9 @@ from pathlib import Path
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.training.shards import shard_paths
 from swarmgrad.protocol.errors import BindError, SetupError
+
+#: A checkpoint holds weights, outer state and optimizer moments: about 5 fp32 copies.
+CHECKPOINT_BYTES_PER_PARAMETER = 4 * 5
 
 
 def check(
@@ -47,6 +51,7 @@ def check(
         _cuda()
     if checkpoint_dir is not None:
         _writable(checkpoint_dir)
+        _room(checkpoint_dir, checkpoint_bytes(spec))
     if spec.data.source == "files":
         shard_paths(spec.data)  # DataError: a missing file, a pattern that matches nothing
 
@@ -72,6 +77,27 @@ def _writable(folder: Path) -> None:
             f"cannot write checkpoints to {folder}: {error.strerror or error} (choose another "
             f"--checkpoint-dir, or free or fix that folder)"
         ) from None
+
+
+def checkpoint_bytes(spec: RunSpec) -> int:
+    """About what one checkpoint of ``spec``'s model takes on disk (a pipeline stage's: the
+    model's share of one stage, the largest stage being about that)."""
+    from swarmgrad.node.training.model import skeleton
+
+    parameters = sum(p.numel() for p in skeleton(spec.model).parameters())
+    return parameters * CHECKPOINT_BYTES_PER_PARAMETER // spec.pipeline.stages
+
+
+def _room(folder: Path, need: int) -> None:
+    """Room for the next checkpoint (written beside the last before that one goes): a node
+    that cannot write one would train on and lose its work at the next crash."""
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise SetupError(
+            f"no room for a checkpoint in {folder}: one takes ~{need / 2**20:.0f} MiB and "
+            f"{free / 2**20:.1f} MiB are free (free some space, or choose another "
+            f"--checkpoint-dir; swarmgrad doctor says what the run needs)"
+        )
 
 
 def _free(host: str, port: int, message: str, option: str) -> None:

@@ -1,12 +1,14 @@
 """A node's local checks come before the network: a taken port (gRPC or metrics, for a pipeline
-stage too), a missing data shard, a checkpoint folder it cannot write and a CUDA device it does
-not have are exit 2 before the node joins anything, and two nodes on one machine run with the
-defaults (the second's metrics on a free port)."""
+stage too), a missing data shard, a checkpoint folder it cannot write or with no room for a
+checkpoint, and a CUDA device it does not have are exit 2 before the node joins anything, and
+two nodes on one machine run with the defaults (the second's metrics on a free port)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -96,6 +98,26 @@ def test_a_taken_port_or_a_missing_shard_stops_the_node_before_the_network(
                                  "--bootstrap", NOBODY))  # fmt: skip
         assert "--device cuda: torch" in no_cuda.stderr
         assert "sees no CUDA device" in no_cuda.stderr
+    with _small_disk(tmp_path / "small") as small:  # 1 MiB: the demo's checkpoint is ~13 MiB
+        full = _refused(_node(tmp_path, cache_dir, "f", "--checkpoint-dir", str(small),
+                              "--bootstrap", NOBODY))  # fmt: skip
+    assert f"no room for a checkpoint in {small}: one takes ~" in full.stderr
+
+
+@contextlib.contextmanager
+def _small_disk(folder: Path) -> Iterator[Path]:
+    """A 1 MiB file system at ``folder`` (a tmpfs; skips where this machine cannot mount)."""
+    folder.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)],
+                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "--lazy", str(folder)], capture_output=True, timeout=30)
 
 
 @pytest.fixture
