@@ -46,6 +46,13 @@ def endpoint_of(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _port_of(peer: str) -> int:
+    """The port of a gRPC ``context.peer()`` string (0 for any other kind of address)."""
+    kind, _, rest = peer.partition(":")
+    port = rest.rsplit(":", 1)[-1]
+    return int(port) if kind in ("ipv4", "ipv6") and port.isdigit() else 0
+
+
 def local_endpoint(peer: str) -> str:
     """``host:port`` of a gRPC ``context.peer()`` string, as :func:`endpoint_of` writes it."""
     kind, _, rest = peer.partition(":")
@@ -115,6 +122,9 @@ class PeerServicer:
         self.dial_backs: dict[str, int] = {"reachable": 0, "unreachable": 0}
         self.punches = 0
 
+    def _relayed(self, context: grpc.aio.ServicerContext[object, object]) -> bool:
+        return self._origin is not None and self._origin(local_endpoint(context.peer())) is not None
+
     def _caller(self, context: grpc.aio.ServicerContext[object, object]) -> str:
         """The host that made this call. A call relayed to this node reaches its server from its
         own relay client (a local address): the caller is the host the relay saw dial, and a
@@ -172,6 +182,9 @@ class PeerServicer:
             raise ProtocolViolation(ResultCode.OVERLOADED, "too many dial-backs under way")
         self._dialing += 1
         endpoint = endpoint_of(host, request.port)
+        # The port the call came from (its NAT's mapping): how callers tell their NAT's kind.
+        # A relayed call came from the relay's socket, whose port says nothing about the caller.
+        seen_port = 0 if self._relayed(context) else _port_of(context.peer())
         try:
             await get_info(
                 endpoint,
@@ -182,11 +195,13 @@ class PeerServicer:
             )
         except SwarmgradError as error:
             self.dial_backs["unreachable"] += 1
-            return peer_pb2.DialBackReply(reachable=False, observed_host=host, detail=str(error))
+            return peer_pb2.DialBackReply(
+                reachable=False, observed_host=host, observed_port=seen_port, detail=str(error)
+            )
         finally:
             self._dialing -= 1
         self.dial_backs["reachable"] += 1
-        return peer_pb2.DialBackReply(reachable=True, observed_host=host)
+        return peer_pb2.DialBackReply(reachable=True, observed_host=host, observed_port=seen_port)
 
     async def Punch(
         self, request: peer_pb2.PunchRequest, context: grpc.aio.ServicerContext[object, object]
@@ -304,6 +319,8 @@ class DialBack:
     reachable: bool
     observed_host: str
     detail: str
+    #: The port the call came from, as the helper saw it (0: not known, a relayed call).
+    observed_port: int = 0
 
 
 async def ask_dial_back(
@@ -331,7 +348,11 @@ async def ask_dial_back(
         ipaddress.ip_address(reply.observed_host)
     except ValueError:
         raise PeerUnavailable(f"{helper} answered with a malformed address") from None
-    return DialBack(helper, reply.reachable, reply.observed_host, reply.detail[:500])
+    if reply.observed_port > 65535:
+        raise PeerUnavailable(f"{helper} answered with a malformed port") from None
+    return DialBack(
+        helper, reply.reachable, reply.observed_host, reply.detail[:500], reply.observed_port
+    )
 
 
 async def ask_punch(

@@ -50,14 +50,16 @@ class DialBackRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., spec_hash: _Optional[bytes] = ..., port: _Optional[int] = ..., peer_id: _Optional[str] = ..., receiver: _Optional[str] = ..., auth: _Optional[_Union[_auth_pb2.Auth, _Mapping]] = ...) -> None: ...
 
 class DialBackReply(_message.Message):
-    __slots__ = ("reachable", "observed_host", "detail")
+    __slots__ = ("reachable", "observed_host", "detail", "observed_port")
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     OBSERVED_HOST_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_PORT_FIELD_NUMBER: _ClassVar[int]
     reachable: bool
     observed_host: str
     detail: str
-    def __init__(self, reachable: _Optional[bool] = ..., observed_host: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    observed_port: int
+    def __init__(self, reachable: _Optional[bool] = ..., observed_host: _Optional[str] = ..., detail: _Optional[str] = ..., observed_port: _Optional[int] = ...) -> None: ...
 
 class PunchRequest(_message.Message):
     __slots__ = ("run_id", "spec_hash", "peer_id", "host", "port", "receiver", "auth")

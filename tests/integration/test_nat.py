@@ -1,5 +1,6 @@
 """Volunteers behind NAT, in the NAT lab: real node processes in network namespaces, real routers
-(nftables masquerade, no port forwarding, unsolicited inbound dropped), a real UPnP gateway.
+(nftables masquerade, no port forwarding, unsolicited inbound dropped), a real UPnP gateway, and
+``doctor`` telling a NAT that keeps ports from a symmetric one.
 
 Needs root (namespaces); the test set-up (docs/setup.md) installs nftables and miniupnpd.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -78,6 +80,21 @@ def mappings(host: Host) -> str:
     return listed.stdout
 
 
+def _doctor(host: Host, spec: Path, tmp_path: Path) -> subprocess.Popen[bytes]:
+    """``swarmgrad doctor`` for the lab's run, started on ``host``."""
+    maddrs = json.loads((tmp_path / "bootstrap.json").read_text())["maddrs"]
+    command = node_command("doctor", str(spec), "--device", "cpu", "--timeout", "90")
+    command += [a for m in maddrs for a in ("--bootstrap", m)]
+    env = {**os.environ, "SWARMGRAD_HOME": str(tmp_path / f"home-{host.namespace}")}
+    return host.popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _reach_line(doctor: subprocess.Popen[bytes]) -> str:
+    out = doctor.communicate(timeout=180)[0].decode()
+    assert doctor.returncode == 0, out[-3000:]
+    return next(line for line in out.splitlines() if line.split()[1:2] == ["reach"])
+
+
 def stop_all(nodes: list[LabNode]) -> None:
     for node in nodes:
         node.stop()
@@ -96,6 +113,15 @@ def test_two_public_and_two_natted_peers_train_together(
         natted = wait_until(
             nodes[2:], settled("relayed"), timeout_seconds=90, what="NAT'd peers relayed"
         )
+        # doctor on two more home machines, behind a NAT like theirs and behind a symmetric
+        # one, while the run trains: each asks the two public peers to dial it back.
+        doctors = [_doctor(host, spec, tmp_path) for host in (lab.home(), lab.home(symmetric=True))]
+        cone, symmetric = (_reach_line(d) for d in doctors)
+        assert "a NAT that keeps ports (2 peers saw port" in cone, cone
+        assert "a symmetric NAT: 2 peers saw 2 different ports" in symmetric, symmetric
+        for line in (cone, symmetric):
+            assert "could not dial port" in line, line
+            assert "takes a relay" in line, line
         relays = {s["via"] for s in natted}
         public_ids = {s["peer_id"] for s in (n.status() for n in nodes[:2])}
         assert relays <= public_ids  # each NAT'd peer rides on a public peer's relay

@@ -112,6 +112,7 @@ def test_a_volunteer_joins_from_the_ticket_alone_with_one_bootstrap_down(
     assert "published-demo: the DHT answers, 1 peer(s) listed" in checked["run"]
     assert "agrees with 1 peer(s)' records" in checked["clock"]
     assert "direct: a peer dialed this machine back at 127.0.0.1" in checked["reach"]
+    assert "no NAT: peers see this machine's own address and port" in checked["reach"]
 
     joined.send_signal(signal.SIGINT)  # a volunteer's Ctrl-C: a graceful leave
     code = joined.wait(120)
