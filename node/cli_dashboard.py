@@ -46,7 +46,7 @@ def dashboard(
         Path | None,
         typer.Option(
             help="A node's --status-file: adds its loss curve, rounds, trust scores and "
-            "contribution."
+            "contribution (with --node: read from that node's metrics server if not given)."
         ),
     ] = None,
     host: Annotated[
@@ -61,7 +61,8 @@ def dashboard(
     ] = 30.0,
 ) -> None:
     """Serve the run page: the run's peers (throughput, share, reachability, trust, bans) and,
-    with --status-file, a node's loss curve, rounds and contribution, refreshing live."""
+    with --node or --status-file, a node's loss curve, rounds and contribution, refreshing
+    live."""
     _logging(False)
     from swarmgrad.node.dashboard.server import (
         DashboardError,
@@ -80,7 +81,13 @@ def dashboard(
         plotly_js()
     except DashboardError as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
-    state = RunState(run_id=target.run_id, status_file=status_file)
+    from swarmgrad.node.status import status_page_url
+
+    state = RunState(
+        run_id=target.run_id,
+        status_file=status_file,
+        status_url=status_page_url(target.node) if target.node else "",
+    )
 
     if port and in_use(host, port):  # said before the DHT is joined, not after
         raise _fail(EXIT_CONFIG, f"cannot serve the run page on {host}:{port}: the port is in use")

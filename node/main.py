@@ -22,14 +22,14 @@ from swarmgrad.node import preflight
 from swarmgrad.node.config import NodeConfig
 from swarmgrad.node.discovery.start import DiscoveryConfig, start_discovery
 from swarmgrad.node.display import Display
-from swarmgrad.node.files import write_json
+from swarmgrad.node.files import jsonable, write_json
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.metrics import MetricsServer, serving
 from swarmgrad.node.pipeline.server import serve_stage
 from swarmgrad.node.pipeline.trainer import train_pipeline
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.state.checkpoint import Checkpointer
-from swarmgrad.node.status import PEERS_PAGE, peers_page
+from swarmgrad.node.status import PEERS_PAGE, STATUS_PAGE, peers_page
 from swarmgrad.node.swarm import Swarm
 from swarmgrad.node.tracking import Tracker
 from swarmgrad.node.training.progress import Progress
@@ -121,21 +121,27 @@ async def _train(
     server: MetricsServer | None,
     stop: asyncio.Event,
 ) -> int:
+    # The status after each round: in --status-file, and on the metrics server's STATUS_PAGE
+    # (the run page's curves, for a node started without a status file).
+    latest: dict[str, Any] = {"error": "no round yet"}
+    swarm.metrics.pages[STATUS_PAGE] = lambda: latest  # a snapshot, served from its thread
+
     def on_progress(progress: Progress) -> None:
+        nonlocal latest
+        latest = jsonable(  # new containers: the metrics thread never sees one change
+            progress.as_dict()
+            | {
+                "endpoint": swarm.endpoint,
+                "metrics_url": server.url if server is not None else "",
+                "counts": swarm.counts,
+                "failures": swarm.failures,
+                "owner_checks": swarm.owner_checks,
+                "ban_records": swarm.board.counts if swarm.board is not None else {},
+            }
+            | swarm.reachability_summary()
+        )
         if config.status_file is not None:
-            status = (
-                progress.as_dict()
-                | {
-                    "endpoint": swarm.endpoint,
-                    "metrics_url": server.url if server is not None else "",
-                    "counts": swarm.counts,
-                    "failures": swarm.failures,
-                    "owner_checks": swarm.owner_checks,
-                    "ban_records": swarm.board.counts if swarm.board is not None else {},
-                }
-                | swarm.reachability_summary()
-            )
-            write_status(config.status_file, status)
+            write_status(config.status_file, latest)
 
     with contextlib.ExitStack() as cleanup:
         tracker = None

@@ -124,6 +124,8 @@ async def _members(
 MAX_PAGE_BYTES = 16 << 20
 #: Where a node's metrics server answers with its view of the run's peers (``status --node``).
 PEERS_PAGE = "/peers.json"
+#: Where it answers with its own status: what ``--status-file`` holds (the run page's curves).
+STATUS_PAGE = "/status.json"
 
 
 def peers_page(spec: RunSpec, records: Sequence[PeerRecord]) -> dict[str, Any]:
@@ -149,17 +151,31 @@ def node_page_url(address: str) -> str:
     return address + PEERS_PAGE
 
 
-def read_node_page(url: str, timeout_seconds: float) -> tuple[str, RunPeers]:
-    """The run id and the run's peers as the node serving ``url`` last read them; DiscoveryError
-    if it does not answer, or answers with something else."""
+def status_page_url(peers_url: str) -> str:
+    """The status page of the node whose peers page is ``peers_url``."""
+    return peers_url.removesuffix(PEERS_PAGE) + STATUS_PAGE
+
+
+def read_page(url: str, timeout_seconds: float) -> Any:
+    """A node's JSON page at ``url`` (at most :data:`MAX_PAGE_BYTES`); DiscoveryError if the node
+    does not answer, or not with JSON."""
     import urllib.error
     import urllib.request
 
     try:
         with urllib.request.urlopen(url, timeout=timeout_seconds) as answer:
-            page = json.loads(answer.read(MAX_PAGE_BYTES + 1)[:MAX_PAGE_BYTES])
+            body = answer.read(MAX_PAGE_BYTES + 1)
+        if len(body) > MAX_PAGE_BYTES:
+            raise ValueError(f"a page over {MAX_PAGE_BYTES >> 20} MiB")
+        return json.loads(body)
     except (urllib.error.URLError, OSError, ValueError) as error:
         raise DiscoveryError(f"the node at {url} did not answer: {error}") from None
+
+
+def read_node_page(url: str, timeout_seconds: float) -> tuple[str, RunPeers]:
+    """The run id and the run's peers as the node serving ``url`` last read them; DiscoveryError
+    if it does not answer, or answers with something else."""
+    page = read_page(url, timeout_seconds)
     if (
         not isinstance(page, dict)
         or not isinstance(page.get("run"), str)

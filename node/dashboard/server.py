@@ -1,9 +1,10 @@
 """The run page's web server (aiohttp): the page, plotly.js from the installed ``plotly``
 package, and ``api/run``, the run as last read.
 
-One DHT reader (``status.peer_reader``) is joined at start and read every ``refresh_seconds``
-under a deadline; a read that fails keeps the last good one and says why. A node's status file,
-when given, is read at each request (the node rewrites it after every round). The server only
+One DHT reader (``status.peer_reader``, or a node's peers page: ``--node``) is joined at start
+and read every ``refresh_seconds`` under a deadline; a read that fails keeps the last good one and
+says why. A node's status file, when given, is read at each request (the node rewrites it after
+every round); else, with ``--node``, that node's status page is read with its peers. The server only
 reads and serves: nothing a browser sends reaches the DHT or the node.
 """
 
@@ -22,9 +23,9 @@ from typing import Any
 
 from aiohttp import web
 
-from swarmgrad.node.dashboard.view import node_view, run_view
+from swarmgrad.node.dashboard.view import node_view, run_view, status_view
 from swarmgrad.node.discovery.base import DiscoveryError
-from swarmgrad.node.status import RunPeers
+from swarmgrad.node.status import RunPeers, read_page
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +60,13 @@ class RunState:
     error: str = ""  # why the last read failed ("" if it did not)
     reads: int = 0
     status_file: Path | None = None
+    #: A node's status page (``--node``): its curves, read with the peers, when no status file.
+    status_url: str = ""
+    node_status: dict[str, Any] | None = None
     started_at: float = field(default_factory=time.time)
 
     def document(self) -> dict[str, Any]:
-        node = node_view(self.status_file) if self.status_file is not None else None
+        node = node_view(self.status_file) if self.status_file is not None else self.node_status
         return run_view(self, node)
 
 
@@ -74,7 +78,8 @@ async def keep_reading(
     timeout_seconds: float,
     stop: asyncio.Event,
 ) -> None:
-    """Read the run's peers into ``state`` every ``refresh_seconds`` until ``stop``."""
+    """Read the run's peers (and a node's status page) into ``state`` every ``refresh_seconds``
+    until ``stop``."""
     while not stop.is_set():
         try:
             async with asyncio.timeout(timeout_seconds):
@@ -84,9 +89,19 @@ async def keep_reading(
         except (TimeoutError, DiscoveryError) as error:
             state.error = str(error) or f"the DHT gave no answer within {timeout_seconds:g} s"
             log.warning("run page: %s; trying again", state.error)
+        if state.status_url and state.status_file is None:
+            state.node_status = await _node_status(state.status_url, timeout_seconds)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(refresh_seconds):
                 await stop.wait()
+
+
+async def _node_status(url: str, timeout_seconds: float) -> dict[str, Any]:
+    try:
+        page = await asyncio.to_thread(read_page, url, timeout_seconds)
+    except DiscoveryError as error:
+        return {"error": str(error)}
+    return status_view(page, f"the node's status page {url}")
 
 
 def application(state: RunState, *, refresh_seconds: float) -> web.Application:

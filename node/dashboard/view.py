@@ -69,6 +69,12 @@ def _owned(row: dict[str, Any]) -> float:
     return float(bandwidth) * reach.owner_share if math.isfinite(bandwidth) else 0.0
 
 
+def _number(value: Any) -> float | None:
+    """A finite number, or None (a field a status lacks, or one that is not a number)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return value if ok else None
+
+
 def node_view(path: Path) -> dict[str, Any]:
     """A node's status file as the page shows it; ``{"error": ...}`` if it cannot be read
     (not written yet, or being replaced)."""
@@ -76,16 +82,27 @@ def node_view(path: Path) -> dict[str, Any]:
         status = json.loads(path.read_text())
     except (OSError, ValueError) as error:
         return {"error": f"cannot read the status file {path}: {error}"}
+    return status_view(status, f"the status file {path}")
+
+
+def status_view(status: Any, source: str) -> dict[str, Any]:
+    """A node's status (its status file's, or its metrics server's status page's) as the page
+    shows it: the fields it uses, whatever else the document holds; ``{"error": ...}`` if it is
+    not a node's status."""
     if not isinstance(status, dict) or not isinstance(status.get("history"), list):
-        return {"error": f"{path} is not a node's status file (no history)"}
-    rounds = [
-        {name: entry.get(name) for name in ("outcome", *ROUND_FIELDS)}
-        for entry in status["history"][-MAX_ROUNDS:]
-        if isinstance(entry, dict)
-    ]
-    for entry in rounds:  # matchmaking and waiting: the round's time the other two leave
-        spent = [entry.get(k) or 0.0 for k in ("allreduce_seconds", "outer_seconds")]
-        entry["matchmaking_seconds"] = max(0.0, (entry.get("round_seconds") or 0.0) - sum(spent))
+        said = status.get("error") if isinstance(status, dict) else None
+        if isinstance(said, str):  # the node's own word: "no round yet"
+            return {"error": f"{source}: {said[:200]}"}
+        return {"error": f"{source} is not a node's status (no history)"}
+    rounds: list[dict[str, Any]] = []
+    for entry in status["history"][-MAX_ROUNDS:]:
+        if not isinstance(entry, dict):
+            continue
+        numbers = {name: _number(entry.get(name)) for name in ROUND_FIELDS}
+        # Matchmaking and waiting: the round's time the other two leave.
+        spent = sum(numbers[k] or 0.0 for k in ("allreduce_seconds", "outer_seconds"))
+        numbers["matchmaking_seconds"] = max(0.0, (numbers["round_seconds"] or 0.0) - spent)
+        rounds.append({"outcome": str(entry.get("outcome", ""))[:40]} | numbers)
     trust = status.get("trust")
     return {
         "peer_id": status.get("peer_id", ""),

@@ -23,7 +23,7 @@ from swarmgrad.node.dashboard.server import (
     keep_reading,
     serving,
 )
-from swarmgrad.node.dashboard.view import MAX_ROUNDS, node_view, run_view
+from swarmgrad.node.dashboard.view import MAX_ROUNDS, node_view, run_view, status_view
 from swarmgrad.node.discovery.base import DiscoveryError
 from swarmgrad.node.status import RunPeers
 
@@ -152,3 +152,51 @@ async def test_a_read_that_fails_keeps_the_last_good_one_and_says_why() -> None:
     assert [row["peer_id"] for row in state.peers.rows] == ["a"]
     assert state.reads == 1
     assert "no answer" in state.error or "DHT" in state.error
+
+
+def test_a_status_holding_what_is_not_a_number_gives_none_not_an_error() -> None:
+    odd = {"history": [{"epoch": "1; drop", "round_seconds": "2", "allreduce_seconds": math.nan,
+                        "outcome": "<b>x</b>" * 100, "val_loss": True}, "not a round"]}  # fmt: skip
+    (entry,) = status_view(odd, "a page")["rounds"]
+    assert [entry[k] for k in ("epoch", "round_seconds", "allreduce_seconds", "val_loss")] == [
+        None, None, None, None,
+    ]  # fmt: skip
+    assert entry["matchmaking_seconds"] == 0.0
+    assert len(entry["outcome"]) == 40  # text, cut; the page writes it as text only
+    assert status_view({"error": "no round yet"}, "node x") == {"error": "node x: no round yet"}
+    assert "no history" in status_view([1, 2], "node x")["error"]
+
+
+async def test_with_a_nodes_address_its_curves_come_from_its_metrics_server(
+    tmp_path: Path,
+) -> None:
+    """``dashboard --node``: the node's status page, read with its peers at each refresh."""
+    from swarmgrad.node.metrics import NodeMetrics
+    from swarmgrad.node.status import STATUS_PAGE
+
+    status = json.loads(_status(tmp_path).read_text())
+    metrics = NodeMetrics(peer_id="sgme", run_id="demo", spec_hash="ab", algorithm="diloco",
+                          codec="int8")  # fmt: skip
+    metrics.pages[STATUS_PAGE] = lambda: status
+    server = metrics.serve("127.0.0.1:0")
+    state, stop = RunState(run_id="demo", status_url=server.url.removesuffix("/metrics")
+                           + STATUS_PAGE), asyncio.Event()  # fmt: skip
+
+    async def peers() -> RunPeers:
+        stop.set()
+        return RunPeers([_row("sgme", "direct")])
+
+    try:
+        async with asyncio.timeout(30):
+            await keep_reading(state, peers, refresh_seconds=0.01, timeout_seconds=5, stop=stop)
+        node = state.document()["node"]
+        assert node["peer_id"] == "sgme"
+        assert [r["epoch"] for r in node["rounds"]] == [1, 2]
+        assert node["rounds"][0]["matchmaking_seconds"] == pytest.approx(1.4)
+        server.close()
+        stop.clear()
+        async with asyncio.timeout(30):
+            await keep_reading(state, peers, refresh_seconds=0.01, timeout_seconds=5, stop=stop)
+        assert "did not answer" in state.document()["node"]["error"]  # the node went away
+    finally:
+        server.close()
