@@ -171,8 +171,6 @@ def node(
     Settings in \\[brackets] can also come from the run spec's \\[node] table and from
     SWARMGRAD_<SETTING> variables; the command line wins, then the environment, then the spec.
     """
-    from swarmgrad.node import main
-
     _logging(verbose)
     try:
         command_line = node_config.CommandLine(
@@ -197,6 +195,8 @@ def node(
         config = node_config.node_config(spec_path=spec, cli=command_line)
     except SetupError as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
+    from swarmgrad.node import main  # torch and the rest: after the configuration is known good
+
     code, message = 0, ""
     try:  # the node's errors may arrive grouped by its TaskGroup
         code = tasks.run(lambda stop: main.run(config, stop))

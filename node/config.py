@@ -233,24 +233,25 @@ def node_config(
     environ: Mapping[str, str] | None = None,
 ) -> NodeConfig:
     """Build and check a node's configuration: run spec < environment < ``cli`` (options)."""
-    # Here, not at the top: the swarm's and the model's modules import torch, which the commands
-    # that only read this module's files and settings (status, run-key, --help) need not pay for.
-    from swarmgrad.node.swarm_config import SwarmConfig
-    from swarmgrad.node.training.model import InitWeightsError, init_weights
-
     cli = cli or CommandLine()
     environ = _environment(environ)
     base = home(environ)
     spec = RunSpec.load(spec_path)
+    node = resolve_settings(spec.node, environ, cli.settings)
+    maddrs = bootstrap_addresses(
+        spec.network.bootstrap, cli.bootstrap, bootstrap_file=cli.bootstrap_file, environ=environ
+    )
+    # The swarm's and the model's modules import torch (seconds): only once the spec, settings
+    # and addresses are known good, and never for the commands that only read this module's
+    # files and settings (status, run-key, --help).
+    from swarmgrad.node.swarm_config import SwarmConfig
+    from swarmgrad.node.training.model import InitWeightsError, init_weights
+
     if spec.model.init:  # a wrong file is a set-up error, said before the node joins anything
         try:
             init_weights(spec.model)
         except InitWeightsError as error:
             raise ConfigError(str(error)) from None
-    node = resolve_settings(spec.node, environ, cli.settings)
-    maddrs = bootstrap_addresses(
-        spec.network.bootstrap, cli.bootstrap, bootstrap_file=cli.bootstrap_file, environ=environ
-    )
     network = dataclasses.replace(spec.network, bootstrap=maddrs)
     spec = dataclasses.replace(spec, node=node, network=network)
     checkpoint_dir = cli.checkpoint_dir or base / "checkpoints" / spec.run.id
