@@ -1,7 +1,7 @@
 """Codecs: tensor -> (bytes, small metadata) -> tensor, plus error-feedback state. Pure torch.
 
-The built-in codecs are ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``topk`` and
-``powersgd``; the registry loads them the first time it is asked. Build one with
+The built-in codecs are ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``topk``, ``sparse``
+and ``powersgd``; the registry loads them the first time it is asked. Build one with
 :func:`get_codec`, decode any peer's payload with :func:`decode`. What each codec is safe for
 (open runs, pipeline boundaries) is in :mod:`swarmgrad.compression.traits`, which, like this
 package, imports torch only when a codec itself is used: a run spec is checked without it.

@@ -232,7 +232,7 @@ class _ToHost:
 
 
 _REGISTRY: dict[tuple[str, int], type[Codec]] = {}
-_BUILTIN_MODULES = ("floating", "quantization", "sparse", "lowrank")
+_BUILTIN_MODULES = ("floating", "quantization", "sparse", "chunk_sparse", "lowrank")
 _builtins_loaded = False
 
 

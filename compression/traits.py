@@ -50,6 +50,7 @@ BUILTIN: dict[str, Traits] = {
     "int8": _DENSE,
     "int4": Traits(open_runs=True, limits="4 bits per value lose too much of a stage's signal"),
     "topk": Traits(limits=_STATEFUL),
+    "sparse": Traits(limits=_STATEFUL),
     "powersgd": Traits(limits=_STATEFUL),
 }
 

@@ -19,7 +19,7 @@ from swarmgrad.compression import (
     get_codec,
 )
 
-ALL = ["none", "fp16", "bf16", "int8", "int4", "topk", "powersgd"]
+ALL = ["none", "fp16", "bf16", "int8", "int4", "topk", "sparse", "powersgd"]
 
 #: Relative L2 error bound on standard-normal data, for the dense codecs.
 DENSE_BOUNDS = {"none": 0.0, "fp16": 1e-3, "bf16": 5e-3, "int8": 8e-3, "int4": 0.12}
@@ -257,9 +257,10 @@ def test_truncated_or_padded_payload_is_rejected(name: str) -> None:
         decode(b"", meta)
 
 
-@pytest.mark.parametrize("name", [n for n in ALL if n != "topk"])
+@pytest.mark.parametrize("name", [n for n in ALL if n not in ("topk", "sparse")])
 def test_wrong_length_for_the_claimed_shape_is_rejected(name: str) -> None:
-    # (A top-k payload's length does not depend on the shape; receivers check shapes against
+    # (A top-k payload's length does not depend on the shape (a sparse one's, only on its
+    # number of chunks); receivers check shapes against
     # their run spec before decoding, and decode bounds every position by the claimed shape.)
     data, meta = encoded(name)
     with pytest.raises(CodecError):

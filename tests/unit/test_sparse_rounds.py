@@ -1,0 +1,69 @@
+"""Trusted rounds with the ``sparse`` codec, in memory (``transport/memory.py``): each part's
+owner merges its members' sparse values and returns one sparse part, so every member applies the
+same bits and a member's download stays near one payload of its vector, whatever the group's
+size (an all-gather of everyone's payloads would grow with it)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+import torch
+
+from swarmgrad.compression import get_codec
+from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
+from swarmgrad.node.averaging.averager import standalone
+from swarmgrad.node.averaging.group import Group, Member
+from swarmgrad.node.identity import Identity
+from swarmgrad.node.transport.memory import MemoryNetwork
+
+VALUES = 1 << 16
+
+
+async def _round(n: int) -> tuple[list[RoundResult], list[int]]:
+    config = AllReduceConfig(
+        run_id="sparse",
+        spec_hash=bytes(32),
+        codec="sparse",
+        chunk_values=VALUES // 4,
+        sender_timeout_seconds=5.0,
+        reducer_timeout_seconds=10.0,
+        round_timeout_seconds=20.0,
+    )
+    network = MemoryNetwork()
+    async with contextlib.AsyncExitStack() as stack:
+        peers = [
+            await stack.enter_async_context(
+                standalone(Identity.from_seed(f"sparse/{i}"), config, network=network)
+            )
+            for i in range(n)
+        ]
+        group = Group(
+            round=0, members=tuple(Member(peer_id=p.peer_id, endpoint=p.endpoint) for p in peers)
+        )
+        g = torch.Generator().manual_seed(n)
+        updates = [torch.randn(VALUES, generator=g) for _ in peers]
+        results = await asyncio.gather(
+            *(p.all_reduce(u, group) for p, u in zip(peers, updates, strict=True))
+        )
+        # What each member downloaded: as a member (the owners' results) and as an owner (the
+        # other members' values of its part).
+        received = [p.traffic["received"] for p in peers]
+    assert all(isinstance(r, RoundResult) for r in results)
+    return list(results), received
+
+
+@pytest.mark.parametrize("n", [4, 8, 16])
+async def test_members_apply_identical_sparse_results_and_download_about_one_payload(
+    n: int,
+) -> None:
+    results, received = await _round(n)
+    assert all(r.complete for r in results)
+    assert all(torch.equal(results[0].averaged, r.averaged) for r in results[1:])
+    # One sparse result: each part's owner sparsified its mean again (1 value in 64 kept).
+    assert int((results[0].averaged != 0).sum()) == VALUES // 64
+    payload = len(get_codec("sparse").encode(torch.randn(VALUES))[0])
+    # Results (one sparse part from each owner) plus, as an owner, the others' values of its
+    # own part: two payloads at most, at every group size.
+    assert max(received) <= 2 * payload * 1.1, (max(received), payload)
