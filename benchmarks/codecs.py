@@ -32,6 +32,8 @@ OURS = [
     ("int8", {}),
     ("int4", {}),
     ("topk", {"fraction": 0.01}),
+    ("sparse", {"bits": 2}),
+    ("sparse", {"bits": 4}),
     ("powersgd", {"rank": 4}),
 ]
 HIVEMIND = ["Float16Compression", "Uniform8BitQuantization", "Quantile8BitQuantization"]
@@ -87,9 +89,10 @@ def worker_ours(size_mib: int, repeats: int) -> list[dict[str, Any]]:
     rows = []
     for name, options in OURS:
         codec = get_codec(name, **options)
+        label = f"{name}-{options['bits']}b" if name == "sparse" else name
         rows.append(
             measure(
-                name,
+                label,
                 lambda codec=codec: codec.encode(x),  # type: ignore[misc]
                 lambda enc: decode(*enc),
                 lambda enc: len(enc[0]),
