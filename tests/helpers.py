@@ -6,6 +6,10 @@ demo spec made cheaper for tests of the swarm rather than of the model).
 what it waited for, and ``check`` (called at every poll) lets a test fail at once when what it
 waits on has died instead of waiting out the deadline.
 
+``averagers`` starts the members of a round in this process (on the in-memory transport, or
+on real gRPC servers), and ``group_of`` puts them in one round's group: the launcher every round
+test shares.
+
 ``linked_docs`` reads the docs as a user follows their links: README.md, then every page under
 ``docs/`` that it (or a page it reached) links; ``doc_blocks`` gives their fenced code blocks of
 one language, for tests that check an example in the docs is valid.
@@ -14,13 +18,19 @@ one language, for tests that check an example in the docs is valid.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from swarmgrad.node.averaging.averager import Averager
+    from swarmgrad.node.averaging.group import Group
+    from swarmgrad.node.averaging.plan import AllReduceConfig
 
 T = TypeVar("T")
 
@@ -154,3 +164,34 @@ def stop_processes(
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@contextlib.asynccontextmanager
+async def averagers(
+    n: int, config: AllReduceConfig, *, name: str, sockets: bool = False
+) -> AsyncIterator[list[Averager]]:
+    """``n`` averagers of one run, keyed ``{name}/0``.. (the same peers every run): on the
+    in-memory transport (the round's logic, every message serialized and parsed as on the
+    wire, in seconds), or with ``sockets`` on real gRPC servers on 127.0.0.1 (what only the
+    wire shows)."""
+    from swarmgrad.node.averaging.averager import standalone
+    from swarmgrad.node.identity import Identity
+    from swarmgrad.node.transport.memory import MemoryNetwork
+
+    network = None if sockets else MemoryNetwork()
+    async with contextlib.AsyncExitStack() as stack:
+        yield [
+            await stack.enter_async_context(
+                standalone(Identity.from_seed(f"{name}/{i}"), config, network=network)
+            )
+            for i in range(n)
+        ]
+
+
+def group_of(members: Sequence[Averager], round_: int) -> Group:
+    """The group of one round: ``members``, in that order."""
+    from swarmgrad.node.averaging.group import Group, Member
+
+    return Group(
+        round=round_, members=tuple(Member(peer_id=a.peer_id, endpoint=a.endpoint) for a in members)
+    )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
-from swarmgrad.node.averaging.averager import Averager, standalone
+from swarmgrad.node.averaging.averager import Averager
 from swarmgrad.node.averaging.group import Group, Member, chunk_sizes
 from swarmgrad.node.averaging.hooks import OwnerHooks
 from swarmgrad.node.averaging.open import audits, checks, evidence, reports
@@ -24,7 +24,6 @@ from swarmgrad.node.averaging.open.owner import OpenOwner
 from swarmgrad.node.averaging.plan import round_key
 from swarmgrad.node.averaging.reducer import PartReducer, SenderSession
 from swarmgrad.node.identity import Identity
-from swarmgrad.node.transport.memory import MemoryNetwork
 from swarmgrad.node.trust.checks import project, signs
 from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.protocol.auth import sign_statement
@@ -38,7 +37,7 @@ from swarmgrad.simulations.attacks import (
     false_report,
     lying_result,
 )
-from tests.helpers import until
+from tests.helpers import averagers, group_of, until
 
 CHUNK = 4096
 SIZE = 5 * 2 * CHUNK  # two chunks per owner's part
@@ -58,21 +57,11 @@ OPEN = AllReduceConfig(
 )
 
 
-@contextlib.asynccontextmanager
-async def swarm(
+def swarm(
     n: int, config: AllReduceConfig = OPEN, *, sockets: bool = False
-) -> AsyncIterator[list[Averager]]:
-    """``n`` averagers of one open run: on the in-memory transport (the round's logic, every
-    message serialized and parsed as on the wire), or with ``sockets`` on real gRPC servers on
-    127.0.0.1 (for what only the wire shows)."""
-    network = None if sockets else MemoryNetwork()
-    async with contextlib.AsyncExitStack() as stack:
-        yield [
-            await stack.enter_async_context(
-                standalone(Identity.from_seed(f"open-rounds/{i}"), config, network=network)
-            )
-            for i in range(n)
-        ]
+) -> contextlib.AbstractAsyncContextManager[list[Averager]]:
+    """``n`` averagers of one open run (``tests/helpers.averagers``)."""
+    return averagers(n, config, name="open-rounds", sockets=sockets)
 
 
 async def audited(peers: list[Averager], count: int, *, seconds: float = 30.0) -> None:
@@ -93,13 +82,6 @@ def honest_updates(round_: int, n: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(round_)
     common = torch.randn(SIZE, generator=g)
     return [common + torch.randn(SIZE, generator=g) for _ in range(n)]
-
-
-def group_of(averagers: list[Averager], round_: int) -> Group:
-    return Group(
-        round=round_,
-        members=tuple(Member(peer_id=a.peer_id, endpoint=a.endpoint) for a in averagers),
-    )
 
 
 async def average(

@@ -6,17 +6,13 @@ size (an all-gather of everyone's payloads would grow with it)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import pytest
 import torch
 
 from swarmgrad.compression import get_codec
 from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
-from swarmgrad.node.averaging.averager import standalone
-from swarmgrad.node.averaging.group import Group, Member
-from swarmgrad.node.identity import Identity
-from swarmgrad.node.transport.memory import MemoryNetwork
+from tests.helpers import averagers, group_of
 
 VALUES = 1 << 16
 
@@ -31,17 +27,8 @@ async def _round(n: int) -> tuple[list[RoundResult], list[int]]:
         reducer_timeout_seconds=10.0,
         round_timeout_seconds=20.0,
     )
-    network = MemoryNetwork()
-    async with contextlib.AsyncExitStack() as stack:
-        peers = [
-            await stack.enter_async_context(
-                standalone(Identity.from_seed(f"sparse/{i}"), config, network=network)
-            )
-            for i in range(n)
-        ]
-        group = Group(
-            round=0, members=tuple(Member(peer_id=p.peer_id, endpoint=p.endpoint) for p in peers)
-        )
+    async with averagers(n, config, name="sparse") as peers:
+        group = group_of(peers, 0)
         g = torch.Generator().manual_seed(n)
         updates = [torch.randn(VALUES, generator=g) for _ in peers]
         results = await asyncio.gather(

@@ -5,18 +5,13 @@ it on the in-memory transport, without sockets."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import torch
 
 from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
-from swarmgrad.node.averaging.averager import standalone
-from swarmgrad.node.averaging.group import Group, Member
-from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
-from swarmgrad.node.transport.memory import MemoryNetwork
 from swarmgrad.node.trust.aggregate import Aggregator, aggregate, trimmed_mean
-from tests.helpers import until
+from tests.helpers import averagers, group_of, until
 
 
 def test_each_coordinate_drops_its_extremes_and_a_member_is_scored_by_what_was_kept() -> None:
@@ -64,17 +59,8 @@ async def test_open_rounds_with_it_average_and_pass_their_audits_in_memory() -> 
         reducer_timeout_seconds=10.0,
         round_timeout_seconds=20.0,
     )
-    network = MemoryNetwork()
-    async with contextlib.AsyncExitStack() as stack:
-        peers = [
-            await stack.enter_async_context(
-                standalone(Identity.from_seed(f"trimmed/{i}"), config, network=network)
-            )
-            for i in range(6)
-        ]
-        group = Group(
-            round=0, members=tuple(Member(peer_id=p.peer_id, endpoint=p.endpoint) for p in peers)
-        )
+    async with averagers(6, config, name="trimmed") as peers:
+        group = group_of(peers, 0)
         g = torch.Generator().manual_seed(0)
         common = torch.randn(6 * 8192, generator=g)
         updates = [common + 0.5 * torch.randn(common.shape, generator=g) for _ in peers]
