@@ -56,6 +56,9 @@ class ChunkSparse(Codec):
     traits = BUILTIN["sparse"]
 
     def __init__(self, density: float = 1 / 64, bits: int = 2, chunk: int = 4096) -> None:
+        if float(bits) != int(bits) or float(chunk) != int(chunk):  # a spec's 2.0 is 2
+            raise ValueError(f"bits and chunk must be whole numbers, got {bits!r}, {chunk!r}")
+        bits, chunk = int(bits), int(chunk)
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density!r}")
         if bits not in (2, 4):

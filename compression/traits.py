@@ -29,6 +29,8 @@ class Traits:
     gradients: bool = False
     #: Why it is not safe where it is not (said when a spec asks for it there).
     limits: str = ""
+    #: The options a run spec may give it (``[averaging] codec_options``), by name.
+    options: tuple[str, ...] = ()
 
 
 _DENSE = Traits(open_runs=True, activations=True, gradients=True)
@@ -49,9 +51,9 @@ BUILTIN: dict[str, Traits] = {
     "bf16": _DENSE,
     "int8": _DENSE,
     "int4": Traits(open_runs=True, limits="4 bits per value lose too much of a stage's signal"),
-    "topk": Traits(limits=_STATEFUL),
-    "sparse": Traits(limits=_STATEFUL),
-    "powersgd": Traits(limits=_STATEFUL),
+    "topk": Traits(limits=_STATEFUL, options=("fraction",)),
+    "sparse": Traits(limits=_STATEFUL, options=("density", "bits", "chunk")),
+    "powersgd": Traits(limits=_STATEFUL, options=("rank",)),
 }
 
 _USES = {

@@ -107,6 +107,7 @@ def allreduce_config(spec: RunSpec) -> AllReduceConfig:
         run_id=spec.run.id,
         spec_hash=spec.hash,
         codec=averaging.codec,
+        codec_options=averaging.codec_options,
         chunk_values=averaging.chunk_values,
         round_timeout_seconds=averaging.round_timeout_seconds,
         sender_timeout_seconds=averaging.sender_timeout_seconds,

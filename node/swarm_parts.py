@@ -141,7 +141,7 @@ def build_parts(spec: RunSpec, identity: Identity, config: SwarmConfig) -> Parts
         ledger=TrustLedger(store=config.bans_path if spec.trust.open else None),
     )
     return Parts(
-        codec=get_codec(spec.averaging.codec),
+        codec=get_codec(spec.averaging.codec, **spec.averaging.codec_options),
         tallies=tallies,
         metrics=metrics,
         allowlist=allowlist,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from swarmgrad.compression.traits import known_codecs, traits_of
 from swarmgrad.node.averaging.matchmaking import MAX_MATCHMAKING_TIMEOUT_SECONDS
@@ -12,6 +12,9 @@ from swarmgrad.node.runspec.errors import RunSpecError, positive
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AveragingSection:
     codec: str = "int8"
+    #: The codec's own options (``sparse``: density, bits, chunk; ``topk``: fraction;
+    #: ``powersgd``: rank); their values are checked when the codec is built.
+    codec_options: dict[str, float] = field(default_factory=dict)
     group_size: int = 4
     chunk_values: int = 1 << 20
     matchmaking_timeout_seconds: float = 15.0
@@ -20,9 +23,19 @@ class AveragingSection:
     reducer_timeout_seconds: float = 20.0
 
     def __post_init__(self) -> None:
-        if traits_of(self.codec) is None:
+        traits = traits_of(self.codec)
+        if traits is None:
             known = ", ".join(known_codecs())
             raise RunSpecError(f"averaging.codec {self.codec!r} is unknown; choose one of {known}")
+        unknown = sorted(set(self.codec_options) - set(traits.options))
+        if unknown:
+            takes = ", ".join(traits.options) or "none"
+            raise RunSpecError(
+                f"averaging.codec_options {', '.join(unknown)}: codec {self.codec!r} takes {takes}"
+            )
+        for key, value in self.codec_options.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise RunSpecError(f"averaging.codec_options.{key} must be a number")
         if self.group_size < 2:
             raise RunSpecError(f"averaging.group_size must be at least 2, got {self.group_size}")
         positive(

@@ -137,6 +137,8 @@ class RunSpec:
         for key, default in (("tokenizer", ""), ("tokenizer_sha256", ""), ("text_field", "text")):
             if data.get(key) == default:  # runs from before these keys keep their hash
                 data.pop(key)
+        if not sections["averaging"]["codec_options"]:  # ... from before codec options too
+            del sections["averaging"]["codec_options"]
         if not sections["algorithm"]["overlap"]:  # runs from before overlap keep their hash
             del sections["algorithm"]["overlap"]
         if sections["algorithm"]["fragments"] == 1:  # ... and from before fragments

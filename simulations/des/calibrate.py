@@ -62,7 +62,7 @@ def step_seconds_of(summary: dict[str, Any], spec: RunSpec) -> float:
 
 def codec_values_per_second(spec: RunSpec, *, numel: int = 1 << 18, repeats: int = 5) -> float:
     """Values per second the run's codec encodes and decodes (each counted once)."""
-    codec = get_codec(spec.averaging.codec)
+    codec = get_codec(spec.averaging.codec, **spec.averaging.codec_options)
     values = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     times = []
     with _one_thread():

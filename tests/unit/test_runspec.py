@@ -227,3 +227,22 @@ def test_every_mistake_in_a_spec_is_reported_at_once_with_the_name_it_likely_mea
     # One mistake reads as before: one line.
     with pytest.raises(RunSpecError, match=r"^unknown key\(s\) data.batch_sise \(did you mean"):
         RunSpec.from_toml('[run]\nid = "x"\n[data]\nbatch_sise = 3\n')
+
+
+def test_a_codecs_options_are_checked_by_name_and_change_the_hash() -> None:
+    from swarmgrad.node.swarm_config import allreduce_config
+
+    def spec(options: str = "") -> RunSpec:
+        return RunSpec.from_toml(f'[run]\nid = "r"\n[averaging]\ncodec = "sparse"\n{options}')
+
+    tuned = spec("codec_options = { bits = 4, density = 0.03125 }\n")
+    assert spec().hash != tuned.hash
+    assert spec().hash == spec("codec_options = {}\n").hash  # no options: the hash as before
+    codec = allreduce_config(tuned).make_codec()
+    assert (codec.bits, codec.k) == (4, 128)  # type: ignore[attr-defined]
+    with pytest.raises(RunSpecError, match="codec 'sparse' takes density, bits, chunk"):
+        spec("codec_options = { rank = 4 }\n")
+    with pytest.raises(RunSpecError, match=r"codec_options\.bits must be a number"):
+        spec('codec_options = { bits = "two" }\n')
+    with pytest.raises(ValueError, match="bits must be 2 or 4"):  # said at the node's start
+        allreduce_config(spec("codec_options = { bits = 3 }\n"))
