@@ -150,20 +150,29 @@ def test_kill_9_mid_checkpoint_never_leaves_a_corrupt_one(tmp_path: Path) -> Non
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 def test_a_full_disk_fails_checkpoints_not_the_node(tmp_path: Path) -> None:
-    """Every checkpoint (~25 MB) overflows a 4 MiB filesystem: each save is logged as failed and
-    leaves nothing half-written to fill it, and the node trains its epochs to the end."""
+    """A disk that fills up while the node runs: every checkpoint (~25 MB) then overflows the
+    4 MiB left, each save is logged as failed and leaves nothing half-written to fill it, and the
+    node trains its epochs to the end. (A disk without room for one checkpoint at the start is
+    refused before the network: test_preflight.)"""
     load_demo(home() / "cache", vocab_size=2048, prepare=False)  # prepared by set-up
     spec_path = tmp_path / "run.toml"
     spec_path.write_text(SPEC)
     small = tmp_path / "small"
     small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(small)], check=True)
     try:
         folder = small / "checkpoints"
         log = tmp_path / "node.log"
         command = _node_command(tmp_path, spec_path, folder, "--max-epochs", "3")
         node = LocalProcess("node", command, log, dict(os.environ), warm=True).popen
         try:
+            # Past its start's checks (room for a checkpoint then), before its first round:
+            # another program fills the disk but for 4 MiB.
+            wait_for_pattern(log, r"joined run", timeout_seconds=90, check=_alive_popen(node, log))
+            stats = os.statvfs(small)
+            with (small / "filler").open("wb") as filler:
+                for _ in range((stats.f_bavail * stats.f_frsize >> 20) - 4):
+                    filler.write(bytes(1 << 20))
             returncode = node.wait(timeout=180)
         finally:
             node.kill()
