@@ -216,20 +216,15 @@ def _best_rice(gaps: torch.Tensor) -> int:
 
 def _unary(high: torch.Tensor) -> torch.Tensor:
     """``high[i]`` ones then a zero, for each i, as bytes (LSB first)."""
-    total = int(high.sum()) + high.numel()
-    stream = torch.ones(total, dtype=torch.uint8)
-    zeros = torch.cumsum(high + 1, 0) - 1
-    stream[zeros] = 0
-    stream = torch.nn.functional.pad(stream, (0, -total % 8))
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-    return (stream.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+    stream = torch.ones(int(high.sum()) + high.numel(), dtype=torch.int64)
+    stream[torch.cumsum(high + 1, 0) - 1] = 0
+    return _pack_bits(stream, 1)
 
 
 def _read_unary(packed: torch.Tensor, nbits: int, count: int) -> torch.Tensor:
     """The ``count`` numbers of a unary stream of ``nbits`` bits; CodecError unless it holds
     exactly ``count`` of them and nothing after the last."""
-    shifts = torch.arange(8, dtype=torch.uint8)
-    stream = ((packed[:, None] >> shifts) & 1).reshape(-1)[:nbits]
+    stream = _unpack_bits(packed, nbits, 1)
     zeros = (stream == 0).nonzero().squeeze(1)
     if zeros.numel() != count or (count and int(zeros[-1]) != nbits - 1):
         raise CodecError(f"the sparse unary stream does not hold exactly {count} gaps")
