@@ -96,7 +96,7 @@ function fillContribution(node, run) {
     const dd = document.createElement("dd"); dd.textContent = value;
     list.append(dt, dd);
   };
-  if (!node) { add("node", "no status file given (--status-file)"); return; }
+  if (!node) { add("node", "no node to show (give --node or --status-file)"); return; }
   if (node.error) { add("node", node.error); return; }
   const mine = run.peers.find((p) => p.peer_id === node.peer_id);
   const outcomes = Object.entries(node.outcomes || {}).map(([k, v]) => `${k} ${v}`).join(", ");

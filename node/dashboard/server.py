@@ -81,6 +81,9 @@ async def keep_reading(
     """Read the run's peers (and a node's status page) into ``state`` every ``refresh_seconds``
     until ``stop``."""
     while not stop.is_set():
+        # The node's page first: a page that shows peers shows that node's curves too.
+        if state.status_url and state.status_file is None:
+            state.node_status = await _node_status(state.status_url, timeout_seconds)
         try:
             async with asyncio.timeout(timeout_seconds):
                 found = await peers()
@@ -89,8 +92,6 @@ async def keep_reading(
         except (TimeoutError, DiscoveryError) as error:
             state.error = str(error) or f"the DHT gave no answer within {timeout_seconds:g} s"
             log.warning("run page: %s; trying again", state.error)
-        if state.status_url and state.status_file is None:
-            state.node_status = await _node_status(state.status_url, timeout_seconds)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(refresh_seconds):
                 await stop.wait()

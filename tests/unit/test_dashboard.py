@@ -182,13 +182,18 @@ async def test_with_a_nodes_address_its_curves_come_from_its_metrics_server(
     state, stop = RunState(run_id="demo", status_url=server.url.removesuffix("/metrics")
                            + STATUS_PAGE), asyncio.Event()  # fmt: skip
 
+    read_before_peers: list[bool] = []
+
     async def peers() -> RunPeers:
+        # A page that shows the peers shows the node too: its page is read first.
+        read_before_peers.append(state.node_status is not None)
         stop.set()
         return RunPeers([_row("sgme", "direct")])
 
     try:
         async with asyncio.timeout(30):
             await keep_reading(state, peers, refresh_seconds=0.01, timeout_seconds=5, stop=stop)
+        assert read_before_peers == [True]
         node = state.document()["node"]
         assert node["peer_id"] == "sgme"
         assert [r["epoch"] for r in node["rounds"]] == [1, 2]
