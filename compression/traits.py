@@ -31,6 +31,11 @@ class Traits:
     limits: str = ""
     #: The options a run spec may give it (``[averaging] codec_options``), by name.
     options: tuple[str, ...] = ()
+    #: A part's owner keeps what encoding its result dropped and adds it to its next result of
+    #: those values (a top-k result keeps a fraction of the merged members' values: without
+    #: this, the rest would be lost for good, though each member's own feedback counts it as
+    #: sent).
+    owner_feedback: bool = False
 
 
 _DENSE = Traits(open_runs=True, activations=True, gradients=True)
@@ -51,8 +56,8 @@ BUILTIN: dict[str, Traits] = {
     "bf16": _DENSE,
     "int8": _DENSE,
     "int4": Traits(open_runs=True, limits="4 bits per value lose too much of a stage's signal"),
-    "topk": Traits(limits=_STATEFUL, options=("fraction",)),
-    "sparse": Traits(limits=_STATEFUL, options=("density", "bits", "chunk")),
+    "topk": Traits(limits=_STATEFUL, options=("fraction",), owner_feedback=True),
+    "sparse": Traits(limits=_STATEFUL, options=("density", "bits", "chunk"), owner_feedback=True),
     "powersgd": Traits(limits=_STATEFUL, options=("rank",)),
 }
 

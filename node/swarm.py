@@ -70,6 +70,8 @@ class Swarm:
         self.describe = describe
         self.parts = parts = parts if parts is not None else build_parts(spec, identity, config)
         self.codec, self.codec_is_lossless = parts.codec, spec.averaging.codec == "none"
+        #: Whether this node, as a part's owner, keeps an error-feedback residual of its results.
+        self.owner_feedback = parts.codec.traits.owner_feedback
         self.tallies, self.metrics = parts.tallies, parts.metrics
         self.allowlist, self.verifier, self.rejections = (
             parts.allowlist,
@@ -274,11 +276,13 @@ class Swarm:
         epoch: int,
         weight: float,
         keep_sent: bool = False,
+        owner_residual: torch.Tensor | None = None,
     ) -> Averaged:
-        """One round (``averaging/rounds.py``): a group for ``epoch``, then the all-reduce."""
+        """One round (``averaging/rounds.py``): a group for ``epoch``, then the all-reduce
+        (``owner_residual``: this node's feedback as an owner, over ``vector``'s values)."""
         assert self._joined is not None
         return await self._joined.rounds.run(
-            vector, epoch=epoch, weight=weight, keep_sent=keep_sent
+            vector, epoch=epoch, weight=weight, keep_sent=keep_sent, owner_residual=owner_residual
         )
 
     # -- the trainer's thread -------------------------------------------------------------------

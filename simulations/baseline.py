@@ -11,7 +11,7 @@ sees, saved for a spec's ``model.init``.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -87,11 +87,12 @@ def diloco_exact(
     inner_steps: int,
     outer_lr: float,
     outer_momentum: float,
+    average: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
 ) -> list[float]:
-    """DiLoCo with one replica of ``initial`` per stream, averaged exactly in fp32: each round,
-    ``inner_steps`` AdamW steps per replica (lr from ``schedule``, its optimizer kept across
-    rounds, as a node keeps it), then the node's outer step on the mean delta. The validation loss
-    after each round."""
+    """DiLoCo with one replica of ``initial`` per stream, averaged exactly in fp32 (or by
+    ``average``, e.g. a model of a round through a codec): each round, ``inner_steps`` AdamW steps
+    per replica (lr from ``schedule``, its optimizer kept across rounds, as a node keeps it), then
+    the node's outer step on the mean delta. The validation loss after each round."""
     models = [copy.deepcopy(initial) for _ in streams]
     optimizers = [inner_optimizer(m, schedule.inner_lr) for m in models]
     outer = OuterOptimizer(
@@ -104,7 +105,8 @@ def diloco_exact(
             for i in range(inner_steps):
                 adamw_step(model, optimizer, stream, schedule.lr_at(round_ * inner_steps + i))
             deltas.append(outer.pseudo_gradient(flatten(list(model.parameters()))))
-        theta = outer.step(torch.stack(deltas).mean(0), own=deltas[0])
+        mean = average(deltas) if average is not None else torch.stack(deltas).mean(0)
+        theta = outer.step(mean, own=deltas[0])
         for model in models:
             unflatten(theta, list(model.parameters()))
         curve.append(evaluate(models[0], windows, cpu))

@@ -53,8 +53,8 @@ import grpc
 import torch
 
 from swarmgrad.compression import Codec, Meta, decode
-from swarmgrad.node.averaging.coverage import Coverage, chunk_offsets, cover
-from swarmgrad.node.averaging.group import Group, chunk_sizes
+from swarmgrad.node.averaging.coverage import Coverage, cover
+from swarmgrad.node.averaging.group import Group, chunk_offsets, chunk_sizes
 from swarmgrad.node.averaging.hooks import RoundHooks
 from swarmgrad.node.averaging.plan import (
     AllReduceConfig,

@@ -156,9 +156,12 @@ class Averager:
         owner_hooks: OwnerHooks | None = None,
         out: torch.Tensor | None = None,
         keep_sent: bool = False,
+        owner_residual: torch.Tensor | None = None,
     ) -> RoundResult:
         """Average ``vector`` (1-D fp32) with ``group`` (``allreduce.py`` says how); ``hooks``
         and ``owner_hooks`` inject faults (tests, simulations: ``hooks.py``).
+        ``owner_residual`` (a CPU fp32 tensor shaped like ``vector``): this node's error
+        feedback as the owner of its part (``reducer.py``); it reads and moves on its range.
 
         The result is a new tensor, or ``out`` when given (a buffer the caller reuses from
         round to round; its contents are undefined if the round is aborted). ``vector`` itself
@@ -187,7 +190,9 @@ class Averager:
             raise ValueError(f"round {group.round} with this group was already run")
         bounds = group.partition(vector.numel())
         member, owner, state = policy.begin(group, me, bounds, vector)
-        reducer = self._reducer(group, me, bounds[me], owner, owner_hooks)
+        if owner_residual is not None and owner_residual.shape != vector.shape:
+            raise ValueError("owner_residual must be shaped like vector")
+        reducer = self._reducer(group, me, bounds[me], owner, owner_hooks, owner_residual)
         await self._rounds.add(key, ActiveRound(group=group, me=me, reducer=reducer, state=state))
         try:
             plan = RoundPlan(
@@ -238,6 +243,7 @@ class Averager:
         bounds: tuple[int, int],
         owner: OwnerSide | None,
         hooks: OwnerHooks | None,
+        residual: torch.Tensor | None,
     ) -> PartReducer | None:
         """This node's reducer of its own part (None: it owns none)."""
         start, end = bounds
@@ -251,6 +257,7 @@ class Averager:
             rules=self.config.owner_rules(abstains=self.policy.owner_abstains),
             side=owner,
             hooks=hooks,
+            residual=None if residual is None else residual[start:end],
         )
         for member, peer in enumerate(group.members):
             if self.ledger.banned(peer.peer_id):  # it will be refused: do not wait for it

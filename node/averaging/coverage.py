@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from swarmgrad.node.averaging.group import Group, chunk_sizes
+from swarmgrad.node.averaging.group import Group, chunk_offsets, chunk_sizes
 from swarmgrad.node.averaging.plan import AllReduceConfig
 
 
@@ -65,12 +65,3 @@ def cover(
         missing=tuple(missing),
         with_others=with_others,
     )
-
-
-def chunk_offsets(numels: list[int]) -> list[tuple[int, int]]:
-    """Where each chunk of ``numels`` values starts and ends in their part."""
-    offsets, start = [], 0
-    for numel in numels:
-        offsets.append((start, start + numel))
-        start += numel
-    return offsets

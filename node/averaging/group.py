@@ -92,14 +92,19 @@ class Group:
         by_fraction = sorted(range(len(sizes)), key=lambda i: (-(shares[i] - sizes[i]), i))
         for i in by_fraction[: total - sum(sizes)]:
             sizes[i] += 1
-        bounds, start = [], 0
-        for size in sizes:
-            bounds.append((start, start + size))
-            start += size
-        return bounds
+        return chunk_offsets(sizes)
 
 
 def chunk_sizes(numel: int, chunk_values: int) -> list[int]:
     """Sizes of the chunks a part of ``numel`` values is streamed in."""
     full, rest = divmod(numel, chunk_values)
     return [chunk_values] * full + ([rest] if rest else [])
+
+
+def chunk_offsets(numels: list[int]) -> list[tuple[int, int]]:
+    """Where each chunk of ``numels`` values starts and ends in their part."""
+    offsets, start = [], 0
+    for numel in numels:
+        offsets.append((start, start + numel))
+        start += numel
+    return offsets

@@ -14,7 +14,11 @@ to that many accumulators.
 :class:`OwnerRules` say how the owner combines the values: an aggregation rule other than the
 mean (``node/trust/aggregate.py``: screening, CenteredClip, medians, uniform weights) keeps every
 member's values of a chunk instead of a running sum (``max_chunks_ahead`` x members x chunk);
-results may travel in a codec of their own. The run's policy plays the owner's side
+results may travel in a codec of their own. With a ``residual`` (a codec whose traits ask for
+owner feedback: top-k results keep a fraction of the merged members' values), the owner adds its
+residual's values to each chunk's average before encoding it and keeps there what the encoding
+dropped, for its next result of those values: delayed, not lost, and every member still decodes
+the same bytes. The run's policy plays the owner's side
 (:class:`~swarmgrad.node.averaging.sides.OwnerSide`): it checks and keeps each member's chunk,
 notes what each aggregated chunk showed, and signs what the owner sends every member after its
 last result (an open run's account of the part: ``open/``).
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from swarmgrad.compression import Codec, Meta, decode
-from swarmgrad.node.averaging.group import Group
+from swarmgrad.node.averaging.group import Group, chunk_offsets
 from swarmgrad.node.averaging.hooks import OwnerHooks
 from swarmgrad.node.averaging.sides import OwnerSide, TrustedOwner
 from swarmgrad.node.trust.aggregate import Aggregator, aggregate
@@ -77,9 +81,11 @@ class PartReducer:
         rules: OwnerRules | None = None,
         side: OwnerSide | None = None,
         hooks: OwnerHooks | None = None,
+        residual: torch.Tensor | None = None,
     ) -> None:
         """``side``: the run's policy's side of this part (``sides.py``; trusted by default);
-        ``hooks``: fault injection from outside (tests, simulations)."""
+        ``hooks``: fault injection from outside (tests, simulations); ``residual``: the owner's
+        error feedback over the part's values (fp32, on the CPU), read and moved on in place."""
         self.group = group
         self.part = part
         self.chunk_numels = list(chunk_numels)
@@ -87,6 +93,10 @@ class PartReducer:
         self.rules = rules or OwnerRules()
         self.side = side or TrustedOwner()
         self.result_codec = self.rules.result_codec or codec
+        if residual is not None and residual.numel() != sum(self.chunk_numels):
+            raise ValueError("the owner's residual must cover the part")
+        self._residual = None if self.result_codec.lossless else residual
+        self._offsets = chunk_offsets(self.chunk_numels)
         self._max_ahead = self.rules.max_chunks_ahead
         self._buffered = self.rules.buffered or self.side.buffered
         total = sum(m.weight for m in group.members)
@@ -254,7 +264,9 @@ class PartReducer:
                 if total is not None and weight > 0 and contributors:
                     if self._hooks is not None:
                         total = self._hooks.result(index, total)
-                    payload, meta, mine = await asyncio.to_thread(self._publish, total, weight)
+                    payload, meta, mine = await asyncio.to_thread(
+                        self._publish, index, total, weight
+                    )
                     result = ChunkResult(
                         index=index,
                         payload=payload,
@@ -292,15 +304,23 @@ class PartReducer:
         return outcome.value, [members[k] for k in outcome.used]
 
     def _publish(
-        self, total: torch.Tensor, weight: float
+        self, index: int, total: torch.Tensor, weight: float
     ) -> tuple[bytes | memoryview, Meta, torch.Tensor]:
         average = total.div_(weight) if weight != 1.0 else total
+        residual = None
+        if self._residual is not None:
+            start, end = self._offsets[index]
+            residual = self._residual[start:end]
+            average = average.add_(residual)
         # The payload may be a view of `average`, which nobody modifies after this point.
         codec = self.result_codec
         payload, meta = codec.encode_view(average)
         if codec.lossless:
             return payload, meta, average  # what members decode, bit for bit
-        return payload, meta, decode(payload, meta)
+        mine = decode(payload, meta)
+        if residual is not None:
+            torch.sub(average, mine.reshape(-1), out=residual)
+        return payload, meta, mine
 
     def _name(self, member: int) -> str:
         return self.group.members[member].peer_id

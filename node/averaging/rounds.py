@@ -107,9 +107,11 @@ class Rounds:
         epoch: int,
         weight: float,
         keep_sent: bool = False,
+        owner_residual: torch.Tensor | None = None,
     ) -> Averaged:
         """One round for ``epoch``: the all-reduce of ``vector`` with a group from the DHT
-        (``keep_sent``: report what the owners decoded of it, for error feedback)."""
+        (``keep_sent``: report what the owners decoded of it, for error feedback;
+        ``owner_residual``: this node's feedback as an owner, ``reducer.py``)."""
         group: Group | None = None
         try:
             async with asyncio.timeout(self.config.budget_seconds):
@@ -121,7 +123,9 @@ class Rounds:
                 group = await self._form_group(epoch, weight=weight, endpoint=endpoint)
                 if group is None:
                     return Averaged(Outcome.NO_GROUP, error="nobody else was ready in time")
-                return await self._average(vector, group, keep_sent=keep_sent)
+                return await self._average(
+                    vector, group, keep_sent=keep_sent, owner_residual=owner_residual
+                )
         except DiscoveryError as error:
             self._parts.tallies.failed("discovery failed", Failure.DISCOVERY)
             return Averaged(Outcome.NO_GROUP, error=str(error))
@@ -147,7 +151,14 @@ class Rounds:
             await self._withdraw(epoch)
         return group
 
-    async def _average(self, vector: torch.Tensor, group: Group, *, keep_sent: bool) -> Averaged:
+    async def _average(
+        self,
+        vector: torch.Tensor,
+        group: Group,
+        *,
+        keep_sent: bool,
+        owner_residual: torch.Tensor | None,
+    ) -> Averaged:
         parts, epoch = self._parts, group.round
         log.info("epoch %d: averaging in a group of %d", epoch, len(group.members))
         # The readiness record goes soon after the group is formed (its mates have read it by
@@ -163,7 +174,9 @@ class Rounds:
         try:
             await parts.routes.prepare([m.endpoint for m in group.members], parts.directory.peers)
             started = asyncio.get_running_loop().time()
-            result = await parts.averager.all_reduce(vector, group, keep_sent=keep_sent)
+            result = await parts.averager.all_reduce(
+                vector, group, keep_sent=keep_sent, owner_residual=owner_residual
+            )
         except RoundAborted as error:
             parts.tallies.failed("aborted", Failure.ABORTED_ROUND)
             return Averaged(Outcome.ABORTED, group=group, error=str(error))

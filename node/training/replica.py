@@ -83,6 +83,9 @@ class Replica:
         self.epoch = 0
         self.samples = 0  # since the last round: this replica's weight in it
         self._residual = torch.zeros(self.numel, device=self.device)
+        #: Error feedback of this node's results as a part's owner (codecs that ask for it:
+        #: ``compression/traits.py``), over the whole vector; owners reduce on the CPU.
+        self._owner_residual = torch.zeros(self.numel) if swarm.owner_feedback else None
         #: The announced throughput is this process's: the samples it trained (the lifetime
         #: total less what it restored) over the seconds since this replica was made.
         self._started = time.monotonic()
@@ -109,21 +112,30 @@ class Replica:
         """Everything needed to continue exactly from here: tensors (the replicated state as
         ``model.<parameter name>`` and the rest) and JSON-able counters, on the CPU."""
         tensors = self._state_tensors() | {"residual": self._residual}
+        if self._owner_residual is not None:
+            tensors["owner_residual"] = self._owner_residual.clone()
         tensors = {name: t.cpu() for name, t in tensors.items()}
         meta = {"epoch": self.epoch, "samples": self.samples, "samples_total": self._samples_total}
         return tensors, meta
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Inverse of :meth:`state_dict`; ValueError if it is not this model's state."""
-        residual = tensors.get("residual")
+        residual, owner = tensors.get("residual"), tensors.get("owner_residual")
         if residual is None or residual.shape != (self.numel,):
             raise ValueError("the state's residual does not match the model")
+        if owner is not None and owner.shape != (self.numel,):
+            raise ValueError("the state's owner residual does not match the model")
         self.epoch, self.samples = int(meta["epoch"]), int(meta["samples"])
         trained_here = self._samples_total - self._samples_restored
         self._samples_total = int(meta["samples_total"])
         self._samples_restored = self._samples_total - trained_here
         self._load_state_tensors(tensors, meta)  # after the counts: a subclass may add to them
         self._residual = residual.to(self.device, torch.float32, copy=True)
+        if self._owner_residual is not None:  # a checkpoint of another codec has none: zeros
+            if owner is None:
+                self._owner_residual.zero_()
+            else:
+                self._owner_residual.copy_(owner)
         self.publish()
 
     def _named(self, prefix: str, vector: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -215,6 +227,8 @@ class Replica:
         self._resynced(carried=progress is not None)
         self.epoch = downloaded.epoch
         self._residual.zero_()
+        if self._owner_residual is not None:
+            self._owner_residual.zero_()
         self.publish()
         return RoundReport(
             epoch=self.epoch,
@@ -248,10 +262,17 @@ class Replica:
         """Start :meth:`_average`'s round on the node's loop; :meth:`_finish_average` waits.
         ``vector`` may be a range of the whole from ``offset`` (a fragment): the residual of
         that range goes with it."""
-        compensated = vector + self._residual[offset : offset + vector.numel()]
-        lossless = self.swarm.codec_is_lossless
+        end = offset + vector.numel()
+        compensated = vector + self._residual[offset:end]
+        owner = None if self._owner_residual is None else self._owner_residual[offset:end]
         future = self.swarm.submit(
-            self.swarm.average(compensated, epoch=self.epoch, weight=weight, keep_sent=not lossless)
+            self.swarm.average(
+                compensated,
+                epoch=self.epoch,
+                weight=weight,
+                keep_sent=not self.swarm.codec_is_lossless,
+                owner_residual=owner,
+            )
         )
         return PendingRound(
             epoch=self.epoch, weight=weight, compensated=compensated, future=future, offset=offset

@@ -244,11 +244,12 @@ def test_the_optimizer_state_round_trips(tmp_path: Path) -> None:
     assert torch.equal(model.weight, twin.weight)
 
 
-def _fake_swarm() -> Any:
+def _fake_swarm(codec: str = "int8") -> Any:
     published: list[Any] = []
     return SimpleNamespace(
-        codec=get_codec("int8"),
+        codec=get_codec(codec),
         codec_is_lossless=False,
+        owner_feedback=get_codec(codec).traits.owner_feedback,
         peer_id="me",
         spec=SimpleNamespace(averaging=SimpleNamespace(chunk_values=1024, group_size=2)),
         publish=lambda snapshot, throughput: published.append(snapshot),
@@ -282,6 +283,31 @@ def test_replica_state_round_trips_mid_round() -> None:
     assert swarm.published[-1].checksum == served.checksum  # published at once
     with pytest.raises(ValueError, match="residual"):
         twin.load_state_dict({"residual": torch.zeros(3)}, meta)
+
+
+def test_an_owners_residual_is_checkpointed() -> None:
+    """With a codec whose owners keep feedback (``sparse``), what an owner's results dropped is
+    training state: it survives a restart, a checkpoint without one (another codec's) restores
+    as zeros, and a wrong size is refused."""
+    config = ModelSection(vocab_size=64, d_model=16, n_layers=1, n_heads=2, seq_len=8)
+    diloco = DiLoCo(_fake_swarm("sparse"), build_model(config, seed=0), inner_steps=5,
+                    outer_lr=1.0, outer_momentum=0.0)  # fmt: skip
+    assert diloco._owner_residual is not None
+    diloco._owner_residual.copy_(torch.randn(diloco.numel))
+    tensors, meta = diloco.state_dict()
+    twin = DiLoCo(_fake_swarm("sparse"), build_model(config, seed=1), inner_steps=5,
+                  outer_lr=1.0, outer_momentum=0.0)  # fmt: skip
+    twin.load_state_dict(tensors, json.loads(json.dumps(meta)))
+    assert twin._owner_residual is not None
+    assert torch.equal(twin._owner_residual, diloco._owner_residual)
+    twin.load_state_dict({k: v for k, v in tensors.items() if k != "owner_residual"}, meta)
+    assert not twin._owner_residual.any()
+    with pytest.raises(ValueError, match="owner residual"):
+        twin.load_state_dict(tensors | {"owner_residual": torch.zeros(3)}, meta)
+    int8 = DiLoCo(_fake_swarm(), build_model(config, seed=1), inner_steps=5, outer_lr=1.0,
+                  outer_momentum=0.0)  # fmt: skip
+    assert "owner_residual" not in int8.state_dict()[0]
+    int8.load_state_dict(tensors, meta)  # a sparse run's checkpoint: its owner residual unused
 
 
 def test_sync_replica_keeps_gradients_accumulated_toward_the_next_step() -> None:

@@ -119,6 +119,7 @@ def _fake_swarm(codec: str, peer_id: str) -> Any:
     return SimpleNamespace(
         codec=get_codec(codec),
         codec_is_lossless=codec == "none",
+        owner_feedback=get_codec(codec).traits.owner_feedback,
         peer_id=peer_id,
         spec=SimpleNamespace(averaging=SimpleNamespace(chunk_values=1024)),
         publish=lambda snapshot, throughput: published.append(snapshot),

@@ -65,9 +65,11 @@ class Hub:
 
 
 def fake_swarm(hub: Hub, name: str) -> Any:
-    swarm = SimpleNamespace(peer_id=name, codec_is_lossless=True, snapshot=None)
+    swarm = SimpleNamespace(
+        peer_id=name, codec_is_lossless=True, owner_feedback=False, snapshot=None
+    )
     swarm.publish = lambda snapshot, throughput: setattr(swarm, "snapshot", snapshot)
-    swarm.average = lambda vector, *, epoch, weight, keep_sent: hub.join(
+    swarm.average = lambda vector, *, epoch, weight, keep_sent, owner_residual: hub.join(
         name, epoch, vector, weight
     )
     swarm.submit = lambda started: started  # the "coroutine" is already the future

@@ -88,6 +88,7 @@ def _swarm(spec: RunSpec) -> Any:
         spec=spec,
         codec=get_codec("int8"),
         codec_is_lossless=False,
+        owner_feedback=False,
         metrics=NodeMetrics(
             peer_id="node-a", run_id="rates", spec_hash="", algorithm="diloco", codec="int8"
         ),

@@ -129,7 +129,9 @@ async def test_a_round_in_time_reports_what_the_all_reduce_did(aborts: bool) -> 
     async def form_group(*args: Any, **kwargs: Any) -> Group:
         return GROUP
 
-    async def all_reduce(vector: torch.Tensor, group: Group, keep_sent: bool) -> RoundResult:
+    async def all_reduce(
+        vector: torch.Tensor, group: Group, keep_sent: bool, owner_residual: Any
+    ) -> RoundResult:
         if aborts:
             raise RoundAborted("nothing was averaged with another peer")
         return RoundResult(
@@ -160,7 +162,9 @@ async def test_an_unexpected_error_in_a_round_loses_the_round_not_the_node(
 
     calls = 0
 
-    async def all_reduce(vector: torch.Tensor, group: Group, keep_sent: bool) -> RoundResult:
+    async def all_reduce(
+        vector: torch.Tensor, group: Group, keep_sent: bool, owner_residual: Any
+    ) -> RoundResult:
         nonlocal calls
         calls += 1
         if calls == 1:  # what a peer's input once reached: an IndexError deep in the checks

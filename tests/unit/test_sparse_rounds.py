@@ -54,3 +54,46 @@ async def test_members_apply_identical_sparse_results_and_download_about_one_pay
     # Results (one sparse part from each owner) plus, as an owner, the others' values of its
     # own part: two payloads at most, at every group size.
     assert max(received) <= 2 * payload * 1.1, (max(received), payload)
+
+
+async def _held(rounds: int, *, owner_feedback: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Four members send the same update every round, each with its own error feedback (as a
+    replica does). Returns what the rounds applied plus what the residuals still hold (the
+    members' mean, the owners' sum), and the sum of the mean updates."""
+    config = AllReduceConfig(run_id="sparse", spec_hash=bytes(32), codec="sparse",
+                             chunk_values=VALUES // 4)  # fmt: skip
+    g = torch.Generator().manual_seed(7)
+    updates = [torch.randn(VALUES, generator=g) for _ in range(4)]
+    members = [torch.zeros(VALUES) for _ in updates]
+    owners = [torch.zeros(VALUES) for _ in updates]
+    applied = torch.zeros(VALUES)
+    async with averagers(4, config, name="sparse-feedback") as peers:
+        for r in range(rounds):
+            group = group_of(peers, r)
+            compensated = [u + m for u, m in zip(updates, members, strict=True)]
+            results = await asyncio.gather(
+                *(
+                    p.all_reduce(
+                        c, group, keep_sent=True, owner_residual=o if owner_feedback else None
+                    )
+                    for p, c, o in zip(peers, compensated, owners, strict=True)
+                )
+            )
+            assert all(torch.equal(results[0].averaged, x.averaged) for x in results[1:])
+            for member, c, result in zip(members, compensated, results, strict=True):
+                assert result.sent is not None
+                torch.sub(c, result.sent, out=member)
+            applied += results[0].averaged
+    held = applied + torch.stack(members).mean(0) + torch.stack(owners).sum(0)
+    return held, torch.stack(updates).mean(0) * rounds
+
+
+async def test_owners_feedback_keeps_what_their_sparse_results_dropped() -> None:
+    # An owner's result keeps 1 value in 64 of its merged members' values, though each member's
+    # feedback counts all it sent as delivered. With the owner's feedback, every value the
+    # members meant is applied or still held by a residual (delivered later); without it, the
+    # rest is lost for good.
+    held, meant = await _held(4, owner_feedback=True)
+    assert float((held - meant).norm() / meant.norm()) < 1e-5
+    held, meant = await _held(4, owner_feedback=False)
+    assert float((held - meant).norm() / meant.norm()) > 0.3
