@@ -37,11 +37,14 @@ from swarmgrad.node.runspec import RunSpec
 from swarmgrad.simulations.baseline import warm_start
 from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
 
+#: (name, algorithm, codec, the codec's options as TOML: ``[averaging] codec_options``)
 SETTINGS = [
-    ("sync fp32", "sync", "none"),
-    ("diloco fp32", "diloco", "none"),
-    ("diloco int8", "diloco", "int8"),
-    ("diloco int4", "diloco", "int4"),
+    ("sync fp32", "sync", "none", ""),
+    ("diloco fp32", "diloco", "none", ""),
+    ("diloco int8", "diloco", "int8", ""),
+    ("diloco int4", "diloco", "int4", ""),
+    ("diloco sparse 2-bit", "diloco", "sparse", "{ bits = 2 }"),
+    ("diloco sparse 4-bit", "diloco", "sparse", "{ bits = 4 }"),
 ]
 
 
@@ -70,8 +73,10 @@ def spec_text(
     schedule: str = "0/0",
     inner_lr: float | None = None,
     init: str = "",
+    options: str = "",
 ) -> str:
-    text = DEMO_SPEC.replace('codec = "int8"', f'codec = "{codec}"')
+    chosen = f'codec = "{codec}"' + (f"\ncodec_options = {options}" if options else "")
+    text = DEMO_SPEC.replace('codec = "int8"', chosen)
     text = text.replace("group_size = 4", f"group_size = {nodes}")
     text = re.sub(r"inner_steps = \d+", f"inner_steps = {inner_steps}", text)
     outer_lr, outer_momentum = (float(x) for x in outer.split("/"))
@@ -175,7 +180,7 @@ def run_settings(
     args: argparse.Namespace, *, batch: int, init: str, seed: int
 ) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
-    for name, algorithm, codec in SETTINGS:
+    for name, algorithm, codec, options in SETTINGS:
         if args.only and name not in args.only:
             continue
         steps_per_epoch = 1 if algorithm == "sync" else args.inner_steps
@@ -195,6 +200,7 @@ def run_settings(
                     if algorithm == "diloco" and args.diloco_lr
                     else args.lr,
                     init=init,
+                    options=options,
                 )
             )
             summary = simulate(
