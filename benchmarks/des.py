@@ -15,6 +15,10 @@
 
     .venv/bin/python benchmarks/des.py                 # ~5 min on 2 cores
     .venv/bin/python benchmarks/des.py --big           # + 10,000 peers x 100 rounds
+    .venv/bin/python benchmarks/des.py --sections 1b --codec sparse --codec-option bits=2
+
+``--codec`` (with ``--codec-option KEY=VALUE``) sets both specs' ``[averaging]`` codec: the
+model's bytes per round are the codec's own payloads (``simulations/des/traffic.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from swarmgrad.simulations.des.model import ModelConfig, parameter_count, simula
 from swarmgrad.simulations.profiles import PeerProfile
 from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig
 from swarmgrad.simulations.swarm import simulate as run_processes
+
+SECTIONS = ("calibration", "speed", "demo", "1b")
 
 ONE_B_SPEC = """\
 [run]
@@ -171,19 +177,26 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-calibration", action="store_true", help="skip the real runs")
     parser.add_argument("--out", type=Path, default=Path("des-results.json"))
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--codec", help="the specs' averaging codec (default: theirs, int8)")
+    parser.add_argument("--codec-option", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
 
-    demo = RunSpec.from_toml(DEMO_SPEC)
+    demo = with_codec(DEMO_SPEC, args.codec, args.codec_option)
     demo_step = calibrate.step_seconds(demo)
-    big = RunSpec.from_toml(ONE_B_SPEC)
+    big = with_codec(ONE_B_SPEC, args.codec, args.codec_option)
     params = parameter_count(big)
     tokens = big.data.batch_size * big.model.seq_len
     big_step = 6 * params * tokens / (args.gpu_tflops * 1e12 * args.mfu)
     print(f"demo: {parameter_count(demo):,} params, one inner step {demo_step * 1e3:.1f} ms here")
     print(f"1B: {params:,} params, one inner step {big_step:.2f} s on the assumed GPU")
+    print(f"codec: {big.averaging.codec} {big.averaging.codec_options or ''}")
 
-    results: dict[str, Any] = {}
-    if not args.no_calibration:
+    results: dict[str, Any] = {
+        "codec": big.averaging.codec,
+        "codec_options": big.averaging.codec_options,
+    }
+    if "calibration" in args.sections and not args.no_calibration:
         work = Path(tempfile.mkdtemp(prefix="des-calibration-"))
         results["calibration"] = [
             calibration(4, 1e6, work / "n4", args.seed),
@@ -191,24 +204,48 @@ def main() -> None:
         ]
         whatif.print_table("calibration: real processes vs the model", results["calibration"])
 
-    runs = [(1000, 100)] + ([(10_000, 100)] if args.big else [])
-    speeds = [speed(n, r, demo, demo_step, args.seed) for n, r in runs]
-    whatif.print_table("model speed (CPU seconds, heterogeneity and churn)", speeds)
-
-    results |= {"speed": speeds, "demo_step_seconds": demo_step}
-    results["demo"] = tables(
-        "demo model", whatif.Scenario(spec=demo, step_seconds=demo_step, peers=args.peers,
-                                      rounds=args.rounds, seed=args.seed),
-    )  # fmt: skip
-    results["1b"] = tables(
-        "1B model", whatif.Scenario(spec=big, step_seconds=big_step, peers=args.peers,
-                                    rounds=min(args.rounds, 10), seed=args.seed),
-    )  # fmt: skip
+    if "speed" in args.sections:
+        runs = [(1000, 100)] + ([(10_000, 100)] if args.big else [])
+        speeds = [speed(n, r, demo, demo_step, args.seed) for n, r in runs]
+        whatif.print_table("model speed (CPU seconds, heterogeneity and churn)", speeds)
+        results["speed"] = speeds
+        median = statistics.median(s["peer_rounds_per_second"] for s in speeds)
+        print(f"model speed: {median:,.0f} peer-rounds per CPU second")
+    results["demo_step_seconds"] = demo_step
+    if "demo" in args.sections:
+        results["demo"] = tables(
+            "demo model", whatif.Scenario(spec=demo, step_seconds=demo_step, peers=args.peers,
+                                          rounds=args.rounds, seed=args.seed),
+        )  # fmt: skip
+    if "1b" in args.sections:
+        results["1b"] = tables(
+            "1B model", whatif.Scenario(spec=big, step_seconds=big_step, peers=args.peers,
+                                        rounds=min(args.rounds, 10), seed=args.seed),
+        )  # fmt: skip
     results["1b_step_seconds"] = big_step
     results["assumptions"] = {"gpu_tflops": args.gpu_tflops, "mfu": args.mfu}
     args.out.write_text(json.dumps(results, indent=1))
-    median = statistics.median(s["peer_rounds_per_second"] for s in speeds)
-    print(f"model speed: {median:,.0f} peer-rounds per CPU second; results in {args.out}")
+    print(f"results in {args.out}")
+
+
+def with_codec(text: str, codec: str | None, options: list[str]) -> RunSpec:
+    """The spec of ``text`` (whose codec is int8) with another averaging codec and its options
+    (``KEY=VALUE``), checked as any spec is."""
+    if codec is None:
+        if options:
+            raise SystemExit("--codec-option needs --codec")
+        return RunSpec.from_toml(text)
+    pairs = []
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or not key.isidentifier():
+            raise SystemExit(f"--codec-option {option!r}: expected KEY=VALUE")
+        pairs.append(f"{key} = {float(value)!r}")
+    chosen = f"codec = {json.dumps(codec)}" + (
+        f"\ncodec_options = {{ {', '.join(pairs)} }}" if pairs else ""
+    )
+    assert 'codec = "int8"' in text
+    return RunSpec.from_toml(text.replace('codec = "int8"', chosen, 1))
 
 
 if __name__ == "__main__":
