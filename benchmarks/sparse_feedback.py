@@ -16,7 +16,7 @@ average taken through a model of the node's all-reduce:
 The rows share the initial weights and the samples. Bytes are one peer's per round (the mean over
 peers), up (to the other owners) and down (their results).
 
-    .venv/bin/python benchmarks/sparse_feedback.py                   # ~4 min on 2 cores
+    .venv/bin/python benchmarks/sparse_feedback.py                   # ~8 min on 2 cores
     .venv/bin/python benchmarks/sparse_feedback.py --rounds 40 --settings fp32 sparse+owner
 """
 
@@ -53,9 +53,16 @@ class CodecRound:
     """A round of N members' vectors through ``codec`` (see the module's docstring)."""
 
     def __init__(
-        self, codec: Codec, result: Codec, *, members: int, numel: int, owner_feedback: bool
+        self,
+        codec: Codec,
+        result: Codec,
+        *,
+        members: int,
+        numel: int,
+        owner_feedback: bool,
+        decay: float = 1.0,
     ) -> None:
-        self.codec, self.result = codec, result
+        self.codec, self.result, self.decay = codec, result, decay
         cut = [numel * j // members for j in range(members + 1)]
         self.parts = list(itertools.pairwise(cut))
         self.members = [torch.zeros(numel) for _ in range(members)]
@@ -73,7 +80,7 @@ class CodecRound:
         for owner, (start, end) in enumerate(self.parts):
             total = torch.zeros(end - start)
             for member, delta in enumerate(deltas):
-                compensated = delta[start:end] + self.members[member][start:end]
+                compensated = delta[start:end] + self.decay * self.members[member][start:end]
                 if member == owner:
                     sent = compensated
                 else:
@@ -99,7 +106,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--density", type=float, default=1 / 64)
+    parser.add_argument(
+        "--decay", type=float, default=1.0, help="members' residual kept a round (SparseLoCo: < 1)"
+    )
     parser.add_argument("--eval-windows", type=int, default=256)
+    parser.add_argument("--data-seed", type=int, default=0, help="other streams for the replicas")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -114,7 +125,8 @@ def main() -> None:
     print(
         f"{args.replicas} replicas, {args.rounds} rounds of {algorithm.inner_steps} inner steps, "
         f"outer {algorithm.outer_lr:g}/{algorithm.outer_momentum:g}, {numel:,} parameters, "
-        f"sparse density {args.density:g}"
+        f"sparse density {args.density:g}, members' residual decay {args.decay:g}, "
+        f"data seed {args.data_seed}"
     )
     rows = []
     began = time.monotonic()
@@ -125,14 +137,19 @@ def main() -> None:
         codec = get_codec(codec_name, **options)
         result = get_codec(result_name) if result_name else codec
         average = CodecRound(
-            codec, result, members=args.replicas, numel=numel, owner_feedback=owner_feedback
+            codec,
+            result,
+            members=args.replicas,
+            numel=numel,
+            owner_feedback=owner_feedback,
+            decay=args.decay,
         )
         streams = [
             corpus.batches(
                 seq_len=spec.model.seq_len,
                 batch_size=spec.data.batch_size,
                 seed=spec.data.seed,
-                peer_id=f"replica-{i}",
+                peer_id=f"replica-{i}" if not args.data_seed else f"replica-{args.data_seed}-{i}",
             )
             for i in range(args.replicas)
         ]
