@@ -114,7 +114,7 @@ def allreduce_config(spec: RunSpec) -> AllReduceConfig:
         reducer_timeout_seconds=averaging.reducer_timeout_seconds,
         aggregator=spec.trust.effective_aggregator,
         uniform_weights=spec.trust.open,
-        result_codec="fp16" if spec.trust.open else "",
+        result_codec=averaging.result_codec or ("fp16" if spec.trust.open else ""),
         observe=spec.trust.open,
         spot_checks=spec.trust.spot_checks if spec.trust.open else 0,
     )

@@ -15,6 +15,10 @@ class AveragingSection:
     #: The codec's own options (``sparse``: density, bits, chunk; ``topk``: fraction;
     #: ``powersgd``: rank); their values are checked when the codec is built.
     codec_options: dict[str, float] = field(default_factory=dict)
+    #: The codec part owners send results in, with its default options ("": the codec's own;
+    #: open runs: fp16). ``sparse`` up and ``int8`` results: a member's upload stays sparse and
+    #: its download is one int8 vector a round (a home link's downlink is the wider one).
+    result_codec: str = ""
     group_size: int = 4
     chunk_values: int = 1 << 20
     matchmaking_timeout_seconds: float = 15.0
@@ -36,6 +40,12 @@ class AveragingSection:
         for key, value in self.codec_options.items():
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise RunSpecError(f"averaging.codec_options.{key} must be a number")
+        if self.result_codec and traits_of(self.result_codec) is None:
+            known = ", ".join(known_codecs())
+            raise RunSpecError(
+                f"averaging.result_codec {self.result_codec!r} is unknown; choose one of {known} "
+                f'(or "": the codec\'s own)'
+            )
         if self.group_size < 2:
             raise RunSpecError(f"averaging.group_size must be at least 2, got {self.group_size}")
         positive(

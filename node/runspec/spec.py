@@ -50,10 +50,14 @@ class RunSpec:
     def __post_init__(self) -> None:
         if self.pipeline.enabled:
             self._check_pipeline()
-        why = refusal(self.averaging.codec, "open_runs") if self.trust.open else None
-        if why is not None:
-            # Its values cannot be screened, robustly aggregated or checked per coordinate.
-            raise RunSpecError(f"averaging.{why}")
+        for key in ("codec", "result_codec"):
+            codec = getattr(self.averaging, key)
+            why = refusal(codec, "open_runs") if self.trust.open and codec else None
+            if why is not None:
+                # Its values cannot be screened, robustly aggregated or checked per coordinate.
+                raise RunSpecError(
+                    f"averaging.{key}: {why}" if key != "codec" else f"averaging.{why}"
+                )
 
     def warnings(self) -> list[str]:
         """What a user must know about whom this run trusts, and how far (printed by the node
@@ -139,6 +143,8 @@ class RunSpec:
                 data.pop(key)
         if not sections["averaging"]["codec_options"]:  # ... from before codec options too
             del sections["averaging"]["codec_options"]
+        if not sections["averaging"]["result_codec"]:  # ... and from before result codecs
+            del sections["averaging"]["result_codec"]
         if not sections["algorithm"]["overlap"]:  # runs from before overlap keep their hash
             del sections["algorithm"]["overlap"]
         if sections["algorithm"]["fragments"] == 1:  # ... and from before fragments

@@ -246,3 +246,28 @@ def test_a_codecs_options_are_checked_by_name_and_change_the_hash() -> None:
         spec('codec_options = { bits = "two" }\n')
     with pytest.raises(ValueError, match="bits must be 2 or 4"):  # said at the node's start
         allreduce_config(spec("codec_options = { bits = 3 }\n"))
+
+
+def test_a_result_codec_is_checked_and_changes_the_hash_only_when_given() -> None:
+    from swarmgrad.node.swarm_config import allreduce_config
+
+    def spec(averaging: str, trust: str = "") -> RunSpec:
+        return RunSpec.from_toml(f'[run]\nid = "r"\n[averaging]\n{averaging}\n{trust}')
+
+    sparse = spec('codec = "sparse"')
+    dense_results = spec('codec = "sparse"\nresult_codec = "int8"')
+    assert sparse.hash == spec('codec = "sparse"\nresult_codec = ""').hash  # as before
+    assert dense_results.hash != sparse.hash
+    assert allreduce_config(dense_results).make_result_codec().name == "int8"
+    assert allreduce_config(sparse).make_result_codec().name == "sparse"
+    assert sparse.differences(dense_results.canonical()) == [
+        "averaging.result_codec: here None, there 'int8'"
+    ]
+    with pytest.raises(RunSpecError, match="averaging.result_codec 'int9' is unknown"):
+        spec('result_codec = "int9"')
+    # Open runs check what owners send: a result codec must be safe for them too.
+    with pytest.raises(RunSpecError, match="averaging.result_codec: codec 'sparse' is not safe"):
+        spec('result_codec = "sparse"', '[trust]\nmode = "open"')
+    opened = spec('result_codec = "int8"', '[trust]\nmode = "open"')
+    assert allreduce_config(opened).result_codec == "int8"
+    assert allreduce_config(spec("", '[trust]\nmode = "open"')).result_codec == "fp16"
