@@ -16,7 +16,7 @@ from swarmgrad.node.averaging.group import Group, Member, chunk_sizes
 from swarmgrad.simulations.allreduce_peer import PeerProcess, member_vector
 from tests.conftest import Peers
 
-CODECS = ["none", "fp16", "bf16", "int8", "int4", "topk", "powersgd"]
+CODECS = ["none", "fp16", "bf16", "int8", "int4", "topk", "sparse", "powersgd"]
 
 
 def expected_average(
@@ -111,12 +111,12 @@ async def test_members_in_separate_processes_average_with_every_codec(peers: Pee
             results.append(load(event))
         assert len({e["sha256"] for e in events if e}) == 1, f"{codec}: members differ"
         # Exactly what the protocol should compute (up to fp32 summation order) ...
-        assert rel(results[0], protocol) < (1e-2 if codec == "topk" else 1e-3), codec
+        assert rel(results[0], protocol) < (1e-2 if codec in ("topk", "sparse") else 1e-3), codec
         # ... which is the weighted mean within the codec's error.
         bound = {"none": 1e-6, "fp16": 1e-3, "bf16": 1e-2, "int8": 3e-2, "int4": 0.4}
         if codec in bound:
             assert rel(results[0], true) < bound[codec], codec
-        else:  # topk, powersgd: a lossy projection, never worse than sending nothing
+        else:  # topk, sparse, powersgd: a lossy projection, never worse than sending nothing
             assert rel(results[0], true) < 1.0
 
 
