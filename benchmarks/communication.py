@@ -37,14 +37,20 @@ from swarmgrad.node.runspec import RunSpec
 from swarmgrad.simulations.baseline import warm_start
 from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
 
-#: (name, algorithm, codec, the codec's options as TOML: ``[averaging] codec_options``)
+#: (name, algorithm, codec, more ``[averaging]`` lines: the codec's options, the results' codec)
 SETTINGS = [
     ("sync fp32", "sync", "none", ""),
     ("diloco fp32", "diloco", "none", ""),
     ("diloco int8", "diloco", "int8", ""),
     ("diloco int4", "diloco", "int4", ""),
-    ("diloco sparse 2-bit", "diloco", "sparse", "{ bits = 2 }"),
-    ("diloco sparse 4-bit", "diloco", "sparse", "{ bits = 4 }"),
+    ("diloco sparse 2-bit", "diloco", "sparse", "codec_options = { bits = 2 }"),
+    ("diloco sparse 4-bit", "diloco", "sparse", "codec_options = { bits = 4 }"),
+    (
+        "diloco sparse, int8 results",
+        "diloco",
+        "sparse",
+        'codec_options = { bits = 2 }\nresult_codec = "int8"',
+    ),
 ]
 
 
@@ -73,9 +79,9 @@ def spec_text(
     schedule: str = "0/0",
     inner_lr: float | None = None,
     init: str = "",
-    options: str = "",
+    averaging: str = "",
 ) -> str:
-    chosen = f'codec = "{codec}"' + (f"\ncodec_options = {options}" if options else "")
+    chosen = f'codec = "{codec}"' + (f"\n{averaging}" if averaging else "")
     text = DEMO_SPEC.replace('codec = "int8"', chosen)
     text = text.replace("group_size = 4", f"group_size = {nodes}")
     text = re.sub(r"inner_steps = \d+", f"inner_steps = {inner_steps}", text)
@@ -180,7 +186,7 @@ def run_settings(
     args: argparse.Namespace, *, batch: int, init: str, seed: int
 ) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
-    for name, algorithm, codec, options in SETTINGS:
+    for name, algorithm, codec, averaging in SETTINGS:
         if args.only and name not in args.only:
             continue
         steps_per_epoch = 1 if algorithm == "sync" else args.inner_steps
@@ -200,7 +206,7 @@ def run_settings(
                     if algorithm == "diloco" and args.diloco_lr
                     else args.lr,
                     init=init,
-                    options=options,
+                    averaging=averaging,
                 )
             )
             summary = simulate(
