@@ -16,8 +16,10 @@ class AveragingSection:
     #: ``powersgd``: rank); their values are checked when the codec is built.
     codec_options: dict[str, float] = field(default_factory=dict)
     #: The codec part owners send results in, with its default options ("": the codec's own;
-    #: open runs: fp16). ``sparse`` up and ``int8`` results: a member's upload stays sparse and
-    #: its download is one int8 vector a round (a home link's downlink is the wider one).
+    #: open runs: fp16). With ``sparse`` values and ``int8`` results a member's values go out
+    #: sparse, but each owner sends its part's result in int8 to every other member: a peer's
+    #: upload and download are each about one int8 vector a round (a loss/bytes trade-off,
+    #: docs/benchmarks.md, "The sparse codec, second pass").
     result_codec: str = ""
     group_size: int = 4
     chunk_values: int = 1 << 20
