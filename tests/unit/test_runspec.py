@@ -263,10 +263,10 @@ def test_a_result_codec_is_checked_and_changes_the_hash_only_when_given() -> Non
     assert sparse.differences(dense_results.canonical()) == [
         "averaging.result_codec: here None, there 'int8'"
     ]
-    with pytest.raises(RunSpecError, match="averaging.result_codec 'int9' is unknown"):
+    with pytest.raises(RunSpecError, match=r"averaging\.result_codec 'int9' is unknown"):
         spec('result_codec = "int9"')
     # Open runs check what owners send: a result codec must be safe for them too.
-    with pytest.raises(RunSpecError, match="averaging.result_codec: codec 'sparse' is not safe"):
+    with pytest.raises(RunSpecError, match=r"averaging\.result_codec: codec 'sparse' is not safe"):
         spec('result_codec = "sparse"', '[trust]\nmode = "open"')
     opened = spec('result_codec = "int8"', '[trust]\nmode = "open"')
     assert allreduce_config(opened).result_codec == "int8"
