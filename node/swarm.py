@@ -29,7 +29,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from swarmgrad.compression.traits import traits_of
 from swarmgrad.node.averaging.averager import LossProbe
 from swarmgrad.node.averaging.rounds import Averaged
 from swarmgrad.node.discovery.directory import PeerDirectory
@@ -72,9 +71,8 @@ class Swarm:
         self.parts = parts = parts if parts is not None else build_parts(spec, identity, config)
         self.codec, self.codec_is_lossless = parts.codec, spec.averaging.codec == "none"
         #: Whether this node, as a part's owner, keeps an error-feedback residual of its results
-        #: (their codec's traits say).
-        results = traits_of(spec.averaging.result_codec or spec.averaging.codec)
-        self.owner_feedback = results is not None and results.owner_feedback
+        #: (the traits of the codec its rounds send results in say).
+        self.owner_feedback = parts.averager.config.make_result_codec().traits.owner_feedback
         self.tallies, self.metrics = parts.tallies, parts.metrics
         self.allowlist, self.verifier, self.rejections = (
             parts.allowlist,
