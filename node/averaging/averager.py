@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Collection
@@ -161,7 +162,8 @@ class Averager:
         """Average ``vector`` (1-D fp32) with ``group`` (``allreduce.py`` says how); ``hooks``
         and ``owner_hooks`` inject faults (tests, simulations: ``hooks.py``).
         ``owner_residual`` (a CPU fp32 tensor shaped like ``vector``): this node's error
-        feedback as the owner of its part (``reducer.py``); it reads and moves on its range.
+        feedback as the owner of its part (``reducer.py``). It is only read: the round works on
+        a copy of its part's range and returns that moved on in ``result.owner_residual``.
 
         The result is a new tensor, or ``out`` when given (a buffer the caller reuses from
         round to round; its contents are undefined if the round is aborted). ``vector`` itself
@@ -192,7 +194,13 @@ class Averager:
         member, owner, state = policy.begin(group, me, bounds, vector)
         if owner_residual is not None and owner_residual.shape != vector.shape:
             raise ValueError("owner_residual must be shaped like vector")
-        reducer = self._reducer(group, me, bounds[me], owner, owner_hooks, owner_residual)
+        staged = None
+        if owner_residual is not None:
+            start, end = bounds[me]
+            staged = (start, owner_residual[start:end].clone())
+        reducer = self._reducer(
+            group, me, bounds[me], owner, owner_hooks, None if staged is None else staged[1]
+        )
         await self._rounds.add(key, ActiveRound(group=group, me=me, reducer=reducer, state=state))
         try:
             plan = RoundPlan(
@@ -231,6 +239,8 @@ class Averager:
                 await reducer.finished(timeout_seconds=self.config.sender_timeout_seconds)
                 await policy.finish(group, owner)
             self._retire(key)
+        if staged is not None:
+            result = dataclasses.replace(result, owner_residual=staged)
         self.rounds["complete" if result.complete else "partial"] += 1
         if result.failures:
             log.warning("round %d: %s", group.round, result.failures)
@@ -257,7 +267,7 @@ class Averager:
             rules=self.config.owner_rules(abstains=self.policy.owner_abstains),
             side=owner,
             hooks=hooks,
-            residual=None if residual is None else residual[start:end],
+            residual=residual,
         )
         for member, peer in enumerate(group.members):
             if self.ledger.banned(peer.peer_id):  # it will be refused: do not wait for it

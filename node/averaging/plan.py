@@ -144,6 +144,10 @@ class RoundResult:
     excluded_by: tuple[str, ...] = ()
     #: The contributors of each averaged chunk, by (part, chunk index).
     chunk_contributors: Mapping[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+    #: With an ``owner_residual``: where this node's part starts in the vector, and the
+    #: owner's error feedback over that part after the round (the caller's own tensor is only
+    #: read: it moves this on when it applies the result, so an aborted round changes nothing).
+    owner_residual: tuple[int, torch.Tensor] | None = None
 
     @property
     def complete(self) -> bool:

@@ -280,12 +280,17 @@ class Replica:
 
     def _finish_average(self, pending: PendingRound) -> Averaged:
         """Wait for a started round (``concurrent.futures.CancelledError`` once the node is
-        stopping); move the residual (of its range) on if it averaged."""
+        stopping); move the residuals (of its range) on if it averaged: the member's, and
+        the owner's over this node's part (the round worked on a copy of it)."""
         averaged = pending.future.result()
         if averaged.outcome is Outcome.AVERAGED:
             assert averaged.sent is not None
             start, sent = pending.offset, averaged.sent.to(self.device)
             self._residual[start : start + sent.numel()] = pending.compensated - sent
+            moved = averaged.result.owner_residual if averaged.result is not None else None
+            if moved is not None and self._owner_residual is not None:
+                at, values = start + moved[0], moved[1]
+                self._owner_residual[at : at + values.numel()] = values
         return averaged
 
     def _report(

@@ -30,23 +30,28 @@ class Hub:
     def __init__(self, members: int, failing: tuple[int, ...] = ()) -> None:
         self.members, self.failing = members, set(failing)
         self.lock = threading.Lock()
-        self.joined: dict[int, list[tuple[str, torch.Tensor, float, Any]]] = {}
+        self.joined: dict[int, list[tuple[str, torch.Tensor, float, Any, Any]]] = {}
 
-    def join(self, peer: str, epoch: int, vector: torch.Tensor, weight: float) -> Any:
+    def join(
+        self, peer: str, epoch: int, vector: torch.Tensor, weight: float, owner: Any = None
+    ) -> Any:
         with self.lock:  # blocking replicas join from their own threads
-            return self._join(peer, epoch, vector, weight)
+            return self._join(peer, epoch, vector, weight, owner)
 
-    def _join(self, peer: str, epoch: int, vector: torch.Tensor, weight: float) -> Any:
+    def _join(self, peer: str, epoch: int, vector: torch.Tensor, weight: float, owner: Any) -> Any:
+        """``owner``: the replica's feedback as an owner; the round hands back its first half
+        moved on by one (what a real round returns for the part a node owns)."""
         future: concurrent.futures.Future[Averaged] = concurrent.futures.Future()
         entries = self.joined.setdefault(epoch, [])
-        entries.append((peer, vector.clone(), weight, future))
+        moved = None if owner is None else (0, owner[: owner.numel() // 2] + 1)
+        entries.append((peer, vector.clone(), weight, future, moved))
         if len(entries) == self.members:  # a retry of this epoch is a new round
             del self.joined[epoch]
             failing = epoch in self.failing
             self.failing.discard(epoch)
-            total = sum(w for _, _, w, _ in entries)
-            mean = sum(v * (w / total) for _, v, w, _ in entries)
-            for _, vector_sent, _, f in entries:
+            total = sum(w for _, _, w, _, _ in entries)
+            mean = sum(v * (w / total) for _, v, w, _, _ in entries)
+            for _, vector_sent, _, f, moved in entries:
                 if failing:
                     f.set_result(Averaged(outcome=Outcome.ABORTED, error="failed on purpose"))
                     continue
@@ -56,6 +61,7 @@ class Hub:
                     partial=(),
                     missing=(),
                     failures={},
+                    owner_residual=moved,
                 )
                 group = SimpleNamespace(members=entries)
                 f.set_result(
@@ -64,13 +70,13 @@ class Hub:
         return future
 
 
-def fake_swarm(hub: Hub, name: str) -> Any:
+def fake_swarm(hub: Hub, name: str, *, owner_feedback: bool = False) -> Any:
     swarm = SimpleNamespace(
-        peer_id=name, codec_is_lossless=True, owner_feedback=False, snapshot=None
+        peer_id=name, codec_is_lossless=True, owner_feedback=owner_feedback, snapshot=None
     )
     swarm.publish = lambda snapshot, throughput: setattr(swarm, "snapshot", snapshot)
     swarm.average = lambda vector, *, epoch, weight, keep_sent, owner_residual: hub.join(
-        name, epoch, vector, weight
+        name, epoch, vector, weight, owner_residual
     )
     swarm.submit = lambda started: started  # the "coroutine" is already the future
     swarm.call = lambda value: value
@@ -79,7 +85,13 @@ def fake_swarm(hub: Hub, name: str) -> Any:
 
 
 def replicas(
-    hub: Hub, count: int, *, overlap: bool = True, fragments: int = 1, inner_steps: int = H
+    hub: Hub,
+    count: int,
+    *,
+    overlap: bool = True,
+    fragments: int = 1,
+    inner_steps: int = H,
+    owner_feedback: bool = False,
 ) -> list[tuple[torch.nn.Linear, DiLoCo]]:
     made = []
     for i in range(count):
@@ -88,7 +100,7 @@ def replicas(
             for p in model.parameters():
                 p.copy_(torch.arange(p.numel(), dtype=torch.float32).view_as(p) / 10)
         replica = DiLoCo(
-            fake_swarm(hub, f"peer-{i}"),
+            fake_swarm(hub, f"peer-{i}", owner_feedback=owner_feedback),
             model,
             inner_steps=inner_steps,
             outer_lr=1.0,
@@ -163,6 +175,32 @@ def test_a_failed_round_changes_nothing_and_its_progress_goes_with_the_next() ->
     train_round(made, 2)
     assert {r.epoch for _, r in made} == {1}
     assert len({r.outer.checksum() for _, r in made}) == 1
+
+
+def test_an_owners_feedback_moves_on_only_with_a_round_that_averaged() -> None:
+    # A round works on a copy of the part a node owns and hands it back moved on; the replica
+    # takes it only when the round's result is applied (here: +1 on the first half).
+    hub = Hub(members=2, failing=(1,))
+    made = replicas(hub, 2, owner_feedback=True)
+    owner = made[0][1]._owner_residual
+    assert owner is not None
+    half = owner.numel() // 2
+
+    def moved_by(times: float) -> bool:
+        return torch.equal(owner[:half], torch.full((half,), times)) and not owner[half:].any()
+
+    train_round(made, 0)  # round 0 launched
+    assert moved_by(0.0)
+    train_round(made, 1)  # round 0 lands, round 1 launched
+    assert {r.epoch for _, r in made} == {1}
+    assert moved_by(1.0)
+    reports = train_round(made, 2)  # round 1 fails when it lands: the feedback stays
+    assert {report.outcome for report in reports} == {Outcome.ABORTED}
+    assert {r.epoch for _, r in made} == {1}
+    assert moved_by(1.0)
+    train_round(made, 3)  # its retry lands
+    assert {r.epoch for _, r in made} == {2}
+    assert moved_by(2.0)
 
 
 def test_the_schedule_position_counts_the_round_in_flight() -> None:

@@ -71,6 +71,7 @@ async def _held(rounds: int, *, owner_feedback: bool) -> tuple[torch.Tensor, tor
         for r in range(rounds):
             group = group_of(peers, r)
             compensated = [u + m for u, m in zip(updates, members, strict=True)]
+            before = [o.clone() for o in owners]
             results = await asyncio.gather(
                 *(
                     p.all_reduce(
@@ -80,9 +81,15 @@ async def _held(rounds: int, *, owner_feedback: bool) -> tuple[torch.Tensor, tor
                 )
             )
             assert all(torch.equal(results[0].averaged, x.averaged) for x in results[1:])
-            for member, c, result in zip(members, compensated, results, strict=True):
+            # The round only read the owners' feedback (one that aborts changes nothing).
+            assert all(torch.equal(o, b) for o, b in zip(owners, before, strict=True))
+            for member, owner, c, result in zip(members, owners, compensated, results, strict=True):
                 assert result.sent is not None
                 torch.sub(c, result.sent, out=member)
+                if owner_feedback:  # the round only read it: it returns the part's moved on
+                    assert result.owner_residual is not None
+                    start, moved = result.owner_residual
+                    owner[start : start + moved.numel()] = moved
             applied += results[0].averaged
     held = applied + torch.stack(members).mean(0) + torch.stack(owners).sum(0)
     return held, torch.stack(updates).mean(0) * rounds
