@@ -69,14 +69,10 @@ def device(wanted: str) -> Finding:
     return Finding("device", True, f"cpu, {threads} threads (torch {torch.__version__})")
 
 
-def parameters(spec: RunSpec) -> int:
-    from swarmgrad.node.training.model import skeleton
-
-    return sum(p.numel() for p in skeleton(spec.model).parameters())
-
-
 def memory(spec: RunSpec) -> Finding:
-    need = parameters(spec) * STATE_BYTES_PER_PARAMETER
+    from swarmgrad.node.training.model import parameter_count
+
+    need = parameter_count(spec.model) * STATE_BYTES_PER_PARAMETER
     available = _available_memory()
     if available is None:
         return Finding(

@@ -82,10 +82,9 @@ def _writable(folder: Path) -> None:
 def checkpoint_bytes(spec: RunSpec) -> int:
     """About what one checkpoint of ``spec``'s model takes on disk (a pipeline stage's: the
     model's share of one stage, the largest stage being about that)."""
-    from swarmgrad.node.training.model import skeleton
+    from swarmgrad.node.training.model import parameter_count
 
-    parameters = sum(p.numel() for p in skeleton(spec.model).parameters())
-    return parameters * CHECKPOINT_BYTES_PER_PARAMETER // spec.pipeline.stages
+    return parameter_count(spec.model) * CHECKPOINT_BYTES_PER_PARAMETER // spec.pipeline.stages
 
 
 def _room(folder: Path, need: int) -> None:

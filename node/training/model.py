@@ -88,6 +88,11 @@ def skeleton(config: ModelSection) -> CausalLM:
         return HFCausalLM(config) if config.kind == "hf" else GPT(config)
 
 
+def parameter_count(config: ModelSection) -> int:
+    """The model's size, counted on :func:`skeleton` (no memory, any size)."""
+    return sum(p.numel() for p in skeleton(config).parameters())
+
+
 def init_weights(config: ModelSection) -> dict[str, torch.Tensor]:
     """The tensors of ``model.init``, after checking its SHA-256 and every name and shape."""
     path = Path(config.init)

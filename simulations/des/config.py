@@ -10,7 +10,7 @@ from typing import Any
 import simpy
 
 from swarmgrad.node.runspec import RunSpec
-from swarmgrad.node.training.model import skeleton
+from swarmgrad.node.training.model import parameter_count as model_parameters
 from swarmgrad.simulations.churn import ChurnEvent
 from swarmgrad.simulations.profiles import PeerProfile, SimulationError
 
@@ -21,7 +21,7 @@ UNCAPPED_BYTES_PER_SECOND = 1.25e9
 
 def parameter_count(spec: RunSpec) -> int:
     """The run's model size, built on the meta device (no memory, any size)."""
-    return sum(p.numel() for p in skeleton(spec.model).parameters())
+    return model_parameters(spec.model)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
