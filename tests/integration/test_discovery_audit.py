@@ -8,7 +8,6 @@ import asyncio
 import os
 import signal
 import socket
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.discovery.start import DiscoveryConfig, start_discovery
 from swarmgrad.node.identity import Identity
 from swarmgrad.protocol.errors import BindError
-from tests.helpers import until
+from tests.helpers import until, wait_until
 
 RUN, SPEC = "run-audit", b"\x0b" * 32
 PEERS = f"run/{RUN}/{SPEC.hex()}/peers"
@@ -147,10 +146,12 @@ async def test_a_taken_port_fails_the_start_and_a_restart_moves_on(
 
 
 def _wait_until_dead(pid: int) -> None:
-    deadline = time.monotonic() + 10
-    while _state(pid) not in ("gone", "Z"):
-        assert time.monotonic() < deadline, "the sidecar did not die"
-        time.sleep(0.01)
+    wait_until(
+        lambda: _state(pid) in ("gone", "Z"),
+        timeout_seconds=10,
+        what="the sidecar's death",
+        interval_seconds=0.01,
+    )
 
 
 def _state(pid: int) -> str:
