@@ -280,7 +280,8 @@ class Swarm:
         owner_residual: torch.Tensor | None = None,
     ) -> Averaged:
         """One round (``averaging/rounds.py``): a group for ``epoch``, then the all-reduce
-        (``owner_residual``: this node's feedback as an owner, over ``vector``'s values)."""
+        (``owner_residual``: this node's feedback as an owner, over ``vector``'s values; only
+        read: the result holds its part moved on, ``RoundResult.owner_residual``)."""
         assert self._joined is not None
         return await self._joined.rounds.run(
             vector, epoch=epoch, weight=weight, keep_sent=keep_sent, owner_residual=owner_residual
