@@ -163,6 +163,9 @@ def main() -> None:
         default=1.0,
         help="the owners' sparse results' density, as a multiple of the members'",
     )
+    parser.add_argument(
+        "--batch-size", type=int, help="samples a replica's inner step (default: the demo spec's)"
+    )
     parser.add_argument("--inner-steps", type=int, help="H (default: the demo spec's)")
     parser.add_argument("--outer", help="outer LR/MOMENTUM (default: the demo spec's)")
     parser.add_argument("--lr", type=float, help="inner AdamW lr (default: the demo spec's)")
@@ -213,7 +216,8 @@ def main() -> None:
         print(f"warm start: {args.warm_start_steps} steps alone, val loss {loss:.3f}")
     numel = sum(p.numel() for p in initial.parameters())
     print(
-        f"{args.replicas} replicas, {args.rounds} rounds of {algorithm.inner_steps} inner steps, "
+        f"{args.replicas} replicas, {args.rounds} rounds of {algorithm.inner_steps} inner steps "
+        f"of {args.batch_size or spec.data.batch_size} samples, "
         f"outer {algorithm.outer_lr:g}/{algorithm.outer_momentum:g}, {numel:,} parameters, "
         f"sparse density {args.density:g} (results x{args.result_density:g}), "
         f"members' residual decay {args.decay:g}, "
@@ -253,7 +257,7 @@ def main() -> None:
         streams = [
             corpus.batches(
                 seq_len=spec.model.seq_len,
-                batch_size=spec.data.batch_size * args.replicas,  # as communication.py
+                batch_size=args.batch_size or spec.data.batch_size,
                 seed=spec.data.seed,
                 peer_id=f"replica-{i}" if not args.data_seed else f"replica-{args.data_seed}-{i}",
             )
