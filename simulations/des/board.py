@@ -82,6 +82,8 @@ class Exchange:
     #: The share of the vector's chunks averaged: less than 1 when the round deadline passed
     #: first (the rest is missing), 0 when no chunk made it (the node's RoundAborted).
     share: float = 1.0
+    #: What each member brought as it entered: the state it held and the samples it sent.
+    inputs: dict[int, tuple[Hashable, int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -40,6 +40,12 @@ What each peer does, and whose rule it is:
   loses what the peer trained since its last averaged round (``samples_dropped``); the compute
   or round it was in counts in its time all the same.
 
+**Kept samples** are those in the run's final model (``report.samples_in_model``): every round's
+state remembers the states its members held and the samples they sent, and the final state (most
+live peers' at the newest epoch) is followed back through them. A group's round whose state
+the swarm later replaced by another group's is not in it, any more than a download's or a crash's
+drop.
+
 Only DiLoCo is modelled (``algorithm.name = "sync"`` is refused). A peer's ``tokens_per_second``
 is over its own time online (its sessions together) up to its last inner step, not the run's.
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from swarmgrad.simulations.des.board import checksum
 from swarmgrad.simulations.summary import epoch_curves
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def summary(model: SwarmModel) -> dict[str, Any]:
         "parameters": model.params,
         **epoch_curves(p.history for p in finals),
         "peers": peers,
-        "totals": totals(peers),
+        "totals": totals(peers, in_model=samples_in_model(model)),
     }
     if model.config.events or any(p.profile.session_seconds for p in model.peers):
         summary["churn"] = {
@@ -74,8 +75,39 @@ def summary(model: SwarmModel) -> dict[str, Any]:
     return summary
 
 
-def totals(peers: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Swarm-wide figures: mean utilization, rounds lost and partial, bytes per peer."""
+def final_state(model: SwarmModel) -> Hashable:
+    """The run's model: the state most live peers at the newest epoch hold (ties: the
+    smallest checksum, as the resync rule picks), else most peers' at the newest epoch."""
+    peers = [p for p in model.peers if p.sessions]
+    alive = [p for p in peers if p.alive] or peers
+    if not alive:
+        return "init"
+    newest = max(p.epoch for p in alive)
+    votes = Counter(p.state for p in alive if p.epoch == newest)
+    return min(votes, key=lambda state: (-votes[state], checksum(state)))
+
+
+def samples_in_model(model: SwarmModel) -> float:
+    """The samples whose progress is in the run's model: those sent in the rounds the final
+    state descends from. A group's round whose state the swarm later replaced by another
+    group's (a resync) is not among them, however many samples it averaged."""
+    seen: set[Hashable] = set()
+    todo = [final_state(model)]
+    total = 0.0
+    while todo:
+        state = todo.pop()
+        if state in seen:
+            continue
+        seen.add(state)
+        parents, samples = model.lineage[state]
+        total += samples
+        todo.extend(parents)
+    return total
+
+
+def totals(peers: Sequence[dict[str, Any]], *, in_model: float) -> dict[str, Any]:
+    """Swarm-wide figures: mean utilization, rounds lost and partial, bytes per peer, and the
+    share of the samples trained that are in the final model (``in_model`` of them)."""
     outcomes: Counter[str] = Counter()
     for p in peers:
         outcomes.update(p["outcomes"])
@@ -85,8 +117,8 @@ def totals(peers: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "rounds_partial": outcomes["partial"],
         "rounds_averaged": outcomes["averaged"],
         "resyncs": outcomes["resynced"],
-        # The share of the samples trained that reached the model (not thrown away by a resync).
-        "samples_kept": 1
-        - sum(p["samples_dropped"] for p in peers) / max(sum(p["samples"] for p in peers), 1),
+        # The share of the samples trained that reached the final model: not thrown away by a
+        # crash or a resync, and not sent in a round whose state the swarm later replaced.
+        "samples_kept": in_model / max(sum(p["samples"] for p in peers), 1),
         "bytes_sent_per_peer": statistics.fmean(p["bytes_sent"] for p in peers) if peers else 0,
     }

@@ -137,6 +137,7 @@ class Rounds(ModelState):
         if peer.index not in exchange.members:
             return "aborted", len(group), None
         peer.exchange = exchange
+        exchange.inputs[peer.index] = (peer.state, peer.unaveraged)
         yield exchange.done
         peer.exchange = None
         traffic = exchange.traffic.get(peer.index)
@@ -150,6 +151,10 @@ class Rounds(ModelState):
         complete = len(exchange.members) == len(group) and not exchange.dead and exchange.share == 1
         # Every member of one exchange ends with the same values; other groups with others.
         state = (peer.epoch, exchange.group, exchange.members, tuple(exchange.dead), exchange.share)
+        if state not in self.lineage:
+            brought = [v for i, v in exchange.inputs.items() if i not in exchange.dead]
+            parents = tuple(dict.fromkeys(base for base, _ in brought))
+            self.lineage[state] = (parents, exchange.share * sum(n for _, n in brought))
         return ("averaged" if complete else "partial"), len(group), state
 
     def _after(self, delay: float, action: Callable[[str, int], None], *args: Any) -> Events:

@@ -71,6 +71,9 @@ class ModelState:
         #: The states the live records announce, by epoch, and who holds each.
         self.votes: dict[int, Counter[Hashable]] = {}
         self.holders: dict[tuple[int, Hashable], set[int]] = {}
+        #: Every state a round made: the states its members held before it and the samples
+        #: it added (what ``report.samples_in_model`` follows back from the final state).
+        self.lineage: dict[Hashable, tuple[tuple[Hashable, ...], float]] = {"init": ((), 0.0)}
 
     # -- progress and each round's record ----------------------------------------------------
 

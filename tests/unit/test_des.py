@@ -231,7 +231,8 @@ def test_cli_des_repeats_exactly_with_its_speeds_given_and_refuses_what_it_does_
 
 def test_groups_smaller_than_the_swarm_average_apart_and_the_minority_resyncs() -> None:
     # Two groups of 4 end each round with two states; the node keeps the majority's (ties: the
-    # smaller checksum) and the other group downloads it, throwing its round away.
+    # smaller checksum) and the other group downloads it: its round is not in the model, and
+    # the samples it trained since are dropped by the download.
     apart = model(
         8, 6, spec=RunSpec.from_toml(DEMO_SPEC.replace("group_size = 4", "group_size = 4"))
     )
@@ -241,4 +242,9 @@ def test_groups_smaller_than_the_swarm_average_apart_and_the_minority_resyncs() 
     assert whole["totals"]["resyncs"] == 0
     assert whole["totals"]["samples_kept"] == 1.0
     assert apart["totals"]["resyncs"] >= 4 * 4  # half the swarm, most rounds
-    assert apart["totals"]["samples_kept"] < 0.75
+    # The final model descends from one group's round each epoch: about half of what was
+    # averaged, less what the downloads dropped. Counting only the drops would say far more.
+    dropped = sum(p["samples_dropped"] for p in apart["peers"])
+    trained = sum(p["samples"] for p in apart["peers"])
+    assert apart["totals"]["samples_kept"] < 0.5
+    assert apart["totals"]["samples_kept"] < 1 - dropped / trained - 0.2
