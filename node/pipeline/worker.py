@@ -363,6 +363,9 @@ class StageWorker:
         if any(p.peer_id != self.peer_id for p in peers):
             report = replica.outer_round()
             outcome, group, seconds = report.outcome.value, report.group_size, report.seconds
+            if report.after_resync is not None:  # counted as its own round, as the trainer does
+                resynced = report.after_resync.outcome.value
+                self.stats.rounds[resynced] = self.stats.rounds.get(resynced, 0) + 1
         else:  # the stage's only replica: a group of one, with no matchmaking to wait out
             replica.outer_step_alone()
             outcome, group, seconds = "alone", 1, 0.0

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from swarmgrad.node.runspec.errors import RunSpecError, positive
 
+#: ``algorithm.carry_epochs``'s default: keep a split group's and a missed round's progress.
+CARRY_EPOCHS = 2
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AlgorithmSection:
@@ -28,6 +31,12 @@ class AlgorithmSection:
     overlap: bool = False
     #: diloco: sync the model in this many fragments, one every inner_steps / fragments steps.
     fragments: int = 1
+    #: diloco: a replica that downloads the swarm's state (it missed a round, or its group
+    #: averaged apart from the majority's) keeps the progress it has not averaged yet, moved
+    #: onto the downloaded state and sent in its next round, if that progress is at most this
+    #: many rounds stale: 1 when the download is of its own epoch, 2 when it missed one round.
+    #: Staler progress (a long absence) is dropped; 0 always drops it. Overlap always keeps it.
+    carry_epochs: int = CARRY_EPOCHS
 
     def __post_init__(self) -> None:
         if self.overlap and self.name != "diloco":
@@ -39,6 +48,8 @@ class AlgorithmSection:
                 f"algorithm.fragments ({self.fragments}) must be at least 1 and divide "
                 f"algorithm.inner_steps ({self.inner_steps})"
             )
+        if self.carry_epochs < 0:
+            raise RunSpecError(f"algorithm.carry_epochs must be >= 0, got {self.carry_epochs}")
         if self.name not in ("diloco", "sync"):
             raise RunSpecError(f"algorithm.name must be 'diloco' or 'sync', got {self.name!r}")
         positive(

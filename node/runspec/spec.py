@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmgrad.compression.traits import refusal
-from swarmgrad.node.runspec.algorithm import AlgorithmSection
+from swarmgrad.node.runspec.algorithm import CARRY_EPOCHS, AlgorithmSection
 from swarmgrad.node.runspec.averaging import AveragingSection
 from swarmgrad.node.runspec.data import DataSection
 from swarmgrad.node.runspec.errors import RunSpecError
@@ -149,6 +149,8 @@ class RunSpec:
             del sections["algorithm"]["overlap"]
         if sections["algorithm"]["fragments"] == 1:  # ... and from before fragments
             del sections["algorithm"]["fragments"]
+        if sections["algorithm"]["carry_epochs"] == CARRY_EPOCHS:  # ... and carry
+            del sections["algorithm"]["carry_epochs"]
         if self.trust == TrustSection():  # runs from before [trust] keep their hash
             del sections["trust"]
         if not self.pipeline.enabled:  # ... and from before [pipeline]

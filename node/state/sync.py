@@ -89,6 +89,14 @@ def pick_donors(
     return [p for p in others if p.epoch == newest and p.checksum == best]
 
 
+def carries_progress(epoch: int, donor_epoch: int, carry_epochs: int) -> bool:
+    """Whether a replica at ``epoch`` that downloads the state of ``donor_epoch`` keeps the
+    progress it has not averaged yet (``algorithm.carry_epochs``): that progress was made from
+    this replica's state, ``donor_epoch - epoch + 1`` rounds older than the one it goes onto
+    (1: a group that averaged apart at the same epoch; 2: one missed round)."""
+    return carry_epochs > 0 and donor_epoch - epoch + 1 <= carry_epochs
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StateParts:
     """What state sync uses of the node: built before it."""

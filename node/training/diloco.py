@@ -9,6 +9,7 @@ is lost and no replica moves alone. (Douillard et al., "DiLoCo", 2023.)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,8 @@ class DiLoCo(Replica):
     1/K of the bytes, spreading the traffic evenly. The epoch counts fragment rounds.
     Overlap applies per fragment round alike.
     """
+
+    can_carry = True
 
     def __init__(
         self,
@@ -242,8 +245,7 @@ class DiLoCo(Replica):
         # its progress goes onto the swarm's state and into the round it starts now.
         resynced = self._resync_if_needed(carry=self.overlap)
         if resynced is not None:
-            if not self.overlap:
-                self._fragment_samples = [0] * self.fragments
+            if not resynced.carried:
                 return resynced
             report = resynced
         if self.max_epochs is not None and self.epoch >= self.max_epochs:
@@ -251,7 +253,8 @@ class DiLoCo(Replica):
         self._start_round()
         if self.overlap:
             return report
-        return self._land(started)  # blocking: nothing moved meanwhile
+        # Blocking: nothing moved meanwhile. A carried resync's progress goes in this round.
+        return dataclasses.replace(self._land(started), after_resync=resynced)
 
     def _start_round(self) -> None:
         """Start the round due (of the whole vector, or of fragment ``epoch % K``) with the
@@ -362,7 +365,12 @@ class DiLoCo(Replica):
         started = time.monotonic()
         resynced = self._resync_if_needed()
         if resynced is not None:
-            return resynced
+            if not resynced.carried:
+                return resynced
+            # The progress kept goes in the swarm's round of the epoch just downloaded (it is
+            # forming now): the next round would find the swarm a round ahead again.
+            if self.max_epochs is not None and self.epoch >= self.max_epochs:
+                return resynced
         delta = self.outer.pseudo_gradient(flatten(self.params))
         averaged = self._average(delta)
         if averaged.outcome is Outcome.AVERAGED:
@@ -375,4 +383,4 @@ class DiLoCo(Replica):
             self.epoch += 1
             self.samples = 0
             self.publish()
-        return self._report(averaged, started)
+        return dataclasses.replace(self._report(averaged, started), after_resync=resynced)

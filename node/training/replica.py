@@ -19,6 +19,7 @@ from torch import nn
 
 from swarmgrad.node.averaging.rounds import Averaged, Outcome
 from swarmgrad.node.kinds import RoundOutcome
+from swarmgrad.node.state.sync import carries_progress
 from swarmgrad.node.swarm import Swarm
 from swarmgrad.protocol import state
 
@@ -37,6 +38,10 @@ class RoundReport:
     detail: str = ""
     allreduce_seconds: float = 0.0  # the all-reduce alone (no matchmaking), when there was one
     outer_seconds: float = 0.0  # applying the round's result (DiLoCo's outer step)
+    #: A resync: whether the replica kept its unaveraged progress (``algorithm.carry_epochs``).
+    carried: bool = False
+    #: A round: the resync just before it, whose kept progress the round sent.
+    after_resync: RoundReport | None = None
 
     @property
     def summary(self) -> str:
@@ -62,6 +67,9 @@ class PendingRound:
 
 class Replica:
     """The part both algorithms share: feedback, resync, publishing, reports."""
+
+    #: Whether the algorithm can keep its unaveraged progress over a resync (:meth:`_progress`).
+    can_carry = False
 
     def __init__(self, swarm: Swarm, model: nn.Module) -> None:
         self.swarm = swarm
@@ -197,16 +205,19 @@ class Replica:
         return (self._samples_total - self._samples_restored) / elapsed
 
     def _resync_if_needed(self, *, carry: bool = False) -> RoundReport | None:
-        """Download the swarm's state if this replica is behind or diverged. ``carry``: keep
-        the progress made since this replica's own global parameters (and its samples), moved
-        onto the downloaded ones, instead of dropping it (overlapped rounds: a round's work was
-        done from a start one round stale anyway)."""
+        """Download the swarm's state if this replica is behind or diverged. The progress made
+        since this replica's own global parameters (and its samples) is kept, moved onto the
+        downloaded ones, if ``carry`` (overlapped rounds: a round's work was done from a start
+        one round stale anyway) or if the run's ``algorithm.carry_epochs`` allows it; else it
+        is dropped."""
         started = time.monotonic()
         snapshot = self.swarm.snapshot
         assert snapshot is not None  # published since construction
         donors = self.swarm.call(self.swarm.find_donors(self.epoch, snapshot.checksum))
         if not donors:
             return None
+        limit = self.swarm.spec.algorithm.carry_epochs
+        carry = carry or (self.can_carry and carries_progress(self.epoch, donors[0].epoch, limit))
         downloaded = self.swarm.call(self.swarm.download_state(donors, snapshot.values.numel()))
         if downloaded is None:
             return None  # counted by the swarm; try again next round
@@ -236,6 +247,7 @@ class Replica:
             group_size=0,
             seconds=time.monotonic() - started,
             detail=f"from {', '.join(d.peer_id for d in donors)}",
+            carried=progress is not None,
         )
 
     def _progress(self) -> torch.Tensor:

@@ -167,7 +167,10 @@ class Trainer:
             if report is None:
                 continue
             progress.communication_seconds += report.seconds
-            self._record_round(report, replica, evaluate(model, validation, device))
+            val_loss = evaluate(model, validation, device)
+            if report.after_resync is not None:  # its own line and count, before the round's
+                self._record_round(report.after_resync, replica, val_loss)
+            self._record_round(report, replica, val_loss)
             if replica.epoch >= saved_epoch + self.config.settings.checkpoint_every_rounds:
                 self._save(replica, optimizer, feed)
                 saved_epoch = replica.epoch

@@ -18,6 +18,7 @@ import torch
 from swarmgrad.node.averaging.plan import RoundResult
 from swarmgrad.node.averaging.rounds import Averaged, Outcome
 from swarmgrad.node.kinds import RoundOutcome
+from swarmgrad.node.runspec.algorithm import AlgorithmSection
 from swarmgrad.node.training.diloco import DiLoCo
 from swarmgrad.node.training.model import flatten
 
@@ -72,7 +73,11 @@ class Hub:
 
 def fake_swarm(hub: Hub, name: str, *, owner_feedback: bool = False) -> Any:
     swarm = SimpleNamespace(
-        peer_id=name, codec_is_lossless=True, owner_feedback=owner_feedback, snapshot=None
+        peer_id=name,
+        codec_is_lossless=True,
+        owner_feedback=owner_feedback,
+        snapshot=None,
+        spec=SimpleNamespace(algorithm=AlgorithmSection()),
     )
     swarm.publish = lambda snapshot, throughput: setattr(swarm, "snapshot", snapshot)
     swarm.average = lambda vector, *, epoch, weight, keep_sent, owner_residual: hub.join(
