@@ -80,7 +80,7 @@ class Scenario:
 
 def spec_text(group_size: int) -> str:
     """The demo spec in an open run, in groups of ``group_size``."""
-    return DEMO_SPEC.replace("group_size = 4", f"group_size = {group_size}") + (
+    return DEMO_SPEC.replace("group_size = 256", f"group_size = {group_size}") + (
         '\n[trust]\nmode = "open"\n'
     )
 

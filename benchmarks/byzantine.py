@@ -407,7 +407,7 @@ def swarm_run(
     time between rounds, the averaging round and the all-reduce, and the bytes a node sends a
     round."""
     spec = work / f"{mode}.toml"
-    text = DEMO_SPEC.replace("group_size = 4", f"group_size = {nodes}")
+    text = DEMO_SPEC.replace("group_size = 256", f"group_size = {nodes}")
     spec.write_text(text + ('\n[trust]\nmode = "open"\n' if mode == "open" else ""))
     profile = None
     if upload:

@@ -83,7 +83,7 @@ def spec_text(
 ) -> str:
     chosen = f'codec = "{codec}"' + (f"\n{averaging}" if averaging else "")
     text = DEMO_SPEC.replace('codec = "int8"', chosen)
-    text = text.replace("group_size = 4", f"group_size = {nodes}")
+    text = text.replace("group_size = 256", f"group_size = {nodes}")
     text = re.sub(r"inner_steps = \d+", f"inner_steps = {inner_steps}", text)
     outer_lr, outer_momentum = (float(x) for x in outer.split("/"))
     text = text.replace(

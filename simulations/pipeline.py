@@ -103,7 +103,7 @@ def whole_model_bytes(spec: RunSpec) -> int:
 PIPELINE_DEMO_SPEC = (
     DEMO_SPEC.replace('id = "shakespeare-demo"', 'id = "shakespeare-pipeline"')
     .replace("n_layers = 2", "n_layers = 8")
-    .replace("group_size = 4", "group_size = 2")
+    .replace("group_size = 256", "group_size = 2")
     .replace("matchmaking_timeout_seconds = 20.0", "matchmaking_timeout_seconds = 5.0")
     + "\n[pipeline]\nstages = {stages}\nmicrobatches = 4\n"
 )

@@ -46,7 +46,9 @@ log = logging.getLogger(__name__)
 DEMO_SPEC = """\
 # The demo run: a small GPT on Shakespeare's plays, DiLoCo with 8-bit averaging. On a run this
 # short from scratch, plain model averaging (outer lr 1, no momentum) measured best; the paper's
-# Nesterov 0.7/0.9 is for long runs (see docs/benchmarks.md).
+# Nesterov 0.7/0.9 is for long runs (see docs/benchmarks.md). Groups of up to 256: a swarm of
+# that size averages as one group each round (groups smaller than the swarm average apart, and
+# all but one group's work is then replaced: docs/benchmarks.md, "Rounds for volunteers").
 [run]
 id = "shakespeare-demo"
 
@@ -70,7 +72,7 @@ outer_momentum = 0.0
 
 [averaging]
 codec = "int8"
-group_size = 4
+group_size = 256
 matchmaking_timeout_seconds = 20.0
 """
 

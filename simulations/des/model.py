@@ -14,6 +14,9 @@ What each peer does, and whose rule it is:
   first. If no holder of that state is alive and running, the download fails (a connection
   refused, or a paused donor's download timeout) and the peer goes on at its own epoch and reads
   the records again at its next round, as the node does; only a download counts as a resync.
+  What it trained since its last round is kept if the node's carry rule keeps it
+  (``carries_progress``: ``algorithm.carry_epochs``), and it goes on to the round at once; else
+  it is dropped.
 - **Match** (``node/averaging/matchmaking.py``): announce readiness (visible to others after a
   DHT write); from the census (peer records at epoch r or r - 1, a dead peer's until its record
   lapses) take the node's bucket count and this peer's bucket; wait until every expected peer of
@@ -62,6 +65,7 @@ from typing import Any
 
 import simpy
 
+from swarmgrad.node.state.sync import carries_progress
 from swarmgrad.simulations.churn import ChurnEvent
 from swarmgrad.simulations.des import report
 from swarmgrad.simulations.des.board import ModelPeer
@@ -174,9 +178,12 @@ class SwarmModel(Rounds):
                 computing, since = False, env.now
                 round_started = env.now
                 yield env.timeout(self.config.dht_seconds)  # the donors' records, read
-                if self._behind(peer) and (yield from self._resync(peer)):
-                    self._record(peer, "resynced", round_started, 0)
-                    continue
+                if self._behind(peer):
+                    resynced = yield from self._resync(peer)
+                    if resynced:
+                        self._record(peer, "resynced", round_started, 0)
+                    if resynced and (not peer.unaveraged or peer.epoch >= self.config.rounds):
+                        continue  # dropped (nothing to send until it has trained), or done
                 # Not behind, or no donor answered (the node tries again next round).
                 outcome, size, state = yield from self._round(peer)
                 if outcome in ("averaged", "partial"):
@@ -201,7 +208,9 @@ class SwarmModel(Rounds):
     def _resync(self, peer: ModelPeer) -> Generator[simpy.Event, Any, bool]:
         """Download the swarm's state from the live holders of it; whether it did. With none
         (the records of the donors outlive them until they lapse) the node's download fails:
-        after a connection refused, or a paused donor's download timeout."""
+        after a connection refused, or a paused donor's download timeout. What the peer trained
+        since its last round is kept if the node's carry rule keeps it (it then goes on to the
+        round at once, as the node does), else dropped."""
         self._fire_armed(peer, "state_download")
         newest = self._newest()
         target = (newest, self._best(newest))
@@ -217,9 +226,10 @@ class SwarmModel(Rounds):
         rate = min(peer.down, sum(d.up for d in donors))
         latency = max(peer.latency_seconds + d.latency_seconds for d in donors)
         yield self.env.timeout(self.config.dht_seconds + 2 * latency + self.state_bytes / rate)
+        if not carries_progress(peer.epoch, target[0], self.carry_epochs):
+            peer.dropped += peer.unaveraged
+            peer.unaveraged = 0
         peer.epoch, peer.state = target[0], target[1]
-        peer.dropped += peer.unaveraged
-        peer.unaveraged = 0
         self._announce(peer, peer.epoch)
         return True
 

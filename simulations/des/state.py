@@ -38,6 +38,7 @@ class ModelState:
         self.max_donors = StateSyncConfig().max_donors
         self.download_timeout = StateSyncConfig().download_timeout_seconds
         self.inner_steps = spec.algorithm.inner_steps
+        self.carry_epochs = spec.algorithm.carry_epochs
         self.batch = spec.data.batch_size
         self.env = simpy.Environment()
         self.rng = random.Random(f"swarmgrad-des:{config.seed}")

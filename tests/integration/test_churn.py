@@ -115,7 +115,7 @@ def test_eight_nodes_survive_churn_and_end_identical(tmp_path: Path, cache_dir: 
     # each were most of this test's time.
     spec_path.write_text(
         light(DEMO_SPEC)
-        .replace("group_size = 4", "group_size = 8")
+        .replace("group_size = 256", "group_size = 8")
         .replace(
             "matchmaking_timeout_seconds = 20.0",
             "matchmaking_timeout_seconds = 10.0\n"

@@ -163,7 +163,7 @@ def test_a_trained_swarm_exports_and_transformers_reproduces_its_loss(
     tmp_path: Path, cache_dir: Path
 ) -> None:
     spec_path = tmp_path / "run.toml"
-    spec_path.write_text(DEMO_SPEC.replace("group_size = 4", "group_size = 2"))
+    spec_path.write_text(DEMO_SPEC.replace("group_size = 256", "group_size = 2"))
     out = tmp_path / "sim"
     summary = simulate(
         SimulationConfig(nodes=2, rounds=2, spec_path=spec_path, profile_path=None, out_dir=out)
@@ -189,7 +189,7 @@ def test_a_trained_swarm_exports_and_transformers_reproduces_its_loss(
     assert float(shifted) == pytest.approx(node_loss, abs=1e-4)
 
 
-LLAMA_SPEC = DEMO_SPEC.replace("group_size = 4", "group_size = 2").replace(
+LLAMA_SPEC = DEMO_SPEC.replace("group_size = 256", "group_size = 2").replace(
     "[model]\nvocab_size = 2048\nd_model = 128\nn_layers = 2\nn_heads = 4\nseq_len = 64\n",
     '[model]\nkind = "hf"\nvocab_size = 2048\nseq_len = 64\n\n[model.config]\n'
     'model_type = "llama"\nhidden_size = 64\nintermediate_size = 128\nnum_hidden_layers = 2\n'

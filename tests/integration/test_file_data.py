@@ -16,7 +16,7 @@ def test_a_swarm_trains_on_file_shards_with_a_given_tokenizer(tmp_path: Path) ->
     tokenizer, digest = make_shards(tmp_path / "data")
     folder = tmp_path / "data"
     spec = (
-        DEMO_SPEC.replace("group_size = 4", "group_size = 2")
+        DEMO_SPEC.replace("group_size = 256", "group_size = 2")
         .replace("vocab_size = 2048", "vocab_size = 320")
         .replace(
             'source = "demo"',

@@ -22,7 +22,7 @@ def test_a_sign_flipping_peer_is_banned_and_the_honest_swarm_learns(tmp_path: Pa
     spec = tmp_path / "open.toml"
     # One group of 6: each owner's part has 5 other members, the fewest whose statistics judge
     # (the demo's groups of 4 are too small for an open run: its spec check warns).
-    open_demo = DEMO_SPEC.replace("group_size = 4", "group_size = 8")
+    open_demo = DEMO_SPEC.replace("group_size = 256", "group_size = 8")
     assert open_demo != DEMO_SPEC
     spec.write_text(open_demo + '\n[trust]\nmode = "open"\nspot_checks = 5\n')
     profile = tmp_path / "peers.toml"

@@ -67,7 +67,7 @@ def test_a_swarm_syncing_in_fragments_stays_identical(tmp_path: Path) -> None:
     spec_path = tmp_path / "run.toml"
     spec_path.write_text(
         light(DEMO_SPEC)
-        .replace("group_size = 4", "group_size = 2")
+        .replace("group_size = 256", "group_size = 2")
         .replace("outer_momentum = 0.0", "outer_momentum = 0.0\noverlap = true\nfragments = 2")
     )
     spec = RunSpec.load(spec_path)

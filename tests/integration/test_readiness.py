@@ -28,7 +28,7 @@ from swarmgrad.simulations.swarm import DEMO_SPEC
 pytestmark = pytest.mark.slow
 
 SPEC = RunSpec.from_toml(
-    DEMO_SPEC.replace("group_size = 4", "group_size = 2")
+    DEMO_SPEC.replace("group_size = 256", "group_size = 2")
     .replace('codec = "int8"', 'codec = "none"')
     .replace("matchmaking_timeout_seconds = 20.0", "matchmaking_timeout_seconds = 10.0")
 )
@@ -85,7 +85,7 @@ async def test_a_stalled_attempt_withdraws_its_readiness_record(
 async def test_a_peer_that_found_nobody_takes_its_readiness_record_down() -> None:
     # It trains on; a peer arriving for the round later must not build a group around it.
     spec = RunSpec.from_toml(
-        DEMO_SPEC.replace("group_size = 4", "group_size = 2").replace(
+        DEMO_SPEC.replace("group_size = 256", "group_size = 2").replace(
             "matchmaking_timeout_seconds = 20.0", "matchmaking_timeout_seconds = 2.0"
         )
     )

@@ -156,7 +156,7 @@ def test_sync_mode_averages_every_step_and_stays_identical(tmp_path: Path, cache
             "min_lr_ratio = 0.25",
         )
         .replace('codec = "int8"', 'codec = "none"')
-        .replace("group_size = 4", "group_size = 2")
+        .replace("group_size = 256", "group_size = 2")
     )
     steps = 12
     summary = simulate(
