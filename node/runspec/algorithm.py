@@ -37,6 +37,12 @@ class AlgorithmSection:
     #: many rounds stale: 1 when the download is of its own epoch, 2 when it missed one round.
     #: Staler progress (a long absence) is dropped; 0 always drops it. Overlap always keeps it.
     carry_epochs: int = CARRY_EPOCHS
+    #: diloco: a round once this many seconds of training have passed since the replica's last
+    #: one, instead of every inner_steps steps: each replica trains as many inner steps as fit
+    #: (at least one) and is weighted by its samples, so a slower machine neither delays the
+    #: round nor misses it. 0: every inner_steps steps. inner_steps still sets the learning
+    #: rate schedule's steps per round.
+    round_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if self.overlap and self.name != "diloco":
@@ -47,6 +53,13 @@ class AlgorithmSection:
             raise RunSpecError(
                 f"algorithm.fragments ({self.fragments}) must be at least 1 and divide "
                 f"algorithm.inner_steps ({self.inner_steps})"
+            )
+        if not (math.isfinite(self.round_seconds) and self.round_seconds >= 0):
+            raise RunSpecError(f"algorithm.round_seconds must be >= 0, got {self.round_seconds}")
+        if self.round_seconds and (self.name != "diloco" or self.fragments != 1):
+            raise RunSpecError(
+                "algorithm.round_seconds is for algorithm.name = 'diloco' without fragments "
+                "(fragments take turns by steps)"
             )
         if self.carry_epochs < 0:
             raise RunSpecError(f"algorithm.carry_epochs must be >= 0, got {self.carry_epochs}")

@@ -151,6 +151,8 @@ class RunSpec:
             del sections["algorithm"]["fragments"]
         if sections["algorithm"]["carry_epochs"] == CARRY_EPOCHS:  # ... and carry
             del sections["algorithm"]["carry_epochs"]
+        if not sections["algorithm"]["round_seconds"]:  # ... and time windows
+            del sections["algorithm"]["round_seconds"]
         if self.trust == TrustSection():  # runs from before [trust] keep their hash
             del sections["trust"]
         if not self.pipeline.enabled:  # ... and from before [pipeline]

@@ -230,6 +230,11 @@ class DiLoCo(Replica):
         self.count(samples)
         if self._steps % self.sync_every:
             return None
+        return self.boundary()
+
+    def boundary(self) -> RoundReport | None:
+        """A round boundary now, whatever the step count (a time window's end: ``window.py``):
+        the round due, overlapped or fragmented as the replica is set up."""
         if self.fragments > 1 or self.overlap:
             return self.streaming_round()
         return self.outer_round()

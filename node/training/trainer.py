@@ -40,6 +40,7 @@ from swarmgrad.node.training.model import build_model
 from swarmgrad.node.training.progress import Progress
 from swarmgrad.node.training.spot_check import LossProbe
 from swarmgrad.node.training.step import InnerStep, evaluate, set_lr
+from swarmgrad.node.training.window import RoundWindow, take_step
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ class Trainer:
             if caught_up is not None:
                 self._record_round(caught_up, replica, evaluate(model, validation, device))
         saved_epoch = replica.epoch
+        window = RoundWindow(algorithm.round_seconds) if algorithm.round_seconds else None
         self._session_started, self._session_tokens = time.monotonic(), progress.tokens
         done = self._done(replica)
         while not stop.is_set() and not done:
@@ -161,7 +163,7 @@ class Trainer:
             # On a GPU the step runs ahead of the host: its time shows when the losses are read.
             progress.compute_seconds += time.monotonic() - step_started
             try:
-                report = replica.step(samples=len(inputs))
+                report = take_step(replica, window, samples=len(inputs))
             except concurrent.futures.CancelledError:  # stopping while in a round
                 break
             if report is None:

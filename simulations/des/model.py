@@ -6,7 +6,8 @@ peer's life and the churn.
 
 What each peer does, and whose rule it is:
 
-- **Train**: H inner steps (``algorithm.inner_steps``) of ``step_seconds x slowdown``.
+- **Train**: H inner steps (``algorithm.inner_steps``) of ``step_seconds x slowdown``, or with a
+  time window (``algorithm.round_seconds``) as many as fit it (``window.steps_in_window``).
 - **Resync**: before a round, a peer behind the newest epoch that a live peer record announces
   (``pick_donors``: a dead peer's record counts until it lapses) downloads the state (theta and
   the outer momentum, fp32) from up to ``StateSyncConfig.max_donors`` donors at once, each
@@ -66,6 +67,7 @@ from typing import Any
 import simpy
 
 from swarmgrad.node.state.sync import carries_progress
+from swarmgrad.node.training.window import steps_in_window
 from swarmgrad.simulations.churn import ChurnEvent
 from swarmgrad.simulations.des import report
 from swarmgrad.simulations.des.board import ModelPeer
@@ -108,7 +110,9 @@ class SwarmModel(Rounds):
         cannot form groups any more): the summary says it stalled."""
         slowest = max(p.slowdown for p in self.config.profiles)
         patience = 10 * (
-            self.inner_steps * self.config.step_seconds * slowest
+            max(self.inner_steps, 1 + self.round_seconds / self.config.step_seconds)
+            * self.config.step_seconds
+            * slowest
             + self.matchmaking_timeout
             + self.allreduce.round_timeout_seconds
             + max(p.offline_seconds for p in self.config.profiles)
@@ -168,12 +172,13 @@ class SwarmModel(Rounds):
                 else:  # no donor answered: it trains on and reads the records again next round
                     peer.communication_seconds += env.now - started
             while peer.epoch < self.config.rounds:
-                compute = self.inner_steps * self.config.step_seconds * peer.profile.slowdown
+                steps = self._steps_per_round(peer)
+                compute = steps * self.config.step_seconds * peer.profile.slowdown
                 computing, since = True, env.now
                 yield env.timeout(compute)
                 peer.compute_seconds += compute
-                peer.samples += self.inner_steps * self.batch
-                peer.unaveraged += self.inner_steps * self.batch
+                peer.samples += steps * self.batch
+                peer.unaveraged += steps * self.batch
                 peer.trained_online = peer.online_seconds + env.now - peer.online_since
                 computing, since = False, env.now
                 round_started = env.now
@@ -204,6 +209,12 @@ class SwarmModel(Rounds):
                 peer.compute_seconds += env.now - since
             else:
                 peer.communication_seconds += env.now - since
+
+    def _steps_per_round(self, peer: ModelPeer) -> int:
+        """Inner steps before a round: ``inner_steps``, or as many as fit the time window."""
+        if not self.round_seconds:
+            return self.inner_steps
+        return steps_in_window(self.round_seconds, self.config.step_seconds * peer.profile.slowdown)
 
     def _resync(self, peer: ModelPeer) -> Generator[simpy.Event, Any, bool]:
         """Download the swarm's state from the live holders of it; whether it did. With none

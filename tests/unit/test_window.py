@@ -1,0 +1,114 @@
+"""Rounds by time window (``algorithm.round_seconds``): each replica trains as many inner steps
+as fit and comes to the round weighted by its samples, so peers of different speeds are ready
+together: in the model, a swarm with a 4x speed spread averages every round as one group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from swarmgrad.node.kinds import RoundOutcome
+from swarmgrad.node.runspec import RunSpec, RunSpecError
+from swarmgrad.node.training.window import RoundWindow, steps_in_window, take_step
+from swarmgrad.simulations.des.model import ModelConfig, SwarmModel
+from swarmgrad.simulations.profiles import PeerProfile
+from swarmgrad.simulations.swarm import DEMO_SPEC
+from tests.unit.test_overlap import Hub, replicas
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_window_fits_whole_steps_and_at_least_one() -> None:
+    assert steps_in_window(1.0, 0.25) == 4
+    assert steps_in_window(1.0, 0.3) == 4  # the step that crosses the end finishes
+    assert steps_in_window(1.0, 4.0) == 1
+    clock = Clock()
+    window = RoundWindow(2.0, clock)
+    assert not window.due()
+    clock.now += 2.0
+    assert window.due()
+    window.restart()
+    assert not window.due()
+    with pytest.raises(ValueError, match="positive"):
+        RoundWindow(0.0, clock)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("round_seconds = -1.0", "must be >= 0"),
+        ('round_seconds = 5.0\nname = "sync"', "for algorithm.name = 'diloco' without fragments"),
+        ("round_seconds = 5.0\nfragments = 2\ninner_steps = 10", "without fragments"),
+    ],
+)
+def test_the_spec_refuses_windows_it_cannot_keep(extra: str, message: str) -> None:
+    with pytest.raises(RunSpecError, match=message):
+        RunSpec.from_toml(f'[run]\nid = "w"\n[algorithm]\n{extra}\n')
+    fine = RunSpec.from_toml('[run]\nid = "w"\n[algorithm]\nround_seconds = 5.0\n')
+    assert fine.algorithm.round_seconds == 5.0
+    assert fine.hash != RunSpec.from_toml('[run]\nid = "w"\n').hash
+
+
+def test_a_replica_rounds_when_its_window_ends_with_the_samples_it_trained() -> None:
+    """Two replicas, one 2x faster: each trains until its window ends (4 steps against 2) and
+    their round weighs them by their samples; the next window starts at the round."""
+    hub = Hub(members=2)
+    made = replicas(hub, 2, overlap=True)  # overlapped: the round starts without blocking
+    clock = Clock()
+    windows = [RoundWindow(1.0, clock), RoundWindow(1.0, clock)]
+    step_seconds = [0.25, 0.5]
+    steps = [0, 0]
+    reports: list[Any] = [None, None]
+    for i, ((model_, replica), window) in enumerate(zip(made, windows, strict=True)):
+        clock.now = 100.0
+        while reports[i] is None and steps[i] < 100:
+            with torch.no_grad():
+                for p in model_.parameters():
+                    p.add_(0.01)
+            clock.now += step_seconds[i]
+            steps[i] += 1
+            take_step(replica, window, samples=4)
+            reports[i] = replica._in_flight
+    assert steps == [4, 2]
+    weights = [r._in_flight.weight for _, r in made]  # type: ignore[union-attr]
+    assert weights == [16, 8]  # 4 samples a step
+    assert not windows[0].due()  # restarted at its round
+    landed = [r.drain() for _, r in made]
+    assert {d.outcome for d in landed if d is not None} == {RoundOutcome.AVERAGED}
+    assert len({r.outer.checksum() for _, r in made}) == 1
+
+
+def test_a_4x_speed_spread_averages_every_round_as_one_group() -> None:
+    """In the model: 8 peers, 1x to 4x slower. With fixed steps the fast ones wait for the
+    slow ones at every round; with a window they are ready together: every round is averaged
+    by all 8, nothing is resynced or lost, and their compute is more of their time."""
+    profiles = tuple(
+        PeerProfile(upload_bytes_per_second=5e6, slowdown=1 + 3 * i / 7) for i in range(8)
+    )
+    window = DEMO_SPEC.replace("[averaging]", "round_seconds = 1.0\n\n[averaging]")
+
+    def run(text: str) -> SwarmModel:
+        swarm = SwarmModel(
+            ModelConfig(spec=RunSpec.from_toml(text), nodes=8, rounds=6, profiles=profiles,
+                        step_seconds=0.05)
+        )  # fmt: skip
+        swarm.run()
+        return swarm
+
+    fixed, windowed = run(DEMO_SPEC), run(window)
+    for peer in windowed.peers:
+        assert [(h["outcome"], h["group_size"]) for h in peer.history] == [("averaged", 8)] * 6
+    summary = windowed.summary()
+    assert summary["totals"]["samples_kept"] == 1.0
+    # The fastest peer trained 4x the slowest's steps, in the same time.
+    samples = sorted(p.samples for p in windowed.peers)
+    assert samples[-1] >= 3.5 * samples[0]
+    assert summary["totals"]["utilization"] > fixed.summary()["totals"]["utilization"]
