@@ -37,7 +37,8 @@ What each peer does, and whose rule it is:
   (``round_timeout_seconds``): past it the chunks not yet through are missing and the round is
   partial, or aborted if no chunk got through (each part's chunks taken to stream at one pace).
   The per-round overhead (the outer step) follows an averaged or partial round. A member that
-  dies mid-round leaves its part out (partial) after the sender timeout.
+  dies mid-round leaves its part out (partial): a crashed one once its connections reset (a
+  round trip), a paused one after the sender timeout.
 - **Churn**: the run's schedule (``churn.py``: kill, stop, start, pause, resume at an epoch,
   a kill "during" a round or a state download), and random sessions from the profiles
   (``session_seconds``: mean of exponential sessions, then ``offline_seconds`` away). A crash
@@ -259,18 +260,23 @@ class SwarmModel(Rounds):
             self._unlist(peer)
         else:
             self.env.process(self._lapse(peer))
-        self._halt(peer)
+        self._halt(peer, reset=True)
         for board in self.boards.values():
             self._settled(board, peer.peer_id)
 
-    def _halt(self, peer: ModelPeer) -> None:
-        """Stop ``peer``'s process; its all-reduce goes on without it."""
+    def _halt(self, peer: ModelPeer, *, reset: bool) -> None:
+        """Stop ``peer``'s process; its all-reduce goes on without it. ``reset``: its process is
+        gone, and so are its connections (the others' streams fail at once, as a SIGKILLed
+        member's did in ``benchmarks/allreduce.py``); else it fell silent (paused, partitioned)
+        and they wait out the sender timeout."""
         if peer.process is not None and peer.process.is_alive:
             peer.process.interrupt()
         exchange, peer.exchange = peer.exchange, None
         if exchange is not None and exchange.process is not None and exchange.process.is_alive:
             exchange.dead.append(peer.index)
-            exchange.process.interrupt()
+            exchange.process.interrupt(
+                2 * peer.latency_seconds if reset else self.allreduce.sender_timeout_seconds
+            )
 
     def _churn(self) -> Events:
         for event in self.config.events:
@@ -292,7 +298,7 @@ class SwarmModel(Rounds):
         elif event.action in ("pause", "partition"):
             target.paused = True
             self.env.process(self._lapse(target))
-            self._halt(target)
+            self._halt(target, reset=False)
         else:  # resume or heal: stale, it catches up by state sync
             target.paused = False
             self._announce(target, target.epoch)

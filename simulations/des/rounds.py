@@ -209,8 +209,8 @@ class Rounds(ModelState):
         while env.now < end:
             try:
                 yield env.timeout(end - env.now)
-            except simpy.Interrupt:  # a member died: the others drop it after the sender timeout
-                end = min(max(end, env.now + self.allreduce.sender_timeout_seconds), deadline)
+            except simpy.Interrupt as halted:  # a member died: the others drop it this much later
+                end = min(max(end, env.now + float(halted.cause or 0.0)), deadline)
         if seconds > timeout:
             # The parts stream their chunks side by side: by the deadline, about this share of
             # each part's chunks is through (none at all: the round is aborted), and about this
