@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.training.model import parameter_count
 from swarmgrad.simulations.des import calibrate, driver, whatif
-from swarmgrad.simulations.des.model import ModelConfig, parameter_count, simulate
+from swarmgrad.simulations.des.model import ModelConfig, simulate
 from swarmgrad.simulations.profiles import PeerProfile
 from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig
 from swarmgrad.simulations.swarm import simulate as run_processes
@@ -185,10 +186,11 @@ def main() -> None:
     demo = with_codec(DEMO_SPEC, args.codec, args.codec_option)
     demo_step = calibrate.step_seconds(demo)
     big = with_codec(ONE_B_SPEC, args.codec, args.codec_option)
-    params = parameter_count(big)
+    params = parameter_count(big.model)
     tokens = big.data.batch_size * big.model.seq_len
     big_step = 6 * params * tokens / (args.gpu_tflops * 1e12 * args.mfu)
-    print(f"demo: {parameter_count(demo):,} params, one inner step {demo_step * 1e3:.1f} ms here")
+    demo_params = parameter_count(demo.model)
+    print(f"demo: {demo_params:,} params, one inner step {demo_step * 1e3:.1f} ms here")
     print(f"1B: {params:,} params, one inner step {big_step:.2f} s on the assumed GPU")
     print(f"codec: {big.averaging.codec} {big.averaging.codec_options or ''}")
 

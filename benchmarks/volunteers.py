@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.training.model import parameter_count
 from swarmgrad.simulations.des import whatif
-from swarmgrad.simulations.des.model import ModelConfig, parameter_count, simulate
+from swarmgrad.simulations.des.model import ModelConfig, simulate
 from swarmgrad.simulations.profiles import PeerProfile, load_profile
 from swarmgrad.simulations.swarm import DEMO_SPEC
 
@@ -47,7 +48,7 @@ def one_b_spec() -> RunSpec:
 
 def one_b_step_seconds(spec: RunSpec) -> float:
     tokens = spec.data.batch_size * spec.model.seq_len
-    return 6 * parameter_count(spec) * tokens / (165e12 * 0.4)
+    return 6 * parameter_count(spec.model) * tokens / (165e12 * 0.4)
 
 
 def rounds_spec(spec: RunSpec, rules: str, peers: int, step_seconds: float) -> RunSpec:

@@ -1,5 +1,4 @@
-"""The discrete-event model's input: one modelled swarm (``ModelConfig``) and the run's model
-size."""
+"""The discrete-event model's input: one modelled swarm (``ModelConfig``)."""
 
 from __future__ import annotations
 
@@ -10,18 +9,12 @@ from typing import Any
 import simpy
 
 from swarmgrad.node.runspec import RunSpec
-from swarmgrad.node.training.model import parameter_count as model_parameters
 from swarmgrad.simulations.churn import ChurnEvent
 from swarmgrad.simulations.profiles import PeerProfile, SimulationError
 
 Events = Generator[simpy.Event, Any, Any]
 #: A link with no cap in the profile (loopback, or a datacentre): 10 Gbit/s.
 UNCAPPED_BYTES_PER_SECOND = 1.25e9
-
-
-def parameter_count(spec: RunSpec) -> int:
-    """The run's model size, built on the meta device (no memory, any size)."""
-    return model_parameters(spec.model)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -12,9 +12,10 @@ from typing import Any
 
 from swarmgrad.node.files import jsonable
 from swarmgrad.node.runspec import RunSpec
+from swarmgrad.node.training.model import parameter_count
 from swarmgrad.simulations.churn import ScheduleError, load_schedule
 from swarmgrad.simulations.des import calibrate
-from swarmgrad.simulations.des.model import ModelConfig, parameter_count, simulate
+from swarmgrad.simulations.des.model import ModelConfig, simulate
 from swarmgrad.simulations.profiles import SimulationError, load_profile
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def model_config(config: DesConfig) -> ModelConfig:
         step = calibrate.step_seconds(spec)
         log.info("one inner step takes %.4f s here (1 thread)", step)
     codec_rate = config.codec_values_per_second
-    if codec_rate is None and parameter_count(spec) <= calibrate.MAX_MEASURED_PARAMETERS:
+    if codec_rate is None and parameter_count(spec.model) <= calibrate.MAX_MEASURED_PARAMETERS:
         codec_rate = calibrate.codec_values_per_second(spec)
         log.info("the codec does %.3g values/s here (pass --codec-rate to fix it)", codec_rate)
     return ModelConfig(

@@ -76,7 +76,6 @@ from swarmgrad.simulations.des.config import (
     UNCAPPED_BYTES_PER_SECOND,
     Events,
     ModelConfig,
-    parameter_count,
 )
 from swarmgrad.simulations.des.report import totals
 from swarmgrad.simulations.des.rounds import Rounds
@@ -85,7 +84,6 @@ __all__ = [
     "UNCAPPED_BYTES_PER_SECOND",
     "ModelConfig",
     "SwarmModel",
-    "parameter_count",
     "simulate",
     "totals",
 ]

@@ -16,9 +16,10 @@ from swarmgrad.node.averaging.plan import AllReduceConfig
 from swarmgrad.node.discovery.directory import DirectoryConfig
 from swarmgrad.node.state.sync import StateSyncConfig
 from swarmgrad.node.swarm_config import allreduce_config
+from swarmgrad.node.training.model import parameter_count
 from swarmgrad.simulations.churn import ChurnEvent
 from swarmgrad.simulations.des.board import Board, ModelPeer, checksum
-from swarmgrad.simulations.des.config import Events, ModelConfig, parameter_count
+from swarmgrad.simulations.des.config import Events, ModelConfig
 from swarmgrad.simulations.profiles import SimulationError
 
 
@@ -30,7 +31,7 @@ class ModelState:
         self.config = config
         spec = config.spec
         self.allreduce: AllReduceConfig = allreduce_config(spec)
-        self.params = parameter_count(spec)
+        self.params = parameter_count(spec.model)
         self.state_bytes = 2 * 4 * self.params  # theta and the outer momentum, fp32
         self.group_size = spec.averaging.group_size
         self.matchmaking_timeout = spec.averaging.matchmaking_timeout_seconds

@@ -18,9 +18,10 @@ from swarmgrad.node.cli import app
 from swarmgrad.node.reachability.service import LIVENESS_TIMEOUT_SECONDS
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.swarm_config import allreduce_config
+from swarmgrad.node.training.model import parameter_count
 from swarmgrad.simulations.churn import ChurnEvent
 from swarmgrad.simulations.des.groups import Candidates
-from swarmgrad.simulations.des.model import ModelConfig, parameter_count, simulate
+from swarmgrad.simulations.des.model import ModelConfig, simulate
 from swarmgrad.simulations.des.traffic import part_bytes, round_traffic
 from swarmgrad.simulations.profiles import PeerProfile, SimulationError, load_profile
 from swarmgrad.simulations.swarm import DEMO_SPEC
@@ -62,7 +63,7 @@ def test_traffic_is_the_butterflys_bytes_from_the_real_codec() -> None:
         Member(peer_id=f"p{i}", endpoint="e", bandwidth=b) for i, b in enumerate([1, 1, 2, 0])
     )
     group = Group(round=0, members=members)
-    total = parameter_count(SPEC)
+    total = parameter_count(SPEC.model)
     traffic = round_traffic(group, total, config)
     parts = group.partition(total)
     chunks = [part_bytes(config, end - start) for start, end in parts]
