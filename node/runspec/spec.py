@@ -27,6 +27,7 @@ from swarmgrad.node.runspec.run import RunSection
 from swarmgrad.node.runspec.trust import (
     OPEN_GROUP_SIZE,
     OPEN_JUDGED_GROUP_SIZE,
+    OPEN_MAX_GROUP_SIZE,
     TrustSection,
 )
 
@@ -50,6 +51,13 @@ class RunSpec:
     def __post_init__(self) -> None:
         if self.pipeline.enabled:
             self._check_pipeline()
+        group = self.averaging.group_size
+        if self.trust.open and group > OPEN_MAX_GROUP_SIZE:
+            raise RunSpecError(
+                f"averaging.group_size = {group}: an open run's groups hold at most "
+                f"{OPEN_MAX_GROUP_SIZE} members (the most that evidence against a part's owner "
+                f"may list); use {OPEN_MAX_GROUP_SIZE} or fewer"
+            )
         for key in ("codec", "result_codec"):
             codec = getattr(self.averaging, key)
             why = refusal(codec, "open_runs") if self.trust.open and codec else None

@@ -13,6 +13,9 @@ OPEN_GROUP_SIZE = 8
 #: The smallest group whose parts' statistics judge members (``node/trust/observations.py``
 #: ``MIN_JUDGED_MEMBERS`` other members, the owner's own values being out of its part).
 OPEN_JUDGED_GROUP_SIZE = 6
+#: The largest group of an open run: evidence against a part's owner lists the group's members,
+#: and peers take no evidence listing more (``node/averaging/open/evidence.py``).
+OPEN_MAX_GROUP_SIZE = 256
 AGGREGATORS = ("mean", "centered_clip", "median", "trimmed_mean")
 
 

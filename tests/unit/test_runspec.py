@@ -208,6 +208,15 @@ def test_open_runs_default_to_groups_whose_parts_can_judge_their_members() -> No
     (warning,) = small.warnings()
     assert "group_size = 4" in warning
     assert "noise is merely clipped" in warning
+    # The demo's 256 is the most an open run's groups may hold; a trusted run may go past it.
+    for size, refused in ((256, False), (257, True)):
+        text = f'[run]\nid = "x"\n[averaging]\ngroup_size = {size}\n'
+        assert RunSpec.from_toml(text).averaging.group_size == size
+        if refused:
+            with pytest.raises(RunSpecError, match="open run's groups hold at most 256"):
+                RunSpec.from_toml(text + '[trust]\nmode = "open"\n')
+        else:
+            assert RunSpec.from_toml(text + '[trust]\nmode = "open"\n').warnings() == []
 
 
 def test_every_mistake_in_a_spec_is_reported_at_once_with_the_name_it_likely_meant() -> None:

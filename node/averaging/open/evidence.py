@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from google.protobuf.message import DecodeError
 
 from swarmgrad.node.averaging.group import Group, Member
+from swarmgrad.node.runspec.trust import OPEN_MAX_GROUP_SIZE
 from swarmgrad.node.trust.checks import commitment
 from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.protocol.averaging import (
@@ -55,8 +56,8 @@ REASONS = {
 }
 #: Larger evidence is not published (a DHT value is small); it stays a local ban.
 MAX_EVIDENCE_BYTES = 12 * 1024
-#: The most members a group in evidence may list.
-MAX_MEMBERS = 256
+#: The most members a group in evidence may list (so an open run's spec refuses larger groups).
+MAX_MEMBERS = OPEN_MAX_GROUP_SIZE
 
 
 class EvidenceError(ValueError):
