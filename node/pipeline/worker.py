@@ -8,7 +8,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -58,7 +58,7 @@ class WorkerStats:
     need_inputs: int = 0
     samples: int = 0  # accumulated into inner steps
     evicted: int = 0
-    rounds: dict[str, int] = field(default_factory=dict)  # outer rounds by outcome
+    rounds: Counter[str] = field(default_factory=Counter)  # outer rounds by outcome
 
 
 class StageWorker:
@@ -364,15 +364,14 @@ class StageWorker:
             report = replica.outer_round()
             outcome, group, seconds = report.outcome.value, report.group_size, report.seconds
             if report.after_resync is not None:  # counted as its own round, as the trainer does
-                resynced = report.after_resync.outcome.value
-                self.stats.rounds[resynced] = self.stats.rounds.get(resynced, 0) + 1
+                self.stats.rounds[report.after_resync.outcome.value] += 1
         else:  # the stage's only replica: a group of one, with no matchmaking to wait out
             replica.outer_step_alone()
             outcome, group, seconds = "alone", 1, 0.0
         # The round published the state with the replica's rate of samples (its share of the
         # work); a stage replica announces its capacity (what rebalancing compares) instead.
         replica.swarm.announce_throughput(self.samples_per_second)
-        self.stats.rounds[outcome] = self.stats.rounds.get(outcome, 0) + 1
+        self.stats.rounds[outcome] += 1
         if self.checkpoint_every and replica.epoch % self.checkpoint_every == 0:
             self.save()
         log.info(

@@ -154,6 +154,11 @@ def checksum(state: Hashable) -> bytes:
     return hashlib.blake2b(repr(state).encode(), digest_size=8).digest()
 
 
+def majority(votes: Counter[Hashable]) -> Hashable:
+    """The state most of ``votes`` hold; ties go to the smallest checksum (``pick_donors``)."""
+    return min(votes, key=lambda state: (-votes[state], checksum(state)))
+
+
 def gone_at(peer: ModelPeer, started: float) -> float:
     """When a matchmaking that began at ``started`` stops waiting for ``peer``: once it has asked
     it (after ``PROBE_AFTER_SECONDS``) and a dead one's connection was refused (a round trip) or

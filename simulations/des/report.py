@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from swarmgrad.simulations.des.board import checksum
+from swarmgrad.simulations.des.board import majority
 from swarmgrad.simulations.summary import epoch_curves
 
 if TYPE_CHECKING:
@@ -83,8 +83,7 @@ def final_state(model: SwarmModel) -> Hashable:
     if not alive:
         return "init"
     newest = max(p.epoch for p in alive)
-    votes = Counter(p.state for p in alive if p.epoch == newest)
-    return min(votes, key=lambda state: (-votes[state], checksum(state)))
+    return majority(Counter(p.state for p in alive if p.epoch == newest))
 
 
 def samples_in_model(model: SwarmModel) -> float:

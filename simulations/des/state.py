@@ -18,7 +18,7 @@ from swarmgrad.node.state.sync import StateSyncConfig
 from swarmgrad.node.swarm_config import allreduce_config
 from swarmgrad.node.training.model import parameter_count
 from swarmgrad.simulations.churn import ChurnEvent
-from swarmgrad.simulations.des.board import Board, ModelPeer, checksum
+from swarmgrad.simulations.des.board import Board, ModelPeer, majority
 from swarmgrad.simulations.des.config import Events, ModelConfig
 from swarmgrad.simulations.profiles import SimulationError
 
@@ -107,9 +107,7 @@ class ModelState:
     def _best(self, epoch: int) -> Hashable | None:
         """The state most live records at ``epoch`` announce (ties: the smallest checksum)."""
         votes = self.votes.get(epoch)
-        if not votes:
-            return None
-        return min(votes, key=lambda state: (-votes[state], checksum(state)))
+        return majority(votes) if votes else None
 
     def _newest(self) -> int:
         """The swarm's epoch as ``pick_donors`` reads it: the newest a live peer record announces
