@@ -19,6 +19,7 @@ epoch any running node reports) reaches ``at_epoch``::
     action = "kill"
     node = 4
     during = "state_download"  # while it downloads the swarm's state
+                               # ("checkpoint": just after it wrote one, mid-round too)
 
     [[event]]
     at_epoch = 6
@@ -50,7 +51,11 @@ ACTIONS = ("kill", "stop", "start", "pause", "resume", "partition", "heal")
 UNTIL = {"pause": "resume", "partition": "heal"}
 ENDS = {end: cut for cut, end in UNTIL.items()}
 #: What a node logs when it enters each phase an event can wait for.
-MARKERS = {"round": "averaging in a group of", "state_download": "downloading state"}
+MARKERS = {
+    "round": "averaging in a group of",
+    "state_download": "downloading state",
+    "checkpoint": "checkpoint epoch-",  # written (a failed write logs "checkpoint failed")
+}
 
 
 class ScheduleError(ValueError):
@@ -62,7 +67,7 @@ class ChurnEvent:
     at_epoch: int
     action: str
     node: int
-    during: str = ""  # "", "round" or "state_download": a kill waits for that phase
+    during: str = ""  # "" or a MARKERS key: a kill waits for that phase
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -76,6 +81,8 @@ class ChurnEvent:
 
     def describe(self) -> str:
         when = f" during its {self.during.replace('_', ' ')}" if self.during else ""
+        if self.during == "checkpoint":
+            when = " just after a checkpoint"
         return f"epoch {self.at_epoch}: {self.action} node {self.node}{when}"
 
 

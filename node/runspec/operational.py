@@ -76,6 +76,12 @@ class NodeSection:
     checkpoint_every_rounds: int = _setting(
         10, "Files", "Write a checkpoint every this many rounds"
     )
+    checkpoint_every_seconds: int = _setting(
+        600,
+        "Files",
+        "Also write one mid-round once this many seconds of training are in no round or "
+        "checkpoint yet: a crash loses at most that much (0: off)",
+    )
     keep_checkpoints: int = _setting(3, "Files", "Keep this many newest checkpoints")
     discovery: str = _setting(
         "hivemind", "Network", "DHT backend (libp2p: pure Python, anywhere)", BACKENDS
@@ -115,6 +121,11 @@ class NodeSection:
                     "node.metrics_address must be host:port, 'auto' or 'off', got "
                     f"{self.metrics_address!r}"
                 )
+        if self.checkpoint_every_seconds < 0:
+            raise RunSpecError(
+                "node.checkpoint_every_seconds must be 0 (off) or more, got "
+                f"{self.checkpoint_every_seconds}"
+            )
         positive(
             "node",
             checkpoint_every_rounds=self.checkpoint_every_rounds,

@@ -305,7 +305,12 @@ class DiLoCo(Replica):
             self.samples += int(pending.weight)  # their progress goes with the next round
         else:
             self._fragment_samples[fragment] += int(pending.weight)
-        return self._report(averaged, started, outer_seconds=time.monotonic() - outer_started)
+        return self._report(
+            averaged,
+            started,
+            weight=pending.weight,
+            outer_seconds=time.monotonic() - outer_started,
+        )
 
     def _progress(self) -> torch.Tensor:
         local = flatten(self.params)
@@ -377,6 +382,7 @@ class DiLoCo(Replica):
             if self.max_epochs is not None and self.epoch >= self.max_epochs:
                 return resynced
         delta = self.outer.pseudo_gradient(flatten(self.params))
+        weight = self.samples
         averaged = self._average(delta)
         if averaged.outcome is Outcome.AVERAGED:
             assert averaged.result is not None
@@ -388,4 +394,5 @@ class DiLoCo(Replica):
             self.epoch += 1
             self.samples = 0
             self.publish()
-        return dataclasses.replace(self._report(averaged, started), after_resync=resynced)
+        report = self._report(averaged, started, weight=weight)
+        return dataclasses.replace(report, after_resync=resynced)

@@ -42,6 +42,8 @@ class RoundReport:
     carried: bool = False
     #: A round: the resync just before it, whose kept progress the round sent.
     after_resync: RoundReport | None = None
+    #: A round averaged (in whole or part): the samples this replica's contribution weighed.
+    sent_samples: int = 0
 
     @property
     def summary(self) -> str:
@@ -51,6 +53,10 @@ class RoundReport:
         if self.outcome in (RoundOutcome.RESYNCED, RoundOutcome.ALONE):
             return str(self.outcome)
         return f"{self.outcome} (group of {self.group_size})"
+
+
+#: The outcomes in which this replica's contribution went into its group's result.
+_SENT = (RoundOutcome.AVERAGED, RoundOutcome.PARTIAL)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -306,7 +312,7 @@ class Replica:
         return averaged
 
     def _report(
-        self, averaged: Averaged, started: float, *, outer_seconds: float = 0.0
+        self, averaged: Averaged, started: float, *, weight: float, outer_seconds: float = 0.0
     ) -> RoundReport:
         result = averaged.result
         missing = sum(end - start for start, end in result.missing) if result else 0
@@ -322,4 +328,5 @@ class Replica:
             detail=averaged.error,
             allreduce_seconds=averaged.seconds,
             outer_seconds=outer_seconds,
+            sent_samples=int(weight) if outcome in _SENT else 0,
         )

@@ -118,6 +118,7 @@ class SyncDataParallel(Replica):
                 for p in self.params
             ]
         ).div_(self._micro_batches)
+        weight = self.samples
         averaged = self._average(gradient)
         if averaged.outcome is Outcome.AVERAGED:
             assert averaged.result is not None
@@ -127,7 +128,7 @@ class SyncDataParallel(Replica):
                 self._residual[start:end] += sent[start:end]
                 mean[start:end] = 0.0
             self._apply(mean)
-            return self._report(averaged, started)
+            return self._report(averaged, started, weight=weight)
         if self.samples >= self.target_batch_size:  # the whole global batch is ours alone
             self._apply(gradient)
             return RoundReport(
@@ -137,7 +138,7 @@ class SyncDataParallel(Replica):
                 seconds=0.0,
                 detail=averaged.error,
             )
-        return self._report(averaged, started)
+        return self._report(averaged, started, weight=weight)
 
     def _apply(self, gradient: torch.Tensor) -> None:
         offset = 0

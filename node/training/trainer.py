@@ -2,8 +2,9 @@
 
 ``Trainer.train`` runs in a worker thread (torch off the event loop) and reads top to bottom:
 set up the device, data and model; resume from the newest valid checkpoint, then catch up with
-the swarm; then step, and after each round evaluate, report, and every few rounds checkpoint. It
-stops when asked (``stop``), or when the replica reaches ``max_epochs``, and checkpoints then too.
+the swarm; then step, and after each round evaluate, report, and every few rounds checkpoint
+(and every few minutes, mid-round too: ``checkpoint_every_seconds``). It stops when asked
+(``stop``), or when the replica reaches ``max_epochs``, and checkpoints then too.
 """
 
 from __future__ import annotations
@@ -145,7 +146,8 @@ class Trainer:
             caught_up = replica.catch_up()
             if caught_up is not None:
                 self._record_round(caught_up, replica, evaluate(model, validation, device))
-        saved_epoch = replica.epoch
+        saved_epoch, saved_at = replica.epoch, time.monotonic()
+        every_seconds = self.config.settings.checkpoint_every_seconds
         window = RoundWindow(algorithm.round_seconds) if algorithm.round_seconds else None
         self._session_started, self._session_tokens = time.monotonic(), progress.tokens
         done = self._done(replica)
@@ -167,6 +169,12 @@ class Trainer:
             except concurrent.futures.CancelledError:  # stopping while in a round
                 break
             if report is None:
+                # Mid-round: the training since the last round (or checkpoint) is in no one's
+                # model but this replica's; a checkpoint keeps it over a crash (a restart sends
+                # it on), so a crash loses at most every_seconds of it.
+                if every_seconds and time.monotonic() - saved_at >= every_seconds:
+                    self._save(replica, optimizer, feed)
+                    saved_at = time.monotonic()
                 continue
             progress.communication_seconds += report.seconds
             val_loss = evaluate(model, validation, device)
@@ -176,6 +184,7 @@ class Trainer:
             if replica.epoch >= saved_epoch + self.config.settings.checkpoint_every_rounds:
                 self._save(replica, optimizer, feed)
                 saved_epoch = replica.epoch
+            saved_at = time.monotonic()  # a round sent the training so far: none is at risk
             done = self._done(replica)
         if done and not stop.is_set():
             with contextlib.suppress(concurrent.futures.CancelledError):
@@ -281,7 +290,12 @@ class Trainer:
         progress.resumed_from = str(checkpoint.path)
         self._count_bytes()
         self.metrics.epoch.set(replica.epoch)
-        log.info("resumed from %s (epoch %d)", checkpoint.path, replica.epoch)
+        log.info(
+            "resumed from %s (epoch %d), with %d samples trained since its last round",
+            checkpoint.path,
+            replica.epoch,
+            replica.samples,
+        )
 
     def _count_step(self, samples: int, tokens: int, loss: torch.Tensor) -> None:
         """Count a step; its loss waits on the device until :meth:`_read_losses`."""
@@ -369,6 +383,7 @@ class Trainer:
                 "train_loss": progress.loss,
                 "val_loss": val_loss,
                 "group_size": report.group_size,
+                "sent_samples": report.sent_samples,
                 "round_seconds": report.seconds,
                 "allreduce_seconds": report.allreduce_seconds,
                 "outer_seconds": report.outer_seconds,

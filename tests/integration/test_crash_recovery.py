@@ -1,0 +1,69 @@
+"""A volunteer's node that crashes keeps its work: it checkpoints mid-round
+(``checkpoint_every_seconds``), and when it is killed just after such a checkpoint and restarted,
+it resumes the unaveraged training the checkpoint holds and sends it in its next round (on top of
+the swarm's state if the swarm moved on meanwhile: ``algorithm.carry_epochs``). Real node
+processes, a real SIGKILL; the replicas end identical."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
+from tests.helpers import light
+
+SCHEDULE = """\
+[[event]]
+at_epoch = 2
+action = "kill"
+node = 1
+during = "checkpoint"
+
+[[event]]
+at_epoch = 2
+action = "start"
+node = 1
+"""
+
+
+def test_a_restarted_node_sends_the_training_its_checkpoint_kept(tmp_path: Path) -> None:
+    rounds = 6
+    spec_path = tmp_path / "run.toml"
+    # Windows of 3 s, a checkpoint once 2 s of training are at risk (none at rounds): the kill
+    # lands two thirds into a round, just after one was written.
+    spec_path.write_text(
+        light(DEMO_SPEC).replace("[averaging]", "round_seconds = 3.0\n\n[averaging]")
+        + "\n[node]\ncheckpoint_every_rounds = 1000\ncheckpoint_every_seconds = 2\n"
+    )
+    schedule = tmp_path / "churn.toml"
+    schedule.write_text(SCHEDULE)
+    out = tmp_path / "sim"
+    summary = simulate(
+        SimulationConfig(
+            nodes=3, rounds=rounds, spec_path=spec_path, churn_path=schedule, out_dir=out, seed=4
+        )
+    )
+    assert len(summary["churn"]["events"]) == 2
+    assert [p["epoch"] for p in summary["peers"]] == [rounds] * 3
+    assert summary["replicas_identical"], [p["checksum"] for p in summary["peers"]]
+
+    # The restart resumed from the checkpoint written mid-round, which held training that no
+    # round had averaged yet.
+    text = (out / "node-1.log").read_text()
+    resumed = re.search(
+        r"resumed from (\S+) \(epoch (\d+)\), with (\d+) samples trained since its last round",
+        text,
+    )
+    assert resumed, text[-3000:]
+    kept = int(resumed[3])
+    assert kept > 0, resumed[0]
+
+    # ... and the restarted process's first round sent it: its contribution weighed at least
+    # the samples the checkpoint kept (plus what it trained since), whether the swarm had
+    # waited at that epoch or moved on (a resync that carried it, not one that dropped it).
+    after = text[resumed.end() :]
+    assert "dropped" not in after, after[:3000]
+    history = json.loads((out / "node-1.json").read_text())["history"]
+    first = next(h for h in history if h["outcome"] in ("averaged", "partial"))
+    assert first["sent_samples"] >= kept, (kept, history)
