@@ -78,6 +78,13 @@ def _schedule(tmp_path: Path, text: str) -> Path:
 
 def test_a_schedule_is_checked_against_the_swarm(tmp_path: Path) -> None:
     events = load_schedule(_schedule(tmp_path, SCHEDULE), nodes=8)
+    after = load_schedule(
+        _schedule(
+            tmp_path, '[[event]]\nat_epoch = 1\naction = "kill"\nnode = 1\nduring = "checkpoint"'
+        ),
+        nodes=2,
+    )
+    assert after[0].describe() == "epoch 1: kill node 1 just after a checkpoint"
     assert [e.describe() for e in events][-3:] == [
         "epoch 3: kill node 9 during its state download",
         "epoch 5: start node 1",

@@ -89,6 +89,12 @@ def test_bad_values_name_their_layer(spec: Path, tmp_path: Path) -> None:
             environ=_env(tmp_path),
             cli=CommandLine(settings={"keep_checkpoints": 0}),
         )
+    with pytest.raises(ConfigError, match=r"SWARMGRAD_CHECKPOINT_EVERY_SECONDS must be 0 \(off\)"):
+        node_config(
+            spec_path=spec,
+            environ=_env(tmp_path) | {"SWARMGRAD_CHECKPOINT_EVERY_SECONDS": "-5"},
+            cli=CommandLine(),
+        )
     bad_spec = tmp_path / "bad.toml"
     bad_spec.write_text('[run]\nid = "r"\n[node]\ndevice = "tpu"\n')
     with pytest.raises(RunSpecError, match=r"node\.device must be one of"):
