@@ -16,6 +16,11 @@ Reading goes newest first and takes the first checkpoint that is whole and ours:
 does not parse, a spec hash that is not this run's, a file whose sha256 differs, a safetensors file
 that does not open: each is reported (:attr:`Checkpointer.rejected`) and skipped, never loaded.
 A lock file keeps two nodes from sharing one directory.
+
+Beside the checkpoints, ``round.json`` notes the round this node started last (its epoch and
+step, before any of its values leave): a node killed during a round may have delivered some of
+the training its newest checkpoint holds, so a restart from a checkpoint at that step or before
+it knows that training may be in the swarm's state already (:meth:`Checkpointer.round_after`).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 STATE_FILE, MANIFEST_FILE, LOCK_FILE = "state.safetensors", "manifest.json", ".lock"
+ROUND_FILE = "round.json"
 _NAME = re.compile(r"^epoch-(\d{6,})-step-(\d{9,})$")
 
 
@@ -175,7 +181,10 @@ class Checkpointer:
     def _remove_temporaries(self) -> None:
         for leftover in self.folder.glob(".tmp-*"):
             log.info("removing %s, left by an interrupted checkpoint", leftover)
-            shutil.rmtree(leftover, ignore_errors=True)
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
 
     def candidates(self) -> list[Path]:
         """Checkpoint directories, newest (epoch, step) first."""
@@ -191,6 +200,39 @@ class Checkpointer:
                 self._unusable.add(path)
                 log.warning("skipping checkpoint: %s", error)
         return None
+
+    def note_round(self, *, epoch: int, step: int) -> None:
+        """Note that this node starts its round of ``epoch`` at ``step`` (written whole, by a
+        rename, before the round sends anything). A note that cannot be written is logged: a
+        restart then cannot tell whether its checkpoint's training went out in that round."""
+        note = {"spec_hash": self.spec.hash.hex(), "epoch": epoch, "step": step}
+        temporary = self.folder / f".tmp-{ROUND_FILE}-{os.getpid()}"
+        try:
+            with temporary.open("w") as out:
+                json.dump(note, out)
+                out.flush()
+                os.fsync(out.fileno())
+            temporary.replace(self.folder / ROUND_FILE)
+        except OSError as error:
+            temporary.unlink(missing_ok=True)
+            log.warning("could not note the round it starts (%s)", error)
+
+    def round_after(self, checkpoint: Checkpoint) -> bool:
+        """Whether this node started a round at or after ``checkpoint``'s step (its note says
+        so): that round may have carried the training the checkpoint holds to the swarm."""
+        try:
+            note = json.loads((self.folder / ROUND_FILE).read_text())
+            spec_hash, epoch, step = note["spec_hash"], int(note["epoch"]), int(note["step"])
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            log.warning("%s unreadable (%s): read as a round after it", ROUND_FILE, error)
+            return True  # the safe reading: the training is not sent twice
+        return (
+            spec_hash == self.spec.hash.hex()
+            and epoch >= checkpoint.epoch
+            and step >= checkpoint.step
+        )
 
     def save(
         self, *, epoch: int, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]

@@ -213,8 +213,27 @@ class DiLoCo(Replica):
 
     @property
     def _pending(self) -> bool:
-        """A round is in flight, or was at the checkpoint resumed and may have landed."""
-        return self._in_flight is not None or self._restored is not None
+        """A round is in flight, or was at the checkpoint resumed and may have landed (blocking
+        rounds of the whole vector have no round pending between steps, only training that
+        may have gone out in one: :meth:`doubt_progress`)."""
+        restored = self._restored is not None and (self.overlap or self.fragments > 1)
+        return self._in_flight is not None or restored
+
+    def doubt_progress(self) -> None:
+        """The training this replica resumed (its local parameters' progress and its samples)
+        may have gone out in a round started after its checkpoint was written (the node died
+        in it, or stopped in it). Held as a round in flight: landed, and not sent again, if
+        the swarm is past this epoch at the next resync; sent with the next round otherwise.
+        Replicas of several fragments keep their counts (a fragment's round sends a range)."""
+        if self.fragments > 1:
+            return
+        self._restored = Restored(
+            epoch=self.epoch,
+            fragment=None,
+            offset=0,
+            weight=self.samples,  # a round resumed in flight included (_restore_in_flight)
+            boundary=flatten(self.params),
+        )
 
     def count(self, samples: int) -> None:
         """Count one inner step of ``samples``, running no round (a pipeline stage's rounds
@@ -273,6 +292,8 @@ class DiLoCo(Replica):
         else:
             weight, self._fragment_samples[fragment] = self._fragment_samples[fragment], 0
         self.samples = 0  # they are in flight: a failed round gives them back
+        if self.round_starting is not None:
+            self.round_starting(self.epoch)
         self._in_flight = self._start_average(delta, weight=weight, offset=start)
         self._in_flight_fragment = fragment
 
@@ -383,6 +404,8 @@ class DiLoCo(Replica):
                 return resynced
         delta = self.outer.pseudo_gradient(flatten(self.params))
         weight = self.samples
+        if self.round_starting is not None:
+            self.round_starting(self.epoch)
         averaged = self._average(delta)
         if averaged.outcome is Outcome.AVERAGED:
             assert averaged.result is not None
@@ -391,6 +414,7 @@ class DiLoCo(Replica):
                 averaged.result.averaged, own=averaged.sent, missing=averaged.result.missing
             )
             unflatten(theta, self.params)
+            self._restored = None  # training resumed in doubt has now landed
             self.epoch += 1
             self.samples = 0
             self.publish()

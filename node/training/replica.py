@@ -11,6 +11,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +106,9 @@ class Replica:
         self._started = time.monotonic()
         self._samples_total = 0
         self._samples_restored = 0
+        #: Told the epoch of each round this replica starts, before its values leave (the
+        #: trainer notes it beside the checkpoints: ``Checkpointer.note_round``).
+        self.round_starting: Callable[[int], None] | None = None
 
     # -- what a subclass provides ---------------------------------------------------------------
 
@@ -227,14 +231,7 @@ class Replica:
         downloaded = self.swarm.call(self.swarm.download_state(donors, snapshot.values.numel()))
         if downloaded is None:
             return None  # counted by the swarm; try again next round
-        log.info(
-            "resynced from %d donor(s): epoch %d -> %d, %s %d local samples",
-            len(donors),
-            self.epoch,
-            downloaded.epoch,
-            "carried" if carry else "dropped",
-            self.samples,
-        )
+        was, trained = self.epoch, self.samples
         progress = self._progress() if carry else None
         self.load_state_vector(downloaded.values)
         if progress is not None:
@@ -242,6 +239,14 @@ class Replica:
         else:
             self.samples = 0
         self._resynced(carried=progress is not None)
+        log.info(
+            "resynced from %d donor(s): epoch %d -> %d, %s %d local samples",
+            len(donors),
+            was,
+            downloaded.epoch,
+            "carried" if carry else "dropped",
+            self.samples if carry else trained,
+        )
         self.epoch = downloaded.epoch
         self._residual.zero_()
         if self._owner_residual is not None:

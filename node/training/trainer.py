@@ -140,6 +140,11 @@ class Trainer:
         restored = self.checkpoints.latest() if self.checkpoints is not None else None
         if restored is not None:
             self._restore(restored, replica, optimizer, batches)
+        if self.checkpoints is not None and isinstance(replica, DiLoCo):
+            checkpoints = self.checkpoints
+            replica.round_starting = lambda epoch: checkpoints.note_round(
+                epoch=epoch, step=progress.steps
+            )
             progress.val_loss = evaluate(model, validation, device)
         feed = Prefetched(batches, device, cursor=batches.cursor)
         with contextlib.suppress(concurrent.futures.CancelledError):  # stopped while waiting
@@ -296,6 +301,13 @@ class Trainer:
             replica.epoch,
             replica.samples,
         )
+        assert self.checkpoints is not None  # it was read from them
+        if isinstance(replica, DiLoCo) and self.checkpoints.round_after(checkpoint):
+            # It died (or stopped) in a round started after this checkpoint: that round may
+            # hold this training already. Sent again only if the swarm is not past it.
+            replica.doubt_progress()
+            log.info("a round started after that checkpoint: its training counts as sent once "
+                     "the swarm is past epoch %d", replica.epoch)  # fmt: skip
 
     def _count_step(self, samples: int, tokens: int, loss: torch.Tensor) -> None:
         """Count a step; its loss waits on the device until :meth:`_read_losses`."""

@@ -10,6 +10,7 @@ import json
 import re
 from pathlib import Path
 
+from swarmgrad.node.state.checkpoint import read
 from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
 from tests.helpers import light
 
@@ -114,3 +115,57 @@ def test_a_member_killed_mid_round_is_dropped_in_seconds_not_by_its_timeouts(
         assert killed["round_seconds"] < 10, (i, history)  # not its 30 s sender timeout
         assert (after["outcome"], after["group_size"]) == ("averaged", 3), history
         assert after["round_seconds"] < 10, (i, history)  # not the 20 s matchmaking timeout
+
+
+KILL_IN_ROUND_AFTER_CHECKPOINT = """\
+[[event]]
+at_epoch = 2
+action = "kill"
+node = 1
+during = "round"
+
+[[event]]
+at_epoch = 2
+action = "start"
+node = 1
+"""
+
+
+def test_training_a_node_died_sending_is_not_sent_twice(tmp_path: Path) -> None:
+    """Killed in a round after a mid-round checkpoint: the training that checkpoint holds may
+    have reached the survivors' round already (the parts it delivered), so the restart, which
+    finds the swarm past that round, counts it as sent instead of carrying it into its next
+    round (it would weigh twice in the model). What it trains after the restart it sends."""
+    rounds = 5
+    spec_path = tmp_path / "run.toml"
+    spec_path.write_text(
+        light(DEMO_SPEC).replace("[averaging]", "round_seconds = 3.0\n\n[averaging]")
+        + "\n[node]\ncheckpoint_every_rounds = 1000\ncheckpoint_every_seconds = 1\n"
+        + "keep_checkpoints = 1000\n"
+    )
+    schedule = tmp_path / "churn.toml"
+    schedule.write_text(KILL_IN_ROUND_AFTER_CHECKPOINT)
+    out = tmp_path / "sim"
+    summary = simulate(
+        SimulationConfig(
+            nodes=3, rounds=rounds, spec_path=spec_path, churn_path=schedule, out_dir=out, seed=6
+        )
+    )
+    assert [p["epoch"] for p in summary["peers"]] == [rounds] * 3
+    assert summary["replicas_identical"], [p["checksum"] for p in summary["peers"]]
+    text = (out / "node-1.log").read_text()
+    resumed = re.search(r"resumed from (\S+) \(epoch (\d+)\), with (\d+) samples", text)
+    assert resumed, text[-3000:]
+    assert int(resumed[3]) > 0  # the checkpoint held training of the round it died in
+    after = text[resumed.end() :]
+    assert "a round started after that checkpoint" in after, after[:3000]
+    # The survivors finished that round (it was theirs to finish): the restart found the
+    # swarm past it and kept none of the checkpoint's training.
+    assert re.search(
+        r"resynced from \d+ donor\(s\): epoch 2 -> \d+, carried 0 local samples", after
+    )
+    restored = read(Path(resumed[1]))
+    since = int(restored.meta["progress"]["samples"])  # its lifetime count at the checkpoint
+    history = json.loads((out / "node-1.json").read_text())["history"]
+    first = next(h for h in history if h["outcome"] in ("averaged", "partial"))
+    assert first["sent_samples"] == first["samples"] - since, (since, history)

@@ -16,6 +16,7 @@ from swarmgrad.node.runspec import ModelSection, RunSpec
 from swarmgrad.node.state import checkpoint as checkpoint_module
 from swarmgrad.node.state.checkpoint import (
     MANIFEST_FILE,
+    ROUND_FILE,
     STATE_FILE,
     Checkpointer,
     CheckpointError,
@@ -96,6 +97,34 @@ def test_an_interrupted_write_leaves_nothing_that_loads_and_is_cleaned_up(tmp_pa
         assert latest is not None
         assert latest.epoch == 1
         assert checkpoints.rejected == []
+
+
+def test_the_round_started_after_a_checkpoint_is_noted_beside_it(tmp_path: Path) -> None:
+    """A node notes each round it starts; a restart asks whether one started at or after its
+    checkpoint (its training may then be in the swarm's state already)."""
+    other = RunSpec.from_toml('[run]\nid = "r"\n[algorithm]\nouter_lr = 0.5\n')
+    with Checkpointer(tmp_path, SPEC, keep=3) as checkpoints:
+        _save(checkpoints, 2)  # epoch 2, step 20
+        latest = checkpoints.latest()
+        assert latest is not None
+        assert not checkpoints.round_after(latest)  # no note yet
+        checkpoints.note_round(epoch=1, step=15)  # a round before it
+        assert not checkpoints.round_after(latest)
+        checkpoints.note_round(epoch=2, step=20)  # stopped in a round at its very step
+        assert checkpoints.round_after(latest)
+        checkpoints.note_round(epoch=3, step=31)  # a later round started
+        assert checkpoints.round_after(latest)
+    with Checkpointer(tmp_path, other, keep=3) as others:
+        assert not others.round_after(latest)  # another spec's note says nothing of it
+    # A note cut short (it is written by a rename, so only by hand) is read the safe way:
+    # the training is not sent twice.
+    (tmp_path / ROUND_FILE).write_text('{"epoch": 2')
+    leftover = tmp_path / f".tmp-{ROUND_FILE}-999"
+    leftover.write_text("{")
+    with Checkpointer(tmp_path, SPEC, keep=3) as checkpoints:
+        assert not leftover.exists()  # cleaned up like a checkpoint's temp folder
+        assert checkpoints.round_after(latest)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == []
 
 
 def test_another_specs_checkpoints_never_push_out_this_runs_own(tmp_path: Path) -> None:
