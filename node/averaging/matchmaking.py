@@ -204,7 +204,7 @@ class Matchmaker:
             while loop.time() < deadline:
                 told = self._tell(round_, candidates, census, told)
                 seen = {r.peer_id for r in candidates if census.in_bucket(r.peer_id)}
-                wanted = census.wanted.keys() - liveness.gone
+                wanted = {p for p, r in census.wanted.items() if not liveness.gone(p, r)}
                 if len(seen) >= 2 and wanted <= seen:
                     break
                 if census.ahead and census.expected == {me} and seen <= {me} and not census.pending:

@@ -224,25 +224,36 @@ class Probes:
 class Liveness:
     """Which of the peers a round waits for are gone: each missing one is asked (``alive``) once
     it has been waited for ``PROBE_AFTER_SECONDS``, again every ``PROBE_EVERY_SECONDS`` while it
-    answers, in the background (the wait goes on polling meanwhile)."""
+    answers, in the background (the wait goes on polling meanwhile).
+
+    Gone is said of a peer at an endpoint: one that restarts (a new process, a new port) and
+    publishes a new record is asked again there, and waited for if it answers, as a peer that
+    read only its new record waits for it; else the two would cut different groups."""
 
     def __init__(self, round_: int, alive: Alive | None) -> None:
         self._round, self._alive = round_, alive
         self._loop = asyncio.get_running_loop()
         self._started = self._loop.time()
-        self._asked: dict[str, float] = {}
+        self._asked: dict[_Place, float] = {}
         self._probes: set[asyncio.Task[None]] = set()
-        self.gone: set[str] = set()
+        #: The endpoint at which each peer that is gone did not answer.
+        self._gone: dict[str, str] = {}
+
+    def gone(self, peer_id: str, record: PeerRecord | None) -> bool:
+        """Whether ``peer_id`` (its live record: ``record``) did not answer where it is."""
+        endpoint = self._gone.get(peer_id)
+        return endpoint is not None and (record is None or record.endpoint == endpoint)
 
     def check(self, missing: Collection[PeerRecord]) -> None:
         now = self._loop.time()
         if self._alive is None or now - self._started < PROBE_AFTER_SECONDS:
             return
         for record in missing:
-            asked = self._asked.get(record.peer_id)
-            if record.peer_id in self.gone or (asked and now - asked < PROBE_EVERY_SECONDS):
+            place = (record.peer_id, record.endpoint)
+            asked = self._asked.get(place)
+            if self.gone(record.peer_id, record) or (asked and now - asked < PROBE_EVERY_SECONDS):
                 continue
-            self._asked[record.peer_id] = now
+            self._asked[place] = now
             probe = asyncio.create_task(self._probe(self._alive, record))
             self._probes.add(probe)
             probe.add_done_callback(self._probes.discard)
@@ -250,9 +261,10 @@ class Liveness:
     async def _probe(self, alive: Alive, record: PeerRecord) -> None:
         if not await alive(record):
             log.info(
-                "round %d: %s does not answer; not waiting for it", self._round, record.peer_id
-            )
-            self.gone.add(record.peer_id)
+                "round %d: %s does not answer at %s; not waiting for it",
+                self._round, record.peer_id, record.endpoint,
+            )  # fmt: skip
+            self._gone[record.peer_id] = record.endpoint
 
     def close(self) -> None:
         for probe in self._probes:

@@ -125,6 +125,51 @@ async def test_a_late_peer_that_answers_is_waited_for_and_joins() -> None:
     assert liveness.asked["slow"] >= 1
 
 
+async def test_a_peer_that_restarts_elsewhere_is_asked_again_and_waited_for() -> None:
+    # "phoenix" crashed: its old endpoint does not answer. It restarts on another port and
+    # publishes a new record before this node's group is cut: a node that read only the new
+    # record waits for it, so this one must too, or the two cut different groups.
+    me = Identity.from_seed("mm-rules/me")
+    board = Board()
+    old = peer("phoenix", 4)
+    peers = [peer(me.peer_id, 4), peer("mate", 4), old]
+    asked: list[str] = []  # the endpoints phoenix was asked at
+
+    async def alive(record: PeerRecord) -> bool:
+        if record.peer_id != "phoenix":
+            return True  # the mate is still training
+        asked.append(record.endpoint)
+        return record.endpoint != old.endpoint
+
+    async def read() -> list[PeerRecord]:
+        return list(peers)
+
+    mm = Matchmaker(
+        cast(Any, board), me, group_size=4, matchmaking_timeout_seconds=10.0,
+        settle_seconds=0.05, hooks=Hooks(peers=read, alive=alive),
+    )  # fmt: skip
+
+    async def restart() -> None:
+        await asyncio.sleep(PROBE_AFTER_SECONDS + 0.5)  # its old endpoint was asked by now
+        assert asked == [old.endpoint]
+        new = PeerRecord.create(
+            "phoenix", run_id=RUN, spec_hash=SPEC, endpoint="127.0.0.1:2", now=dht_time(),
+            ttl_seconds=60, epoch=4, reachability="direct",
+        )  # fmt: skip
+        peers[-1] = new
+        await asyncio.sleep(1.0)
+        await board.announce_ready(ready("mate", 4))  # the mate comes: not enough to cut
+        await asyncio.sleep(1.0)
+        await board.announce_ready(ready("phoenix", 4))
+
+    async with asyncio.TaskGroup() as tasks:
+        tasks.create_task(restart())
+        group = await mm.form_group(4, endpoint="me:1")
+    assert group is not None
+    assert sorted(m.peer_id for m in group.members) == sorted([me.peer_id, "mate", "phoenix"])
+    assert asked == [old.endpoint, "127.0.0.1:2"]  # asked again at the new endpoint
+
+
 async def test_a_peer_nobody_can_dial_yet_is_not_asked_but_waited_for() -> None:
     # A NAT'd peer announces its LAN address until it holds a relay: nobody could reach it to
     # ask, so a failed question would say nothing; it is waited for as before.
