@@ -102,7 +102,7 @@ class Board:
         self.group_size = group_size
         self.visible: set[str] = set()
         self.buckets: dict[int, dict[int, Bucket]] = {}
-        self.expected: dict[int, tuple[float, dict[int, list[ModelPeer]]]] = {}
+        self.expected: dict[int, tuple[float, dict[int, dict[str, ModelPeer]]]] = {}
         self.bucket_count: tuple[float, int] | None = None  # (read at, count)
         self.decided: dict[str, tuple[tuple[str, ...] | None, float]] = {}
         self.waiting: dict[tuple[str, ...], simpy.Event] = {}
@@ -150,8 +150,18 @@ class Board:
                 bucket.visible.remove(peer_id)
 
 
+#: States' checksums, once each: a state names its group (up to 256 peer ids), and every
+#: resync's census compares the states it sees.
+_CHECKSUMS: dict[Hashable, bytes] = {}
+
+
 def checksum(state: Hashable) -> bytes:
-    return hashlib.blake2b(repr(state).encode(), digest_size=8).digest()
+    found = _CHECKSUMS.get(state)
+    if found is None:
+        if len(_CHECKSUMS) >= 1 << 16:
+            _CHECKSUMS.clear()
+        found = _CHECKSUMS[state] = hashlib.blake2b(repr(state).encode(), digest_size=8).digest()
+    return found
 
 
 def majority(votes: Counter[Hashable]) -> Hashable:

@@ -62,6 +62,8 @@ slower than the sender timeout (a slow link shows as the round deadline, not as 
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Generator
 from typing import Any
 
@@ -88,6 +90,11 @@ __all__ = [
     "totals",
 ]
 
+log = logging.getLogger(__name__)
+
+#: Seconds of the model's own running between two progress lines.
+PROGRESS_SECONDS = 5.0
+
 
 class SwarmModel(Rounds):
     # -- the run --------------------------------------------------------------------------------
@@ -98,8 +105,24 @@ class SwarmModel(Rounds):
         self.env.process(self._churn())
         self.env.process(self._watch())
         self.env.process(self._stall_guard())
+        self.env.process(self._progress())
         self.env.run(until=simpy.AnyOf(self.env, [self.done, self._cap()]))
         return self.summary()
+
+    def _progress(self) -> Events:
+        """A line every ``PROGRESS_SECONDS`` of the model's own time: how far it has come (a
+        large swarm takes minutes). It only listens: the model's events are not changed."""
+        started = last = time.monotonic()
+        while not self.done.triggered:
+            yield self.epoch_changed
+            now = time.monotonic()
+            if now - last >= PROGRESS_SECONDS:
+                last = now
+                newest = max(p.epoch for p in self.peers)
+                log.info(
+                    "modelled: epoch %d of %d, %.0f simulated s, in %.0f s",
+                    newest, self.config.rounds, self.env.now, now - started,
+                )  # fmt: skip
 
     def _cap(self) -> simpy.Event:
         return self.env.timeout(self.config.max_simulated_seconds)

@@ -48,19 +48,46 @@ class Rounds(ModelState):
             )
         return cached[1]
 
-    def _expected(self, board: Board, buckets: int, index: int) -> list[ModelPeer]:
-        """The census of ``board``'s round in one bucket, re-read as often as the node does."""
+    def _expected(self, board: Board, buckets: int, index: int) -> dict[str, ModelPeer]:
+        """The census of ``board``'s round in one bucket (by peer id), re-read as often as the
+        node does."""
         read = board.expected.get(buckets)
         if read is None or self.env.now - read[0] > EXPECTED_REFRESH_SECONDS:
-            by_bucket: dict[int, list[ModelPeer]] = {}
+            by_bucket: dict[int, dict[str, ModelPeer]] = {}
             for epoch in (board.round - 1, board.round):
                 for i in self.census.get(epoch, ()):
                     peer = self.peers[i]
-                    by_bucket.setdefault(bucket_of(board.round, peer.peer_id, buckets), []).append(
-                        peer
-                    )
+                    bucket = bucket_of(board.round, peer.peer_id, buckets)
+                    by_bucket.setdefault(bucket, {})[peer.peer_id] = peer
             read = board.expected[buckets] = (self.env.now, by_bucket)
-        return read[1].get(index, [])
+        return read[1].get(index, {})
+
+    def _awaited(
+        self,
+        board: Board,
+        bucket: tuple[int, int],
+        r: int,
+        seen: set[str],
+        started: float,
+        wake: float,
+    ) -> tuple[bool, float]:
+        """Whether a peer of round ``r`` whose matchmaking began at ``started`` still awaits
+        anyone of its bucket's census (expected at ``r`` or ``r`` - 1, not seen, not gone), and
+        when the first of them may change that (or ``wake``, if sooner). One pass over the
+        bucket's unseen peers (the set difference first: a bucket of hundreds, read at every
+        arrival, was most of the model's time)."""
+        expected, now = self._expected(board, *bucket), self.env.now
+        awaiting = False
+        for peer_id in expected.keys() - seen:
+            peer = expected[peer_id]
+            if peer.record_epoch != r and peer.record_epoch != r - 1:
+                continue
+            gone = gone_at(peer, started)
+            if now >= gone:
+                continue
+            awaiting = True
+            wake = min(wake, peer.record_lapses_at, gone)
+        return awaiting, wake
 
     def _board(self, round_: int) -> Board:
         board = self.boards.get(round_)
@@ -94,20 +121,12 @@ class Rounds(ModelState):
             seen = bucket.visible.ids
             wake = deadline
             if len(seen) >= 2 and me in seen:
-                expected = self._expected(board, buckets, index)
-                awaited = [
-                    p
-                    for p in expected
-                    if p.peer_id not in seen
-                    and p.record_epoch in (r - 1, r)
-                    and env.now < gone_at(p, started)
-                ]
-                if not awaited:
+                # Nothing changes for this peer until one it awaits shows up (bucket.changed),
+                # the record of one that stopped announcing lapses, or a dead one fails its
+                # liveness probe: no need to poll till then.
+                awaiting, wake = self._awaited(board, (buckets, index), r, seen, started, wake)
+                if not awaiting:
                     break
-                # Nothing changes for this peer until one of them shows up (bucket.changed), the
-                # record of one that stopped announcing lapses, or a dead one fails its liveness
-                # probe: no need to poll till then.
-                wake = min(wake, *(min(p.record_lapses_at, gone_at(p, started)) for p in awaited))
             else:
                 wake = min(wake, env.now + EXPECTED_REFRESH_SECONDS)
             wake = max(wake, env.now + POLL_SECONDS)

@@ -4,7 +4,9 @@ shows what a user asks it about (rounds lost to churn, slow links, relays)."""
 from __future__ import annotations
 
 import json
+import logging
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.swarm_config import allreduce_config
 from swarmgrad.node.training.model import parameter_count
 from swarmgrad.simulations.churn import ChurnEvent
+from swarmgrad.simulations.des import model as des_model
 from swarmgrad.simulations.des.groups import Candidates
 from swarmgrad.simulations.des.model import ModelConfig, simulate
 from swarmgrad.simulations.des.traffic import part_bytes, round_traffic
@@ -87,6 +90,22 @@ def test_same_seed_same_swarm_and_seeds_differ(tmp_path: Path) -> None:
     runs = [model(8, profiles=load_profile(profile, 8, seed=s)) for s in (1, 1, 2)]
     assert json.dumps(runs[0]) == json.dumps(runs[1])
     assert runs[0]["wall_seconds"] != runs[2]["wall_seconds"]
+
+
+def test_a_long_model_says_how_far_it_is_and_saying_it_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    quiet = model(8, rounds=4)
+    monkeypatch.setattr(des_model, "PROGRESS_SECONDS", 0.0)  # a line at every epoch change
+    with caplog.at_level(logging.INFO, logger=des_model.__name__):
+        told = model(8, rounds=4)
+    lines = [r.getMessage() for r in caplog.records if r.name == des_model.__name__]
+    assert lines
+    assert all(
+        re.fullmatch(r"modelled: epoch \d of 4, \d+ simulated s, in \d+ s", m) for m in lines
+    )
+    assert lines[-1].startswith("modelled: epoch 4 of 4")
+    assert json.dumps(told) == json.dumps(quiet)
 
 
 def test_profile_distributions_are_checked(tmp_path: Path) -> None:
