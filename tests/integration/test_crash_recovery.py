@@ -1,19 +1,24 @@
-"""A volunteer's node that crashes keeps its work: it checkpoints mid-round
-(``checkpoint_every_seconds``), and when it is killed just after such a checkpoint and restarted,
-it resumes the unaveraged training the checkpoint holds and sends it in its next round (on top of
-the swarm's state if the swarm moved on meanwhile: ``algorithm.carry_epochs``). Real node
-processes, a real SIGKILL; the replicas end identical."""
+"""A volunteer's node that crashes keeps its work, once: it checkpoints mid-round
+(``checkpoint_every_seconds``); killed just after such a checkpoint and restarted, it resumes the
+unaveraged training the checkpoint holds and sends it in its next round (on top of the swarm's
+state if the swarm moved on meanwhile: ``algorithm.carry_epochs``); killed in the round after
+such a checkpoint, which may have delivered part of that training, it does not send it again.
+And the survivors of a member killed mid-round drop it in about a second. Real node processes, a
+real SIGKILL; the replicas end identical."""
 
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 from swarmgrad.node.state.checkpoint import read
 from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
 from tests.helpers import light
 
+# Node 1 dies just after a mid-round checkpoint; node 2 dies in the round after one. Each is
+# restarted at once.
 SCHEDULE = """\
 [[event]]
 at_epoch = 2
@@ -25,17 +30,37 @@ during = "checkpoint"
 at_epoch = 2
 action = "start"
 node = 1
+
+[[event]]
+at_epoch = 4
+action = "kill"
+node = 2
+during = "round"
+
+[[event]]
+at_epoch = 4
+action = "start"
+node = 2
 """
+RESUMED = r"resumed from (\S+) \(epoch (\d+)\), with (\d+) samples trained since its last round"
 
 
-def test_a_restarted_node_sends_the_training_its_checkpoint_kept(tmp_path: Path) -> None:
-    rounds = 6
+def _first_round(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first round a (restarted) node's contribution went into."""
+    return next(h for h in history if h["outcome"] in ("averaged", "partial"))
+
+
+def test_a_restarted_node_sends_the_training_its_checkpoint_kept_and_only_once(
+    tmp_path: Path,
+) -> None:
+    rounds = 7
     spec_path = tmp_path / "run.toml"
-    # Windows of 3 s, a checkpoint once 2 s of training are at risk (none at rounds): the kill
-    # lands two thirds into a round, just after one was written.
+    # Windows of 3 s, a checkpoint once a second of training is at risk (none at rounds; all
+    # kept, to read the one a node resumed from).
     spec_path.write_text(
         light(DEMO_SPEC).replace("[averaging]", "round_seconds = 3.0\n\n[averaging]")
-        + "\n[node]\ncheckpoint_every_rounds = 1000\ncheckpoint_every_seconds = 2\n"
+        + "\n[node]\ncheckpoint_every_rounds = 1000\ncheckpoint_every_seconds = 1\n"
+        + "keep_checkpoints = 1000\n"
     )
     schedule = tmp_path / "churn.toml"
     schedule.write_text(SCHEDULE)
@@ -45,29 +70,40 @@ def test_a_restarted_node_sends_the_training_its_checkpoint_kept(tmp_path: Path)
             nodes=3, rounds=rounds, spec_path=spec_path, churn_path=schedule, out_dir=out, seed=4
         )
     )
-    assert len(summary["churn"]["events"]) == 2
+    assert len(summary["churn"]["events"]) == 4
     assert [p["epoch"] for p in summary["peers"]] == [rounds] * 3
     assert summary["replicas_identical"], [p["checksum"] for p in summary["peers"]]
 
-    # The restart resumed from the checkpoint written mid-round, which held training that no
-    # round had averaged yet.
+    # Node 1 resumed from the checkpoint written mid-round, which held training that no round
+    # had averaged yet; its restarted process's first round sent it: its contribution weighed
+    # at least that (plus what it trained since), whether the swarm had waited at that epoch
+    # or moved on (a resync that carried it, not one that dropped it).
     text = (out / "node-1.log").read_text()
-    resumed = re.search(
-        r"resumed from (\S+) \(epoch (\d+)\), with (\d+) samples trained since its last round",
-        text,
-    )
+    resumed = re.search(RESUMED, text)
     assert resumed, text[-3000:]
     kept = int(resumed[3])
     assert kept > 0, resumed[0]
-
-    # ... and the restarted process's first round sent it: its contribution weighed at least
-    # the samples the checkpoint kept (plus what it trained since), whether the swarm had
-    # waited at that epoch or moved on (a resync that carried it, not one that dropped it).
     after = text[resumed.end() :]
     assert "dropped" not in after, after[:3000]
-    history = json.loads((out / "node-1.json").read_text())["history"]
-    first = next(h for h in history if h["outcome"] in ("averaged", "partial"))
-    assert first["sent_samples"] >= kept, (kept, history)
+    first = _first_round(json.loads((out / "node-1.json").read_text())["history"])
+    assert first["sent_samples"] >= kept, (kept, first)
+
+    # Node 2 died in the round after its checkpoint: that round may hold the checkpoint's
+    # training already. The survivors finished it (it was theirs to finish), so the restart
+    # found the swarm past it, counted that training as sent and carried none of it; its first
+    # round sent only what it trained after the restart.
+    text = (out / "node-2.log").read_text()
+    resumed = re.search(RESUMED, text)
+    assert resumed, text[-3000:]
+    assert int(resumed[3]) > 0  # the checkpoint held training of the round it died in
+    after = text[resumed.end() :]
+    assert "a round started after that checkpoint" in after, after[:3000]
+    assert re.search(
+        r"resynced from \d+ donor\(s\): epoch \d+ -> \d+, carried 0 local samples", after
+    )
+    since = int(read(Path(resumed[1])).meta["progress"]["samples"])  # its count at the checkpoint
+    first = _first_round(json.loads((out / "node-2.json").read_text())["history"])
+    assert first["sent_samples"] == first["samples"] - since, (since, first)
 
 
 KILL_MID_ROUND = """\
@@ -115,57 +151,3 @@ def test_a_member_killed_mid_round_is_dropped_in_seconds_not_by_its_timeouts(
         assert killed["round_seconds"] < 10, (i, history)  # not its 30 s sender timeout
         assert (after["outcome"], after["group_size"]) == ("averaged", 3), history
         assert after["round_seconds"] < 10, (i, history)  # not the 20 s matchmaking timeout
-
-
-KILL_IN_ROUND_AFTER_CHECKPOINT = """\
-[[event]]
-at_epoch = 2
-action = "kill"
-node = 1
-during = "round"
-
-[[event]]
-at_epoch = 2
-action = "start"
-node = 1
-"""
-
-
-def test_training_a_node_died_sending_is_not_sent_twice(tmp_path: Path) -> None:
-    """Killed in a round after a mid-round checkpoint: the training that checkpoint holds may
-    have reached the survivors' round already (the parts it delivered), so the restart, which
-    finds the swarm past that round, counts it as sent instead of carrying it into its next
-    round (it would weigh twice in the model). What it trains after the restart it sends."""
-    rounds = 5
-    spec_path = tmp_path / "run.toml"
-    spec_path.write_text(
-        light(DEMO_SPEC).replace("[averaging]", "round_seconds = 3.0\n\n[averaging]")
-        + "\n[node]\ncheckpoint_every_rounds = 1000\ncheckpoint_every_seconds = 1\n"
-        + "keep_checkpoints = 1000\n"
-    )
-    schedule = tmp_path / "churn.toml"
-    schedule.write_text(KILL_IN_ROUND_AFTER_CHECKPOINT)
-    out = tmp_path / "sim"
-    summary = simulate(
-        SimulationConfig(
-            nodes=3, rounds=rounds, spec_path=spec_path, churn_path=schedule, out_dir=out, seed=6
-        )
-    )
-    assert [p["epoch"] for p in summary["peers"]] == [rounds] * 3
-    assert summary["replicas_identical"], [p["checksum"] for p in summary["peers"]]
-    text = (out / "node-1.log").read_text()
-    resumed = re.search(r"resumed from (\S+) \(epoch (\d+)\), with (\d+) samples", text)
-    assert resumed, text[-3000:]
-    assert int(resumed[3]) > 0  # the checkpoint held training of the round it died in
-    after = text[resumed.end() :]
-    assert "a round started after that checkpoint" in after, after[:3000]
-    # The survivors finished that round (it was theirs to finish): the restart found the
-    # swarm past it and kept none of the checkpoint's training.
-    assert re.search(
-        r"resynced from \d+ donor\(s\): epoch 2 -> \d+, carried 0 local samples", after
-    )
-    restored = read(Path(resumed[1]))
-    since = int(restored.meta["progress"]["samples"])  # its lifetime count at the checkpoint
-    history = json.loads((out / "node-1.json").read_text())["history"]
-    first = next(h for h in history if h["outcome"] in ("averaged", "partial"))
-    assert first["sent_samples"] == first["samples"] - since, (since, history)
