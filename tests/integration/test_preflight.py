@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from swarmgrad.simulations.launchers import LocalProcess
 from swarmgrad.simulations.pipeline import PIPELINE_DEMO_SPEC
 from swarmgrad.simulations.swarm import DEMO_SPEC
 from tests.helpers import light, stop_processes, wait_until
@@ -45,11 +46,21 @@ def _node(tmp_path: Path, cache_dir: Path, name: str, *args: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _refused(command: list[str]) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert (done.returncode, "Traceback" in done.stderr) == (2, False), done.stderr[-2000:]
-    assert "peer id" not in done.stderr, done.stderr[-2000:]  # nothing started: no DHT, no key
-    return done
+def _refused(command: list[str]) -> str:
+    """What ``command`` (a node) wrote before it stopped with exit 2. Forked by the warm zygote
+    (the node's modules imported once, not seven times: the checks under test run after the
+    imports either way)."""
+    identity = Path(command[command.index("--identity") + 1])
+    log = identity.with_suffix(".log")
+    process = LocalProcess(identity.stem, command, log, dict(os.environ), warm=True).popen
+    try:
+        code = process.wait(timeout=120)
+    finally:
+        process.kill()
+    text = log.read_text()
+    assert (code, "Traceback" in text) == (2, False), text[-2000:]
+    assert "peer id" not in text, text[-2000:]  # nothing started: no DHT, no key
+    return text
 
 
 def test_a_taken_port_or_a_missing_shard_stops_the_node_before_the_network(
@@ -73,10 +84,10 @@ def test_a_taken_port_or_a_missing_shard_stops_the_node_before_the_network(
                       "--bootstrap", NOBODY)  # fmt: skip
         stage[stage.index(str(tmp_path / "run.toml"))] = str(pipeline)
         stage_taken = _refused(stage)
-    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in stage_taken.stderr
-    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in grpc_taken.stderr
-    assert f"cannot serve metrics on 127.0.0.1:{port}: the port is in use" in metrics_taken.stderr
-    assert "--metrics-address" in metrics_taken.stderr  # what to do about it
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in stage_taken
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in grpc_taken
+    assert f"cannot serve metrics on 127.0.0.1:{port}: the port is in use" in metrics_taken
+    assert "--metrics-address" in metrics_taken  # what to do about it
 
     shards = tmp_path / "files.toml"
     shards.write_text(
@@ -85,23 +96,23 @@ def test_a_taken_port_or_a_missing_shard_stops_the_node_before_the_network(
     command = _node(tmp_path, cache_dir, "c", "--bootstrap", NOBODY)
     command[command.index(str(tmp_path / "run.toml"))] = str(shards)
     missing = _refused(command)
-    assert "data.paths: missing.txt does not exist" in missing.stderr
+    assert "data.paths: missing.txt does not exist" in missing
 
     (tmp_path / "a file").write_text("not a folder")
     unwritable = _refused(_node(tmp_path, cache_dir, "d", "--checkpoint-dir",
                                 str(tmp_path / "a file"), "--bootstrap", NOBODY))  # fmt: skip
-    assert f"cannot write checkpoints to {tmp_path / 'a file'}" in unwritable.stderr
+    assert f"cannot write checkpoints to {tmp_path / 'a file'}" in unwritable
     import torch
 
     if not torch.cuda.is_available():
         no_cuda = _refused(_node(tmp_path, cache_dir, "e", "--device", "cuda",
                                  "--bootstrap", NOBODY))  # fmt: skip
-        assert "--device cuda: torch" in no_cuda.stderr
-        assert "sees no CUDA device" in no_cuda.stderr
+        assert "--device cuda: torch" in no_cuda
+        assert "sees no CUDA device" in no_cuda
     with _small_disk(tmp_path / "small") as small:  # 1 MiB: the demo's checkpoint is ~13 MiB
         full = _refused(_node(tmp_path, cache_dir, "f", "--checkpoint-dir", str(small),
                               "--bootstrap", NOBODY))  # fmt: skip
-    assert f"no room for a checkpoint in {small}: one takes ~" in full.stderr
+    assert f"no room for a checkpoint in {small}: one takes ~" in full
 
 
 @contextlib.contextmanager
