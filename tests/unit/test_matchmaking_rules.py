@@ -141,13 +141,7 @@ async def test_a_peer_that_restarts_elsewhere_is_asked_again_and_waited_for() ->
         asked.append(record.endpoint)
         return record.endpoint != old.endpoint
 
-    async def read() -> list[PeerRecord]:
-        return list(peers)
-
-    mm = Matchmaker(
-        cast(Any, board), me, group_size=4, matchmaking_timeout_seconds=10.0,
-        settle_seconds=0.05, hooks=Hooks(peers=read, alive=alive),
-    )  # fmt: skip
+    mm = maker(board, me, peers, alive=alive)  # reads ``peers`` as it is at each read
 
     async def restart() -> None:
         await asyncio.sleep(PROBE_AFTER_SECONDS + 0.5)  # its old endpoint was asked by now
