@@ -79,6 +79,10 @@ class Trainer:
         self._session_tokens = 0
         #: Averaging bytes before this process (from the checkpoint): its swarm counts from zero.
         self._bytes_restored = {"sent": 0, "received": 0}
+        #: A mid-round checkpoint holds training the next round will send: that round is noted
+        #: beside the checkpoints as it starts (``Checkpointer.note_round``), and only then (a
+        #: note is an fsync in the round's path).
+        self._note_next_round = False
 
     def train(self, stop: threading.Event) -> Progress:
         spec, settings, progress = self.config.spec, self.config.settings, self.progress
@@ -141,10 +145,7 @@ class Trainer:
         if restored is not None:
             self._restore(restored, replica, optimizer, batches)
         if self.checkpoints is not None and isinstance(replica, DiLoCo):
-            checkpoints = self.checkpoints
-            replica.round_starting = lambda epoch: checkpoints.note_round(
-                epoch=epoch, step=progress.steps
-            )
+            replica.round_starting = self._note_round
             progress.val_loss = evaluate(model, validation, device)
         feed = Prefetched(batches, device, cursor=batches.cursor)
         with contextlib.suppress(concurrent.futures.CancelledError):  # stopped while waiting
@@ -172,6 +173,12 @@ class Trainer:
             try:
                 report = take_step(replica, window, samples=len(inputs))
             except concurrent.futures.CancelledError:  # stopping while in a round
+                if isinstance(replica, DiLoCo) and not replica.overlap:
+                    # The round may land without it: the checkpoint written now holds training
+                    # that may be in the swarm's state already. (Overlapped: the round in
+                    # flight is in the checkpoint itself.)
+                    self._note_next_round = True
+                    self._note_round(replica.epoch)
                 break
             if report is None:
                 # Mid-round: the training since the last round (or checkpoint) is in no one's
@@ -180,6 +187,7 @@ class Trainer:
                 if every_seconds and time.monotonic() - saved_at >= every_seconds:
                     self._save(replica, optimizer, feed)
                     saved_at = time.monotonic()
+                    self._note_next_round = True
                 continue
             progress.communication_seconds += report.seconds
             val_loss = evaluate(model, validation, device)
@@ -204,6 +212,13 @@ class Trainer:
         progress.finished = True
         self._on_progress(progress)
         return progress
+
+    def _note_round(self, epoch: int) -> None:
+        """A round of ``epoch`` starts (or stopped unfinished): noted if a mid-round checkpoint
+        holds training it may send."""
+        if self._note_next_round and self.checkpoints is not None:
+            self.checkpoints.note_round(epoch=epoch, step=self.progress.steps)
+            self._note_next_round = False
 
     def _done(self, replica: DiLoCo | SyncDataParallel) -> bool:
         """The run's rounds are all started (overlap: the last, in flight, lands after)."""

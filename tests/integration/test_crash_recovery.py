@@ -90,8 +90,9 @@ def test_a_restarted_node_sends_the_training_its_checkpoint_kept_and_only_once(
 
     # Node 2 died in the round after its checkpoint: that round may hold the checkpoint's
     # training already. The survivors finished it (it was theirs to finish), so the restart
-    # found the swarm past it, counted that training as sent and carried none of it; its first
-    # round sent only what it trained after the restart.
+    # found the swarm past it and counted that training as sent: it carried none of it (or,
+    # on a loaded machine, came back more than carry_epochs behind and dropped it as stale);
+    # its first round sent only what it trained after the restart.
     text = (out / "node-2.log").read_text()
     resumed = re.search(RESUMED, text)
     assert resumed, text[-3000:]
@@ -99,7 +100,8 @@ def test_a_restarted_node_sends_the_training_its_checkpoint_kept_and_only_once(
     after = text[resumed.end() :]
     assert "a round started after that checkpoint" in after, after[:3000]
     assert re.search(
-        r"resynced from \d+ donor\(s\): epoch \d+ -> \d+, carried 0 local samples", after
+        r"resynced from \d+ donor\(s\): epoch \d+ -> \d+, (carried 0|dropped \d+) local samples",
+        after,
     )
     since = int(read(Path(resumed[1])).meta["progress"]["samples"])  # its count at the checkpoint
     first = _first_round(json.loads((out / "node-2.json").read_text())["history"])
