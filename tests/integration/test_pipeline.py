@@ -225,8 +225,14 @@ def test_replicas_fail_over_the_router_prefers_the_fast_one_and_a_lost_stage_wai
     assert final["step"] == steps
     assert final["last_error"] == ""
     seconds = final["step_seconds"]  # (a step that failed and was taken again counts once)
-    for step in crash_steps:  # the steps the crash hit: under twice the run's median step
-        assert seconds[step] < 2 * statistics.median(seconds), (step, seconds)
+    # The steps the crash hit: under twice the run's median step, or (the crash comes early,
+    # among the first steps, which a loaded machine makes slow anyway: one CI run had steps 0
+    # and 1 at 1.52 and 1.50 s, the crash in step 1, a median of 0.71 s) no slower than an
+    # early step it did not hit.
+    warm_up = [seconds[s] for s in range(3) if s not in crash_steps]
+    bound = max([2 * statistics.median(seconds), *warm_up])
+    for step in crash_steps:
+        assert seconds[step] < bound, (step, seconds)
     losses = final["losses"]
     assert statistics.fmean(losses[-5:]) < losses[0] - 0.5
 
