@@ -17,10 +17,11 @@ does not parse, a spec hash that is not this run's, a file whose sha256 differs,
 that does not open: each is reported (:attr:`Checkpointer.rejected`) and skipped, never loaded.
 A lock file keeps two nodes from sharing one directory.
 
-Beside the checkpoints, ``round.json`` notes the round this node started last (its epoch and
-step, before any of its values leave): a node killed during a round may have delivered some of
-the training its newest checkpoint holds, so a restart from a checkpoint at that step or before
-it knows that training may be in the swarm's state already (:meth:`Checkpointer.round_after`).
+Beside the checkpoints, ``round.json`` notes the round this node started after its last
+mid-round checkpoint (its epoch and step, before any of its values leave; the trainer decides
+when): a node killed during that round may have delivered some of the training the checkpoint
+holds, so a restart from a checkpoint at that step or before it knows that training may be in
+the swarm's state already (:meth:`Checkpointer.round_after`).
 """
 
 from __future__ import annotations
