@@ -144,9 +144,9 @@ class Trainer:
         restored = self.checkpoints.latest() if self.checkpoints is not None else None
         if restored is not None:
             self._restore(restored, replica, optimizer, batches)
+            progress.val_loss = evaluate(model, validation, device)
         if self.checkpoints is not None and isinstance(replica, DiLoCo):
             replica.round_starting = self._note_round
-            progress.val_loss = evaluate(model, validation, device)
         feed = Prefetched(batches, device, cursor=batches.cursor)
         with contextlib.suppress(concurrent.futures.CancelledError):  # stopped while waiting
             caught_up = replica.catch_up()
