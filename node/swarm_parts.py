@@ -216,6 +216,7 @@ async def join_parts(
             group_size=spec.averaging.group_size,
             matchmaking_timeout_seconds=spec.averaging.matchmaking_timeout_seconds,
             settle_seconds=MATCHMAKING_SETTLE_SECONDS,
+            slot_seconds=spec.algorithm.round_seconds,
             hooks=MatchmakingHooks(
                 peers=directory.refresh,
                 excluded=excludes,

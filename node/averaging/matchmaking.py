@@ -67,6 +67,7 @@ from swarmgrad.node.averaging.census import Census, freshest_first, take_census
 from swarmgrad.node.averaging.group import Group, Member, bounded
 from swarmgrad.node.averaging.grouping import assign_groups, waves
 from swarmgrad.node.averaging.membership import Alive, Liveness, Membership, Probes
+from swarmgrad.node.averaging.slots import in_slot, slot_grace, slot_of
 from swarmgrad.node.discovery.base import Discovery, dht_time
 from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS
 from swarmgrad.node.discovery.records import PeerRecord, ReadyRecord, avoid_tag, pack_avoids
@@ -145,6 +146,7 @@ class Matchmaker:
         group_size: int,
         matchmaking_timeout_seconds: float,
         settle_seconds: float = 0.5,
+        slot_seconds: float = 0.0,
         hooks: Hooks | None = None,
     ) -> None:
         if group_size < 2:
@@ -159,6 +161,8 @@ class Matchmaker:
         self.group_size = group_size
         self.timeout_seconds = matchmaking_timeout_seconds
         self.settle_seconds = settle_seconds
+        #: Rounds in slots of the DHT clock (``slots.py``; 0: waves, as above).
+        self.slot_seconds = slot_seconds
         self._excluded = hooks.excluded or (lambda _peer: False)
         self._avoiding = hooks.avoiding or (lambda: ())
         self.membership = hooks.membership
@@ -173,6 +177,9 @@ class Matchmaker:
     ) -> Group | None:
         """This peer's group for ``round_``, or None if it found nobody in time."""
         now = dht_time()
+        slot = self._slot(round_, now)
+        if slot is None:
+            return None
         ready = ReadyRecord(
             peer_id=self._identity.peer_id,
             run_id=self._discovery.run_id,
@@ -189,6 +196,7 @@ class Matchmaker:
         await self._discovery.announce_ready(ready)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_seconds
+        cut_at = self._cut_at(slot)
         me = self._identity.peer_id
         probes = self.membership.session(round_) if self.membership is not None else None
         liveness = Liveness(round_, self._alive)
@@ -216,8 +224,8 @@ class Matchmaker:
                 if wanted == {me} and seen <= {me} and census.wanted.keys() != {me}:
                     log.info("round %d: the peers it waited for are gone", round_)
                     break
-                if dht_time() >= self._wave_over(candidates, census):
-                    break  # whoever comes now is in the next wave: cut without it
+                if dht_time() >= self._wave_over(candidates, census, cut_at):
+                    break  # whoever comes now is in the next wave (slot): cut without it
                 missing = [
                     r
                     for p, r in census.wanted.items()
@@ -234,7 +242,8 @@ class Matchmaker:
                 posted = await self._ready(round_, avoided)
                 candidates = self._admit(round_, posted, records, probes, kept)
                 census = self._census(round_, peers, probes)
-            await asyncio.sleep(self.settle_seconds)
+            # A slot's records signed up to its grace have the settle time to spread.
+            await asyncio.sleep(max(self.settle_seconds, cut_at + self.settle_seconds - dht_time()))
             posted = await self._ready(round_, avoided)
             candidates = self._admit(round_, posted, records, probes, kept)
             if probes is not None:
@@ -261,7 +270,7 @@ class Matchmaker:
         refused = [r.peer_id for r in candidates if not bounded(r.bandwidth, r.weight)]
         if refused:
             log.info("round %d: left out %s (bandwidth or weight out of range)", round_, refused)
-        by_id = self._wave(round_, by_id)
+        by_id = self._wave(round_, by_id, slot)
         log.debug(
             "round %d: cutting %d candidates (bucket %d of %d, this wave) of %d records read",
             round_, len(by_id), census.mine, census.buckets, len(posted),
@@ -292,24 +301,54 @@ class Matchmaker:
         """How long after its first record a round's wave closes (``grouping.waves``)."""
         return max(self.timeout_seconds - WAVE_MARGIN_SECONDS, self.timeout_seconds / 2)
 
-    def _wave(self, round_: int, by_id: dict[str, ReadyRecord]) -> dict[str, ReadyRecord]:
-        """The candidates of this node's wave (all of them if its own record is not among
-        them: it joins no group anyway)."""
-        mine = _wave_of(self._identity.peer_id, by_id, self.wave_seconds)
+    def _wave(
+        self, round_: int, by_id: dict[str, ReadyRecord], slot: int
+    ) -> dict[str, ReadyRecord]:
+        """The candidates of this node's wave, or of its slot (all of them if its own record is
+        not among them: it joins no group anyway)."""
+        if self.slot_seconds:
+            mine = [p for p, r in by_id.items() if in_slot(r.issued_at, slot, self.slot_seconds)]
+        else:
+            mine = _wave_of(self._identity.peer_id, by_id, self.wave_seconds)
         if len(mine) < len(by_id):
             log.info(
-                "round %d: %d ready peers are in another wave (ready %g s or more apart)",
-                round_, len(by_id) - len(mine), self.wave_seconds,
+                "round %d: %d ready peers are in another %s",
+                round_, len(by_id) - len(mine), "slot" if self.slot_seconds else "wave",
             )  # fmt: skip
         return {p: by_id[p] for p in mine}
+
+    def _slot(self, round_: int, issued_at: float) -> int | None:
+        """The slot this node's readiness record signed at ``issued_at`` is in (0 without
+        slots), or None if it is past its grace: then it posts none and joins no group."""
+        if not self.slot_seconds:
+            return 0
+        slot = slot_of(issued_at, self.slot_seconds)
+        if in_slot(issued_at, slot, self.slot_seconds):
+            return slot
+        log.info(
+            "round %d: ready %.2f s after the slot's boundary, past its grace: "
+            "trains on to the next",
+            round_, issued_at - slot * self.slot_seconds,
+        )  # fmt: skip
+        return None
+
+    def _cut_at(self, slot: int) -> float:
+        """When (DHT time) the records of this node's slot have all been signed; without
+        slots, never (waves close by themselves)."""
+        if not self.slot_seconds:
+            return -float("inf")
+        return slot * self.slot_seconds + slot_grace(self.slot_seconds)
 
     def _census(self, round_: int, peers: list[PeerRecord], probes: Probes | None) -> Census:
         me = self._identity.peer_id
         return take_census(round_, me, peers, probes, self._excluded, self.group_size)
 
-    def _wave_over(self, candidates: list[ReadyRecord], census: Census) -> float:
+    def _wave_over(self, candidates: list[ReadyRecord], census: Census, cut_at: float) -> float:
         """When waiting stops mattering (DHT time): a record signed after this node's wave
-        closed is in the next wave, and one signed before has had its margin to be read."""
+        (slot) closed is in the next wave, and one signed before has had its margin to be
+        read."""
+        if self.slot_seconds:
+            return cut_at
         me = self._identity.peer_id
         in_bucket = {r.peer_id: r for r in candidates if census.in_bucket(r.peer_id)}
         if me not in in_bucket:

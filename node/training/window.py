@@ -3,20 +3,24 @@
 
 A round of a fixed step count ends minutes apart on machines of different speeds: the fast ones
 wait for the slow ones in matchmaking (at most its timeout), or the slow ones miss the round.
-With a window, every replica trains for the same wall-clock time since its last round (as many
-inner steps as fit, at least one) and comes to the round with its own samples as its weight.
-Members of one group leave a round within moments of each other, so their next windows end
-together; a replica that resynced or missed a round starts its window then. The discrete-event
-model computes a window's steps with :func:`steps_in_window`.
+With a window, every replica trains until the same moment and comes to the round with its own
+samples as its weight. The window ends at a slot boundary of the DHT clock
+(``averaging/slots.py``), so that a replica that restarted, resynced or missed a round comes to
+the next round with the rest; it takes the last step that ends before the boundary (one at the
+least). A quarter slot before the boundary a window is checked: a replica that missed the
+last round downloads its outcome then (``catch_up``), and still comes to the next round in
+time, where at the boundary it would have been late for it. The discrete-event model computes
+a window's steps with :func:`steps_in_window`.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from swarmgrad.node.averaging.slots import MIN_WINDOW_SHARE, window_end
+from swarmgrad.node.discovery.base import dht_time
 from swarmgrad.node.training.diloco import DiLoCo
 
 if TYPE_CHECKING:
@@ -25,39 +29,57 @@ if TYPE_CHECKING:
 
 
 def steps_in_window(window_seconds: float, step_seconds: float) -> int:
-    """The inner steps a replica whose steps take ``step_seconds`` trains in a window: it steps
-    until the window has passed, so the last one may end after it (and one at the least)."""
-    return max(1, math.ceil(window_seconds / step_seconds - 1e-9))
+    """The inner steps a replica whose steps take ``step_seconds`` trains in a window: as many as
+    end within it (one at the least)."""
+    return max(1, math.floor(window_seconds / step_seconds + 1e-9))
 
 
 class RoundWindow:
-    """A replica's time window: :meth:`due` once ``seconds`` have passed since :meth:`restart`
-    (made: restarted)."""
+    """A replica's time window: it ends at the slot boundary :func:`window_end` gives from the
+    moment it opened (:meth:`restart`); :meth:`due` once one more step, as long as the last,
+    would end past it; :meth:`check_due` once, a quarter slot before it."""
 
-    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, seconds: float, clock: Callable[[], float] = dht_time) -> None:
         if not seconds > 0:
             raise ValueError(f"a round's window must be positive, got {seconds}")
         self.seconds, self._clock = seconds, clock
-        self._started = clock()
+        self.restart()
 
     def restart(self) -> None:
         """A round just ended (or a resync): the next window starts now."""
-        self._started = self._clock()
+        now = self._clock()
+        self.ends_at = window_end(now, self.seconds)
+        self._check_at: float | None = self.ends_at - self.seconds * MIN_WINDOW_SHARE
+        self._last, self._step = now, 0.0
 
     def due(self) -> bool:
-        return self._clock() - self._started >= self.seconds
+        """A step just ended: whether the round is due (the next step would end past the
+        boundary)."""
+        now = self._clock()
+        self._step, self._last = now - self._last, now
+        return now + self._step > self.ends_at
+
+    def check_due(self) -> bool:
+        """Whether the window's check (``catch_up``) is due now: once a window."""
+        if self._check_at is None or self._clock() < self._check_at:
+            return False
+        self._check_at = None
+        return True
 
 
 def take_step(
     replica: DiLoCo | SyncDataParallel, window: RoundWindow | None, *, samples: int
 ) -> RoundReport | None:
     """One inner step of ``samples`` counted: the round, if one is due (every ``inner_steps``
-    steps, or at the end of ``window``, which then starts again)."""
+    steps, or at the end of ``window``, which then starts again); in a window, a resync at its
+    check if the replica is behind the swarm."""
     if window is None:
         return replica.step(samples=samples)
     assert isinstance(replica, DiLoCo)  # the spec allows windows for DiLoCo only
     replica.count(samples)
     if not window.due():
+        if window.check_due() and not replica.overlap:  # overlapped: boundary() resyncs
+            return replica.catch_up()
         return None
     report = replica.boundary()
     window.restart()  # the round (or resync) just ended, or an overlapped one started

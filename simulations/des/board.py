@@ -94,14 +94,16 @@ class Bucket:
 
 class Board:
     """Round r's readiness records: who is visible (in each bucket of each bucket count in
-    use), who decided which group, the exchanges."""
+    use, by slot), who decided which group, the exchanges."""
 
     def __init__(self, env: simpy.Environment, round_: int, group_size: int) -> None:
         self.env = env
         self.round = round_
         self.group_size = group_size
-        self.visible: set[str] = set()
-        self.buckets: dict[int, dict[int, Bucket]] = {}
+        #: Visible records: each peer's slot (``slots.in_slot``; None: signed past its grace, a
+        #: candidate for nobody; 0 for every record of rounds without slots).
+        self.visible: dict[str, int | None] = {}
+        self.buckets: dict[tuple[int, int], dict[int, Bucket]] = {}
         self.expected: dict[int, tuple[float, dict[int, dict[str, ModelPeer]]]] = {}
         self.bucket_count: tuple[float, int] | None = None  # (read at, count)
         self.decided: dict[str, tuple[tuple[str, ...] | None, float]] = {}
@@ -109,44 +111,49 @@ class Board:
         #: The groups whose exchange waits for a peer's decision, by peer.
         self.watchers: dict[str, list[tuple[str, ...]]] = {}
         self.exchanges: dict[tuple[str, ...], Exchange] = {}
-        #: Each peer's latest readiness record (a number per announcement).
-        self.records: dict[str, int] = {}
+        #: Each peer's latest readiness record (a number per announcement) and its slot.
+        self.records: dict[str, tuple[int, int | None]] = {}
 
-    def bucket(self, buckets: int, index: int) -> Bucket:
-        partition = self.buckets.get(buckets)
+    def bucket(self, buckets: int, index: int, slot: int = 0) -> Bucket:
+        partition = self.buckets.get((buckets, slot))
         if partition is None:
-            partition = self.buckets[buckets] = {}
+            partition = self.buckets[(buckets, slot)] = {}
         bucket = partition.get(index)
         if bucket is None:
             bucket = partition[index] = Bucket(
                 Candidates(self.round, self.group_size), self.env.event()
             )
-            for peer_id in self.visible:
-                if bucket_of(self.round, peer_id, buckets) == index:
+            for peer_id, its_slot in self.visible.items():
+                if its_slot == slot and bucket_of(self.round, peer_id, buckets) == index:
                     bucket.visible.add(peer_id)
         return bucket
 
-    def _buckets_of(self, peer_id: str) -> list[Bucket]:
+    def _buckets_of(self, peer_id: str, slot: int | None) -> list[Bucket]:
+        if slot is None:
+            return []
         return [
             bucket
-            for count, partition in self.buckets.items()
-            if (bucket := partition.get(bucket_of(self.round, peer_id, count))) is not None
+            for (count, its_slot), partition in self.buckets.items()
+            if its_slot == slot
+            and (bucket := partition.get(bucket_of(self.round, peer_id, count))) is not None
         ]
 
     def show(self, peer_id: str, record: int) -> None:
-        if self.records.get(peer_id) == record:
-            self.visible.add(peer_id)
-            for bucket in self._buckets_of(peer_id):
+        held = self.records.get(peer_id)
+        if held is not None and held[0] == record:
+            slot = self.visible[peer_id] = held[1]
+            for bucket in self._buckets_of(peer_id, slot):
                 bucket.visible.add(peer_id)
                 changed, bucket.changed = bucket.changed, self.env.event()
                 changed.succeed()
 
     def withdraw(self, peer_id: str, record: int) -> None:
         """Withdraw (or let expire) ``peer_id``'s record, if it is still that announcement."""
-        if self.records.get(peer_id) == record:
+        held = self.records.get(peer_id)
+        if held is not None and held[0] == record:
             del self.records[peer_id]
-            self.visible.discard(peer_id)
-            for bucket in self._buckets_of(peer_id):
+            slot = self.visible.pop(peer_id, None)
+            for bucket in self._buckets_of(peer_id, slot):
                 bucket.visible.remove(peer_id)
 
 

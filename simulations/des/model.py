@@ -63,12 +63,14 @@ slower than the sender timeout (a slow link shows as the round deadline, not as 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Generator
 from typing import Any
 
 import simpy
 
+from swarmgrad.node.averaging.slots import MIN_WINDOW_SHARE, window_end
 from swarmgrad.node.state.sync import carries_progress
 from swarmgrad.node.training.window import steps_in_window
 from swarmgrad.simulations.churn import ChurnEvent
@@ -194,14 +196,25 @@ class SwarmModel(Rounds):
                 else:  # no donor answered: it trains on and reads the records again next round
                     peer.communication_seconds += env.now - started
             while peer.epoch < self.config.rounds:
-                steps = self._steps_per_round(peer)
-                compute = steps * self.config.step_seconds * peer.profile.slowdown
+                step = self.config.step_seconds * peer.profile.slowdown
+                if self.round_seconds:
+                    # A window to the slot boundary, with the node's check on the way: a peer
+                    # that missed the last round downloads its outcome now, not at the boundary.
+                    end = window_end(env.now, self.round_seconds)
+                    check = end - self.round_seconds * MIN_WINDOW_SHARE
+                    steps = max(0, math.floor((check - env.now) / step + 1e-9))
+                    computing, since = True, env.now
+                    yield env.timeout(steps * step)
+                    self._trained(peer, steps, step)
+                    computing, since = False, env.now
+                    if self._behind(peer) and (yield from self._resync(peer)):
+                        self._record(peer, "resynced", since, 0)
+                    steps = steps_in_window(end - env.now, step)
+                else:
+                    steps = self.inner_steps
                 computing, since = True, env.now
-                yield env.timeout(compute)
-                peer.compute_seconds += compute
-                peer.samples += steps * self.batch
-                peer.unaveraged += steps * self.batch
-                peer.trained_online = peer.online_seconds + env.now - peer.online_since
+                yield env.timeout(steps * step)
+                self._trained(peer, steps, step)
                 computing, since = False, env.now
                 round_started = env.now
                 yield env.timeout(self.config.dht_seconds)  # the donors' records, read
@@ -232,11 +245,11 @@ class SwarmModel(Rounds):
             else:
                 peer.communication_seconds += env.now - since
 
-    def _steps_per_round(self, peer: ModelPeer) -> int:
-        """Inner steps before a round: ``inner_steps``, or as many as fit the time window."""
-        if not self.round_seconds:
-            return self.inner_steps
-        return steps_in_window(self.round_seconds, self.config.step_seconds * peer.profile.slowdown)
+    def _trained(self, peer: ModelPeer, steps: int, step: float) -> None:
+        peer.compute_seconds += steps * step
+        peer.samples += steps * self.batch
+        peer.unaveraged += steps * self.batch
+        peer.trained_online = peer.online_seconds + self.env.now - peer.online_since
 
     def _resync(self, peer: ModelPeer) -> Generator[simpy.Event, Any, bool]:
         """Download the swarm's state from the live holders of it; whether it did. With none

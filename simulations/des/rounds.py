@@ -19,6 +19,7 @@ from swarmgrad.node.averaging.matchmaking import (
     READY_MARGIN_SECONDS,
 )
 from swarmgrad.node.averaging.rounds import WITHDRAW_MARGIN_SECONDS
+from swarmgrad.node.averaging.slots import in_slot, slot_grace, slot_of
 from swarmgrad.node.swarm_config import MATCHMAKING_SETTLE_SECONDS
 from swarmgrad.simulations.des.board import Board, Exchange, ModelPeer, gone_at
 from swarmgrad.simulations.des.config import Events
@@ -100,22 +101,31 @@ class Rounds(ModelState):
         """Matchmaking, then the all-reduce: (outcome, group size, the state it leaves)."""
         env, board, me = self.env, self._board(peer.epoch), peer.peer_id
         board.decided.pop(me, None)  # an earlier attempt's
+        slot, cut_at = self._slot(env.now)
         record = self._records = self._records + 1
         earlier = board.records.get(me)
         if earlier is not None:
-            board.withdraw(me, earlier)
-        board.records[me] = record
+            board.withdraw(me, earlier[0])
+        board.records[me] = (record, slot)
         delay = self.config.dht_seconds + peer.latency_seconds
         env.process(self._after(delay, board.show, me, record))
         # It lapses unless withdrawn sooner (a crashed peer's stays until then).
         lapse = delay + self.matchmaking_timeout + READY_MARGIN_SECONDS
         env.process(self._after(lapse, board.withdraw, me, record))
-        started, deadline = env.now, env.now + self.matchmaking_timeout
+        if slot is None:  # signed past its slot's grace: in nobody's groups (``slots.py``)
+            board.decided[me] = (None, env.now)
+            self._settled(board, me)
+            board.withdraw(me, record)
+            return "no group", 1, None
+        started = env.now
+        deadline = env.now + self.matchmaking_timeout
+        if cut_at is not None:
+            deadline = min(deadline, cut_at)
         while True:
             r = peer.epoch
             buckets = self._bucket_count(board)
             index = bucket_of(r, me, buckets)
-            bucket = board.bucket(buckets, index)
+            bucket = board.bucket(buckets, index, slot)
             if env.now >= deadline:
                 break
             seen = bucket.visible.ids
@@ -131,7 +141,12 @@ class Rounds(ModelState):
                 wake = min(wake, env.now + EXPECTED_REFRESH_SECONDS)
             wake = max(wake, env.now + POLL_SECONDS)
             yield env.any_of([bucket.changed, env.timeout(wake - env.now)])
-        yield env.timeout(POLL_SECONDS / 2 + MATCHMAKING_SETTLE_SECONDS)
+        # The last read: after the settle time, and in a slot never before its grace has passed
+        # and the records signed in it had the settle time to spread.
+        settle = POLL_SECONDS / 2 + MATCHMAKING_SETTLE_SECONDS
+        if cut_at is not None:
+            settle = max(settle, cut_at + MATCHMAKING_SETTLE_SECONDS - env.now)
+        yield env.timeout(settle)
         group = bucket.visible.group_of(me)
         if group is not None and all(self.by_id[p].relay is not None for p in group):
             group = None  # the node's "no member of the group can be dialed"
@@ -147,6 +162,16 @@ class Rounds(ModelState):
         finally:
             if peer.alive and not peer.paused:
                 board.withdraw(me, record)
+
+    def _slot(self, issued_at: float) -> tuple[int | None, float | None]:
+        """The slot of a readiness record signed at ``issued_at`` (None: past its grace) and
+        when its round's last read may begin at the soonest; without slots, 0 and None."""
+        if not self.round_seconds:
+            return 0, None
+        slot = slot_of(issued_at, self.round_seconds)
+        if not in_slot(issued_at, slot, self.round_seconds):
+            return None, None
+        return slot, slot * self.round_seconds + slot_grace(self.round_seconds)
 
     # -- the all-reduce ---------------------------------------------------------------------------
 
@@ -290,6 +315,12 @@ class Rounds(ModelState):
         codec = 0.0
         if self.config.codec_values_per_second:
             codec = 2 * self.params / self.config.codec_values_per_second
-        if len(exchange.members) < len(exchange.group):  # streams to dissenters time out
+        absent = [m for m in members if m.index not in exchange.members]
+        if any(m.alive and not m.paused for m in absent):
+            # Dissenters (they cut another group) open no stream here: waited for until the
+            # join timeout. A dead member's connection is refused at once, and each member
+            # stops waiting for it then (``allreduce._owner_failed``).
             transfer = max(transfer, self.allreduce.join_timeout_seconds)
+        elif absent:
+            transfer = max(transfer, 2 * max(m.latency_seconds for m in absent))
         return transfer + latency + codec, max(chunks, 1)

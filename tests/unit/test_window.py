@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from swarmgrad.node.averaging.slots import in_slot, slot_grace, slot_of, window_end
 from swarmgrad.node.kinds import RoundOutcome
 from swarmgrad.node.runspec import RunSpec, RunSpecError
 from swarmgrad.node.training.window import RoundWindow, steps_in_window, take_step
@@ -26,19 +27,47 @@ class Clock:
         return self.now
 
 
-def test_a_window_fits_whole_steps_and_at_least_one() -> None:
+def test_a_window_ends_at_a_slot_boundary_before_a_step_would_cross_it() -> None:
     assert steps_in_window(1.0, 0.25) == 4
-    assert steps_in_window(1.0, 0.3) == 4  # the step that crosses the end finishes
-    assert steps_in_window(1.0, 4.0) == 1
+    assert steps_in_window(1.0, 0.3) == 3  # a fourth would end past the boundary
+    assert steps_in_window(1.0, 4.0) == 1  # one at the least
+    # Opened anywhere in a slot, a window ends at a multiple of the slot, at least a quarter
+    # slot on: peers that started at different moments end together.
+    assert window_end(100.0, 2.0) == 102.0
+    assert window_end(100.4, 2.0) == 102.0
+    assert window_end(101.6, 2.0) == 104.0  # less than half a second left: the next one
     clock = Clock()
+    clock.now = 100.4
     window = RoundWindow(2.0, clock)
-    assert not window.due()
-    clock.now += 2.0
-    assert window.due()
+    assert window.ends_at == 102.0
+    steps = 0
+    while True:
+        clock.now += 0.3
+        steps += 1
+        if window.due():
+            break
+    assert steps == 5
+    assert clock.now == pytest.approx(101.9)
     window.restart()
-    assert not window.due()
+    assert window.ends_at == 104.0
+    assert not window.check_due()
+    clock.now = 103.5  # a quarter slot before the boundary: the check, once
+    assert window.check_due()
+    assert not window.check_due()
     with pytest.raises(ValueError, match="positive"):
         RoundWindow(0.0, clock)
+
+
+def test_a_record_counts_in_its_slot_up_to_the_grace() -> None:
+    """Every peer puts a readiness record in the same slot, or in none, from its signed time
+    alone: a record signed past the grace is in nobody's groups."""
+    assert slot_grace(2.0) == 0.25
+    assert slot_grace(60.0) == 2.0
+    assert slot_of(101.9, 2.0) == 51
+    assert in_slot(101.9, 51, 2.0)
+    assert in_slot(102.2, 51, 2.0)
+    assert not in_slot(102.3, 51, 2.0)  # past the grace
+    assert not in_slot(103.1, 51, 2.0)  # the next slot's
 
 
 @pytest.mark.parametrize(
