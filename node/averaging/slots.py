@@ -46,12 +46,15 @@ SLOT_GRACE_SECONDS = 2.0
 MIN_WINDOW_SHARE = 0.25
 
 
-def window_end(now: float, slot_seconds: float) -> float:
+def window_end(now: float, slot_seconds: float, step_seconds: float = 0.0) -> float:
     """The boundary (a multiple of ``slot_seconds`` on the DHT clock) at which a window opened
-    at ``now`` ends: the first that leaves at least a quarter slot of training."""
+    at ``now`` ends: the first that leaves at least a quarter slot of training, and room for
+    one step of ``step_seconds`` (a replica whose step would cross the boundary would sign its
+    readiness past the slot's grace)."""
     if not slot_seconds > 0:
         raise ValueError(f"a slot must be positive, got {slot_seconds}")
-    return math.ceil((now + slot_seconds * MIN_WINDOW_SHARE) / slot_seconds) * slot_seconds
+    least = max(slot_seconds * MIN_WINDOW_SHARE, step_seconds)
+    return math.ceil((now + least) / slot_seconds) * slot_seconds
 
 
 def slot_grace(slot_seconds: float) -> float:

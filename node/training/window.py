@@ -43,14 +43,16 @@ class RoundWindow:
         if not seconds > 0:
             raise ValueError(f"a round's window must be positive, got {seconds}")
         self.seconds, self._clock = seconds, clock
+        self._step = 0.0  # the last step's time
         self.restart()
 
     def restart(self) -> None:
-        """A round just ended (or a resync): the next window starts now."""
+        """A round just ended (or a resync): the next window starts now, and ends at the first
+        boundary that leaves room for a step as long as the last."""
         now = self._clock()
-        self.ends_at = window_end(now, self.seconds)
+        self.ends_at = window_end(now, self.seconds, self._step)
         self._check_at: float | None = self.ends_at - self.seconds * MIN_WINDOW_SHARE
-        self._last, self._step = now, 0.0
+        self._last = now
 
     def due(self) -> bool:
         """A step just ended: whether the round is due (the next step would end past the

@@ -200,7 +200,7 @@ class SwarmModel(Rounds):
                 if self.round_seconds:
                     # A window to the slot boundary, with the node's check on the way: a peer
                     # that missed the last round downloads its outcome now, not at the boundary.
-                    end = window_end(env.now, self.round_seconds)
+                    end = window_end(env.now, self.round_seconds, step)
                     check = end - self.round_seconds * MIN_WINDOW_SHARE
                     steps = max(0, math.floor((check - env.now) / step + 1e-9))
                     computing, since = True, env.now

@@ -279,3 +279,52 @@ async def test_in_a_large_swarm_a_peer_waits_for_its_bucket_and_groups_within_it
     assert set(members) <= set(bucket)
     expected = next(g for g in assign_groups(5, bucket, 4) if me.peer_id in g)
     assert members == expected
+
+
+def ready_at(name: str, round_: int, issued_at: float) -> ReadyRecord:
+    return ReadyRecord(peer_id=name, run_id=RUN, spec_hash=SPEC.hex(), endpoint=f"{name}:1",
+                       round=round_, bandwidth=1.0, weight=1.0, issued_at=issued_at,
+                       expires_at=issued_at + 60)  # fmt: skip
+
+
+async def test_peers_in_slots_cut_the_same_groups_whenever_they_stop_waiting() -> None:
+    """Rounds in slots of 2 s (grace 0.25 s): two members that stop waiting at different
+    moments cut the same group. A newcomer signed within the grace is in it for both, one
+    signed past it for neither (whoever read it), and a node that would sign past the grace
+    posts nothing."""
+    slot_seconds = 2.0
+    me, mate = Identity.from_seed("mm-rules/me"), Identity.from_seed("mm-rules/mate")
+    board = Board()
+    peers = [peer(me.peer_id, 4), peer(mate.peer_id, 4)]
+
+    def slotted(identity: Identity) -> Matchmaker:
+        found = maker(board, identity, peers)
+        found.slot_seconds = slot_seconds
+        return found
+
+    boundary = (dht_time() // slot_seconds + 1) * slot_seconds
+    await asyncio.sleep(boundary + 0.01 - dht_time())  # just after a boundary
+
+    async def newcomers() -> None:
+        await asyncio.sleep(0.1)
+        await board.announce_ready(ready_at("in-grace", 4, boundary + 0.2))
+        await board.announce_ready(ready_at("past-grace", 4, boundary + 0.3))
+
+    async def late_mate() -> Any:
+        await asyncio.sleep(0.05)  # it comes later
+        return await slotted(mate).form_group(4, endpoint="mate:1")
+
+    async with asyncio.TaskGroup() as tasks:
+        tasks.create_task(newcomers())
+        mine = tasks.create_task(slotted(me).form_group(4, endpoint="me:1"))
+        theirs = tasks.create_task(late_mate())
+    cut = {me.peer_id, mate.peer_id, "in-grace"}
+    for group in (mine.result(), theirs.result()):
+        assert group is not None
+        assert {m.peer_id for m in group.members} == cut
+    assert dht_time() >= boundary + 0.25  # nobody cut before the grace had passed
+
+    await asyncio.sleep(max(0.0, boundary + 0.5 - dht_time()))  # well past the grace
+    board.ready.clear()
+    assert await slotted(me).form_group(5, endpoint="me:1") is None
+    assert board.ready == {}  # it posted nothing: nobody's groups would have it
