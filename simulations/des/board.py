@@ -38,6 +38,8 @@ class ModelPeer:
     process: simpy.Process | None = None
     relay: int | None = None  # a relayed peer's relay (a direct peer's index)
     exchange: Exchange | None = None  # the all-reduce it is in now
+    flight: simpy.Process | None = None  # an overlapped round in flight
+    sending: int = 0  # the samples the round it is in sends
     samples: int = 0
     unaveraged: int = 0  # samples since its last averaged round
     dropped: int = 0  # samples thrown away: by a resync (the swarm's state), or a crash

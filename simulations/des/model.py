@@ -207,7 +207,11 @@ class SwarmModel(Rounds):
                     yield env.timeout(steps * step)
                     self._trained(peer, steps, step)
                     computing, since = False, env.now
-                    if self._behind(peer) and (yield from self._resync(peer)):
+                    if (
+                        not self.overlap  # overlapped: at the boundary, once the round landed
+                        and self._behind(peer)
+                        and (yield from self._resync(peer))
+                    ):
                         self._record(peer, "resynced", since, 0)
                     steps = steps_in_window(end - env.now, step)
                 else:
@@ -217,6 +221,27 @@ class SwarmModel(Rounds):
                 self._trained(peer, steps, step)
                 computing, since = False, env.now
                 round_started = env.now
+                if self.overlap:
+                    if peer.flight is not None:  # the round started at the last boundary lands
+                        landed = yield peer.flight
+                        peer.flight = None
+                        self._landed(peer, landed, round_started)
+                        since = round_started = env.now
+                    yield env.timeout(self.config.dht_seconds)  # the donors' records, read
+                    if self._behind(peer) and (yield from self._resync(peer, carry=True)):
+                        self._record(peer, "resynced", round_started, 0)
+                    else:
+                        peer.communication_seconds += env.now - round_started
+                    since = env.now
+                    if peer.epoch < self.config.rounds:
+                        peer.sending = peer.unaveraged
+                        peer.flight = env.process(self._fly(peer))
+                    if peer.epoch + 1 >= self.config.rounds and peer.flight is not None:
+                        # Its last round: the node trains no more and lands it (``finish``).
+                        landed = yield peer.flight
+                        peer.flight = None
+                        self._landed(peer, landed, since)
+                    continue
                 yield env.timeout(self.config.dht_seconds)  # the donors' records, read
                 if self._behind(peer):
                     resynced = yield from self._resync(peer)
@@ -225,15 +250,8 @@ class SwarmModel(Rounds):
                     if resynced and (not peer.unaveraged or peer.epoch >= self.config.rounds):
                         continue  # dropped (nothing to send until it has trained), or done
                 # Not behind, or no donor answered (the node tries again next round).
-                outcome, size, state = yield from self._round(peer)
-                if outcome in ("averaged", "partial"):
-                    peer.unaveraged = 0
-                    peer.state = state
-                    peer.epoch += 1
-                    self._announce(peer, peer.epoch)
-                    self.reached = max(self.reached, peer.epoch)
-                    self.advances += 1
-                self._record(peer, outcome, round_started, size)
+                peer.sending = peer.unaveraged
+                self._landed(peer, (yield from self._round(peer)), round_started)
             peer.finished = True
             self.training.discard(peer.index)
             self._advanced()
@@ -245,13 +263,36 @@ class SwarmModel(Rounds):
             else:
                 peer.communication_seconds += env.now - since
 
+    def _landed(self, peer: ModelPeer, landed: tuple[str, int, Any], waited_from: float) -> None:
+        """A round's outcome, as it lands: its state and the next epoch if it averaged (what
+        the peer trained since it started, if it was overlapped, goes in the next one);
+        recorded with the time the peer waited for it since ``waited_from``."""
+        outcome, size, state = landed
+        if outcome in ("averaged", "partial"):
+            peer.unaveraged -= peer.sending
+            peer.state = state
+            peer.epoch += 1
+            self._announce(peer, peer.epoch)
+            self.reached = max(self.reached, peer.epoch)
+            self.advances += 1
+        peer.sending = 0
+        self._record(peer, outcome, waited_from, size)
+
+    def _fly(self, peer: ModelPeer) -> Events:
+        """An overlapped round: the peer trains on meanwhile. A crash or pause ends it (its
+        all-reduce goes on without the peer)."""
+        try:
+            return (yield from self._round(peer))
+        except simpy.Interrupt:
+            return "halted", 0, None
+
     def _trained(self, peer: ModelPeer, steps: int, step: float) -> None:
         peer.compute_seconds += steps * step
         peer.samples += steps * self.batch
         peer.unaveraged += steps * self.batch
         peer.trained_online = peer.online_seconds + self.env.now - peer.online_since
 
-    def _resync(self, peer: ModelPeer) -> Generator[simpy.Event, Any, bool]:
+    def _resync(self, peer: ModelPeer, *, carry: bool = False) -> Generator[simpy.Event, Any, bool]:
         """Download the swarm's state from the live holders of it; whether it did. With none
         (the records of the donors outlive them until they lapse) the node's download fails:
         after a connection refused, or a paused donor's download timeout. What the peer trained
@@ -272,7 +313,7 @@ class SwarmModel(Rounds):
         rate = min(peer.down, sum(d.up for d in donors))
         latency = max(peer.latency_seconds + d.latency_seconds for d in donors)
         yield self.env.timeout(self.config.dht_seconds + 2 * latency + self.state_bytes / rate)
-        if not carries_progress(peer.epoch, target[0], self.carry_epochs):
+        if not carry and not carries_progress(peer.epoch, target[0], self.carry_epochs):
             peer.dropped += peer.unaveraged
             peer.unaveraged = 0
         peer.epoch, peer.state = target[0], target[1]
@@ -284,6 +325,9 @@ class SwarmModel(Rounds):
     def _kill(self, peer: ModelPeer, *, graceful: bool = False) -> None:
         peer.alive = False
         peer.online_seconds += self.env.now - peer.online_since
+        flown = peer.flight.value if peer.flight is not None and peer.flight.triggered else None
+        if flown is not None and flown[0] in ("averaged", "partial"):
+            peer.unaveraged -= peer.sending  # an overlapped round that averaged, not yet landed
         # What it trained since its last averaged round never reaches the model: its
         # checkpoints hold the state it had then.
         peer.dropped += peer.unaveraged
@@ -305,6 +349,9 @@ class SwarmModel(Rounds):
         and they wait out the sender timeout."""
         if peer.process is not None and peer.process.is_alive:
             peer.process.interrupt()
+        if peer.flight is not None and peer.flight.is_alive:
+            peer.flight.interrupt()
+        peer.flight = None
         exchange, peer.exchange = peer.exchange, None
         if exchange is not None and exchange.process is not None and exchange.process.is_alive:
             exchange.dead.append(peer.index)

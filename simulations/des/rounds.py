@@ -120,7 +120,11 @@ class Rounds(ModelState):
         started = env.now
         deadline = env.now + self.matchmaking_timeout
         if cut_at is not None:
-            deadline = min(deadline, cut_at)
+            # In a slot nobody cuts before its grace has passed, so whom the node waits for
+            # until then changes nothing of its last read (but that one that stopped waiting
+            # in the last poll before it reads half a poll later): it reads at the cut.
+            deadline = env.now
+            yield env.timeout(max(0.0, cut_at - env.now))
         while True:
             r = peer.epoch
             buckets = self._bucket_count(board)
@@ -181,7 +185,7 @@ class Rounds(ModelState):
         if peer.index not in exchange.members:
             return "aborted", len(group), None
         peer.exchange = exchange
-        exchange.inputs[peer.index] = (peer.state, peer.unaveraged)
+        exchange.inputs[peer.index] = (peer.state, peer.sending)
         yield exchange.done
         peer.exchange = None
         traffic = exchange.traffic.get(peer.index)

@@ -41,6 +41,7 @@ class ModelState:
         self.inner_steps = spec.algorithm.inner_steps
         self.carry_epochs = spec.algorithm.carry_epochs
         self.round_seconds = spec.algorithm.round_seconds
+        self.overlap = spec.algorithm.overlap
         self.batch = spec.data.batch_size
         self.env = simpy.Environment()
         self.rng = random.Random(f"swarmgrad-des:{config.seed}")

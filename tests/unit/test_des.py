@@ -7,6 +7,7 @@ import json
 import logging
 import random
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -276,3 +277,27 @@ def test_groups_smaller_than_the_swarm_average_apart_and_the_minority_resyncs() 
     assert dropped(dropping) > 0.2
     assert dropping["totals"]["samples_kept"] < 1 - dropped(dropping) - 0.2
     assert dropping["totals"]["samples_kept"] < apart["totals"]["samples_kept"]
+
+
+@pytest.mark.parametrize("window", [0.0, 4.0])
+def test_an_overlapped_round_trains_on_meanwhile(window: float) -> None:
+    """``algorithm.overlap``: the model trains the next window while a round is in flight, as
+    the node does, where it used to draw every spec's rounds as blocking. On links where a
+    round takes about a second, blocking rounds spend that second idle; overlapped ones do not,
+    keep every sample (the last round lands before the run ends, as ``finish`` does) and end
+    on the same epochs."""
+    slow = [PeerProfile(upload_bytes_per_second=1e6, download_bytes_per_second=1e6)] * 4
+    algorithm = replace(SPEC.algorithm, inner_steps=40, round_seconds=window)
+    blocking, overlapped = (
+        model(4, 5, profiles=slow, spec=replace(SPEC, algorithm=replace(algorithm, overlap=o)))
+        for o in (False, True)
+    )
+    for summary in (blocking, overlapped):
+        assert [p["epoch"] for p in summary["peers"]] == [5] * 4
+        assert summary["totals"]["samples_kept"] == 1.0
+        assert summary["totals"]["resyncs"] == 0
+    # Only the last round waits (it lands before the run ends).
+    assert blocking["totals"]["utilization"] < 0.6
+    assert overlapped["totals"]["utilization"] > 0.8
+    # The rounds' traffic is the same: only the waiting went.
+    assert overlapped["totals"]["bytes_sent_per_peer"] == blocking["totals"]["bytes_sent_per_peer"]
