@@ -7,7 +7,12 @@ peer's life and the churn.
 What each peer does, and whose rule it is:
 
 - **Train**: H inner steps (``algorithm.inner_steps``) of ``step_seconds x slowdown``, or with a
-  time window (``algorithm.round_seconds``) as many as fit it (``window.steps_in_window``).
+  time window (``algorithm.round_seconds``) as many as end before its slot boundary
+  (``slots.window_end``, ``window.steps_in_window``); a quarter slot before it, a peer behind
+  the swarm resyncs (the node's window check), unless its rounds are overlapped.
+- **Overlap** (``algorithm.overlap``): at a boundary the round started at the last one lands
+  (the peer waits for it if it has not), then the next starts and the peer trains on at once;
+  what it trains meanwhile goes in the next round, and its last round lands before it stops.
 - **Resync**: before a round, a peer behind the newest epoch that a live peer record announces
   (``pick_donors``: a dead peer's record counts until it lapses) downloads the state (theta and
   the outer momentum, fp32) from up to ``StateSyncConfig.max_donors`` donors at once, each
@@ -25,7 +30,10 @@ What each peer does, and whose rule it is:
   for one round trip later, a paused one after the liveness deadline), or the matchmaking
   timeout; notice at the next poll, wait the settle
   time, read once more and cut the bucket's visible candidates into groups in the node's own
-  order (``groups.py``). Readiness records are withdrawn and lapse as the node's do. Peers
+  order (``groups.py``). In slots (``slots.py``) a record counts only in its slot, up to the
+  grace (one signed later joins no group), and the last read is at the slot's cut (the grace)
+  plus half a poll and the settle time. Readiness records are withdrawn and lapse as the
+  node's do. Peers
   that read different candidate sets can compute different groups: only members that computed
   the same group average together (a group with dissenters is partial, a peer alone in its view
   aborts and tries the round again after more training), as on the wire, where streams with
