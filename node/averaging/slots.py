@@ -12,7 +12,9 @@ DHT clock (the records' clock: :func:`~swarmgrad.node.discovery.base.dht_time`),
 ``round_seconds``: the first one at least a quarter slot away (:func:`window_end`; a round
 must end within three quarters of a slot for its members to come to the next boundary), and a
 replica stops stepping before a step would cross it. Every replica then comes to the round at
-the same boundary, however it got there.
+the same boundary, however it got there. A replica that missed a round checks at every quarter
+slot of its window whether the swarm is ahead (:func:`checks`), and downloads the round's
+outcome as soon as it is: at the boundary it would be late for the next round.
 
 A readiness record belongs to the slot of the boundary nearest its signed ``issued_at``
 (:func:`slot_of`) and counts only if it was signed at most :func:`slot_grace` after that
@@ -30,6 +32,7 @@ import math
 __all__ = [
     "MIN_WINDOW_SHARE",
     "SLOT_GRACE_SECONDS",
+    "checks",
     "in_slot",
     "slot_grace",
     "slot_of",
@@ -55,6 +58,16 @@ def window_end(now: float, slot_seconds: float, step_seconds: float = 0.0) -> fl
         raise ValueError(f"a slot must be positive, got {slot_seconds}")
     least = max(slot_seconds * MIN_WINDOW_SHARE, step_seconds)
     return math.ceil((now + least) / slot_seconds) * slot_seconds
+
+
+def checks(opened: float, ends_at: float, slot_seconds: float) -> list[float]:
+    """When a window opened at ``opened`` and ending at ``ends_at`` is checked (whether its
+    replica is behind the swarm: it missed the last round, whose outcome it then downloads):
+    at every quarter slot before the boundary, from the first after it opened. The first that
+    finds the swarm's round landed leaves the most time for the download."""
+    quarter = slot_seconds * MIN_WINDOW_SHARE
+    marks = (ends_at - k * quarter for k in (3, 2, 1))
+    return [t for t in marks if t > opened]
 
 
 def slot_grace(slot_seconds: float) -> float:

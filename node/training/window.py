@@ -7,10 +7,10 @@ With a window, every replica trains until the same moment and comes to the round
 samples as its weight. The window ends at a slot boundary of the DHT clock
 (``averaging/slots.py``), so that a replica that restarted, resynced or missed a round comes to
 the next round with the rest; it takes the last step that ends before the boundary (one at the
-least). A quarter slot before the boundary a window is checked: a replica that missed the
-last round downloads its outcome then (``catch_up``), and still comes to the next round in
-time, where at the boundary it would have been late for it. The discrete-event model computes
-a window's steps with :func:`steps_in_window`.
+least). At every quarter slot a window is checked: a replica that missed the last round
+downloads its outcome as soon as the swarm has it (``catch_up``), and still comes to the next
+round in time, where at the boundary it would have been late for it. The discrete-event model
+computes a window's steps with :func:`steps_in_window`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from swarmgrad.node.averaging.slots import MIN_WINDOW_SHARE, window_end
+from swarmgrad.node.averaging.slots import checks, window_end
 from swarmgrad.node.discovery.base import dht_time
 from swarmgrad.node.training.diloco import DiLoCo
 
@@ -37,7 +37,7 @@ def steps_in_window(window_seconds: float, step_seconds: float) -> int:
 class RoundWindow:
     """A replica's time window: it ends at the slot boundary :func:`window_end` gives from the
     moment it opened (:meth:`restart`); :meth:`due` once one more step, as long as the last,
-    would end past it; :meth:`check_due` once, a quarter slot before it."""
+    would end past it; :meth:`check_due` at each of its :func:`checks`."""
 
     def __init__(self, seconds: float, clock: Callable[[], float] = dht_time) -> None:
         if not seconds > 0:
@@ -51,7 +51,7 @@ class RoundWindow:
         boundary that leaves room for a step as long as the last."""
         now = self._clock()
         self.ends_at = window_end(now, self.seconds, self._step)
-        self._check_at: float | None = self.ends_at - self.seconds * MIN_WINDOW_SHARE
+        self._checks = checks(now, self.ends_at, self.seconds)
         self._last = now
 
     def due(self) -> bool:
@@ -62,11 +62,12 @@ class RoundWindow:
         return now + self._step > self.ends_at
 
     def check_due(self) -> bool:
-        """Whether the window's check (``catch_up``) is due now: once a window."""
-        if self._check_at is None or self._clock() < self._check_at:
-            return False
-        self._check_at = None
-        return True
+        """Whether one of the window's checks (``catch_up``) is due now (each once)."""
+        now, due = self._clock(), False
+        while self._checks and self._checks[0] <= now:
+            self._checks.pop(0)
+            due = True
+        return due
 
 
 def take_step(

@@ -78,7 +78,7 @@ from typing import Any
 
 import simpy
 
-from swarmgrad.node.averaging.slots import MIN_WINDOW_SHARE, window_end
+from swarmgrad.node.averaging.slots import checks, window_end
 from swarmgrad.node.state.sync import carries_progress
 from swarmgrad.node.training.window import steps_in_window
 from swarmgrad.simulations.churn import ChurnEvent
@@ -209,18 +209,17 @@ class SwarmModel(Rounds):
                     # A window to the slot boundary, with the node's check on the way: a peer
                     # that missed the last round downloads its outcome now, not at the boundary.
                     end = window_end(env.now, self.round_seconds, step)
-                    check = end - self.round_seconds * MIN_WINDOW_SHARE
-                    steps = max(0, math.floor((check - env.now) / step + 1e-9))
-                    computing, since = True, env.now
-                    yield env.timeout(steps * step)
-                    self._trained(peer, steps, step)
-                    computing, since = False, env.now
-                    if (
-                        not self.overlap  # overlapped: at the boundary, once the round landed
-                        and self._behind(peer)
-                        and (yield from self._resync(peer))
-                    ):
-                        self._record(peer, "resynced", since, 0)
+                    # Overlapped: it resyncs at the boundary, once the round in flight landed.
+                    marks = [] if self.overlap else checks(env.now, end, self.round_seconds)
+                    for check in marks:
+                        steps = max(0, math.floor((check - env.now) / step + 1e-9))
+                        computing, since = True, env.now
+                        yield env.timeout(steps * step)
+                        self._trained(peer, steps, step)
+                        computing, since = False, env.now
+                        if self._behind(peer) and (yield from self._resync(peer)):
+                            self._record(peer, "resynced", since, 0)
+                            break
                     steps = steps_in_window(end - env.now, step)
                 else:
                     steps = self.inner_steps

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from swarmgrad.node.averaging.slots import in_slot, slot_grace, slot_of, window_end
+from swarmgrad.node.averaging.slots import checks, in_slot, slot_grace, slot_of, window_end
 from swarmgrad.node.kinds import RoundOutcome
 from swarmgrad.node.runspec import RunSpec, RunSpecError
 from swarmgrad.node.training.window import RoundWindow, steps_in_window, take_step
@@ -51,7 +51,12 @@ def test_a_window_ends_at_a_slot_boundary_before_a_step_would_cross_it() -> None
     window.restart()
     assert window.ends_at == 104.0
     assert not window.check_due()
-    clock.now = 103.5  # a quarter slot before the boundary: the check, once
+    # Checked at every quarter slot before the boundary (102.5, 103, 103.5), each once.
+    assert checks(101.9, 104.0, 2.0) == [102.5, 103.0, 103.5]
+    clock.now = 102.6
+    assert window.check_due()
+    assert not window.check_due()
+    clock.now = 103.7  # two marks passed while it stepped: one check
     assert window.check_due()
     assert not window.check_due()
     with pytest.raises(ValueError, match="positive"):
