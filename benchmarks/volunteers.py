@@ -1,18 +1,20 @@
 """Rounds for volunteers, in the discrete-event model: the rounds main had (groups of 4, a fixed
 step count, a resync drops the peer's own progress) against the new ones (one group for the
-whole swarm, a time window per round, a resync keeps the peer's progress), for the demo model
-and the 1B model of ``benchmarks/des.py``, in a calm swarm and in the volunteer scenario
-(``simulations/scenarios/volunteers-*.toml``: speed spread sigma 0.5, links of 10 / 30 / 100 /
-1000 Mbit/s, 30% relayed, sessions of ~20 rounds ending in crashes).
+whole swarm, rounds in slots of the DHT clock, a resync keeps the peer's progress), blocking or
+overlapped, for the demo model and the 1B model of ``benchmarks/des.py``, in a calm swarm and
+in the volunteer scenario (``simulations/scenarios/volunteers-*.toml``: speed spread sigma 0.5,
+links of 10 / 30 / 100 / 1000 Mbit/s, 30% relayed, sessions of ~20 rounds ending in crashes).
 
 "Kept" is the share of the samples trained that are in the final model (the rounds its state
-descends from: ``simulations/des/report.py``); utilization is compute / (compute + rounds).
+descends from: ``simulations/des/report.py``); utilization is compute / (compute + the time
+it waits for rounds and state downloads).
 
-    .venv/bin/python benchmarks/volunteers.py                       # ~10 min on 2 cores
+    .venv/bin/python benchmarks/volunteers.py --peers 64              # ~2 min on 2 cores
+    .venv/bin/python benchmarks/volunteers.py --peers 1000 --rules new overlapped
     .venv/bin/python benchmarks/volunteers.py --models demo --peers 64
 
-The new rounds' window is the old rounds' compute at the median speed (inner_steps x one step),
-so both train about as much per round. Their groups are the swarm (group_size at least the
+A blocking slot is twice the old rounds' compute at the median speed (inner_steps x one step),
+an overlapped one once (``rounds_spec``). Their groups are the swarm (group_size at least the
 peers; the demo spec's 256 caps open runs' groups, whose evidence holds at most 256 members).
 """
 
@@ -51,8 +53,16 @@ def one_b_step_seconds(spec: RunSpec) -> float:
     return 6 * parameter_count(spec.model) * tokens / (165e12 * 0.4)
 
 
+#: The rules compared: main's old rounds, slots with blocking rounds, slots with overlapped ones.
+RULES = ("old", "new", "overlapped")
+
+
 def rounds_spec(spec: RunSpec, rules: str, peers: int, step_seconds: float) -> RunSpec:
-    """``spec`` with the old rounds (groups of 4, fixed steps, resyncs drop) or the new ones."""
+    """``spec`` with the old rounds (groups of 4, fixed steps, resyncs drop) or the new ones:
+    one group of the swarm, progress carried over two epochs, and slots of the DHT clock
+    (``algorithm.round_seconds``): twice the old rounds' compute at the median speed with
+    blocking rounds (the round fits in the slot beside the training), once with overlapped
+    ones (the round runs beside the next slot's training)."""
     algorithm, averaging = spec.algorithm, spec.averaging
     if rules == "old":
         return replace(
@@ -60,10 +70,11 @@ def rounds_spec(spec: RunSpec, rules: str, peers: int, step_seconds: float) -> R
             algorithm=replace(algorithm, carry_epochs=0, round_seconds=0.0),
             averaging=replace(averaging, group_size=4),
         )
-    window = algorithm.inner_steps * step_seconds
+    overlapped = rules == "overlapped"
+    slot = (1 if overlapped else 2) * algorithm.inner_steps * step_seconds
     return replace(
         spec,
-        algorithm=replace(algorithm, carry_epochs=2, round_seconds=window),
+        algorithm=replace(algorithm, carry_epochs=2, round_seconds=slot, overlap=overlapped),
         averaging=replace(averaging, group_size=max(averaging.group_size, peers)),
     )
 
@@ -128,6 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", choices=("demo", "1b"), default=["demo", "1b"])
     parser.add_argument("--peers", nargs="+", type=int, default=[64, 1000])
+    parser.add_argument("--rules", nargs="+", choices=RULES, default=list(RULES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("volunteers-results.json"))
     args = parser.parse_args()
@@ -139,7 +151,7 @@ def main() -> None:
 
     # The issue's calm swarm: 200 equal peers, the demo spec, 20 rounds, its step and codec.
     demo = RunSpec.from_toml(DEMO_SPEC)
-    for rules in ("old", "new"):
+    for rules in args.rules:
         spec = rounds_spec(demo, rules, 200, 0.05)
         calm_200 = calm(200, 1000.0)
         add(row(spec, calm_200, rounds=20, step_seconds=0.05, seed=1, model="demo", peers=200,
@@ -158,7 +170,7 @@ def main() -> None:
                 "volunteers, 100 Mbit/s": volunteers(model, peers, args.seed, 100.0),
             }
             for name, profiles in scenarios.items():
-                for rules in ("old", "new"):
+                for rules in args.rules:
                     add(row(rounds_spec(spec, rules, peers, step), profiles, rounds=rounds,
                             step_seconds=step, seed=args.seed, model=model, peers=peers,
                             scenario=name, rules=rules))  # fmt: skip

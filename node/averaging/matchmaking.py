@@ -33,7 +33,7 @@ which peers may stream to this node in the round, before its own all-reduce star
 Peers that saw the same candidates form the same groups. Waiting for the whole bucket, not for
 the first ``group_size`` candidates, is what keeps them the same in a large swarm: peers that
 become ready at different times would otherwise each cut a different prefix of the arrivals
-(``simulate --engine des`` showed most rounds lost that way at 32 peers). Two more rules keep
+(``simulate --engine des`` showed most rounds lost that way at 32 peers). More rules keep
 peers that read at different moments alike:
 
 - **Waves.** A straggler that came after one peer stopped waiting and before another did would
@@ -45,6 +45,13 @@ peers that read at different moments alike:
   latecomers, or alone in its wave, trains on. Waves go by the signers' clocks: a peer whose
   clock is off by seconds lands in another wave than its time says, and a member that backdates
   its record can split a round in two waves, not keep the honest peers from grouping.
+- **Slots.** With rounds at the slot boundaries of the DHT clock (``algorithm.round_seconds``,
+  ``slots.py``), a record is in the slot of the boundary nearest its signed time and counts only
+  if it was signed within the slot's grace; nobody reads the candidates for its cut before the
+  grace has passed and the settle time after it. A node that would sign past the grace posts
+  nothing and trains on to the next boundary. A keyed member that signs within the grace and
+  posts just as the others read can still put itself in some peers' cut and not others', as it
+  could between two waves' last reads. (Waves and slots: ``cut.py``.)
 - **What was seen stays seen.** Two reads of a round key can differ (replicas answer
   differently, or one is slow): a readiness record that counted at one read of a matchmaking
   stays a candidate until it expires.
@@ -64,10 +71,10 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
 from swarmgrad.node.averaging.census import Census, freshest_first, take_census
+from swarmgrad.node.averaging.cut import Cut
 from swarmgrad.node.averaging.group import Group, Member, bounded
-from swarmgrad.node.averaging.grouping import assign_groups, waves
+from swarmgrad.node.averaging.grouping import assign_groups
 from swarmgrad.node.averaging.membership import Alive, Liveness, Membership, Probes
-from swarmgrad.node.averaging.slots import in_slot, slot_grace, slot_of
 from swarmgrad.node.discovery.base import Discovery, dht_time
 from swarmgrad.node.discovery.envelope import MAX_TTL_SECONDS
 from swarmgrad.node.discovery.records import PeerRecord, ReadyRecord, avoid_tag, pack_avoids
@@ -86,9 +93,6 @@ POLL_SECONDS = 0.1
 POLL_RECORDS = 64
 MAX_POLL_SECONDS = 0.4
 EXPECTED_REFRESH_SECONDS = 1.0
-#: A round's waves (``grouping.waves``) are this much shorter than its matchmaking: a record
-#: signed just before its wave closes still reaches the DHT, and the first peer's last read.
-WAVE_MARGIN_SECONDS = 2.0
 #: Told which peers may stream to this node in a round (the averager's ``expect``).
 Expect = Callable[[int, Collection[str]], None]
 #: The peers that can be asked: others have dialed them. One whose verdict is not in yet (a NAT'd
@@ -106,12 +110,6 @@ def poll_pause(records: int) -> float:
     most swarms) it is ``POLL_SECONDS``; beyond, longer in proportion, at most
     ``MAX_POLL_SECONDS``."""
     return min(MAX_POLL_SECONDS, POLL_SECONDS * max(1.0, records / POLL_RECORDS))
-
-
-def _wave_of(me: str, by_id: dict[str, ReadyRecord], window_seconds: float) -> list[str]:
-    """The peers of ``me``'s wave among ``by_id`` (all of them if ``me`` is not there)."""
-    issued = {p: r.issued_at for p, r in by_id.items()}
-    return next((w for w in waves(issued, window_seconds) if me in w), list(by_id))
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,10 +157,13 @@ class Matchmaker:
         self._discovery, self._identity = discovery, identity
         self._peers = hooks.peers or discovery.find
         self.group_size = group_size
-        self.timeout_seconds = matchmaking_timeout_seconds
+        #: Whose records it cuts, by waves or by slots of the DHT clock (``cut.py``).
+        self.cut = Cut(
+            identity.peer_id,
+            timeout_seconds=matchmaking_timeout_seconds,
+            slot_seconds=slot_seconds,
+        )
         self.settle_seconds = settle_seconds
-        #: Rounds in slots of the DHT clock (``slots.py``; 0: waves, as above).
-        self.slot_seconds = slot_seconds
         self._excluded = hooks.excluded or (lambda _peer: False)
         self._avoiding = hooks.avoiding or (lambda: ())
         self.membership = hooks.membership
@@ -172,12 +173,20 @@ class Matchmaker:
         self._alive = alive
         self._expect = hooks.expect
 
+    @property
+    def timeout_seconds(self) -> float:
+        return self.cut.timeout_seconds
+
+    @timeout_seconds.setter
+    def timeout_seconds(self, seconds: float) -> None:
+        self.cut.timeout_seconds = seconds
+
     async def form_group(
         self, round_: int, *, endpoint: str, bandwidth: float = 1.0, weight: float = 1.0
     ) -> Group | None:
         """This peer's group for ``round_``, or None if it found nobody in time."""
         now = dht_time()
-        slot = self._slot(round_, now)
+        slot = self.cut.slot(round_, now)
         if slot is None:
             return None
         ready = ReadyRecord(
@@ -196,7 +205,7 @@ class Matchmaker:
         await self._discovery.announce_ready(ready)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_seconds
-        cut_at = self._cut_at(slot)
+        cut_at = self.cut.cut_at(slot)
         me = self._identity.peer_id
         probes = self.membership.session(round_) if self.membership is not None else None
         liveness = Liveness(round_, self._alive)
@@ -224,7 +233,8 @@ class Matchmaker:
                 if wanted == {me} and seen <= {me} and census.wanted.keys() != {me}:
                     log.info("round %d: the peers it waited for are gone", round_)
                     break
-                if dht_time() >= self._wave_over(candidates, census, cut_at):
+                in_bucket = {r.peer_id: r for r in candidates if census.in_bucket(r.peer_id)}
+                if dht_time() >= self.cut.over(in_bucket, slot):
                     break  # whoever comes now is in the next wave (slot): cut without it
                 missing = [
                     r
@@ -270,7 +280,7 @@ class Matchmaker:
         refused = [r.peer_id for r in candidates if not bounded(r.bandwidth, r.weight)]
         if refused:
             log.info("round %d: left out %s (bandwidth or weight out of range)", round_, refused)
-        by_id = self._wave(round_, by_id, slot)
+        by_id = self.cut.mine(round_, by_id, slot)
         log.debug(
             "round %d: cutting %d candidates (bucket %d of %d, this wave) of %d records read",
             round_, len(by_id), census.mine, census.buckets, len(posted),
@@ -296,65 +306,9 @@ class Matchmaker:
         log.info("round %d: no group (%d candidates)", round_, len(candidates))
         return None
 
-    @property
-    def wave_seconds(self) -> float:
-        """How long after its first record a round's wave closes (``grouping.waves``)."""
-        return max(self.timeout_seconds - WAVE_MARGIN_SECONDS, self.timeout_seconds / 2)
-
-    def _wave(
-        self, round_: int, by_id: dict[str, ReadyRecord], slot: int
-    ) -> dict[str, ReadyRecord]:
-        """The candidates of this node's wave, or of its slot (all of them if its own record is
-        not among them: it joins no group anyway)."""
-        if self.slot_seconds:
-            mine = [p for p, r in by_id.items() if in_slot(r.issued_at, slot, self.slot_seconds)]
-        else:
-            mine = _wave_of(self._identity.peer_id, by_id, self.wave_seconds)
-        if len(mine) < len(by_id):
-            log.info(
-                "round %d: %d ready peers are in another %s",
-                round_, len(by_id) - len(mine), "slot" if self.slot_seconds else "wave",
-            )  # fmt: skip
-        return {p: by_id[p] for p in mine}
-
-    def _slot(self, round_: int, issued_at: float) -> int | None:
-        """The slot this node's readiness record signed at ``issued_at`` is in (0 without
-        slots), or None if it is past its grace: then it posts none and joins no group."""
-        if not self.slot_seconds:
-            return 0
-        slot = slot_of(issued_at, self.slot_seconds)
-        if in_slot(issued_at, slot, self.slot_seconds):
-            return slot
-        log.info(
-            "round %d: ready %.2f s after the slot's boundary, past its grace: "
-            "trains on to the next",
-            round_, issued_at - slot * self.slot_seconds,
-        )  # fmt: skip
-        return None
-
-    def _cut_at(self, slot: int) -> float:
-        """When (DHT time) the records of this node's slot have all been signed; without
-        slots, never (waves close by themselves)."""
-        if not self.slot_seconds:
-            return -float("inf")
-        return slot * self.slot_seconds + slot_grace(self.slot_seconds)
-
     def _census(self, round_: int, peers: list[PeerRecord], probes: Probes | None) -> Census:
         me = self._identity.peer_id
         return take_census(round_, me, peers, probes, self._excluded, self.group_size)
-
-    def _wave_over(self, candidates: list[ReadyRecord], census: Census, cut_at: float) -> float:
-        """When waiting stops mattering (DHT time): a record signed after this node's wave
-        (slot) closed is in the next wave, and one signed before has had its margin to be
-        read."""
-        if self.slot_seconds:
-            return cut_at
-        me = self._identity.peer_id
-        in_bucket = {r.peer_id: r for r in candidates if census.in_bucket(r.peer_id)}
-        if me not in in_bucket:
-            return float("inf")
-        wave = _wave_of(me, in_bucket, self.wave_seconds)
-        return min(in_bucket[p].issued_at for p in wave) + self.timeout_seconds
 
     def _admit(
         self,

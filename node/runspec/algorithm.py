@@ -37,11 +37,13 @@ class AlgorithmSection:
     #: many rounds stale: 1 when the download is of its own epoch, 2 when it missed one round.
     #: Staler progress (a long absence) is dropped; 0 always drops it. Overlap always keeps it.
     carry_epochs: int = CARRY_EPOCHS
-    #: diloco: a round once this many seconds of training have passed since the replica's last
-    #: one, instead of every inner_steps steps: each replica trains as many inner steps as fit
-    #: (at least one) and is weighted by its samples, so a slower machine neither delays the
-    #: round nor misses it. 0: every inner_steps steps. inner_steps still sets the learning
-    #: rate schedule's steps per round.
+    #: diloco: rounds in slots of this many seconds of the DHT clock (``averaging/slots.py``),
+    #: instead of every inner_steps steps: each replica trains the inner steps that end before
+    #: the next slot boundary (at least one) and is weighted by its samples, so a slower
+    #: machine neither delays the round nor misses it, and one that restarted or resynced comes
+    #: to the next round with the rest. A blocking round must end within three quarters of a
+    #: slot. 0: every inner_steps steps. inner_steps still sets the learning rate schedule's
+    #: steps per round.
     round_seconds: float = 0.0
 
     def __post_init__(self) -> None:

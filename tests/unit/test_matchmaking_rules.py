@@ -299,7 +299,7 @@ async def test_peers_in_slots_cut_the_same_groups_whenever_they_stop_waiting() -
 
     def slotted(identity: Identity) -> Matchmaker:
         found = maker(board, identity, peers)
-        found.slot_seconds = slot_seconds
+        found.cut.slot_seconds = slot_seconds
         return found
 
     boundary = (dht_time() // slot_seconds + 1) * slot_seconds
