@@ -8,8 +8,9 @@ What each peer does, and whose rule it is:
 
 - **Train**: H inner steps (``algorithm.inner_steps``) of ``step_seconds x slowdown``, or with a
   time window (``algorithm.round_seconds``) as many as end before its slot boundary
-  (``slots.window_end``, ``window.steps_in_window``); a quarter slot before it, a peer behind
-  the swarm resyncs (the node's window check), unless its rounds are overlapped.
+  (``slots.window_end``, ``window.steps_in_window``); at every quarter slot before it
+  (``slots.checks``), a peer behind the swarm resyncs (the node's window checks), unless its
+  rounds are overlapped.
 - **Overlap** (``algorithm.overlap``): at a boundary the round started at the last one lands
   (the peer waits for it if it has not), then the next starts and the peer trains on at once;
   what it trains meanwhile goes in the next round, and its last round lands before it stops.
@@ -206,8 +207,8 @@ class SwarmModel(Rounds):
             while peer.epoch < self.config.rounds:
                 step = self.config.step_seconds * peer.profile.slowdown
                 if self.round_seconds:
-                    # A window to the slot boundary, with the node's check on the way: a peer
-                    # that missed the last round downloads its outcome now, not at the boundary.
+                    # A window to the slot boundary, with the node's checks on the way: a peer
+                    # that missed the last round downloads its outcome then, not at the boundary.
                     end = window_end(env.now, self.round_seconds, step)
                     # Overlapped: it resyncs at the boundary, once the round in flight landed.
                     marks = [] if self.overlap else checks(env.now, end, self.round_seconds)
