@@ -1,7 +1,7 @@
 """Rounds for volunteers in real node processes: the demo model's final loss in a swarm with a
 speed spread and crashes, against a calm swarm's at equal computed samples.
 
-Three swarms of 4 nodes run the new rounds (``algorithm.round_seconds`` windows of 3 s, one
+Three swarms of 4 nodes run the new rounds (``algorithm.round_seconds`` slots of 3 s, one
 group, progress carried over resyncs, a checkpoint once a second of training is at risk):
 
 - calm: equal nodes, nobody leaves;
