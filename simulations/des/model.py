@@ -1,8 +1,8 @@
 """The discrete-event swarm model: peers that train, match, average, resync and churn by the node's
 rules, on links drawn from profiles, in simulated time (SimPy). Its rooms: ``config.py`` (the
 input), ``board.py`` (a peer's and a round's state), ``state.py`` (the census of peer
-records), ``rounds.py`` (matchmaking and the all-reduce), ``report.py`` (the summary); here, a
-peer's life and the churn.
+records), ``rounds.py`` (matchmaking and the all-reduce), ``churning.py`` (sessions and the churn
+schedule), ``report.py`` (the summary); here, the run and a peer's life.
 
 What each peer does, and whose rule it is:
 
@@ -82,16 +82,15 @@ import simpy
 from swarmgrad.node.averaging.slots import checks, window_end
 from swarmgrad.node.state.sync import carries_progress
 from swarmgrad.node.training.window import steps_in_window
-from swarmgrad.simulations.churn import ChurnEvent
 from swarmgrad.simulations.des import report
 from swarmgrad.simulations.des.board import ModelPeer
+from swarmgrad.simulations.des.churning import Churning
 from swarmgrad.simulations.des.config import (
     UNCAPPED_BYTES_PER_SECOND,
     Events,
     ModelConfig,
 )
 from swarmgrad.simulations.des.report import totals
-from swarmgrad.simulations.des.rounds import Rounds
 
 __all__ = [
     "UNCAPPED_BYTES_PER_SECOND",
@@ -107,7 +106,7 @@ log = logging.getLogger(__name__)
 PROGRESS_SECONDS = 5.0
 
 
-class SwarmModel(Rounds):
+class SwarmModel(Churning):
     # -- the run --------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
@@ -172,26 +171,6 @@ class SwarmModel(Rounds):
         return scheduled and self.live > 0 and not self.training
 
     # -- one peer's life ------------------------------------------------------------------------
-
-    def _start(self, peer: ModelPeer) -> None:
-        peer.alive, peer.paused, peer.finished = True, False, False
-        peer.online_since = self.env.now
-        self.live += 1
-        self.training.add(peer.index)
-        self._announce(peer, peer.epoch)
-        peer.sessions += 1
-        peer.process = self.env.process(self._life(peer, restarted=peer.sessions > 1))
-        if peer.profile.session_seconds is not None:
-            session = self.rng.expovariate(1.0 / peer.profile.session_seconds)
-            self.env.process(self._session(peer, session, peer.sessions))
-
-    def _session(self, peer: ModelPeer, seconds: float, session: int) -> Events:
-        yield self.env.timeout(seconds)
-        if peer.alive and peer.sessions == session and not peer.finished:
-            self._kill(peer)
-            yield self.env.timeout(peer.profile.offline_seconds)
-            if not peer.alive:
-                self._start(peer)
 
     def _life(self, peer: ModelPeer, *, restarted: bool) -> Events:
         env, started = self.env, self.env.now
@@ -327,83 +306,6 @@ class SwarmModel(Rounds):
         peer.epoch, peer.state = target[0], target[1]
         self._announce(peer, peer.epoch)
         return True
-
-    # -- churn ----------------------------------------------------------------------------------
-
-    def _kill(self, peer: ModelPeer, *, graceful: bool = False) -> None:
-        peer.alive = False
-        peer.online_seconds += self.env.now - peer.online_since
-        flown = peer.flight.value if peer.flight is not None and peer.flight.triggered else None
-        if flown is not None and flown[0] in ("averaged", "partial"):
-            peer.unaveraged -= peer.sending  # an overlapped round that averaged, not yet landed
-        # What it trained since its last averaged round never reaches the model: its
-        # checkpoints hold the state it had then.
-        peer.dropped += peer.unaveraged
-        peer.unaveraged = 0
-        self.live -= 1
-        self.training.discard(peer.index)
-        if graceful:
-            self._unlist(peer)
-        else:
-            self.env.process(self._lapse(peer))
-        self._halt(peer, reset=True)
-        for board in self.boards.values():
-            self._settled(board, peer.peer_id)
-
-    def _halt(self, peer: ModelPeer, *, reset: bool) -> None:
-        """Stop ``peer``'s process; its all-reduce goes on without it. ``reset``: its process is
-        gone, and so are its connections (the others' streams fail at once, as a SIGKILLed
-        member's did in ``benchmarks/allreduce.py``); else it fell silent (paused, partitioned)
-        and they wait out the sender timeout."""
-        if peer.process is not None and peer.process.is_alive:
-            peer.process.interrupt()
-        if peer.flight is not None and peer.flight.is_alive:
-            peer.flight.interrupt()
-        peer.flight = None
-        exchange, peer.exchange = peer.exchange, None
-        if exchange is not None and exchange.process is not None and exchange.process.is_alive:
-            exchange.dead.append(peer.index)
-            exchange.process.interrupt(
-                2 * peer.latency_seconds if reset else self.allreduce.sender_timeout_seconds
-            )
-
-    def _churn(self) -> Events:
-        for event in self.config.events:
-            while self.reached < event.at_epoch:
-                yield self.epoch_changed
-            target = self.peers[event.node]
-            if event.during:
-                self.armed = event
-                while self.armed is not None:
-                    yield self.epoch_changed
-                continue
-            self._fire(event, target)
-
-    def _fire(self, event: ChurnEvent, target: ModelPeer) -> None:
-        if event.action == "start":
-            self._start(target)
-        elif event.action in ("kill", "stop"):
-            self._kill(target, graceful=event.action == "stop")
-        elif event.action in ("pause", "partition"):
-            target.paused = True
-            self.env.process(self._lapse(target))
-            self._halt(target, reset=False)
-        else:  # resume or heal: stale, it catches up by state sync
-            target.paused = False
-            self._announce(target, target.epoch)
-            target.process = self.env.process(self._life(target, restarted=True))
-        self.fired.append({"event": event.describe(), "time": self.env.now})
-        self._advanced()
-
-    def _fire_armed(self, peer: ModelPeer, phase: str) -> None:
-        event = self.armed
-        if event is not None and event.node == peer.index and event.during == phase:
-            self.armed = None
-            self.env.process(self._fire_soon(event, peer))
-
-    def _fire_soon(self, event: ChurnEvent, peer: ModelPeer) -> Events:
-        yield self.env.timeout(0)
-        self._fire(event, peer)
 
     def summary(self) -> dict[str, Any]:
         """The run's summary (``report.py``)."""
