@@ -49,3 +49,26 @@ class Progress:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def counters(self) -> dict[str, Any]:
+        """The totals a checkpoint keeps over restarts (:meth:`resume_counters` reads them)."""
+        return {
+            "steps": self.steps,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "initial_val_loss": self.initial_val_loss,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "compute_seconds": self.compute_seconds,
+            "communication_seconds": self.communication_seconds,
+        }
+
+    def resume_counters(self, counters: dict[str, Any]) -> None:
+        """Go on from a checkpoint's :meth:`counters` (the bytes are the trainer's to add to
+        its swarm's own). Raises KeyError, TypeError or ValueError for counters that do not
+        parse; the times are absent from checkpoints before they were kept."""
+        self.steps, self.samples = int(counters["steps"]), int(counters["samples"])
+        self.tokens = int(counters["tokens"])
+        self.initial_val_loss = float(counters["initial_val_loss"])
+        self.compute_seconds = float(counters.get("compute_seconds", 0.0))
+        self.communication_seconds = float(counters.get("communication_seconds", 0.0))

@@ -247,16 +247,7 @@ class Trainer:
             "optimizer": optimizer_meta,
             "data_cursor": feed.cursor,
             "data_tokens": self._data_tokens,
-            "progress": {
-                "steps": progress.steps,
-                "samples": progress.samples,
-                "tokens": progress.tokens,
-                "initial_val_loss": progress.initial_val_loss,
-                "bytes_sent": progress.bytes_sent,
-                "bytes_received": progress.bytes_received,
-                "compute_seconds": progress.compute_seconds,
-                "communication_seconds": progress.communication_seconds,
-            },
+            "progress": progress.counters(),
         }
         try:
             path = self.checkpoints.save(
@@ -291,16 +282,12 @@ class Trainer:
                 log.warning("%s: %s", checkpoint.path.name, changed)
             torch.set_rng_state(tensors["rng.torch"])
             counters = meta["progress"]
-            progress.steps, progress.samples = int(counters["steps"]), int(counters["samples"])
-            progress.tokens = int(counters["tokens"])
-            progress.initial_val_loss = float(counters["initial_val_loss"])
+            progress.resume_counters(counters)
             # Absent from checkpoints before they were kept: those count from this process.
             self._bytes_restored = {
                 "sent": int(counters.get("bytes_sent", 0)),
                 "received": int(counters.get("bytes_received", 0)),
             }
-            progress.compute_seconds = float(counters.get("compute_seconds", 0.0))
-            progress.communication_seconds = float(counters.get("communication_seconds", 0.0))
         except (KeyError, TypeError, ValueError, RuntimeError) as error:
             raise CheckpointError(
                 f"{checkpoint.path}: does not fit this node's model ({error!r}); move it away "
