@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from swarmgrad.node.averaging.grouping import waves
-from swarmgrad.node.averaging.slots import in_slot, slot_grace, slot_of
+from swarmgrad.node.averaging.slots import in_slot, slot_cut, slot_of
 from swarmgrad.node.discovery.records import ReadyRecord
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class Cut:
         never (waves close by themselves)."""
         if not self.slot_seconds:
             return -float("inf")
-        return slot * self.slot_seconds + slot_grace(self.slot_seconds)
+        return slot_cut(slot, self.slot_seconds)
 
     def over(self, in_bucket: dict[str, ReadyRecord], slot: int) -> float:
         """When waiting stops mattering (DHT time): a record signed after ``me``'s wave (slot)

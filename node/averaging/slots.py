@@ -34,6 +34,7 @@ __all__ = [
     "SLOT_GRACE_SECONDS",
     "checks",
     "in_slot",
+    "slot_cut",
     "slot_grace",
     "slot_of",
     "window_end",
@@ -75,6 +76,12 @@ def slot_grace(slot_seconds: float) -> float:
     return min(SLOT_GRACE_SECONDS, slot_seconds / 8)
 
 
+def slot_cut(slot: int, slot_seconds: float) -> float:
+    """When (DHT time) ``slot``'s grace ends: its last record is signed by then, and nobody
+    reads its candidates for the cut before."""
+    return slot * slot_seconds + slot_grace(slot_seconds)
+
+
 def slot_of(issued_at: float, slot_seconds: float) -> int:
     """The slot (the index of its boundary) a readiness record signed at ``issued_at`` is in:
     the nearest boundary's."""
@@ -84,6 +91,4 @@ def slot_of(issued_at: float, slot_seconds: float) -> int:
 def in_slot(issued_at: float, slot: int, slot_seconds: float) -> bool:
     """Whether a record signed at ``issued_at`` counts in ``slot``'s round: its slot, and signed
     no later than the grace after the boundary."""
-    return slot_of(
-        issued_at, slot_seconds
-    ) == slot and issued_at <= slot * slot_seconds + slot_grace(slot_seconds)
+    return slot_of(issued_at, slot_seconds) == slot and issued_at <= slot_cut(slot, slot_seconds)

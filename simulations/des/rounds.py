@@ -19,7 +19,7 @@ from swarmgrad.node.averaging.matchmaking import (
     READY_MARGIN_SECONDS,
 )
 from swarmgrad.node.averaging.rounds import WITHDRAW_MARGIN_SECONDS
-from swarmgrad.node.averaging.slots import in_slot, slot_grace, slot_of
+from swarmgrad.node.averaging.slots import in_slot, slot_cut, slot_of
 from swarmgrad.node.swarm_config import MATCHMAKING_SETTLE_SECONDS
 from swarmgrad.simulations.des.board import Board, Exchange, ModelPeer, gone_at
 from swarmgrad.simulations.des.config import Events
@@ -175,7 +175,7 @@ class Rounds(ModelState):
         slot = slot_of(issued_at, self.round_seconds)
         if not in_slot(issued_at, slot, self.round_seconds):
             return None, None
-        return slot, slot * self.round_seconds + slot_grace(self.round_seconds)
+        return slot, slot_cut(slot, self.round_seconds)
 
     # -- the all-reduce ---------------------------------------------------------------------------
 
