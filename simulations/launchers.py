@@ -26,6 +26,8 @@ from swarmgrad.simulations.zygote import fork, module_of
 LAUNCHERS = ("local", "ray")
 #: How long a Ray call to a process's actor may take (they answer at once; the cluster may not).
 RAY_CALL_SECONDS = 30.0
+#: How many times a local Ray head is started before ``simulate`` gives up.
+LOCAL_HEAD_STARTS = 3
 
 
 class Process(Protocol):
@@ -192,18 +194,49 @@ def ray_cluster(address: str) -> Iterator[None]:
         raise SimulationError(
             f'--launcher ray needs Ray ({error}); pip install "swarmgrad[ray]"'
         ) from None
-    try:
-        ray.init(
-            address=address or None,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
-    except (ConnectionError, RuntimeError, ValueError) as error:
-        raise SimulationError(
-            f"--ray-address {address}: cannot join the cluster: {error}"
-        ) from None
+    # A local head's raylet must register within Ray's fixed 30 s; on a loaded machine it
+    # sometimes does not, and a fresh start then does. A cluster that cannot be joined is an
+    # answer, not a race: it is not retried.
+    attempts = 1 if address else LOCAL_HEAD_STARTS
+    for attempt in range(1, attempts + 1):
+        before = _descendants()
+        try:
+            ray.init(
+                address=address or None,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+            )
+            break
+        except (ConnectionError, RuntimeError, ValueError) as error:
+            raise SimulationError(
+                f"--ray-address {address}: cannot join the cluster: {error}"
+            ) from None
+        except Exception as error:  # Ray raises a bare Exception when a node starts too slowly
+            ray.shutdown()
+            _kill_started_since(before)  # the half-started head's GCS, raylet and monitors
+            if attempt == attempts or "timed out during startup" not in str(error):
+                where = f"the cluster at {address}" if address else "a local Ray head"
+                raise SimulationError(f"cannot start {where} ({attempt} tries): {error}") from None
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def _descendants() -> set[int]:
+    import psutil  # Ray's own dependency
+
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def _kill_started_since(before: set[int]) -> None:
+    """Kill what this process started after ``before`` was taken: what a failed ``ray.init``
+    left behind (it keeps no handle to them)."""
+    import psutil
+
+    started = [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
+    for child in started:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    psutil.wait_procs(started, timeout=10)

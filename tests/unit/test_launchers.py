@@ -11,7 +11,16 @@ import sys
 import time
 from pathlib import Path
 
-from swarmgrad.simulations.launchers import LocalProcess, Process, stop_all
+import pytest
+
+from swarmgrad.simulations.launchers import (
+    LOCAL_HEAD_STARTS,
+    LocalProcess,
+    Process,
+    ray_cluster,
+    stop_all,
+)
+from swarmgrad.simulations.profiles import SimulationError
 from tests.helpers import wait_until
 
 # A node stand-in: on SIGTERM it announces that it is leaving, then waits for every other
@@ -117,3 +126,49 @@ def test_warm_processes_are_real_processes_forked_with_their_own_log_env_and_sta
     sleeper.kill()
     assert sleeper.poll() == -signal.SIGKILL
     assert time.monotonic() - started < 10
+
+
+class _SlowHead:
+    """A stand-in for the ``ray`` module whose local head misses Ray's startup deadline the
+    first ``misses`` times, each time leaving a started process behind, as a real one does."""
+
+    def __init__(self, misses: int) -> None:
+        self.misses, self.starts, self.left = misses, 0, []  # type: list[subprocess.Popen[bytes]]
+        self.shutdowns = 0
+
+    def init(self, **_: object) -> None:
+        self.starts += 1
+        if self.starts <= self.misses:
+            self.left.append(
+                subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            )
+            raise Exception("The current node timed out during startup. (stand-in)")
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+def test_a_local_ray_head_that_starts_too_slowly_is_started_again_and_leaves_nothing_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slow = _SlowHead(misses=2)
+    monkeypatch.setitem(sys.modules, "ray", slow)
+    with ray_cluster(""):
+        assert slow.starts == 3
+    assert all(p.poll() is not None for p in slow.left)  # killed, not left running
+
+    never = _SlowHead(misses=LOCAL_HEAD_STARTS)
+    monkeypatch.setitem(sys.modules, "ray", never)
+    tries = r"cannot start a local Ray head \(3 tries\)"
+    with pytest.raises(SimulationError, match=tries), ray_cluster(""):
+        pass
+    assert all(p.poll() is not None for p in never.left)
+
+    # A cluster that was named is joined once: its failure is an answer, not a race.
+    remote = _SlowHead(misses=1)
+    monkeypatch.setitem(sys.modules, "ray", remote)
+    once = r"the cluster at 10.0.0.1:6379 \(1 tries\)"
+    with pytest.raises(SimulationError, match=once), ray_cluster("10.0.0.1:6379"):
+        pass
+    assert remote.starts == 1
+    assert all(p.poll() is not None for p in remote.left)
