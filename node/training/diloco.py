@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,21 +18,10 @@ from torch import nn
 
 from swarmgrad.node.averaging.rounds import Outcome
 from swarmgrad.node.swarm import Swarm
+from swarmgrad.node.training.in_flight import Restored
 from swarmgrad.node.training.model import flatten, unflatten
 from swarmgrad.node.training.outer import OuterOptimizer
 from swarmgrad.node.training.replica import PendingRound, Replica, RoundReport
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Restored:
-    """A round that was in flight when the checkpoint it came back from was written: its outcome
-    is unknown (it may have landed in the swarm with this replica's progress in it, or not)."""
-
-    epoch: int
-    fragment: int | None
-    offset: int
-    weight: int
-    boundary: torch.Tensor  # the local parameters of its range when it started
 
 
 class DiLoCo(Replica):
@@ -139,30 +127,17 @@ class DiLoCo(Replica):
     def _restore_in_flight(
         self, record: object, tensors: dict[str, torch.Tensor]
     ) -> Restored | None:
-        """The round in flight at the checkpoint (None: none, or a checkpoint from before the
-        boundary was kept, whose round a resync drops). Its samples count again until it is
-        known to have landed."""
+        """The round in flight at the checkpoint, if any (``in_flight.py``). Its samples count
+        again until it is known to have landed."""
         boundary = tensors.get("in_flight.boundary")
-        if not isinstance(record, dict) or boundary is None:
+        restored = Restored.from_checkpoint(record, boundary, self.bounds, self.device)
+        if restored is None:
             return None
-        fragment = None if record["fragment"] is None else int(record["fragment"])
-        offset, weight = int(record["offset"]), int(record["weight"])
-        start, end = self.bounds[fragment or 0]
-        if (fragment is not None and not 0 <= fragment < self.fragments) or (
-            offset != start or boundary.shape != (end - start,)
-        ):
-            raise ValueError("the round in flight in the state does not match the model")
-        if fragment is None:
-            self.samples += weight
+        if restored.fragment is None:
+            self.samples += restored.weight
         else:
-            self._fragment_samples[fragment] += weight
-        return Restored(
-            epoch=int(record["epoch"]),
-            fragment=fragment,
-            offset=offset,
-            weight=weight,
-            boundary=boundary.to(self.device, torch.float32, copy=True),
-        )
+            self._fragment_samples[restored.fragment] += restored.weight
+        return restored
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """As the base's, with the round in flight, if any: its epoch, range and weight, and
@@ -176,12 +151,7 @@ class DiLoCo(Replica):
         in_flight = self._round_in_flight()
         if in_flight is None:
             return tensors, meta
-        meta["in_flight"] = {
-            "epoch": in_flight.epoch,
-            "fragment": in_flight.fragment,
-            "offset": in_flight.offset,
-            "weight": in_flight.weight,
-        }
+        meta["in_flight"] = in_flight.record()
         tensors["in_flight.boundary"] = in_flight.boundary.cpu().clone()
         if in_flight is self._restored:
             # Its samples are back in the counts (see _restore_in_flight): out again, as saved.

@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from swarmgrad.node.training.replica import RoundReport
 
 
 @dataclass(slots=True)
@@ -72,3 +75,31 @@ class Progress:
         self.initial_val_loss = float(counters["initial_val_loss"])
         self.compute_seconds = float(counters.get("compute_seconds", 0.0))
         self.communication_seconds = float(counters.get("communication_seconds", 0.0))
+
+    def take_round(
+        self, report: RoundReport, *, val_loss: float, peers: int, checksum: str
+    ) -> None:
+        """What a round's report shows: the epoch, its outcome counted, a history entry (the
+        byte counters and training loss as the trainer has just brought them up to date)."""
+        self.epoch, self.val_loss = report.epoch, val_loss
+        self.group_size, self.last_round_seconds = report.group_size, report.seconds
+        self.peers, self.checksum = peers, checksum
+        self.outcomes[report.outcome] = self.outcomes.get(report.outcome, 0) + 1
+        self.history.append(
+            {
+                "epoch": report.epoch,
+                "outcome": report.outcome,
+                "time": time.time() - self.started_at,
+                "samples": self.samples,
+                "train_loss": self.loss,
+                "val_loss": val_loss,
+                "group_size": report.group_size,
+                "sent_samples": report.sent_samples,
+                "round_seconds": report.seconds,
+                "allreduce_seconds": report.allreduce_seconds,
+                "outer_seconds": report.outer_seconds,
+                "bytes_sent": self.bytes_sent,
+                "bytes_received": self.bytes_received,
+                "missing_values": report.missing_values,
+            }
+        )

@@ -355,15 +355,10 @@ class Trainer:
     ) -> None:
         progress, swarm = self.progress, self.swarm
         self._read_losses()  # the training loss this report shows, as of now
-        progress.epoch = report.epoch
-        progress.val_loss = val_loss
-        progress.group_size = report.group_size
-        progress.last_round_seconds = report.seconds
-        progress.peers = len(swarm.peers)
         self._count_bytes()
         snapshot = swarm.snapshot
-        progress.checksum = snapshot.checksum if snapshot is not None else ""
-        progress.outcomes[report.outcome] = progress.outcomes.get(report.outcome, 0) + 1
+        checksum = snapshot.checksum if snapshot is not None else ""
+        progress.take_round(report, val_loss=val_loss, peers=len(swarm.peers), checksum=checksum)
         if swarm.spec.trust.open:
             progress.trust = swarm.ledger.table()
         metrics = self.metrics
@@ -388,24 +383,6 @@ class Trainer:
                     "group_size": report.group_size,
                 },
             )
-        progress.history.append(
-            {
-                "epoch": report.epoch,
-                "outcome": report.outcome,
-                "time": time.time() - progress.started_at,
-                "samples": progress.samples,
-                "train_loss": progress.loss,
-                "val_loss": val_loss,
-                "group_size": report.group_size,
-                "sent_samples": report.sent_samples,
-                "round_seconds": report.seconds,
-                "allreduce_seconds": report.allreduce_seconds,
-                "outer_seconds": report.outer_seconds,
-                "bytes_sent": progress.bytes_sent,
-                "bytes_received": progress.bytes_received,
-                "missing_values": report.missing_values,
-            }
-        )
         log.info(
             "epoch %d: %s in %.2f s, val loss %.3f, %s",
             report.epoch,
