@@ -15,9 +15,11 @@ import contextlib
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
+from swarmgrad.simulations.cpushare import join as join_cgroup
 from swarmgrad.simulations.natlab import Host
 from swarmgrad.simulations.processes import Child, stop_gracefully
 from swarmgrad.simulations.profiles import SimulationError
@@ -74,23 +76,30 @@ class LocalProcess:
         host: Host | None = None,
         *,
         warm: bool = False,
+        cgroup: str | None = None,
     ) -> None:
         """``host``: run in that network namespace (``--netem``); ``ip netns exec`` execs the
         command, so the process is the node itself (a kill reaches it). ``warm``: a command
         ``python -m module ...`` is forked by this process's zygote instead (in ``host``'s
         namespace), which has the node's modules imported already (a swarm starts many; a
-        single process would only pay for the zygote's start)."""
+        single process would only pay for the zygote's start). ``cgroup``: the process joins
+        that cgroup (its ``cgroup.procs`` file: a CPU share, ``cpushare.py``) before it runs."""
         self.name, self.log_path = name, log_path
         self.popen: Child
         if warm and module_of(command) is not None:
             netns = host.namespace if host is not None else None
-            self.popen = fork(name, command, log_path, env, netns=netns)
+            self.popen = fork(name, command, log_path, env, netns=netns, cgroup=cgroup)
             return
         if host is not None:
             command = ["ip", "netns", "exec", host.namespace, *command]
         with log_path.open("ab") as log:  # a restarted node's log goes on in the same file
             self.popen = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=None if cgroup is None else partial(join_cgroup, cgroup),
             )
 
     def poll(self) -> int | None:

@@ -48,6 +48,10 @@ class PeerProfile:
     session_seconds: float | None = None  # online this long, then it crashes (None: stays)
     offline_seconds: float = 60.0  # and comes back (with its checkpoints) this much later
     attack: Attack | None = None  # a malicious peer: what it sends instead of its update
+    #: The CPU its node may use, in cores (0.25: a quarter of one), by a cgroup quota
+    #: (``cpushare.py``; None: as much as the machine gives it). The model scales the node's
+    #: inner steps and codec work by it (a node's training uses at most one core).
+    cpu_cores: float | None = None
 
     def __post_init__(self) -> None:
         for name in (f.name for f in fields(self) if f.name not in ("nat", "attack")):
@@ -63,6 +67,7 @@ class PeerProfile:
             "upload_bytes_per_second": self.upload_bytes_per_second,
             "download_bytes_per_second": self.download_bytes_per_second,
             "session_seconds": self.session_seconds,
+            "cpu_cores": self.cpu_cores,
         }
         for name, value in positive.items():
             if value is not None and not value > 0:
@@ -79,6 +84,12 @@ class PeerProfile:
             raise SimulationError(f"loss must be in [0, 1), got {self.loss}")
         if self.nat not in NATS:
             raise SimulationError(f"nat must be one of {', '.join(NATS)}, got {self.nat!r}")
+
+    @property
+    def compute_factor(self) -> float:
+        """How many times longer its compute takes than one inner step's time on a whole core:
+        its slowdown, over its CPU share where that is below a core."""
+        return self.slowdown / min(self.cpu_cores or 1.0, 1.0)
 
     @property
     def applied_by_processes(self) -> bool:

@@ -12,6 +12,7 @@ A profile is TOML with one ``[[peer]]`` table per node (reused in turn if there 
     slowdown = 1.0                  # compute speed factor (2.0: steps take twice as long)
     upload_bytes_per_second = 5e6   # cap on averaging uploads (omit: no cap)
     bandwidth = 1.0                 # relative share of each vector this peer owns
+    cpu_cores = 0.25                # its CPU share, by a cgroup quota (omit: not limited)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from swarmgrad.node import config as node_config
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.simulations.churn import ScheduleError, load_schedule
+from swarmgrad.simulations.cpushare import cpu_shares
 from swarmgrad.simulations.lab_nodes import prepare_corpus
 from swarmgrad.simulations.launchers import (
     ray_cluster,
@@ -121,6 +123,10 @@ def simulate(config: SimulationConfig) -> dict[str, Any]:
     spec = RunSpec.load(spec_path)
     run = SwarmRun(config, events)
     with contextlib.ExitStack() as stack:  # the namespaces go after the processes stopped
+        shared = [p.cpu_cores for p in profiles if p.cpu_cores is not None]
+        if shared and config.launcher == "ray":
+            raise SimulationError("cpu_cores shares this machine's CPU: use --launcher local")
+        shares = stack.enter_context(cpu_shares()) if shared else None
         if config.launcher == "ray":
             stack.enter_context(ray_cluster(config.ray_address))
         if netem:
@@ -133,6 +139,9 @@ def simulate(config: SimulationConfig) -> dict[str, Any]:
                 _node_slot(config, i, profile, spec_path, maddrs, run.wan)
                 for i, profile in enumerate(profiles)
             ]
+            for node, profile in zip(run.swarm, profiles, strict=True):
+                if shares is not None and profile.cpu_cores is not None:
+                    node.cgroup = str(shares.group(f"node-{node.index}", profile.cpu_cores))
             for node in run.swarm[: config.nodes]:
                 run.start(node)
             run.until_finished()

@@ -60,6 +60,7 @@ class SwarmNode:
     waiting_rejoin: bool = False
     attack: str = ""  # a malicious peer's attack (profiles.py)
     host: Host | None = None  # its namespace, with --netem
+    cgroup: str | None = None  # its CPU share's cgroup.procs (a profile's cpu_cores)
 
     def command(self) -> list[str]:
         if self.attack:
@@ -107,11 +108,19 @@ class SwarmRun:
         self.fired: list[dict[str, Any]] = []
         self.wan: Wan | None = None
 
-    def spawn(self, name: str, command: list[str], log_path: Path, host: Host | None) -> Process:
+    def spawn(
+        self,
+        name: str,
+        command: list[str],
+        log_path: Path,
+        host: Host | None,
+        cgroup: str | None = None,
+    ) -> Process:
         """A process here, or (``--launcher ray``) on the Ray cluster."""
         if self.config.launcher == "ray":
             return RayProcess(name, command, log_path, self.env)
-        return LocalProcess(name, command, log_path, self.env, host, warm=self.config.fork_nodes)
+        warm = self.config.fork_nodes
+        return LocalProcess(name, command, log_path, self.env, host, warm=warm, cgroup=cgroup)
 
     def start_bootstrap(self) -> list[str]:
         maddrs_file = self.config.out_dir / "bootstrap.json"
@@ -130,7 +139,8 @@ class SwarmRun:
 
     def start(self, node: SwarmNode) -> None:
         node.log_offset = node.log_size()
-        node.process = self.spawn(f"node-{node.index}", node.command(), node.log, node.host)
+        name, command = f"node-{node.index}", node.command()
+        node.process = self.spawn(name, command, node.log, node.host, node.cgroup)
         self.processes.append(node.process)
         node.running, node.started_at = True, time.monotonic()
         node.waiting_rejoin = bool(self.fired)  # a node (re)joining a run under way

@@ -8,9 +8,10 @@ uses for hivemind's DHT process), with what a node launcher needs on top: a log 
 child's stdout and stderr, its environment, and its exit status told back.
 
 Protocol, one JSON object a line: the launcher writes ``{"name": ..., "netns": ...,
-"module": ..., "argv": [...], "log_path": ..., "env": {...}, "cwd": ...}``; the zygote
-answers ``{"pid": N}`` (or ``{"error": ...}``) in order, and ``{"exited": N, "status": S}`` (a
-returncode, negative for a signal, as subprocess gives it) when child N ends. At end of input
+"cgroup": ..., "module": ..., "argv": [...], "log_path": ..., "env": {...}, "cwd": ...}``;
+the zygote answers ``{"pid": N}`` (or ``{"error": ...}``) in order, and
+``{"exited": N, "status": S}`` (a returncode, negative for a signal, as subprocess gives it)
+when child N ends. At end of input
 it kills its children and exits; its children die with it (``PR_SET_PDEATHSIG``), so none
 outlives a crashed launcher.
 
@@ -73,6 +74,9 @@ def _child(request: dict[str, Any], zygote_pid: int) -> int:
     sys.argv = [request["module"], *request["argv"]]
     try:
         os.chdir(request["cwd"])
+        if request.get("cgroup"):  # its CPU share (cpushare.py), before it starts anything
+            with open(request["cgroup"], "w") as procs:
+                procs.write(str(os.getpid()))
         if request["netns"]:  # what ``ip netns exec`` does for the network (all a node needs)
             _enter_network_namespace(libc, request["netns"])
         # What ``python -m module`` runs: the module's ``main()``, whose int return is the exit
@@ -219,12 +223,15 @@ class Zygote:
         env: dict[str, str],
         *,
         netns: str | None = None,
+        cgroup: str | None = None,
     ) -> Forked:
         """Fork ``python -m module argv...`` (``name``: what ps and top call it) with ``env``,
-        its output appended to ``log_path``, in network namespace ``netns`` if given."""
+        its output appended to ``log_path``, in network namespace ``netns`` if given, in the
+        cgroup whose ``cgroup.procs`` file is ``cgroup`` if given."""
         request = {
             "name": name,
             "netns": netns,
+            "cgroup": cgroup,
             "module": module,
             "argv": argv,
             "log_path": str(log_path),
@@ -287,14 +294,20 @@ def module_of(command: list[str]) -> str | None:
 
 
 def fork(
-    name: str, command: list[str], log_path: Path, env: dict[str, str], *, netns: str | None = None
+    name: str,
+    command: list[str],
+    log_path: Path,
+    env: dict[str, str],
+    *,
+    netns: str | None = None,
+    cgroup: str | None = None,
 ) -> Forked:
     """``command`` (``python -m module ...``, see :func:`module_of`) forked by this process's
     zygote: what ``Zygote.spawn`` does, from a command line."""
     module = module_of(command)
     if module is None:
         raise ValueError(f"not a python -m command: {command}")
-    return zygote().spawn(name, module, command[3:], log_path, env, netns=netns)
+    return zygote().spawn(name, module, command[3:], log_path, env, netns=netns, cgroup=cgroup)
 
 
 _zygote: Zygote | None = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -54,9 +54,18 @@ def step_seconds(spec: RunSpec, *, steps: int = 6) -> float:
     return statistics.median(times[1:])  # the first step pays for allocation
 
 
-def step_seconds_of(summary: dict[str, Any], spec: RunSpec) -> float:
-    """Seconds per inner step in a real run, from its summary (compute time over steps)."""
-    steps = sum(p["samples"] for p in summary["peers"]) / spec.data.batch_size
+def step_seconds_of(
+    summary: dict[str, Any], spec: RunSpec, factors: Mapping[str, float] | None = None
+) -> float:
+    """Seconds per inner step in a real run, from its summary (compute time over steps). With
+    ``factors`` (peer id: its profile's ``compute_factor``), what a step takes at slowdown 1 on
+    a whole core, as the model's ``step_seconds`` means: each peer's steps counted at its
+    factor."""
+    factors = factors or {}
+    steps = sum(
+        p["samples"] / spec.data.batch_size * factors.get(p["peer_id"], 1.0)
+        for p in summary["peers"]
+    )
     return float(sum(p["compute_seconds"] for p in summary["peers"]) / steps)
 
 

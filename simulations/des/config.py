@@ -26,7 +26,7 @@ class ModelConfig:
     nodes: int
     rounds: int
     profiles: tuple[PeerProfile, ...]
-    #: One inner step at slowdown 1 (measure it: ``calibrate.step_seconds``).
+    #: One inner step at slowdown 1 on a whole core (measure it: ``calibrate.step_seconds``).
     step_seconds: float
     events: tuple[ChurnEvent, ...] = ()
     seed: int = 0

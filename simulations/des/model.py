@@ -6,8 +6,9 @@ schedule), ``report.py`` (the summary); here, the run and a peer's life.
 
 What each peer does, and whose rule it is:
 
-- **Train**: H inner steps (``algorithm.inner_steps``) of ``step_seconds x slowdown``, or with a
-  time window (``algorithm.round_seconds``) as many as end before its slot boundary
+- **Train**: H inner steps (``algorithm.inner_steps``) of ``step_seconds x compute_factor``
+  (its slowdown over its CPU share: ``PeerProfile.compute_factor``), or with a time window
+  (``algorithm.round_seconds``) as many as end before its slot boundary
   (``slots.window_end``, ``window.steps_in_window``); at every quarter slot before it
   (``slots.checks``), a peer behind the swarm resyncs (the node's window checks), unless its
   rounds are overlapped.
@@ -140,7 +141,7 @@ class SwarmModel(Churning):
     def _stall_guard(self) -> Events:
         """Ends a run in which no peer has reached a new epoch for a long while (a swarm that
         cannot form groups any more): the summary says it stalled."""
-        slowest = max(p.slowdown for p in self.config.profiles)
+        slowest = max(p.compute_factor for p in self.config.profiles)
         patience = 10 * (
             max(self.inner_steps, 1 + self.round_seconds / self.config.step_seconds)
             * self.config.step_seconds
@@ -184,7 +185,7 @@ class SwarmModel(Churning):
                 else:  # no donor answered: it trains on and reads the records again next round
                     peer.communication_seconds += env.now - started
             while peer.epoch < self.config.rounds:
-                step = self.config.step_seconds * peer.profile.slowdown
+                step = self.config.step_seconds * peer.profile.compute_factor
                 if self.round_seconds:
                     # A window to the slot boundary, with the node's checks on the way: a peer
                     # that missed the last round downloads its outcome then, not at the boundary.
