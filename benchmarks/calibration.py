@@ -14,7 +14,9 @@ and through the model (``--engine des``), with the same profile and churn schedu
 The model is told only what the real run measured of compute: its seconds per inner step
 (``calibrate.step_seconds_of``, per peer over its slowdown and share). Printed, per node count:
 median round time (the median over epochs of each epoch's median), mean bytes sent per peer,
-mean utilization (compute over compute and communication), resyncs, and model / real ratios.
+mean utilization (compute over compute and communication), samples kept (real: the share of the
+samples the nodes count that they sent in rounds that averaged; model: the share in the final
+model), resyncs, and model / real ratios.
 
     .venv/bin/python benchmarks/calibration.py                  # 4, 8, 12 nodes: ~12 min
     .venv/bin/python benchmarks/calibration.py --nodes 4 --repeats 3
@@ -101,6 +103,8 @@ def compare(nodes: int, rounds: int, cpu: float, upload: float, work: Path, seed
     ):
         row[f"real_{name}"], row[f"model_{name}"] = measure(real), measure(model)
         row[f"{name}_ratio"] = row[f"model_{name}"] / row[f"real_{name}"]
+    row["real_kept"], row["model_kept"] = real["samples_kept"], model["totals"]["samples_kept"]
+    row["kept_ratio"] = row["model_kept"] / max(row["real_kept"], 1e-9)
     row["real_resyncs"] = sum(p["outcomes"].get("resynced", 0) for p in real["peers"])
     row["model_resyncs"] = model["totals"]["resyncs"]
     return row

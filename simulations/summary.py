@@ -36,6 +36,7 @@ def summarize(
                 "peer_id": status["peer_id"],
                 "epoch": status["epoch"],
                 "samples": status["samples"],
+                "samples_averaged": status.get("samples_averaged", 0),
                 "tokens_per_second": status["tokens_per_second"],
                 "device": status.get("device", ""),
                 "mfu": status.get("mfu", math.nan),
@@ -66,6 +67,9 @@ def summarize(
         "initial_val_loss": initial,
         "final_val_loss": final,
         "replicas_identical": len(checksums) == 1,
+        # The share of the samples trained (as the nodes count them: what a crash lost since
+        # the last checkpoint is not) that were sent in rounds that averaged.
+        "samples_kept": sum(p["samples_averaged"] for p in peers) / total_samples,
         **epoch_curves(status["history"] for status in statuses),
         "peers": peers,
     }

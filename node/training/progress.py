@@ -21,6 +21,9 @@ class Progress:
     epoch: int = 0
     steps: int = 0
     samples: int = 0
+    #: Of them, those sent in rounds that averaged (fully or partly): what reached the model,
+    #: unless a resync later replaced the state they went into.
+    samples_averaged: int = 0
     tokens: int = 0
     loss: float = math.nan  # moving average of the training loss
     val_loss: float = math.nan
@@ -58,6 +61,7 @@ class Progress:
         return {
             "steps": self.steps,
             "samples": self.samples,
+            "samples_averaged": self.samples_averaged,
             "tokens": self.tokens,
             "initial_val_loss": self.initial_val_loss,
             "bytes_sent": self.bytes_sent,
@@ -72,6 +76,7 @@ class Progress:
         parse; the times are absent from checkpoints before they were kept."""
         self.steps, self.samples = int(counters["steps"]), int(counters["samples"])
         self.tokens = int(counters["tokens"])
+        self.samples_averaged = int(counters.get("samples_averaged", 0))  # absent before kept
         self.initial_val_loss = float(counters["initial_val_loss"])
         self.compute_seconds = float(counters.get("compute_seconds", 0.0))
         self.communication_seconds = float(counters.get("communication_seconds", 0.0))
@@ -85,6 +90,7 @@ class Progress:
         self.group_size, self.last_round_seconds = report.group_size, report.seconds
         self.peers, self.checksum = peers, checksum
         self.outcomes[report.outcome] = self.outcomes.get(report.outcome, 0) + 1
+        self.samples_averaged += report.sent_samples
         self.history.append(
             {
                 "epoch": report.epoch,
