@@ -17,6 +17,7 @@ import torch
 
 from swarmgrad.node.pipeline.barrier import RoundBarrier
 from swarmgrad.node.pipeline.model import GradientSum, Stage, module_index, parameter_bytes
+from swarmgrad.node.pipeline.throughput import Throughput
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.state.checkpoint import (
     Checkpoint,
@@ -40,9 +41,6 @@ CACHE_BYTES = 256 * 1024 * 1024
 #: A backward from inputs kept at a forward this many inner steps old, or older, is refused
 #: (STALE_VERSION): its gradient would belong to parameters long gone.
 MAX_STALE_STEPS = 4
-#: Weight of the newest inner step's rate in a replica's throughput (an EMA: a replica's first
-#: steps are slow, warming up, and a cumulative average would remember them for minutes).
-THROUGHPUT_ALPHA = 0.3
 #: Microbatches remembered as accumulated (for de-duplication).
 DEDUP_MEMORY = 4096
 
@@ -98,8 +96,7 @@ class StageWorker:
         #: Samples accumulated towards the next inner step.
         self.pending_samples = 0
         self._queued: set[asyncio.Future[Any]] = set()
-        self._work_seconds, self._work_samples = 0.0, 0  # since the last inner step
-        self._steps_measured, self._throughput = 0, 0.0
+        self.throughput = Throughput()
         self.replica: DiLoCo | None = None
         self.state = "joining"
         self.stats = WorkerStats()
@@ -284,8 +281,7 @@ class StageWorker:
         momentum still moved the weights with."""
         self._done()
         self._slow(started)
-        self._work_seconds += time.monotonic() - started
-        self._work_samples += samples
+        self.throughput.work(samples, time.monotonic() - started)
         self.pending_samples += samples
         if self.pending_samples >= self.batch_size:
             self._inner_step()
@@ -298,7 +294,7 @@ class StageWorker:
         self.optimizer.zero_grad(set_to_none=True)
         samples, self.pending_samples = self.pending_samples, 0
         self.stats.samples += samples
-        self._measure()
+        self.throughput.step()
         self.version += 1
         if self.replica is not None:
             self.replica.count(samples)
@@ -384,24 +380,11 @@ class StageWorker:
         )
         return replica.epoch, outcome
 
-    def _measure(self) -> None:
-        """Fold the step just taken into the throughput; the first step (warm-up) is left out."""
-        seconds, samples = self._work_seconds, self._work_samples
-        self._work_seconds, self._work_samples = 0.0, 0
-        self._steps_measured += 1
-        if self._steps_measured == 1 or seconds <= 0:
-            return
-        rate = samples / seconds
-        previous = self._throughput
-        self._throughput = (
-            rate if not previous else THROUGHPUT_ALPHA * rate + (1 - THROUGHPUT_ALPHA) * previous
-        )
-
     @property
     def samples_per_second(self) -> float:
         """Samples over the compute seconds of their backwards, an EMA over inner steps since
         this replica joined its stage (0 until its second step): what it announces."""
-        return self._throughput
+        return self.throughput.samples_per_second
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
