@@ -13,10 +13,11 @@ and through the model (``--engine des``), with the same profile and churn schedu
 
 The model is told only what the real run measured of compute: its seconds per inner step
 (``calibrate.step_seconds_of``, per peer over its slowdown and share). Printed, per node count:
-median round time (the median over epochs of each epoch's median), mean bytes sent per peer,
+median round time (the median over epochs of each epoch's median), bytes sent by the median peer,
 mean utilization (compute over compute and communication), samples kept (real: the share of the
 samples the nodes count that they sent in rounds that averaged; model: the share in the final
-model), resyncs, and model / real ratios.
+model), the killed node's seconds from its restart to its first round, resyncs, how often the
+median node's group was throttled (it wanted more than its share), and model / real ratios.
 
     .venv/bin/python benchmarks/calibration.py                  # 4, 8, 12 nodes: ~12 min
     .venv/bin/python benchmarks/calibration.py --nodes 4 --repeats 3
@@ -68,6 +69,16 @@ def mean_of(summary: dict[str, Any], key: str) -> float:
     return statistics.fmean(p[key] for p in summary["peers"])
 
 
+def median_of(summary: dict[str, Any], key: str) -> float:
+    """Over the peers: the median peer is one the churn did not touch."""
+    return statistics.median(p[key] for p in summary["peers"])
+
+
+def rejoin(summary: dict[str, Any]) -> float:
+    seconds = summary.get("churn", {}).get("rejoin_seconds", {}).get("node-1", [])
+    return seconds[0] if seconds else float("nan")
+
+
 def compare(nodes: int, rounds: int, cpu: float, upload: float, work: Path, seed: int) -> dict:
     """One real run and the model's prediction of it."""
     work.mkdir(parents=True, exist_ok=True)
@@ -98,13 +109,15 @@ def compare(nodes: int, rounds: int, cpu: float, upload: float, work: Path, seed
     row["step_ms"] = round(step_seconds * 1e3, 1)
     for name, measure in (
         ("round_s", median_round),
-        ("mib_sent", lambda s: mean_of(s, "bytes_sent") / 2**20),
+        ("mib_sent", lambda s: median_of(s, "bytes_sent") / 2**20),
         ("utilization", lambda s: mean_of(s, "utilization")),
     ):
         row[f"real_{name}"], row[f"model_{name}"] = measure(real), measure(model)
         row[f"{name}_ratio"] = row[f"model_{name}"] / row[f"real_{name}"]
     row["real_kept"], row["model_kept"] = real["samples_kept"], model["totals"]["samples_kept"]
     row["kept_ratio"] = row["model_kept"] / max(row["real_kept"], 1e-9)
+    row["real_rejoin_s"], row["model_rejoin_s"] = rejoin(real), rejoin(model)
+    row["throttled"] = statistics.median(real.get("cpu_throttled", {}).values() or [0.0])
     row["real_resyncs"] = sum(p["outcomes"].get("resynced", 0) for p in real["peers"])
     row["model_resyncs"] = model["totals"]["resyncs"]
     return row

@@ -86,6 +86,18 @@ class CpuShares:
             self._groups.append(group)
         return group / "cgroup.procs"
 
+    def throttled(self) -> dict[str, float]:
+        """Per group, the share of the quota's periods in which it was throttled (it had work
+        left when its quota ran out): near 1, the node wanted more CPU all along."""
+        shares = {}
+        for group in self._groups:
+            with contextlib.suppress(OSError, ValueError):
+                stat = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
+                periods = int(stat["nr_periods"])
+                if periods:
+                    shares[group.name] = int(stat["nr_throttled"]) / periods
+        return shares
+
     def close(self) -> None:
         """Remove the groups (their processes gone: what is still in one is moved out)."""
         parent = self.base.parent / "cgroup.procs"

@@ -151,12 +151,15 @@ def simulate(config: SimulationConfig) -> dict[str, Any]:
         finally:  # the nodes first (each leaves the DHT gracefully), then the bootstrap node
             stop_all(run.processes)
             stop_all([run.bootstrap] if run.bootstrap is not None else [])
+        throttled = shares.throttled() if shares is not None else {}
     wall_seconds = time.time() - run.started
     summary = summarize(
         statuses, spec=spec, wall_seconds=wall_seconds, rounds=config.rounds, attacks=attacks
     )
     summary["profiles"] = [asdict(p) for p in profiles]
     summary["netem"] = netem
+    if throttled:  # how often each node wanted more CPU than its share
+        summary["cpu_throttled"] = throttled
     if events:
         summary["churn"] = {
             "events": run.fired,
