@@ -27,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from swarmgrad.node.averaging.slots import shortest_slot
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.training.model import parameter_count
 from swarmgrad.simulations.des import whatif
@@ -62,7 +63,8 @@ def rounds_spec(spec: RunSpec, rules: str, peers: int, step_seconds: float) -> R
     one group of the swarm, progress carried over two epochs, and slots of the DHT clock
     (``algorithm.round_seconds``): twice the old rounds' compute at the median speed with
     blocking rounds (the round fits in the slot beside the training), once with overlapped
-    ones (the round runs beside the next slot's training)."""
+    ones (the round runs beside the next slot's training), and never shorter than the spec
+    allows (``slots.shortest_slot``)."""
     algorithm, averaging = spec.algorithm, spec.averaging
     if rules == "old":
         return replace(
@@ -72,6 +74,7 @@ def rounds_spec(spec: RunSpec, rules: str, peers: int, step_seconds: float) -> R
         )
     overlapped = rules == "overlapped"
     slot = (1 if overlapped else 2) * algorithm.inner_steps * step_seconds
+    slot = max(slot, shortest_slot())  # the spec refuses shorter ones
     return replace(
         spec,
         algorithm=replace(algorithm, carry_epochs=2, round_seconds=slot, overlap=overlapped),

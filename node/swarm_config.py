@@ -9,6 +9,7 @@ from pathlib import Path
 from swarmgrad.node.averaging.allreduce import AllReduceConfig
 from swarmgrad.node.averaging.plan import CHECK_STEPS, CHECK_TIMEOUT_SECONDS
 from swarmgrad.node.averaging.rounds import RoundsConfig
+from swarmgrad.node.averaging.slots import SETTLE_SECONDS
 from swarmgrad.node.discovery.directory import DirectoryConfig
 from swarmgrad.node.discovery.start import DiscoveryConfig
 from swarmgrad.node.reachability.dialback import ReachabilityConfig
@@ -18,7 +19,7 @@ from swarmgrad.node.transport.transport import TransportConfig
 from swarmgrad.protocol.server import ServerLimits
 
 #: Matchmaking's wait for stragglers' readiness records after it stops polling.
-MATCHMAKING_SETTLE_SECONDS = 0.5
+MATCHMAKING_SETTLE_SECONDS = SETTLE_SECONDS
 #: A round's budget beyond its phases' own bounds (preparing the vector, withdrawals).
 ROUND_SLACK_SECONDS = 10.0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from swarmgrad.node.averaging.slots import SETTLE_SECONDS, shortest_slot
 from swarmgrad.node.runspec.errors import RunSpecError, positive
 
 #: ``algorithm.carry_epochs``'s default: keep a split group's and a missed round's progress.
@@ -62,6 +63,13 @@ class AlgorithmSection:
             raise RunSpecError(
                 "algorithm.round_seconds is for algorithm.name = 'diloco' without fragments "
                 "(fragments take turns by steps)"
+            )
+        if self.round_seconds and self.round_seconds < shortest_slot():
+            raise RunSpecError(
+                f"algorithm.round_seconds ({self.round_seconds:g}) must be at least "
+                f"{shortest_slot():.2f} s: a slot's round is cut only after its readiness "
+                f"records had the slot's grace and {SETTLE_SECONDS:g} s to spread, and that "
+                f"must come by three quarters of the slot"
             )
         if self.carry_epochs < 0:
             raise RunSpecError(f"algorithm.carry_epochs must be >= 0, got {self.carry_epochs}")

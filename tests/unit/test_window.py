@@ -9,7 +9,15 @@ from typing import Any
 import pytest
 import torch
 
-from swarmgrad.node.averaging.slots import checks, in_slot, slot_grace, slot_of, window_end
+from swarmgrad.node.averaging.slots import (
+    SETTLE_SECONDS,
+    checks,
+    in_slot,
+    slot_cut,
+    slot_grace,
+    slot_of,
+    window_end,
+)
 from swarmgrad.node.kinds import RoundOutcome
 from swarmgrad.node.runspec import RunSpec, RunSpecError
 from swarmgrad.node.training.window import RoundWindow, steps_in_window, take_step
@@ -81,6 +89,8 @@ def test_a_record_counts_in_its_slot_up_to_the_grace() -> None:
         ("round_seconds = -1.0", "must be >= 0"),
         ('round_seconds = 5.0\nname = "sync"', "for algorithm.name = 'diloco' without fragments"),
         ("round_seconds = 5.0\nfragments = 2\ninner_steps = 10", "without fragments"),
+        ("round_seconds = 0.7", r"must be at least 0.80 s: a slot's round is cut only after"),
+        ("round_seconds = 0.5\noverlap = true", r"must be at least 0.80 s"),
     ],
 )
 def test_the_spec_refuses_windows_it_cannot_keep(extra: str, message: str) -> None:
@@ -89,6 +99,10 @@ def test_the_spec_refuses_windows_it_cannot_keep(extra: str, message: str) -> No
     fine = RunSpec.from_toml('[run]\nid = "w"\n[algorithm]\nround_seconds = 5.0\n')
     assert fine.algorithm.round_seconds == 5.0
     assert fine.hash != RunSpec.from_toml('[run]\nid = "w"\n').hash
+    # The shortest slots that are kept: the cut, a grace and the settle time after the
+    # boundary, comes before a blocking round must end (three quarters of the slot).
+    assert slot_cut(0, 0.8) + SETTLE_SECONDS == pytest.approx(0.75 * 0.8)
+    assert RunSpec.from_toml('[run]\nid = "w"\n[algorithm]\nround_seconds = 0.8\n')
 
 
 def test_a_replica_rounds_when_its_window_ends_with_the_samples_it_trained() -> None:
