@@ -169,9 +169,10 @@ class Trainer:
                 time.sleep((time.monotonic() - step_started) * (self.config.slowdown - 1))
             self._count_step(len(inputs), inputs.numel(), loss)  # reads losses at times
             # On a GPU the step runs ahead of the host: its time shows when the losses are read.
-            progress.compute_seconds += time.monotonic() - step_started
+            step_seconds = time.monotonic() - step_started
+            progress.compute_seconds += step_seconds
             try:
-                report = take_step(replica, window, samples=len(inputs))
+                report = take_step(replica, window, samples=len(inputs), step_seconds=step_seconds)
             except concurrent.futures.CancelledError:  # stopping while in a round
                 if isinstance(replica, DiLoCo) and not replica.overlap:
                     # The round may land without it: the checkpoint written now holds training

@@ -54,11 +54,14 @@ class RoundWindow:
         self._checks = checks(now, self.ends_at, self.seconds)
         self._last = now
 
-    def due(self) -> bool:
+    def due(self, step_seconds: float | None = None) -> bool:
         """A step just ended: whether the round is due (the next step would end past the
-        boundary)."""
+        boundary). ``step_seconds``: how long the step itself took, as its caller timed it;
+        else the time since the last step (or the window's start), which after a round also
+        holds the trainer's evaluation and checkpoint, and would end the window early."""
         now = self._clock()
-        self._step, self._last = now - self._last, now
+        self._step = now - self._last if step_seconds is None else step_seconds
+        self._last = now
         return now + self._step > self.ends_at
 
     def check_due(self) -> bool:
@@ -71,16 +74,20 @@ class RoundWindow:
 
 
 def take_step(
-    replica: DiLoCo | SyncDataParallel, window: RoundWindow | None, *, samples: int
+    replica: DiLoCo | SyncDataParallel,
+    window: RoundWindow | None,
+    *,
+    samples: int,
+    step_seconds: float | None = None,
 ) -> RoundReport | None:
-    """One inner step of ``samples`` counted: the round, if one is due (every ``inner_steps``
-    steps, or at the end of ``window``, which then starts again); in a window, a resync at its
-    check if the replica is behind the swarm."""
+    """One inner step of ``samples`` (that took ``step_seconds``, if timed) counted: the round,
+    if one is due (every ``inner_steps`` steps, or at the end of ``window``, which then starts
+    again); in a window, a resync at its check if the replica is behind the swarm."""
     if window is None:
         return replica.step(samples=samples)
     assert isinstance(replica, DiLoCo)  # the spec allows windows for DiLoCo only
     replica.count(samples)
-    if not window.due():
+    if not window.due(step_seconds):
         if window.check_due() and not replica.overlap:  # overlapped: boundary() resyncs
             return replica.catch_up()
         return None

@@ -67,6 +67,23 @@ def test_a_window_ends_at_a_slot_boundary_before_a_step_would_cross_it() -> None
     clock.now = 103.7  # two marks passed while it stepped: one check
     assert window.check_due()
     assert not window.check_due()
+    # After a round the trainer evaluates (and may checkpoint) before its next step: that is
+    # not the step's time. A window told the step's own time trains on to the boundary.
+    clock.now = 104.0
+    window.restart()
+    assert window.ends_at == 106.0
+    clock.now += 1.25 + 0.125  # a 1.25 s evaluation, then a 0.125 s step
+    assert not window.due(0.125)
+    stepped = 1
+    while not window.due(0.125):
+        clock.now += 0.125
+        stepped += 1
+    assert stepped == 6  # the last one ends at the boundary
+    assert clock.now == 106.0
+    clock.now = 106.0
+    window.restart()
+    clock.now += 1.25 + 0.125
+    assert window.due()  # timed from the round: the evaluation counted as a step, 5 lost
     with pytest.raises(ValueError, match="positive"):
         RoundWindow(0.0, clock)
 
