@@ -262,7 +262,10 @@ class Sidecar:
             soft = trio.current_time() + SLOW_SECONDS
             with trio.move_on_after(QUERY_SECONDS):
                 for _ in remote:
-                    with trio.CancelScope(deadline=soft if answers else math.inf) as scope:
+                    # Only an answer holds the entries: a replica that failed at once (None)
+                    # does not end the wait for the others.
+                    answered = any(a is not None for a in answers)
+                    with trio.CancelScope(deadline=soft if answered else math.inf) as scope:
                         answers.append(await receive.receive())
                     if scope.cancelled_caught:
                         break
