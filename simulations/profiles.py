@@ -86,10 +86,15 @@ class PeerProfile:
             raise SimulationError(f"nat must be one of {', '.join(NATS)}, got {self.nat!r}")
 
     @property
+    def cpu_share(self) -> float:
+        """The share of one core its node's work (training, the codec: one thread) gets."""
+        return min(self.cpu_cores or 1.0, 1.0)
+
+    @property
     def compute_factor(self) -> float:
         """How many times longer its compute takes than one inner step's time on a whole core:
-        its slowdown, over its CPU share where that is below a core."""
-        return self.slowdown / min(self.cpu_cores or 1.0, 1.0)
+        its slowdown, over its CPU share."""
+        return self.slowdown / self.cpu_share
 
     @property
     def applied_by_processes(self) -> bool:

@@ -123,7 +123,7 @@ def simulate(config: SimulationConfig) -> dict[str, Any]:
     spec = RunSpec.load(spec_path)
     run = SwarmRun(config, events)
     with contextlib.ExitStack() as stack:  # the namespaces go after the processes stopped
-        shared = [p.cpu_cores for p in profiles if p.cpu_cores is not None]
+        shared = any(p.cpu_cores is not None for p in profiles)
         if shared and config.launcher == "ray":
             raise SimulationError("cpu_cores shares this machine's CPU: use --launcher local")
         shares = stack.enter_context(cpu_shares()) if shared else None

@@ -11,9 +11,8 @@ Protocol, one JSON object a line: the launcher writes ``{"name": ..., "netns": .
 "cgroup": ..., "module": ..., "argv": [...], "log_path": ..., "env": {...}, "cwd": ...}``;
 the zygote answers ``{"pid": N}`` (or ``{"error": ...}``) in order, and
 ``{"exited": N, "status": S}`` (a returncode, negative for a signal, as subprocess gives it)
-when child N ends. At end of input
-it kills its children and exits; its children die with it (``PR_SET_PDEATHSIG``), so none
-outlives a crashed launcher.
+when child N ends. At end of input it kills its children and exits; its children die with it
+(``PR_SET_PDEATHSIG``), so none outlives a crashed launcher.
 
 Nothing here may start a thread or touch torch's thread pools before the fork.
 """
@@ -74,9 +73,10 @@ def _child(request: dict[str, Any], zygote_pid: int) -> int:
     sys.argv = [request["module"], *request["argv"]]
     try:
         os.chdir(request["cwd"])
-        if request.get("cgroup"):  # its CPU share (cpushare.py), before it starts anything
-            with open(request["cgroup"], "w") as procs:
-                procs.write(str(os.getpid()))
+        if request.get("cgroup"):  # its CPU share, before it starts anything
+            from swarmgrad.simulations.cpushare import join
+
+            join(request["cgroup"])
         if request["netns"]:  # what ``ip netns exec`` does for the network (all a node needs)
             _enter_network_namespace(libc, request["netns"])
         # What ``python -m module`` runs: the module's ``main()``, whose int return is the exit

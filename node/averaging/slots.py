@@ -33,6 +33,7 @@ __all__ = [
     "MIN_WINDOW_SHARE",
     "SETTLE_SECONDS",
     "SLOT_GRACE_SECONDS",
+    "SLOT_GRACE_SHARE",
     "checks",
     "in_slot",
     "shortest_slot",
@@ -47,8 +48,9 @@ __all__ = [
 SETTLE_SECONDS = 0.5
 
 #: The most a slot's readiness records may be signed after its boundary: the donors' records
-#: read before a round, and a busy event loop. An eighth of a slot for short slots.
+#: read before a round, and a busy event loop. ``SLOT_GRACE_SHARE`` of a slot for short slots.
 SLOT_GRACE_SECONDS = 2.0
+SLOT_GRACE_SHARE = 1 / 8
 
 
 #: A window is at least this share of a slot: a round that ends later in its slot than the rest
@@ -79,7 +81,7 @@ def checks(opened: float, ends_at: float, slot_seconds: float) -> list[float]:
 
 def slot_grace(slot_seconds: float) -> float:
     """How long after its boundary a slot's readiness record may be signed."""
-    return min(SLOT_GRACE_SECONDS, slot_seconds / 8)
+    return min(SLOT_GRACE_SECONDS, slot_seconds * SLOT_GRACE_SHARE)
 
 
 def shortest_slot() -> float:
@@ -89,7 +91,8 @@ def shortest_slot() -> float:
     one cut later lands past the next boundary, whose records are then signed late (the model's
     calm 200 demo peers, overlapped: 22% utilization at 0.5 s slots, every other round without
     a group at 0.57 s, 90% and every round averaged at 0.8 s)."""
-    return SETTLE_SECONDS / (1.0 - MIN_WINDOW_SHARE - 1 / 8)  # a grace is an eighth below 16 s
+    # Slots this short have a grace of SLOT_GRACE_SHARE of themselves (it is capped at 16 s).
+    return SETTLE_SECONDS / (1.0 - MIN_WINDOW_SHARE - SLOT_GRACE_SHARE)
 
 
 def slot_cut(slot: int, slot_seconds: float) -> float:

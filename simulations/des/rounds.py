@@ -318,7 +318,7 @@ class Rounds(ModelState):
         latency = 3 * (sorted(hops)[-1] + sorted(hops)[-2]) if len(hops) > 1 else 0.0
         codec = 0.0
         if self.config.codec_values_per_second:  # the slowest CPU share of the group's
-            share = min(min(m.profile.cpu_cores or 1.0, 1.0) for m in members)
+            share = min(m.profile.cpu_share for m in members)
             codec = 2 * self.params / (self.config.codec_values_per_second * share)
         absent = [m for m in members if m.index not in exchange.members]
         if any(m.alive and not m.paused for m in absent):
