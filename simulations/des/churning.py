@@ -23,6 +23,7 @@ class Churning(Rounds):
 
     def _start(self, peer: ModelPeer) -> None:
         peer.alive, peer.paused, peer.finished = True, False, False
+        self.peer_changes += 1
         peer.online_since = self.env.now
         self.live += 1
         self.training.add(peer.index)
@@ -45,6 +46,7 @@ class Churning(Rounds):
 
     def _kill(self, peer: ModelPeer, *, graceful: bool = False) -> None:
         peer.alive = False
+        self.peer_changes += 1
         peer.online_seconds += self.env.now - peer.online_since
         flown = peer.flight.value if peer.flight is not None and peer.flight.triggered else None
         if flown is not None and flown[0] in ("averaged", "partial"):
@@ -99,10 +101,12 @@ class Churning(Rounds):
             self._kill(target, graceful=event.action == "stop")
         elif event.action in ("pause", "partition"):
             target.paused = True
+            self.peer_changes += 1
             self.env.process(self._lapse(target))
             self._halt(target, reset=False)
         else:  # resume or heal: stale, it catches up by state sync
             target.paused = False
+            self.peer_changes += 1
             self._announce(target, target.epoch)
             target.process = self.env.process(self._life(target, restarted=True))
         self.fired.append({"event": event.describe(), "time": self.env.now})

@@ -10,6 +10,7 @@ size). ``tests/unit/test_des.py`` checks it against ``assign_groups`` itself.
 from __future__ import annotations
 
 import bisect
+from typing import Any
 
 from swarmgrad.node.averaging.grouping import group_order
 
@@ -24,6 +25,10 @@ class Candidates:
         self.group_size = group_size
         self._order: list[tuple[bytes, str]] = []
         self.ids: set[str] = set()
+        #: Bumped by every change: what a reader's cached answers about these candidates
+        #: (``rounds.Rounds._awaited``) are keyed by.
+        self.version = 0
+        self.awaited: tuple[Any, ...] | None = None
 
     def __len__(self) -> int:
         return len(self._order)
@@ -31,11 +36,13 @@ class Candidates:
     def add(self, peer_id: str) -> None:
         if peer_id not in self.ids:
             self.ids.add(peer_id)
+            self.version += 1
             bisect.insort(self._order, (group_order(self.round, peer_id), peer_id))
 
     def remove(self, peer_id: str) -> None:
         if peer_id in self.ids:
             self.ids.discard(peer_id)
+            self.version += 1
             del self._order[
                 bisect.bisect_left(self._order, (group_order(self.round, peer_id), peer_id))
             ]

@@ -23,6 +23,7 @@ from swarmgrad.node.averaging.slots import in_slot, slot_cut, slot_of
 from swarmgrad.node.swarm_config import MATCHMAKING_SETTLE_SECONDS
 from swarmgrad.simulations.des.board import Board, Exchange, ModelPeer, gone_at
 from swarmgrad.simulations.des.config import Events
+from swarmgrad.simulations.des.groups import Candidates
 from swarmgrad.simulations.des.state import ModelState
 from swarmgrad.simulations.des.traffic import Traffic, round_traffic
 
@@ -68,21 +69,39 @@ class Rounds(ModelState):
         board: Board,
         bucket: tuple[int, int],
         r: int,
-        seen: set[str],
+        visible: Candidates,
         started: float,
         wake: float,
     ) -> tuple[bool, float]:
         """Whether a peer of round ``r`` whose matchmaking began at ``started`` still awaits
-        anyone of its bucket's census (expected at ``r`` or ``r`` - 1, not seen, not gone), and
-        when the first of them may change that (or ``wake``, if sooner). One pass over the
-        bucket's unseen peers (the set difference first: a bucket of hundreds, read at every
-        arrival, was most of the model's time)."""
+        anyone of its bucket's census (expected at ``r`` or ``r`` - 1, not ``visible``, not
+        gone), and when the first of them may change that (or ``wake``, if sooner).
+
+        Every waiter of a bucket reads it again at each arrival, at the same moment and over the
+        same census: the pass over the census's unseen peers is made once for all of them (until
+        the census, the candidates or any peer's life or record change, or time moves on), and
+        each reader only adds what depends on when its own matchmaking began (``gone_at`` of the
+        peers not running)."""
         expected, now = self._expected(board, *bucket), self.env.now
-        awaiting = False
-        for peer_id in expected.keys() - seen:
-            peer = expected[peer_id]
-            if peer.record_epoch != r and peer.record_epoch != r - 1:
-                continue
+        moment = (visible.version, r, now, self.peer_changes)
+        cached = visible.awaited
+        if cached is None or cached[0] is not expected or cached[1] != moment:
+            running, lapses, stopped = False, math.inf, []
+            for peer_id in expected.keys() - visible.ids:
+                peer = expected[peer_id]
+                if peer.record_epoch != r and peer.record_epoch != r - 1:
+                    continue
+                if peer.alive and not peer.paused:
+                    running = True
+                    lapses = min(lapses, peer.record_lapses_at)
+                else:
+                    stopped.append(peer)
+            cached = visible.awaited = (expected, moment, running, lapses, stopped)
+        _, _, running, lapses, stopped = cached
+        awaiting = running
+        if running:
+            wake = min(wake, lapses)
+        for peer in stopped:
             gone = gone_at(peer, started)
             if now >= gone:
                 continue
@@ -138,7 +157,9 @@ class Rounds(ModelState):
                 # Nothing changes for this peer until one it awaits shows up (bucket.changed),
                 # the record of one that stopped announcing lapses, or a dead one fails its
                 # liveness probe: no need to poll till then.
-                awaiting, wake = self._awaited(board, (buckets, index), r, seen, started, wake)
+                awaiting, wake = self._awaited(
+                    board, (buckets, index), r, bucket.visible, started, wake
+                )
                 if not awaiting:
                     break
             else:

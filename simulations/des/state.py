@@ -70,6 +70,9 @@ class ModelState:
         self.live = 0  # peers alive (finished or not)
         self.training: set[int] = set()  # alive and not finished
         self._records = 0
+        #: Bumped whenever a peer's life (alive, paused) or its DHT record (epoch, lapse)
+        #: changes: what cached reads of who is still awaited (``Rounds._awaited``) are keyed by.
+        self.peer_changes = 0
         #: The live peer records, by the epoch they announce (the matchmaking census).
         self.census: dict[int, set[int]] = {}
         #: The states the live records announce, by epoch, and who holds each.
@@ -128,6 +131,7 @@ class ModelState:
         peer.record_epoch, peer.record_state = epoch, peer.state
         peer.record_lapses_at = math.inf
         peer.record_token += 1
+        self.peer_changes += 1
         self.census.setdefault(epoch, set()).add(peer.index)
         self.votes.setdefault(epoch, Counter())[peer.state] += 1
         self.holders.setdefault((epoch, peer.state), set()).add(peer.index)
@@ -144,11 +148,13 @@ class ModelState:
                 del votes[peer.record_state]
             self.holders[(peer.record_epoch, peer.record_state)].discard(peer.index)
         peer.record_epoch = -1
+        self.peer_changes += 1
 
     def _lapse(self, peer: ModelPeer) -> Events:
         """A peer that stopped announcing: its record is gone once its time to live passes."""
         token = peer.record_token
         peer.record_lapses_at = self.env.now + self.record_ttl
+        self.peer_changes += 1
         yield self.env.timeout(self.record_ttl)
         if peer.record_token == token:
             self._unlist(peer)
