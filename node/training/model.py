@@ -13,12 +13,14 @@ from __future__ import annotations
 import hashlib
 import math
 from pathlib import Path
+from typing import Any
 
 import safetensors
 import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from swarmgrad.node.files import atomic_write, read_pinned
 from swarmgrad.node.runspec import ModelSection
@@ -82,9 +84,42 @@ class InitWeightsError(SetupError, ValueError):
 CausalLM = GPT | HFCausalLM
 
 
+#: What initialising parameters calls: ``nn.init``'s functions and the tensor methods they (and
+#: models' own init code) use. Each sets values in place and leaves a tensor's shape alone.
+_SETS_VALUES = frozenset(
+    {
+        *(name for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")),
+        *("normal_", "uniform_", "zero_", "fill_", "copy_", "random_", "bernoulli_", "erfinv_"),
+        *("mul_", "add_", "sub_", "div_", "clamp_", "masked_fill_", "index_fill_"),
+    }
+)
+
+
+class _ShapesOnly(TorchFunctionMode):
+    """Setting values on meta tensors (what initialising parameters does) is skipped: there is
+    nothing to set there, and some of it costs seconds the first time in a process (a meta tensor's
+    ``normal_`` made torch build its Python decompositions: 1.7 s of CPU at every node's start,
+    where the preflight sizes a checkpoint)."""
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _SETS_VALUES:
+            # A method's self, or ``nn.init``'s tensor (passed by name).
+            target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
 def skeleton(config: ModelSection) -> CausalLM:
-    """The model's structure on the meta device: names and shapes, no memory."""
-    with torch.device("meta"):
+    """The model's structure on the meta device: names and shapes, no memory, no values."""
+    with torch.device("meta"), _ShapesOnly():
         return HFCausalLM(config) if config.kind == "hf" else GPT(config)
 
 

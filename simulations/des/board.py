@@ -13,7 +13,6 @@ from typing import Any
 import simpy
 
 from swarmgrad.node.averaging.grouping import bucket_of
-from swarmgrad.node.averaging.membership import PROBE_AFTER_SECONDS
 from swarmgrad.node.reachability.service import LIVENESS_TIMEOUT_SECONDS
 from swarmgrad.simulations.des.config import UNCAPPED_BYTES_PER_SECOND
 from swarmgrad.simulations.des.groups import Candidates
@@ -178,11 +177,9 @@ def majority(votes: Counter[Hashable]) -> Hashable:
     return min(votes, key=lambda state: (-votes[state], checksum(state)))
 
 
-def gone_at(peer: ModelPeer, started: float) -> float:
-    """When a matchmaking that began at ``started`` stops waiting for ``peer``: once it has asked
-    it (after ``PROBE_AFTER_SECONDS``) and a dead one's connection was refused (a round trip) or
-    a paused one's deadline passed; never while it runs."""
-    if peer.alive and not peer.paused:
-        return math.inf
-    answer = LIVENESS_TIMEOUT_SECONDS if peer.alive else 2 * peer.latency_seconds
-    return started + PROBE_AFTER_SECONDS + answer
+def probe_answer(peer: ModelPeer) -> float:
+    """How long after a matchmaking asks ``peer`` whether it is alive (``PROBE_AFTER_SECONDS``
+    into it) the answer is in, while it does not run: a dead one's connection is refused (a
+    round trip), a paused one's deadline passes. Until then it is waited for; a running one is
+    waited for as long as its record says it is in the round."""
+    return LIVENESS_TIMEOUT_SECONDS if peer.alive else 2 * peer.latency_seconds

@@ -29,6 +29,9 @@ class Candidates:
         #: (``rounds.Rounds._awaited``) are keyed by.
         self.version = 0
         self.awaited: tuple[Any, ...] | None = None
+        #: The groups cut at this version, by their slice of the order (a group of 256 is read
+        #: by each of its members).
+        self._cut: tuple[int, dict[tuple[int, int], tuple[str, ...]]] = (0, {})
 
     def __len__(self) -> int:
         return len(self._order)
@@ -61,4 +64,11 @@ class Candidates:
         end = n if index == last or not full else start + size
         if end - start < 2:
             return None
-        return tuple(sorted(pid for _key, pid in self._order[start:end]))
+        version, cut = self._cut
+        if version != self.version:
+            cut = {}
+            self._cut = (self.version, cut)
+        group = cut.get((start, end))
+        if group is None:
+            group = cut[(start, end)] = tuple(sorted(pid for _key, pid in self._order[start:end]))
+        return group

@@ -76,6 +76,7 @@ import logging
 import math
 import time
 from collections.abc import Generator
+from itertools import islice
 from typing import Any
 
 import simpy
@@ -289,9 +290,11 @@ class SwarmModel(Churning):
         self._fire_armed(peer, "state_download")
         newest = self._newest()
         target = (newest, self._best(newest))
-        listed = [self.peers[i] for i in self.holders.get(target, ()) if i != peer.index]
-        donors = [d for d in listed if d.alive and not d.paused][: self.max_donors]
+        holders = self.holders.get(target, ())
+        others = (self.peers[i] for i in holders if i != peer.index)
+        donors = list(islice((d for d in others if d.alive and not d.paused), self.max_donors))
         if not donors:
+            listed = [self.peers[i] for i in holders if i != peer.index]
             if any(d.alive for d in listed):  # paused: nobody answers
                 yield self.env.timeout(self.config.dht_seconds + self.download_timeout)
             elif listed:  # dead: the connection is refused

@@ -18,10 +18,11 @@ from swarmgrad.node.averaging.matchmaking import (
     POLL_SECONDS,
     READY_MARGIN_SECONDS,
 )
+from swarmgrad.node.averaging.membership import PROBE_AFTER_SECONDS
 from swarmgrad.node.averaging.rounds import WITHDRAW_MARGIN_SECONDS
 from swarmgrad.node.averaging.slots import in_slot, slot_cut, slot_of
 from swarmgrad.node.swarm_config import MATCHMAKING_SETTLE_SECONDS
-from swarmgrad.simulations.des.board import Board, Exchange, ModelPeer, gone_at
+from swarmgrad.simulations.des.board import Board, Exchange, ModelPeer, probe_answer
 from swarmgrad.simulations.des.config import Events
 from swarmgrad.simulations.des.groups import Candidates
 from swarmgrad.simulations.des.state import ModelState
@@ -80,8 +81,8 @@ class Rounds(ModelState):
         Every waiter of a bucket reads it again at each arrival, at the same moment and over the
         same census: the pass over the census's unseen peers is made once for all of them (until
         the census, the candidates or any peer's life or record change, or time moves on), and
-        each reader only adds what depends on when its own matchmaking began (``gone_at`` of the
-        peers not running)."""
+        each reader only adds what depends on when its own matchmaking began: which of the peers
+        that do not run it has asked, and had the answer from (``probe_answer``)."""
         expected, now = self._expected(board, *bucket), self.env.now
         moment = (visible.version, r, now, self.peer_changes)
         cached = visible.awaited
@@ -95,16 +96,18 @@ class Rounds(ModelState):
                     running = True
                     lapses = min(lapses, peer.record_lapses_at)
                 else:
-                    stopped.append(peer)
+                    stopped.append((probe_answer(peer), peer))
+            stopped.sort(key=lambda item: -item[0])  # the last to be given up on first
             cached = visible.awaited = (expected, moment, running, lapses, stopped)
         _, _, running, lapses, stopped = cached
         awaiting = running
         if running:
             wake = min(wake, lapses)
-        for peer in stopped:
-            gone = gone_at(peer, started)
+        asked = started + PROBE_AFTER_SECONDS
+        for answer, peer in stopped:
+            gone = asked + answer
             if now >= gone:
-                continue
+                break  # and so are the rest, whose answers come sooner
             awaiting = True
             wake = min(wake, peer.record_lapses_at, gone)
         return awaiting, wake
