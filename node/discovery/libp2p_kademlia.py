@@ -1,9 +1,9 @@
 """The libp2p sidecar's DHT: a py-libp2p host and Kademlia routing, with our own lookups,
 replication and directory protocol on top, every call under a deadline.
 
-Also the two workarounds this needs in py-libp2p 0.8.1, applied on import (a dial delay every
-new connection paid, and an unbounded ping under a bucket lock). Imported only in the sidecar
-process (``libp2p_sidecar.py``): libp2p and hivemind cannot share a process.
+With the workarounds it needs in py-libp2p 0.8.1 applied on import (``libp2p_patches.py``).
+Imported only in the sidecar process (``libp2p_sidecar.py``): libp2p and hivemind cannot share
+a process.
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.kad_dht.kad_dht import KadDHT
-from libp2p.kad_dht.routing_table import KBucket
 from libp2p.kad_dht.utils import sort_peer_ids_by_distance
-from libp2p.network import swarm as libp2p_swarm
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.peer.peerstore import PeerStoreError
 
+from swarmgrad.node.discovery import libp2p_patches  # noqa: F401  (applied on import)
 from swarmgrad.node.discovery.envelope import RecordError
 from swarmgrad.node.discovery.libp2p_directory import (
     Directory,
@@ -48,37 +47,17 @@ LOG_EVERY_SECONDS = 10.0
 DIRECTORY_PROTOCOL = TProtocol("/swarmgrad/directory/1.0.0")
 REPLICAS = 5  # peers that hold each key's entries
 ALPHA = 3  # queries in flight at once in a lookup
-PING_SECONDS = 0.5  # a routing table's liveness check
 SLOW_SECONDS = 0.5  # a query open this long no longer holds a lookup up
 QUERY_SECONDS = 3.0  # a query that has not answered by now failed: its peer is evicted
 LOOKUP_SECONDS = 1.5  # a whole lookup; then the closest peers that answered are used
+#: A key's replicas, once looked up, are used again for this long while none of them failed:
+#: a node waiting for its group reads the round's key ten times a second, and a lookup for each
+#: read was most of the sidecars' CPU (with 4 nodes on 2 cores, ~0.3 core each).
+REPLICAS_SECONDS = 1.0
+REPLICAS_KEPT = 256  # keys whose replicas are remembered at most
 CONNECT_SECONDS = 5.0
 PENALTY_SECONDS = (10.0, 300.0)  # after a first failure; the cap after many in a row
 REFRESH_SECONDS = (2.0, 5.0, 15.0, 30.0)  # after joining, then every 30 s
-# py-libp2p 0.8.1 dials a peer's addresses "happy eyeballs" style, but waits out the whole 250 ms
-# head start even when the first dial has already succeeded: every new connection costs 250 ms
-# (measured: connect 0.252 s, a query on an open connection 5-9 ms). Our peers are dialed at one
-# address each, where the head start buys nothing.
-if not hasattr(libp2p_swarm, "_HAPPY_EYEBALLS_DELAY"):
-    raise ImportError("py-libp2p changed: review the dial-delay workaround in this module")
-libp2p_swarm._HAPPY_EYEBALLS_DELAY = 0.0
-
-# When a k-bucket is full, py-libp2p pings its oldest peer before admitting a new one, with no
-# deadline, holding the bucket's lock, from inside the DHT's stream handler: one frozen peer and
-# the host stops answering lookups (its 12 handler slots fill up behind the lock). Bounded here:
-# a peer that does not answer a ping in time is the one replaced.
-_unbounded_ping = KBucket._ping_peer
-
-
-async def _bounded_ping(bucket: KBucket, peer: ID) -> bool:
-    with trio.move_on_after(PING_SECONDS):
-        return bool(await _unbounded_ping(bucket, peer))
-    return False
-
-
-KBucket._ping_peer = _bounded_ping  # type: ignore[method-assign,assignment]
-
-
 # -- the node: host, DHT, lookups ----------------------------------------------------------------
 
 
@@ -98,6 +77,8 @@ class Sidecar:
     background: trio.Nursery | None = None
     #: Refused directory requests are logged once per ``LOG_EVERY_SECONDS`` (and counted).
     quiet_until: float = 0.0
+    #: Each key's last lookup: when, and the replicas it found (``REPLICAS_SECONDS``).
+    replicas: dict[str, tuple[float, list[ID]]] = field(default_factory=dict)
 
     def count(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
@@ -162,7 +143,23 @@ class Sidecar:
 
     async def closest(self, key: str) -> list[ID]:
         """The ``REPLICAS`` peers closest to ``key`` that answered (this one included when it
-        is among them): an iterative Kademlia lookup, ``ALPHA`` queries in flight.
+        is among them): the last lookup's, if it is under ``REPLICAS_SECONDS`` old and none of
+        them has failed or is slow to answer since, else a new lookup."""
+        now, me = time.monotonic(), self.host.get_id()
+        last = self.replicas.get(key)
+        if last is not None and now - last[0] < REPLICAS_SECONDS:
+            slow = {p for p, since in self.querying.items() if now - since > SLOW_SECONDS}
+            if all(p == me or (self._usable(p) and p not in slow) for p in last[1]):
+                return last[1]
+        found = await self._lookup(key)
+        if len(self.replicas) >= REPLICAS_KEPT:  # the expired go; all, if none has yet
+            fresh = {k: v for k, v in self.replicas.items() if now - v[0] < REPLICAS_SECONDS}
+            self.replicas = fresh if len(fresh) < REPLICAS_KEPT else {}
+        self.replicas[key] = (time.monotonic(), found)
+        return found
+
+    async def _lookup(self, key: str) -> list[ID]:
+        """An iterative Kademlia lookup of ``key``'s closest peers, ``ALPHA`` queries in flight.
 
         A query still open after ``SLOW_SECONDS`` no longer holds the lookup up: the next-
         closest peer is asked in its place (it still counts if it answers in time). The whole
@@ -385,7 +382,7 @@ class Sidecar:
     async def refresh(self) -> None:
         """Look up this peer's own neighbourhood: the peers asked enter the routing table, and
         peers near this one learn of it."""
-        await self.closest(str(self.host.get_id()))
+        await self._lookup(str(self.host.get_id()))
 
     async def refresh_forever(self) -> None:
         for delay in itertools.chain(REFRESH_SECONDS, itertools.repeat(REFRESH_SECONDS[-1])):
