@@ -72,6 +72,7 @@ slower than the sender timeout (a slow link shows as the round deadline, not as 
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
@@ -118,7 +119,16 @@ class SwarmModel(Churning):
         self.env.process(self._watch())
         self.env.process(self._stall_guard())
         self.env.process(self._progress())
-        self.env.run(until=simpy.AnyOf(self.env, [self.done, self._cap()]))
+        # The model makes millions of short-lived events, which reference counting frees; the
+        # cyclic collector's passes over them were a third of its CPU (1,000 peers x 60 rounds:
+        # 49.7 s with it, 30.3 s without, the same peak memory and the same summary).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self.env.run(until=simpy.AnyOf(self.env, [self.done, self._cap()]))
+        finally:
+            if collecting:
+                gc.enable()
         return self.summary()
 
     def _progress(self) -> Events:
