@@ -6,8 +6,8 @@ measured here, so runs repeat exactly on any machine).
 Each row also prints a digest of the run's summary: a speed-up of the model must leave it
 unchanged (same seed, same summary). Compare two checkouts by running this in each.
 
-    .venv/bin/python benchmarks/des_speed.py                      # 1,000 x 20 and 200 x 20
-    .venv/bin/python benchmarks/des_speed.py --runs 1000x100 10000x100
+    .venv/bin/python benchmarks/des_speed.py      # demo defaults 1,000 x 20, volunteers 200 x 20
+    .venv/bin/python benchmarks/des_speed.py --runs demo:1000x100 volunteers:1000x100
 """
 
 from __future__ import annotations
@@ -59,23 +59,28 @@ def run(peers: int, rounds: int, scenario: bool, seed: int) -> dict[str, object]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--runs", nargs="+", default=["1000x20", "200x20"], help="PEERSxROUNDS, each run twice"
+        "--runs",
+        nargs="+",
+        default=["demo:1000x20", "volunteers:200x20"],
+        help="demo|volunteers:PEERSxROUNDS",
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("des-speed-results.json"))
     args = parser.parse_args()
     rows = []
     for item in args.runs:
-        peers, rounds = (int(part) for part in item.lower().split("x"))
-        for scenario in (False, True):
-            row = run(peers, rounds, scenario, args.seed)
-            rows.append(row)
-            print(
-                f"{row['config']:>30}: {row['cpu_seconds']:7.2f} s CPU, "
-                f"{row['peer_rounds_per_cpu_second']:>7,} peer-rounds/s, kept "
-                f"{row['samples_kept']:.1%}, summary {row['digest']}",
-                flush=True,
-            )
+        kind, _, size = item.lower().partition(":")
+        if kind not in ("demo", "volunteers") or "x" not in size:
+            parser.error(f"--runs: {item!r} is not demo|volunteers:PEERSxROUNDS")
+        peers, rounds = (int(part) for part in size.split("x"))
+        row = run(peers, rounds, kind == "volunteers", args.seed)
+        rows.append(row)
+        print(
+            f"{row['config']:>30}: {row['cpu_seconds']:7.2f} s CPU, "
+            f"{row['peer_rounds_per_cpu_second']:>7,} peer-rounds/s, kept "
+            f"{row['samples_kept']:.1%}, summary {row['digest']}",
+            flush=True,
+        )
     args.out.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
 
