@@ -59,6 +59,14 @@ def test_incremental_groups_are_the_nodes_assign_groups(group_size: int) -> None
         expected = {p: tuple(g) for g in assign_groups(7, ids[:count], group_size) for p in g}
         for p in ids[:count]:
             assert candidates.group_of(p) == expected.get(p), (count, p)
+    # Records withdrawn (a peer that left, or signed again): the groups are cut again.
+    left = list(ids)
+    for peer_id in rng.sample(ids, 30):
+        candidates.remove(peer_id)
+        left.remove(peer_id)
+        expected = {p: tuple(g) for g in assign_groups(7, left, group_size) for p in g}
+        for p in ids:
+            assert candidates.group_of(p) == expected.get(p), (len(left), p)
 
 
 def test_traffic_is_the_butterflys_bytes_from_the_real_codec() -> None:
