@@ -97,9 +97,9 @@ _SETS_VALUES = frozenset(
 
 class _ShapesOnly(TorchFunctionMode):
     """Setting values on meta tensors (what initialising parameters does) is skipped: there is
-    nothing to set there, and some of it costs seconds the first time in a process (a meta tensor's
-    ``normal_`` made torch build its Python decompositions: 1.7 s of CPU at every node's start,
-    where the preflight sizes a checkpoint)."""
+    nothing to set there, and some of it costs seconds the first time in a process (a meta
+    tensor's ``normal_`` made torch import its compiler stack: 1.7 s of CPU before a node joined,
+    where the preflight sizes a checkpoint, and in every model run)."""
 
     def __torch_function__(
         self,
