@@ -168,7 +168,15 @@ async def _serve_stream(
     traffic: Counter[str],
     pace: Callable[[int], Awaitable[None]] | None,
 ) -> None:
-    """Read chunks and write results concurrently; the first failure of either ends both."""
+    """Read chunks and write results concurrently; the first failure of either ends both.
+
+    The stream's initial metadata goes out first, on its own: the failure that ends both may
+    cancel the writer in the middle of its first write, and gRPC then still counts the initial
+    metadata that write carried as unsent. The status sent next would carry it a second time;
+    gRPC's core refuses that batch (logged as ExecuteBatchError), no status ever leaves, and the
+    peer waits for its call's deadline instead of hearing why its stream was refused.
+    """
+    await context.send_initial_metadata(())
 
     async def write_results() -> None:
         async for result in session.results():

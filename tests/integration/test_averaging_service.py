@@ -23,11 +23,13 @@ from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
 from swarmgrad.node.averaging.averager import Averager, standalone
 from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.identity import Identity
-from swarmgrad.protocol.auth import signed_bytes
-from swarmgrad.protocol.averaging import AGGREGATE, StreamHeader, header_to_proto
-from swarmgrad.protocol.errors import RoundAborted
+from swarmgrad.protocol.auth import Verifier, signed_bytes
+from swarmgrad.protocol.averaging import AGGREGATE, ChunkResult, StreamHeader, header_to_proto
+from swarmgrad.protocol.averaging_service import AveragingServicer, add_to_server
+from swarmgrad.protocol.errors import ProtocolViolation, RoundAborted
 from swarmgrad.protocol.tensors import meta_to_proto
 from swarmgrad.protocol.v1 import averaging_pb2, averaging_pb2_grpc
+from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
 CHUNK = 4096
 SIZE = 3 * CHUNK + 100
@@ -423,9 +425,10 @@ async def test_fuzz_1000_mutated_streams_crash_nothing_and_honest_rounds_stay_ex
         target = rng.randrange(2)
         messages = [mutate(m, rng) if j == target else m for j, m in enumerate(valid)]
         async with limit:
-            # A deadline far past a check's time: on a loaded machine a stream cut by its own
-            # deadline (CI: 16 of 1000 at 10 s) would end before the owner rejected it.
-            statuses.append(await rpc(owner.endpoint, messages, timeout_seconds=120))
+            # A deadline far past a check's time, on a loaded machine too. (Streams that ran
+            # into theirs in CI, 16 of 1000 at 10 s, had been refused while a result was being
+            # written, and their status never left: see the last test here.)
+            statuses.append(await rpc(owner.endpoint, messages, timeout_seconds=30))
 
     await asyncio.gather(*(one(i) for i in range(streams)))
     assert len(statuses) == streams
@@ -560,3 +563,69 @@ async def test_an_owners_results_go_through_its_upload_cap() -> None:
     assert sent > 3 * CHUNK  # the results, one byte per value and the blocks' scales
     burst = 0.1 * rate  # what the bucket lets through at once
     assert elapsed >= (sent - burst) / rate
+
+
+class _FailsWhileResultIsWritten:
+    """A part session whose first result is being written when its reader fails (one chunk
+    in, the next refused): the stream must still end with the refusal's status at once."""
+
+    codec = ("int8", get_codec("int8").version)
+    chunk_numels = (CHUNK, CHUNK)
+    max_chunk_bytes = 1 << 20
+    sender_timeout_seconds = 5.0
+
+    def __init__(self) -> None:
+        self._accepted = asyncio.Event()
+        self._writing = asyncio.Event()
+
+    async def accept(self, index: int, values: torch.Tensor, chunk: averaging_pb2.Chunk) -> None:
+        self._accepted.set()
+        await self._writing.wait()
+        await asyncio.sleep(0)  # the writer has handed its write to gRPC
+        raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "refused while a result goes out")
+
+    async def results(self) -> AsyncIterator[ChunkResult]:
+        await self._accepted.wait()
+        _, meta = get_codec("int8").encode(vector(3)[:CHUNK])
+        self._writing.set()
+        # Bytes enough (3 MiB) that the write waits for the caller's flow-control window.
+        yield ChunkResult(index=0, payload=bytes(3 << 20), meta=meta, contributors=(0,))
+
+    async def account(self) -> None:
+        return None
+
+    def close(self, error: object) -> None:
+        pass
+
+
+class _OneSession:
+    async def open_session(self, header: StreamHeader) -> _FailsWhileResultIsWritten:
+        return _FailsWhileResultIsWritten()
+
+    async def check(self, statement: object, signed: object) -> None:
+        return None
+
+
+async def test_a_stream_refused_while_a_result_is_written_still_gets_its_status() -> None:
+    # CI once saw a fuzzed stream wait for its whole deadline: the refusal's status could not
+    # leave after a cancelled write (gRPC's ExecuteBatchError). Each call here gets its status
+    # well within a deadline it would otherwise run into.
+    server = grpc.aio.server()
+    servicer = AveragingServicer(_OneSession(), verifier=Verifier(ident("owner").peer_id))
+    add_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        group = Group(round=1, members=(Member(peer_id=ident("a").peer_id, endpoint="x:1"),))
+        statuses = [
+            await rpc(
+                f"127.0.0.1:{port}",
+                [header(group, "a", round=1 + i), chunk(0, vector(i)[:CHUNK])],
+                timeout_seconds=10,
+            )
+            for i in range(5)
+        ]
+    finally:
+        await server.stop(None)
+    assert statuses == [grpc.StatusCode.INVALID_ARGUMENT] * 5
+    assert servicer.rejections.by_code()["BAD_PAYLOAD"] == 5
