@@ -91,6 +91,17 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
     ) -> None:
         session: PartSession | None = None
         sender: str | None = None
+
+        def release() -> None:
+            """The sender's stream stops counting against its budget (once; before a refusal
+            is sent, so nobody sees a refused stream still open)."""
+            nonlocal sender
+            if sender is not None:
+                self.open_streams[sender] -= 1
+                if self.open_streams[sender] <= 0:
+                    del self.open_streams[sender]
+                sender = None
+
         try:
             header = await _read_header(
                 request_iterator, self._verifier, self._limits.header_timeout_seconds
@@ -106,6 +117,7 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
             await _serve_stream(request_iterator, context, session, self.traffic, self._pace)
             session.close(None)
         except ProtocolViolation as error:
+            release()
             self.rejections.record(_SERVICE_NAME, error.code_name, str(error))
             if session is not None:
                 session.close(error)
@@ -116,17 +128,16 @@ class AveragingServicer(averaging_pb2_grpc.AveragingServicer):
                 session.close(ProtocolViolation(ResultCode.ABORTED, "stream cancelled"))
             raise
         except Exception as error:  # a bug of ours: counted, one rate-limited line
+            culprit = sender
+            release()
             self.rejections.record(
-                _SERVICE_NAME, "INTERNAL", f"stream from {sender} failed: {error!r}"
+                _SERVICE_NAME, "INTERNAL", f"stream from {culprit} failed: {error!r}"
             )
             if session is not None:
                 session.close(ProtocolViolation(ResultCode.ABORTED, f"stream failed: {error!r}"))
             await context.abort(grpc.StatusCode.INTERNAL, f"stream failed: {type(error).__name__}")
         finally:
-            if sender is not None:
-                self.open_streams[sender] -= 1
-                if self.open_streams[sender] <= 0:
-                    del self.open_streams[sender]
+            release()
 
     async def Check(
         self,
