@@ -44,7 +44,7 @@ from swarmgrad.node.discovery.start import start_discovery
 from swarmgrad.node.files import write_json
 from swarmgrad.node.identity import Identity
 from swarmgrad.node.metrics import serving
-from swarmgrad.node.pipeline.balance import Move, choose_stage, plan_move
+from swarmgrad.node.pipeline.balance import Move, Settling, choose_stage, plan_move
 from swarmgrad.node.pipeline.balance import Replica as BalanceReplica
 from swarmgrad.node.pipeline.model import build_stage, parameter_bytes, schema_of
 from swarmgrad.node.pipeline.worker import StageWorker
@@ -250,6 +250,7 @@ async def _rebalance(config: NodeConfig, swarm: Swarm, worker: StageWorker, inde
     is to make, once two checks in a row plan it from the same replicas."""
     spec, me = config.spec, worker.peer_id
     planned: tuple[Move, tuple[frozenset[str], ...]] | None = None
+    settling = Settling()  # replicas on their way between stages are waited for
     while True:
         await asyncio.sleep(spec.pipeline.rebalance_seconds * random.uniform(0.75, 1.25))
         if swarm.reachability_summary()["reachability"] == "relayed":
@@ -259,11 +260,17 @@ async def _rebalance(config: NodeConfig, swarm: Swarm, worker: StageWorker, inde
         except SwarmgradError as error:
             log.info("rebalancing: could not read the stages' records: %s", error)
             continue
+        settled = settling.settled(r.peer_id for stage in stages for r in stage)
         if not any(r.peer_id == me for r in stages[index]):
             continue  # our own record is not visible yet: the view is stale
-        plan = plan_move(stages, hysteresis=spec.pipeline.hysteresis)
+        plan = plan_move(stages, hysteresis=spec.pipeline.hysteresis) if settled else None
         view = tuple(frozenset(r.peer_id for r in stage) for stage in stages)
-        log.debug("rebalancing: throughputs %s, plan %s", _throughputs(stages), plan)
+        log.debug(
+            "rebalancing: throughputs %s, plan %s, waiting for %s",
+            _throughputs(stages),
+            plan,
+            sorted(settling.away),
+        )
         if plan is not None and plan.peer_id == me and (plan, view) == planned:
             log.info("rebalancing: stages' throughputs %s", _throughputs(stages))
             return plan

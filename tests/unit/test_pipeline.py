@@ -13,7 +13,7 @@ import torch
 from rich.console import Console
 
 from swarmgrad.node.discovery.records import PeerRecord
-from swarmgrad.node.pipeline.balance import Move, Replica, choose_stage, plan_move
+from swarmgrad.node.pipeline.balance import Move, Replica, Settling, choose_stage, plan_move
 from swarmgrad.node.pipeline.model import Pipeline, build_stage, parameter_bytes
 from swarmgrad.node.pipeline.routing import BAN_SECONDS, Router
 from swarmgrad.node.pipeline.trainer import stages_round
@@ -164,6 +164,25 @@ def test_auto_fills_the_weakest_stage_and_rebalancing_moves_one_replica_once() -
     assert plan_move([[Replica("a", 10.0), Replica("b", 0.0)], [Replica("d", 1.0)]]) is None
     # A stage nobody serves gets a replica.
     assert plan_move([[Replica("b", 10.0), Replica("c", 9.0)], []]) == Move("b", 0, 1)
+
+
+def test_no_second_replica_moves_while_the_first_is_on_its_way() -> None:
+    # Stage 0's three replicas against stage 1's one; "a" is planned to move and leaves.
+    settling = Settling(checks=3)
+    before = [[Replica("a", 10.0), Replica("b", 12.0), Replica("c", 12.0)], [Replica("d", 10.0)]]
+    assert settling.settled(r.peer_id for s in before for r in s)
+    assert plan_move(before) == Move("a", 0, 1)
+    # While "a" is in no stage, stage 0 looks strong enough to give a second replica away...
+    away = [[Replica("b", 12.0), Replica("c", 12.0)], [Replica("d", 8.0)]]
+    assert plan_move(away) == Move("b", 0, 1)
+    # ...but nobody plans until "a" serves again, wherever that is.
+    assert not settling.settled(["b", "c", "d"])
+    assert not settling.settled(["b", "c", "d"])
+    assert settling.away == {"a": 2}
+    assert settling.settled(["b", "c", "d", "a"])  # it joined stage 1
+    # One that is gone for good is waited for only so many checks.
+    assert not settling.settled(["b", "c", "a"])
+    assert [settling.settled(["b", "c", "a"]) for _ in range(3)] == [False, False, True]
 
 
 def test_status_sums_each_stage_and_marks_one_with_no_replica_serving() -> None:
