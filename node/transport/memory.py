@@ -123,6 +123,9 @@ class _Context:
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
         raise _Aborted(code, details)
 
+    async def send_initial_metadata(self, metadata: Any) -> None:
+        """Nothing goes ahead of a memory call's messages."""
+
     async def write(self, message: Any) -> None:
         assert self._write is not None  # only streams write
         await self._write(message)
