@@ -139,6 +139,7 @@ def build_parts(spec: RunSpec, identity: Identity, config: SwarmConfig) -> Parts
         verifier=verifier,
         rejections=rejections,
         ledger=TrustLedger(store=config.bans_path if spec.trust.open else None),
+        alive=peer_service.answers,
     )
     return Parts(
         codec=get_codec(spec.averaging.codec, **spec.averaging.codec_options),

@@ -7,7 +7,8 @@ epoch any running node reports) reaches ``at_epoch``::
     at_epoch = 3
     action = "kill"          # SIGKILL: no leave, no checkpoint (a crash, a power cut)
     node = 1
-    during = "round"         # wait until the node is in an all-reduce (default: at once)
+    during = "round"         # wait until the node is in an all-reduce (default: at once;
+                             # a pause may wait too: a peer that freezes mid-round)
 
     [[event]]
     at_epoch = 4
@@ -47,6 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ACTIONS = ("kill", "stop", "start", "pause", "resume", "partition", "heal")
+#: Actions that may wait for a phase of the node's (``during``).
+ARMED = ("kill", "pause")
 #: Actions that cut a node off for a while, and the action that ends each.
 UNTIL = {"pause": "resume", "partition": "heal"}
 ENDS = {end: cut for cut, end in UNTIL.items()}
@@ -67,16 +70,17 @@ class ChurnEvent:
     at_epoch: int
     action: str
     node: int
-    during: str = ""  # "" or a MARKERS key: a kill waits for that phase
+    during: str = ""  # "" or a MARKERS key: a kill or a pause waits for that phase
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
             raise ScheduleError(f"action must be one of {', '.join(ACTIONS)}, got {self.action!r}")
         if self.at_epoch < 0 or self.node < 0:
             raise ScheduleError("at_epoch and node must be >= 0")
-        if self.during and (self.action != "kill" or self.during not in MARKERS):
+        if self.during and (self.action not in ARMED or self.during not in MARKERS):
             raise ScheduleError(
-                f"during = {self.during!r}: only a kill waits, for one of {', '.join(MARKERS)}"
+                f"during = {self.during!r}: only a kill or a pause waits, for one of "
+                f"{', '.join(MARKERS)}"
             )
 
     def describe(self) -> str:

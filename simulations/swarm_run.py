@@ -228,8 +228,12 @@ class SwarmRun:
         target = self.swarm[armed.node]
         if MARKERS[armed.during] in target.log_since(self.armed_offset):
             assert target.process is not None
-            target.process.kill()
-            target.running = target.waiting_rejoin = False
+            if armed.action == "pause":
+                target.process.signal(signal.SIGSTOP)
+                target.waiting_rejoin = False
+            else:
+                target.process.kill()
+                target.running = target.waiting_rejoin = False
             self._fired(armed)
             self.armed = None
         elif not target.running:

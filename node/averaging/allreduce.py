@@ -13,6 +13,9 @@ Failure semantics
   member whose next chunk does not arrive within ``sender_timeout_seconds``; a member gives up
   on an owner whose next averaged chunk does not arrive within ``reducer_timeout_seconds``
   (longer, since an owner legitimately waits up to a sender timeout for the slowest member).
+  Sooner, with the plan's ``alive``: an owner whose next averaged chunk is late is asked
+  whether it is there, and one that does not answer (a frozen process: its connections neither
+  answer nor reset) is gone (``quiet.py``).
 * A member that dies, stalls or sends an invalid chunk is dropped by every owner: chunks it
   already delivered keep its values, later chunks are averaged over the others, and every chunk
   carries its contributor list.
@@ -61,6 +64,7 @@ from swarmgrad.node.averaging.plan import (
     RoundPlan,
     RoundResult,
 )
+from swarmgrad.node.averaging.quiet import Unanswered, next_from_owner
 from swarmgrad.node.kinds import Failure
 from swarmgrad.protocol.averaging import (
     StreamHeader,
@@ -204,8 +208,9 @@ async def _exchange_with_owner(
     taken = ended_by_owner = False
     try:
         while expected < len(numels):
-            async with asyncio.timeout(config.reducer_timeout_seconds):
-                response = await call.read()
+            response = await next_from_owner(
+                call, owner, timeout_seconds=config.reducer_timeout_seconds, alive=plan.alive
+            )
             if response is grpc.aio.EOF:
                 ended_by_owner = True  # an honest owner ends a stream early only with a status
                 raise PeerUnavailable(f"{owner.peer_id} closed the stream after {expected} chunks")
@@ -236,6 +241,10 @@ async def _exchange_with_owner(
     except TimeoutError:
         why = f"no averaged chunk {expected} within {config.reducer_timeout_seconds:g} s"
         state.fail(owner.peer_id, Failure.TIMEOUT, why)
+    except Unanswered as error:  # gone: stop waiting for its chunks of this member's part too
+        if plan.reducer is not None:
+            plan.reducer.drop(part, str(error))
+        _owner_failed(state, part, error, None)
     except SwarmgradError as error:
         _owner_failed(state, part, error, None)
     finally:

@@ -33,6 +33,7 @@ from swarmgrad.node.averaging.allreduce import (
 from swarmgrad.node.averaging.group import Group, chunk_sizes
 from swarmgrad.node.averaging.hooks import OwnerHooks, RoundHooks
 from swarmgrad.node.averaging.open.policy import LossProbe, OpenPolicy
+from swarmgrad.node.averaging.plan import Alive
 from swarmgrad.node.averaging.policy import Finished, RoundPolicy, TrustedPolicy
 from swarmgrad.node.averaging.reducer import PartReducer, SenderSession
 from swarmgrad.node.averaging.registry import ActiveRound, Registry
@@ -76,9 +77,11 @@ class Averager:
         rejections: Rejections | None = None,
         ledger: TrustLedger | None = None,
         policy: RoundPolicy | None = None,
+        alive: Alive | None = None,
     ) -> None:
         """``policy``: the run's trust rules for its rounds (default: an open run's when
-        ``config.observe``, else a trusted run's)."""
+        ``config.observe``, else a trusted run's); ``alive``: asks whether a member still
+        answers, of an owner gone quiet in a round (``RoundPlan.alive``)."""
         if transport.limits.max_message_bytes < 2 * config.max_chunk_bytes:
             raise ValueError(
                 f"the transport's max_message_bytes ({transport.limits.max_message_bytes}) is "
@@ -86,6 +89,7 @@ class Averager:
             )
         self.identity = identity
         self.peer_id = identity.peer_id
+        self._alive = alive
         self.config = config
         self.transport = transport
         #: Scores and bans of peers, from what this node saw of them as an owner (open runs).
@@ -216,6 +220,7 @@ class Averager:
                 hooks=hooks,
                 pace=self.transport.pace if self.transport.paced else None,
                 keep_sent=keep_sent,
+                alive=self._alive,
             )
             result = await run_round(plan, vector.contiguous(), out=out)
             own_account = await reducer.account() if reducer is not None else None

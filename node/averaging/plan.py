@@ -154,6 +154,10 @@ class RoundResult:
         return not self.missing and not self.partial
 
 
+#: Does peer ``peer_id`` still answer at ``endpoint``? (Returns within its own deadline.)
+Alive = Callable[[str, str], Awaitable[bool]]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RoundPlan:
     """Who this member is in one round, and what it runs the round with."""
@@ -179,6 +183,10 @@ class RoundPlan:
     pace: Callable[[int], Awaitable[None]] | None = None
     #: Report what the owners decode of this member's values (``RoundResult.sent``).
     keep_sent: bool = False
+    #: Whether a member still answers at its endpoint, as itself (peer id, endpoint), within
+    #: the question's own deadline: asked of an owner that went quiet in the round (None: the
+    #: round's timeouts alone find a frozen owner).
+    alive: Alive | None = None
 
 
 def round_key(config: AllReduceConfig, group: Group) -> averaging_pb2.RoundKey:

@@ -115,16 +115,20 @@ class PeerService:
         )
 
     async def alive(self, record: PeerRecord) -> bool:
-        """Does ``record``'s peer still answer at its endpoint, as itself (signed, over a fresh
-        challenge), within ``LIVENESS_TIMEOUT_SECONDS``? No for a refused or silent endpoint,
-        and for another process answering there."""
+        """Does ``record``'s peer still answer at its endpoint (:meth:`answers`)?"""
+        return await self.answers(record.peer_id, record.endpoint)
+
+    async def answers(self, peer_id: str, endpoint: str) -> bool:
+        """Does ``peer_id`` answer at ``endpoint``, as itself (signed, over a fresh challenge),
+        within ``LIVENESS_TIMEOUT_SECONDS``? No for a refused or silent endpoint, and for
+        another process answering there."""
         try:
             await peer.get_info(
-                record.endpoint,
+                endpoint,
                 run_id=self._run_id,
                 spec_hash=self._spec_hash,
                 timeout_seconds=LIVENESS_TIMEOUT_SECONDS,
-                expected_peer=record.peer_id,
+                expected_peer=peer_id,
             )
         except SwarmgradError:
             return False

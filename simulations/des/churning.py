@@ -3,10 +3,15 @@ and resume, by the run's schedule (``simulations/churn.py``: a kill "during" a r
 download is armed until the peer enters that phase) and the profiles' random sessions
 (``session_seconds``: exponential, then ``offline_seconds`` away). A crash loses what the peer
 trained since its last averaged round; its connections reset, so the others drop it from the
-round it was in after a round trip (a paused one after the sender timeout)."""
+round it was in after a round trip. A paused one (frozen, partitioned) goes quiet instead: the
+others ask whether it is there once its results are late and drop it when it leaves
+``UNANSWERED_PROBES`` questions unanswered (``averaging/quiet.py``), or at the sender
+timeout if that is sooner."""
 
 from __future__ import annotations
 
+from swarmgrad.node.averaging.quiet import QUIET_SECONDS, UNANSWERED_PROBES
+from swarmgrad.node.reachability.service import LIVENESS_TIMEOUT_SECONDS
 from swarmgrad.simulations.churn import ChurnEvent
 from swarmgrad.simulations.des.board import ModelPeer
 from swarmgrad.simulations.des.config import Events
@@ -69,7 +74,7 @@ class Churning(Rounds):
         """Stop ``peer``'s process; its all-reduce goes on without it. ``reset``: its process is
         gone, and so are its connections (the others' streams fail at once, as a SIGKILLed
         member's did in ``benchmarks/allreduce.py``); else it fell silent (paused, partitioned)
-        and they wait out the sender timeout."""
+        and they find out by asking it (module docstring)."""
         if peer.process is not None and peer.process.is_alive:
             peer.process.interrupt()
         if peer.flight is not None and peer.flight.is_alive:
@@ -79,8 +84,13 @@ class Churning(Rounds):
         if exchange is not None and exchange.process is not None and exchange.process.is_alive:
             exchange.dead.append(peer.index)
             exchange.process.interrupt(
-                2 * peer.latency_seconds if reset else self.allreduce.sender_timeout_seconds
+                2 * peer.latency_seconds if reset else self._quiet_found_seconds()
             )
+
+    def _quiet_found_seconds(self) -> float:
+        """How long the others take to drop a member that fell silent mid-round."""
+        asked = QUIET_SECONDS + UNANSWERED_PROBES * LIVENESS_TIMEOUT_SECONDS
+        return min(self.allreduce.sender_timeout_seconds, asked)
 
     def _churn(self) -> Events:
         for event in self.config.events:

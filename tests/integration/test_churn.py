@@ -95,7 +95,7 @@ def test_a_schedule_is_checked_against_the_swarm(tmp_path: Path) -> None:
         'action = "start"\nnode = 0': "node 0 is already running",
         'action = "kill"\nnode = 5': "node 5 is not running then",
         'action = "start"\nnode = 7': "a new node must take the next index, 4",
-        'action = "start"\nnode = 4\nduring = "round"': "only a kill waits",
+        'action = "start"\nnode = 4\nduring = "round"': "only a kill or a pause waits",
         'action = "kill"\nnode = 1\nwhen = 3': "unknown key(s) when",
         'action = "resume"\nnode = 1': "node 1 is not paused then",
         'action = "pause"\nnode = 1': "node(s) [1] are never resumed",

@@ -108,6 +108,60 @@ def test_a_restarted_node_sends_the_training_its_checkpoint_kept_and_only_once(
     assert first["sent_samples"] == first["samples"] - since, (since, first)
 
 
+FREEZE_MID_ROUND = """\
+[[event]]
+at_epoch = 2
+action = "pause"
+node = 1
+during = "round"
+
+[[event]]
+at_epoch = 4
+action = "resume"
+node = 1
+"""
+
+
+def test_a_member_frozen_mid_round_is_dropped_in_seconds_not_by_its_timeouts(
+    tmp_path: Path,
+) -> None:
+    """A frozen process (SIGSTOP: a laptop gone to sleep, a link that drops every packet)
+    neither answers nor resets its connections. The survivors ask it whether it is there once
+    its results are late and drop it from the round when it leaves two questions unanswered
+    (2 s quiet + 2 x 2 s), not after the sender timeout (30 s here) or the reducer timeout
+    (60 s). Resumed, it catches up, and every replica ends identical."""
+    spec_path = tmp_path / "run.toml"
+    spec_path.write_text(
+        light(DEMO_SPEC).replace(
+            "matchmaking_timeout_seconds = 20.0",
+            "matchmaking_timeout_seconds = 20.0\nround_timeout_seconds = 120.0\n"
+            "sender_timeout_seconds = 30.0\nreducer_timeout_seconds = 60.0",
+        )
+    )
+    schedule = tmp_path / "churn.toml"
+    schedule.write_text(FREEZE_MID_ROUND)
+    out = tmp_path / "sim"
+    rounds = 6
+    summary = simulate(
+        SimulationConfig(
+            nodes=4, rounds=rounds, spec_path=spec_path, churn_path=schedule, out_dir=out, seed=2
+        )
+    )
+    assert [e["event"] for e in summary["churn"]["events"]] == [
+        "epoch 2: pause node 1 during its round",
+        "epoch 4: resume node 1",
+    ]
+    assert [p["epoch"] for p in summary["peers"]] == [rounds] * 4
+    assert summary["replicas_identical"], [p["checksum"] for p in summary["peers"]]
+    for i in (0, 2, 3):
+        history = json.loads((out / f"node-{i}.json").read_text())["history"]
+        frozen = {h["epoch"]: h for h in history}[3]  # the round node 1 froze in
+        assert frozen["outcome"] in ("averaged", "partial"), history
+        assert frozen["round_seconds"] < 15, (i, history)  # not its 30 s sender timeout
+    log = "\n".join((out / f"node-{i}.log").read_text() for i in (0, 2, 3))
+    assert "answered none of 2 liveness probes" in log
+
+
 KILL_MID_ROUND = """\
 [[event]]
 at_epoch = 2
