@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.averaging.grouping import assign_groups
 from swarmgrad.node.averaging.membership import PROBE_AFTER_SECONDS
+from swarmgrad.node.averaging.quiet import QUIET_SECONDS, UNANSWERED_PROBES
 from swarmgrad.node.cli import app
 from swarmgrad.node.reachability.service import LIVENESS_TIMEOUT_SECONDS
 from swarmgrad.node.runspec import RunSpec
@@ -174,6 +175,26 @@ def test_survivors_ask_a_crashed_or_frozen_peer_instead_of_waiting_out_the_timeo
         asked = PROBE_AFTER_SECONDS + (LIVENESS_TIMEOUT_SECONDS if frozen else 0.1)
         assert all(s <= calm + asked for s in after), (events[0].action, after)
         assert max(after) < timeout / 4
+
+
+def test_a_member_frozen_mid_round_is_asked_not_waited_for_as_the_node_does() -> None:
+    # The node's rule (averaging/quiet.py): an owner quiet for QUIET_SECONDS is asked whether it
+    # is there, and dropped after UNANSWERED_PROBES questions unanswered, each taking the
+    # question's whole deadline; the model's round of the freeze lasts about that, not the
+    # sender timeout (the real run: 6.6-6.8 s, test_crash_recovery.py).
+    averaging = replace(SPEC.averaging, sender_timeout_seconds=30.0, reducer_timeout_seconds=60.0)
+    spec = replace(SPEC, averaging=averaging)
+    events = (
+        ChurnEvent(at_epoch=2, action="pause", node=1, during="round"),
+        ChurnEvent(at_epoch=4, action="resume", node=1),
+    )
+    calm = model(4, 6, spec=spec)["round_seconds"][2]["max"]
+    summary = model(4, 6, spec=spec, events=events)
+    assert summary["ok"]
+    assert summary["churn"]["events"][0]["event"] == "epoch 2: pause node 1 during its round"
+    froze = next(r["max"] for r in summary["round_seconds"] if r["epoch"] == 3)
+    asked = QUIET_SECONDS + UNANSWERED_PROBES * LIVENESS_TIMEOUT_SECONDS
+    assert asked < froze < asked + calm + 1.0, (froze, asked, calm)
 
 
 def test_slower_links_make_longer_rounds_and_relays_cost_their_relay() -> None:
