@@ -64,7 +64,7 @@ from swarmgrad.node.averaging.plan import (
     RoundPlan,
     RoundResult,
 )
-from swarmgrad.node.averaging.quiet import Unanswered, next_from_owner
+from swarmgrad.node.averaging.quiet import Unanswered, next_from_owner, watch_senders
 from swarmgrad.node.kinds import Failure
 from swarmgrad.protocol.averaging import (
     StreamHeader,
@@ -135,6 +135,9 @@ async def run_round(
     # at the end. (A caller's reused buffer also spares a whole-vector page-faulting alloc.)
     out = torch.empty_like(vector) if out is None else out
     tasks: dict[int, asyncio.Task[None]] = {}
+    watcher = None
+    if plan.alive is not None and plan.reducer is not None:  # members holding up our part
+        watcher = asyncio.create_task(watch_senders(plan.reducer, plan.alive))
     for part, (start, end) in enumerate(bounds):
         if start == end:
             continue
@@ -156,6 +159,8 @@ async def run_round(
     finally:
         for task in tasks.values():
             task.cancel()
+        if watcher is not None:
+            watcher.cancel()
         if plan.reducer is not None:
             plan.reducer.expire()
     result = _summarize(state, bounds, out)

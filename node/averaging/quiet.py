@@ -1,4 +1,5 @@
-"""A member's wait for an owner's next averaged chunk, and what it does when the owner goes quiet.
+"""A round's peers that go quiet: a member's wait for an owner's next averaged chunk, and an
+owner's for its members' chunks.
 
 A crashed owner's connections reset, and the member's read fails at once. A frozen one (SIGSTOP,
 a laptop gone to sleep, a link that drops every packet) neither answers nor resets: the read
@@ -7,23 +8,31 @@ whether it is there (the plan's ``alive``: in a node, a signed GetInfo under its
 again each time it stays quiet that long after an answer, and at once after a question it left
 unanswered; :data:`UNANSWERED_PROBES` unanswered in a row and it is gone (:class:`Unanswered`).
 An owner that answers is waited for, up to the timeout: it may be waiting for a slow member.
+
+An owner asks the same of a member that holds up its part (:func:`watch_senders`): one that
+owns no part (bandwidth 0: a relayed peer, in most swarms) is asked by nobody else, and its
+stream's silence would end only at the sender timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from typing import Any
 
 import grpc
 
 from swarmgrad.node.averaging.group import Member
 from swarmgrad.node.averaging.plan import Alive
+from swarmgrad.node.averaging.reducer import PartReducer
 from swarmgrad.protocol.errors import PeerUnavailable
 
 #: An owner whose next averaged chunk has not come for this long is asked whether it is there;
 #: this many unanswered questions in a row and it is gone.
 QUIET_SECONDS = 2.0
 UNANSWERED_PROBES = 2
+#: How often an owner looks for members holding up its part.
+WATCH_SECONDS = 0.25
 
 
 class Unanswered(PeerUnavailable):
@@ -64,3 +73,45 @@ async def next_from_owner(
                 )
     finally:
         read.cancel()
+
+
+async def watch_senders(reducer: PartReducer, alive: Alive) -> None:
+    """The owner's side: a member that holds up ``reducer``'s part (its next chunk not in) and
+    was not heard from for :data:`QUIET_SECONDS` is asked whether it is there, as a member asks
+    a quiet owner; :data:`UNANSWERED_PROBES` unanswered in a row and it is dropped. Runs until
+    the part is done or the round cancels it."""
+    loop = asyncio.get_running_loop()
+    unanswered: Counter[int] = Counter()
+    answered_at: dict[int, float] = {}
+    asked: dict[int, tuple[asyncio.Future[bool], float]] = {}  # the question, heard then
+    try:
+        while not reducer.done:
+            now = loop.time()
+            for member in reducer.holding_up():
+                since = max(reducer.heard[member], answered_at.get(member, 0.0))
+                if member in asked or (not unanswered[member] and now - since < QUIET_SECONDS):
+                    continue
+                peer = reducer.group.members[member]
+                question = asyncio.ensure_future(alive(peer.peer_id, peer.endpoint))
+                asked[member] = (question, reducer.heard[member])
+            for member, (answer, heard) in list(asked.items()):
+                if not answer.done():
+                    continue
+                del asked[member]
+                said = not answer.cancelled() and answer.exception() is None and answer.result()
+                if said or reducer.heard[member] != heard:
+                    unanswered[member] = 0
+                    answered_at[member] = loop.time()
+                    continue
+                unanswered[member] += 1
+                if unanswered[member] >= UNANSWERED_PROBES:
+                    peer_id = reducer.group.members[member].peer_id
+                    reducer.drop(
+                        member,
+                        f"{peer_id} went quiet and answered none of {unanswered[member]} "
+                        "liveness probes",
+                    )
+            await asyncio.sleep(WATCH_SECONDS)
+    finally:
+        for pending, _ in asked.values():
+            pending.cancel()

@@ -117,6 +117,8 @@ class PartReducer:
         self.dropped: dict[int, str] = {}
         self._opened: set[int] = {part}  # the owner feeds its own values without a stream
         self._loop = asyncio.get_running_loop()
+        #: When each member was last heard from (the part's start, its stream, its last chunk).
+        self.heard = {m: self._loop.time() for m in self._delivered}
         self._results: list[asyncio.Future[ChunkResult | None]] = [
             self._loop.create_future() for _ in range(n)
         ]
@@ -141,6 +143,7 @@ class PartReducer:
                 ResultCode.ABORTED, f"{self._name(member)} was dropped: {self.dropped[member]}"
             )
         self._opened.add(member)
+        self.heard[member] = self._loop.time()
 
     async def accept(
         self,
@@ -171,6 +174,7 @@ class PartReducer:
         self._weights[index] += self._alpha[member]
         self._contributors[index].append(member)
         self._delivered[member] = index + 1
+        self.heard[member] = self._loop.time()
         self._notify()
 
     def drop(self, member: int, reason: str, *, flag: Flag | None = None) -> None:
@@ -196,6 +200,15 @@ class PartReducer:
         for member in self._delivered:
             if member not in self._opened:
                 self.drop(member, "opened no stream in time")
+
+    def holding_up(self) -> list[int]:
+        """The members the next chunk waits for: neither dropped nor done, and behind it."""
+        return [
+            m
+            for m, d in self._delivered.items()
+            if m != self.part and m not in self.dropped and d <= self._finalized
+            and d < len(self.chunk_numels)
+        ]  # fmt: skip
 
     def expire(self, reason: str = "round deadline passed") -> None:
         """Drop every member that has not delivered everything (at the round deadline)."""

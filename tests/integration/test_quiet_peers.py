@@ -1,0 +1,137 @@
+"""Peers that go quiet mid-round, on real grpc.aio servers (127.0.0.1:0): a frozen process
+neither answers nor resets its connections, so only asking it whether it is there finds it
+before the round's timeouts (``node/averaging/quiet.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import grpc
+
+from swarmgrad.node.averaging.averager import standalone
+from swarmgrad.node.averaging.group import Group, Member
+from swarmgrad.node.averaging.quiet import QUIET_SECONDS, UNANSWERED_PROBES
+from swarmgrad.protocol.v1 import averaging_pb2_grpc
+from tests.integration.test_averaging_service import (
+    CONFIG,
+    Request,
+    chunk,
+    header,
+    ident,
+    vector,
+)
+
+#: Timeouts a quiet peer would otherwise cost: the sender's 30 s, the owner's 60 s.
+PATIENT = replace(
+    CONFIG,
+    sender_timeout_seconds=30.0,
+    reducer_timeout_seconds=60.0,
+    round_timeout_seconds=90.0,
+    join_timeout_seconds=5.0,
+)
+PROBE_SECONDS = 2.0
+
+
+async def answers(peer_id: str, endpoint: str) -> bool:
+    """The test's question: does anything answer at ``endpoint`` within the deadline? (An
+    averager that serves only Averaging answers GetInfo with UNIMPLEMENTED; a frozen endpoint
+    answers nothing.) A node asks with a signed GetInfo (``PeerService.answers``)."""
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        try:
+            await channel.unary_unary("/swarmgrad.v1.Peer/GetInfo")(b"", timeout=PROBE_SECONDS)
+        except grpc.aio.AioRpcError as error:
+            silent = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+            return error.code() not in silent
+    return True
+
+
+@contextlib.asynccontextmanager
+async def frozen_endpoint() -> AsyncIterator[str]:
+    """An endpoint whose process froze: the kernel still accepts connections, nothing answers."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+
+
+async def test_an_owner_drops_a_member_that_froze_mid_stream_in_seconds() -> None:
+    # The frozen member owns no part (bandwidth 0, as a relayed peer): nobody streams to it, so
+    # only the owner, whose part it holds up, can find it gone.
+    async with (
+        standalone(ident("owner"), PATIENT, alive=answers) as owner,
+        standalone(ident("honest"), PATIENT, alive=answers) as honest,
+        frozen_endpoint() as frozen_at,
+    ):
+        group = Group(
+            round=1,
+            members=(
+                Member(peer_id=owner.peer_id, endpoint=owner.endpoint, bandwidth=1.0),
+                Member(peer_id=honest.peer_id, endpoint=honest.endpoint, bandwidth=0.0),
+                Member(peer_id=ident("frozen").peer_id, endpoint=frozen_at, bandwidth=0.0),
+            ),
+        )
+        froze = asyncio.Event()
+
+        async def first_chunk_then_silence() -> AsyncIterator[Request]:
+            yield header(group, "frozen")
+            yield chunk(0, vector(2)[:4096])
+            froze.set()
+            await asyncio.Event().wait()  # the stream stays open; nothing more comes
+
+        started = time.monotonic()
+        rounds = asyncio.gather(
+            owner.all_reduce(vector(0), group), honest.all_reduce(vector(1), group)
+        )
+        async with grpc.aio.insecure_channel(owner.endpoint) as channel:
+            stream = averaging_pb2_grpc.AveragingStub(channel).Aggregate(
+                first_chunk_then_silence(), timeout=60
+            )
+            await asyncio.wait_for(froze.wait(), 10)
+            results = await rounds
+            elapsed = time.monotonic() - started
+            stream.cancel()
+    for result in results:
+        contributors = result.chunk_contributors
+        assert contributors[(0, 0)] == (0, 1, 2)  # its first chunk was in
+        assert all(contributors[(0, i)] == (0, 1) for i in (1, 2, 3)), contributors
+    asked = QUIET_SECONDS + UNANSWERED_PROBES * PROBE_SECONDS
+    assert elapsed < asked + 5.0, elapsed  # not the sender timeout (30 s)
+
+
+async def test_a_member_drops_an_owner_that_froze_in_seconds() -> None:
+    # The frozen peer owns a part: each member's stream to it hangs, unanswered.
+    async with (
+        standalone(ident("owner"), PATIENT, alive=answers) as owner,
+        standalone(ident("honest"), PATIENT, alive=answers) as honest,
+        frozen_endpoint() as frozen_at,
+    ):
+        group = Group(
+            round=2,
+            members=(
+                Member(peer_id=owner.peer_id, endpoint=owner.endpoint, bandwidth=1.0),
+                Member(peer_id=honest.peer_id, endpoint=honest.endpoint, bandwidth=1.0),
+                Member(peer_id=ident("frozen").peer_id, endpoint=frozen_at, bandwidth=1.0),
+            ),
+        )
+        started = time.monotonic()
+        results = await asyncio.gather(
+            owner.all_reduce(vector(0), group), honest.all_reduce(vector(1), group)
+        )
+        elapsed = time.monotonic() - started
+    frozen_id = ident("frozen").peer_id
+    for result in results:
+        assert "answered none of 2 liveness probes" in result.failures[frozen_id]
+        assert result.missing  # its part: the caller's own values, listed as not averaged
+    assert elapsed < QUIET_SECONDS + UNANSWERED_PROBES * PROBE_SECONDS + 5.0, elapsed
