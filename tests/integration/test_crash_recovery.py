@@ -108,6 +108,26 @@ def test_a_restarted_node_sends_the_training_its_checkpoint_kept_and_only_once(
     assert first["sent_samples"] == first["samples"] - since, (since, first)
 
 
+def _churned_swarm(tmp_path: Path, schedule: str, rounds: int) -> dict[str, Any]:
+    """4 nodes for ``rounds`` rounds with churn ``schedule``, their timeouts long (sender 30 s,
+    reducer 60 s, round 120 s) so that a peer dropped by them shows; out in ``tmp_path/sim``."""
+    spec_path = tmp_path / "run.toml"
+    spec_path.write_text(
+        light(DEMO_SPEC).replace(
+            "matchmaking_timeout_seconds = 20.0",
+            "matchmaking_timeout_seconds = 20.0\nround_timeout_seconds = 120.0\n"
+            "sender_timeout_seconds = 30.0\nreducer_timeout_seconds = 60.0",
+        )
+    )
+    churn = tmp_path / "churn.toml"
+    churn.write_text(schedule)
+    config = SimulationConfig(
+        nodes=4, rounds=rounds, spec_path=spec_path, churn_path=churn, out_dir=tmp_path / "sim",
+        seed=2,
+    )  # fmt: skip
+    return simulate(config)
+
+
 FREEZE_MID_ROUND = """\
 [[event]]
 at_epoch = 2
@@ -130,23 +150,8 @@ def test_a_member_frozen_mid_round_is_dropped_in_seconds_not_by_its_timeouts(
     its results are late and drop it from the round when it leaves two questions unanswered
     (2 s quiet + 2 x 2 s), not after the sender timeout (30 s here) or the reducer timeout
     (60 s). Resumed, it catches up, and every replica ends identical."""
-    spec_path = tmp_path / "run.toml"
-    spec_path.write_text(
-        light(DEMO_SPEC).replace(
-            "matchmaking_timeout_seconds = 20.0",
-            "matchmaking_timeout_seconds = 20.0\nround_timeout_seconds = 120.0\n"
-            "sender_timeout_seconds = 30.0\nreducer_timeout_seconds = 60.0",
-        )
-    )
-    schedule = tmp_path / "churn.toml"
-    schedule.write_text(FREEZE_MID_ROUND)
-    out = tmp_path / "sim"
-    rounds = 6
-    summary = simulate(
-        SimulationConfig(
-            nodes=4, rounds=rounds, spec_path=spec_path, churn_path=schedule, out_dir=out, seed=2
-        )
-    )
+    out, rounds = tmp_path / "sim", 6
+    summary = _churned_swarm(tmp_path, FREEZE_MID_ROUND, rounds)
     assert [e["event"] for e in summary["churn"]["events"]] == [
         "epoch 2: pause node 1 during its round",
         "epoch 4: resume node 1",
@@ -178,23 +183,8 @@ def test_a_member_killed_mid_round_is_dropped_in_seconds_not_by_its_timeouts(
     as soon as a call to it fails, not after the sender timeout (30 s here), and the next
     round's matchmaking asks it whether it is there instead of waiting out its timeout (20 s
     here). Measured on 2 cores (3 runs): the round of the kill 0.8-1.4 s, the next 1.8-2.1 s."""
-    spec_path = tmp_path / "run.toml"
-    spec_path.write_text(
-        light(DEMO_SPEC).replace(
-            "matchmaking_timeout_seconds = 20.0",
-            "matchmaking_timeout_seconds = 20.0\nround_timeout_seconds = 120.0\n"
-            "sender_timeout_seconds = 30.0\nreducer_timeout_seconds = 60.0",
-        )
-    )
-    schedule = tmp_path / "churn.toml"
-    schedule.write_text(KILL_MID_ROUND)
-    out = tmp_path / "sim"
-    rounds = 5
-    summary = simulate(
-        SimulationConfig(
-            nodes=4, rounds=rounds, spec_path=spec_path, churn_path=schedule, out_dir=out, seed=2
-        )
-    )
+    out, rounds = tmp_path / "sim", 5
+    summary = _churned_swarm(tmp_path, KILL_MID_ROUND, rounds)
     assert summary["churn"]["finished"] == ["node-0", "node-2", "node-3"]
     assert [p["epoch"] for p in summary["peers"]] == [rounds] * 3
     assert summary["replicas_identical"], [p["checksum"] for p in summary["peers"]]

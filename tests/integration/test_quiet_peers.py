@@ -11,8 +11,9 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import grpc
+import pytest
 
-from swarmgrad.node.averaging.averager import standalone
+from swarmgrad.node.averaging.averager import Averager, standalone
 from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.averaging.quiet import QUIET_SECONDS, UNANSWERED_PROBES
 from swarmgrad.protocol.v1 import averaging_pb2_grpc
@@ -66,42 +67,57 @@ async def frozen_endpoint() -> AsyncIterator[str]:
         server.close()
 
 
-async def test_an_owner_drops_a_member_that_froze_mid_stream_in_seconds() -> None:
-    # The frozen member owns no part (bandwidth 0, as a relayed peer): nobody streams to it, so
-    # only the owner, whose part it holds up, can find it gone.
+@pytest.fixture
+async def trio() -> AsyncIterator[tuple[Averager, Averager, str]]:
+    """Two live averagers that ask quiet peers, and a frozen endpoint."""
     async with (
         standalone(ident("owner"), PATIENT, alive=answers) as owner,
         standalone(ident("honest"), PATIENT, alive=answers) as honest,
         frozen_endpoint() as frozen_at,
     ):
-        group = Group(
-            round=1,
-            members=(
-                Member(peer_id=owner.peer_id, endpoint=owner.endpoint, bandwidth=1.0),
-                Member(peer_id=honest.peer_id, endpoint=honest.endpoint, bandwidth=0.0),
-                Member(peer_id=ident("frozen").peer_id, endpoint=frozen_at, bandwidth=0.0),
-            ),
-        )
-        froze = asyncio.Event()
+        yield owner, honest, frozen_at
 
-        async def first_chunk_then_silence() -> AsyncIterator[Request]:
-            yield header(group, "frozen")
-            yield chunk(0, vector(2)[:4096])
-            froze.set()
-            await asyncio.Event().wait()  # the stream stays open; nothing more comes
 
-        started = time.monotonic()
-        rounds = asyncio.gather(
-            owner.all_reduce(vector(0), group), honest.all_reduce(vector(1), group)
+def group_of(round_: int, trio: tuple[Averager, Averager, str], *, others_own: bool) -> Group:
+    """The owner (which owns a part), the honest member and the frozen one (which own parts
+    too if ``others_own``)."""
+    owner, honest, frozen_at = trio
+    bandwidth = 1.0 if others_own else 0.0
+    return Group(
+        round=round_,
+        members=(
+            Member(peer_id=owner.peer_id, endpoint=owner.endpoint, bandwidth=1.0),
+            Member(peer_id=honest.peer_id, endpoint=honest.endpoint, bandwidth=bandwidth),
+            Member(peer_id=ident("frozen").peer_id, endpoint=frozen_at, bandwidth=bandwidth),
+        ),
+    )
+
+
+async def test_an_owner_drops_a_member_that_froze_mid_stream_in_seconds(
+    trio: tuple[Averager, Averager, str],
+) -> None:
+    # The frozen member owns no part (bandwidth 0, as a relayed peer): nobody streams to it, so
+    # only the owner, whose part it holds up, can find it gone.
+    owner, honest, _ = trio
+    group = group_of(1, trio, others_own=False)
+    froze = asyncio.Event()
+
+    async def first_chunk_then_silence() -> AsyncIterator[Request]:
+        yield header(group, "frozen")
+        yield chunk(0, vector(2)[:4096])
+        froze.set()
+        await asyncio.Event().wait()  # the stream stays open; nothing more comes
+
+    started = time.monotonic()
+    rounds = asyncio.gather(owner.all_reduce(vector(0), group), honest.all_reduce(vector(1), group))
+    async with grpc.aio.insecure_channel(owner.endpoint) as channel:
+        stream = averaging_pb2_grpc.AveragingStub(channel).Aggregate(
+            first_chunk_then_silence(), timeout=60
         )
-        async with grpc.aio.insecure_channel(owner.endpoint) as channel:
-            stream = averaging_pb2_grpc.AveragingStub(channel).Aggregate(
-                first_chunk_then_silence(), timeout=60
-            )
-            await asyncio.wait_for(froze.wait(), 10)
-            results = await rounds
-            elapsed = time.monotonic() - started
-            stream.cancel()
+        await asyncio.wait_for(froze.wait(), 10)
+        results = await rounds
+        elapsed = time.monotonic() - started
+        stream.cancel()
     for result in results:
         contributors = result.chunk_contributors
         assert contributors[(0, 0)] == (0, 1, 2)  # its first chunk was in
@@ -110,26 +126,17 @@ async def test_an_owner_drops_a_member_that_froze_mid_stream_in_seconds() -> Non
     assert elapsed < asked + 5.0, elapsed  # not the sender timeout (30 s)
 
 
-async def test_a_member_drops_an_owner_that_froze_in_seconds() -> None:
+async def test_a_member_drops_an_owner_that_froze_in_seconds(
+    trio: tuple[Averager, Averager, str],
+) -> None:
     # The frozen peer owns a part: each member's stream to it hangs, unanswered.
-    async with (
-        standalone(ident("owner"), PATIENT, alive=answers) as owner,
-        standalone(ident("honest"), PATIENT, alive=answers) as honest,
-        frozen_endpoint() as frozen_at,
-    ):
-        group = Group(
-            round=2,
-            members=(
-                Member(peer_id=owner.peer_id, endpoint=owner.endpoint, bandwidth=1.0),
-                Member(peer_id=honest.peer_id, endpoint=honest.endpoint, bandwidth=1.0),
-                Member(peer_id=ident("frozen").peer_id, endpoint=frozen_at, bandwidth=1.0),
-            ),
-        )
-        started = time.monotonic()
-        results = await asyncio.gather(
-            owner.all_reduce(vector(0), group), honest.all_reduce(vector(1), group)
-        )
-        elapsed = time.monotonic() - started
+    owner, honest, _ = trio
+    group = group_of(2, trio, others_own=True)
+    started = time.monotonic()
+    results = await asyncio.gather(
+        owner.all_reduce(vector(0), group), honest.all_reduce(vector(1), group)
+    )
+    elapsed = time.monotonic() - started
     frozen_id = ident("frozen").peer_id
     for result in results:
         assert "answered none of 2 liveness probes" in result.failures[frozen_id]
