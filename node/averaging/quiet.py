@@ -55,13 +55,15 @@ async def next_from_owner(
     try:
         while True:
             left = limit - loop.time()
+            if left <= 0:
+                raise TimeoutError
             # After an unanswered question (it took the question's whole deadline), ask again
             # at once; before the first, and after an answer, wait a quiet while.
             quiet = left if alive is None else min(left, 0.0 if unanswered else QUIET_SECONDS)
-            done, _ = await asyncio.wait({read}, timeout=max(0.0, quiet))
+            done, _ = await asyncio.wait({read}, timeout=quiet)
             if done:
                 return read.result()
-            if loop.time() >= limit:
+            if quiet >= left:  # the wait ran to the timeout
                 raise TimeoutError
             assert alive is not None
             unanswered = 0 if await alive(owner.peer_id, owner.endpoint) else unanswered + 1
