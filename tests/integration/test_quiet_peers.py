@@ -13,6 +13,7 @@ from dataclasses import replace
 import grpc
 import pytest
 
+from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
 from swarmgrad.node.averaging.averager import Averager, standalone
 from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.averaging.quiet import QUIET_SECONDS, UNANSWERED_PROBES
@@ -67,15 +68,21 @@ async def frozen_endpoint() -> AsyncIterator[str]:
         server.close()
 
 
-@pytest.fixture
-async def trio() -> AsyncIterator[tuple[Averager, Averager, str]]:
+@contextlib.asynccontextmanager
+async def averagers(config: AllReduceConfig) -> AsyncIterator[tuple[Averager, Averager, str]]:
     """Two live averagers that ask quiet peers, and a frozen endpoint."""
     async with (
-        standalone(ident("owner"), PATIENT, alive=answers) as owner,
-        standalone(ident("honest"), PATIENT, alive=answers) as honest,
+        standalone(ident("owner"), config, alive=answers) as owner,
+        standalone(ident("honest"), config, alive=answers) as honest,
         frozen_endpoint() as frozen_at,
     ):
         yield owner, honest, frozen_at
+
+
+@pytest.fixture
+async def trio() -> AsyncIterator[tuple[Averager, Averager, str]]:
+    async with averagers(PATIENT) as three:
+        yield three
 
 
 def group_of(round_: int, trio: tuple[Averager, Averager, str], *, others_own: bool) -> Group:
@@ -93,19 +100,19 @@ def group_of(round_: int, trio: tuple[Averager, Averager, str], *, others_own: b
     )
 
 
-async def test_an_owner_drops_a_member_that_froze_mid_stream_in_seconds(
-    trio: tuple[Averager, Averager, str],
-) -> None:
-    # The frozen member owns no part (bandwidth 0, as a relayed peer): nobody streams to it, so
-    # only the owner, whose part it holds up, can find it gone.
+async def round_with_a_stalled_stream(
+    trio: tuple[Averager, Averager, str], group: Group
+) -> tuple[list[RoundResult], float]:
+    """Owner and honest member average ``group``, whose third member ("frozen") opens its
+    stream to the owner, sends its first chunk and then nothing, its stream left open: their
+    results, and how long the round took."""
     owner, honest, _ = trio
-    group = group_of(1, trio, others_own=False)
-    froze = asyncio.Event()
+    stalled = asyncio.Event()
 
     async def first_chunk_then_silence() -> AsyncIterator[Request]:
         yield header(group, "frozen")
         yield chunk(0, vector(2)[:4096])
-        froze.set()
+        stalled.set()
         await asyncio.Event().wait()  # the stream stays open; nothing more comes
 
     started = time.monotonic()
@@ -114,10 +121,19 @@ async def test_an_owner_drops_a_member_that_froze_mid_stream_in_seconds(
         stream = averaging_pb2_grpc.AveragingStub(channel).Aggregate(
             first_chunk_then_silence(), timeout=60
         )
-        await asyncio.wait_for(froze.wait(), 10)
+        await asyncio.wait_for(stalled.wait(), 10)
         results = await rounds
         elapsed = time.monotonic() - started
         stream.cancel()
+    return list(results), elapsed
+
+
+async def test_an_owner_drops_a_member_that_froze_mid_stream_in_seconds(
+    trio: tuple[Averager, Averager, str],
+) -> None:
+    # The frozen member owns no part (bandwidth 0, as a relayed peer): nobody streams to it, so
+    # only the owner, whose part it holds up, can find it gone.
+    results, elapsed = await round_with_a_stalled_stream(trio, group_of(1, trio, others_own=False))
     for result in results:
         contributors = result.chunk_contributors
         assert contributors[(0, 0)] == (0, 1, 2)  # its first chunk was in
@@ -142,3 +158,19 @@ async def test_a_member_drops_an_owner_that_froze_in_seconds(
         assert "answered none of 2 liveness probes" in result.failures[frozen_id]
         assert result.missing  # its part: the caller's own values, listed as not averaged
     assert elapsed < QUIET_SECONDS + UNANSWERED_PROBES * PROBE_SECONDS + 5.0, elapsed
+
+
+async def test_a_member_that_answers_but_stalls_is_not_dropped_before_its_timeout() -> None:
+    # A keyed member that answers every question yet sends nothing more cannot be told from a
+    # slow uplink: it is waited for up to the sender timeout (8 s here), as before the
+    # questions, and no longer (the questions do not keep it in the round either).
+    quick = replace(PATIENT, sender_timeout_seconds=8.0)
+    async with averagers(quick) as (owner, honest, _):
+        answering = (owner, honest, honest.endpoint)  # something answers at its endpoint
+        results, elapsed = await round_with_a_stalled_stream(
+            answering, group_of(3, answering, others_own=False)
+        )
+    for result in results:
+        contributors = result.chunk_contributors
+        assert all(contributors[(0, i)] == (0, 1) for i in (1, 2, 3)), contributors
+    assert quick.sender_timeout_seconds <= elapsed < quick.sender_timeout_seconds + 5.0, elapsed
