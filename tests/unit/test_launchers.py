@@ -132,9 +132,10 @@ class _SlowHead:
     """A stand-in for the ``ray`` module whose local head misses Ray's startup deadline the
     first ``misses`` times, each time leaving a started process behind, as a real one does."""
 
-    def __init__(self, misses: int) -> None:
+    def __init__(self, misses: int, error: Exception | None = None) -> None:
         self.misses, self.starts, self.left = misses, 0, []  # type: list[subprocess.Popen[bytes]]
         self.shutdowns = 0
+        self.error = error or Exception("The current node timed out during startup. (stand-in)")
 
     def init(self, **_: object) -> None:
         self.starts += 1
@@ -142,7 +143,7 @@ class _SlowHead:
             self.left.append(
                 subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
             )
-            raise Exception("The current node timed out during startup. (stand-in)")
+            raise self.error
 
     def shutdown(self) -> None:
         self.shutdowns += 1
@@ -163,6 +164,14 @@ def test_a_local_ray_head_that_starts_too_slowly_is_started_again_and_leaves_not
     with pytest.raises(SimulationError, match=tries), ray_cluster(""):
         pass
     assert all(p.poll() is not None for p in never.left)
+
+    # The GCS missing its own deadline (CI, once): "cannot join the cluster" was wrong, and
+    # the head was not started again.
+    gcs = _SlowHead(misses=1, error=RuntimeError("Timed out waiting for file /tmp/ray/gcs_port"))
+    monkeypatch.setitem(sys.modules, "ray", gcs)
+    with ray_cluster(""):
+        assert gcs.starts == 2
+    assert all(p.poll() is not None for p in gcs.left)
 
     # A cluster that was named is joined once: its failure is an answer, not a race.
     remote = _SlowHead(misses=1)
