@@ -196,30 +196,35 @@ class SwarmRun:
             elif event.during:  # wait for the node to enter that phase
                 self.armed, self.armed_offset = event, target.log_size()
                 continue
-            elif event.action in ("partition", "heal"):
-                assert self.wan is not None  # checked before the run
-                assert target.host is not None
-                if event.action == "partition":
-                    self.wan.partition(target.host)
-                else:
-                    self.wan.heal(target.host)
-                    target.watch_rejoin()
-            elif event.action in ("pause", "resume"):
-                assert target.process is not None
-                target.process.signal(signal.SIGSTOP if event.action == "pause" else signal.SIGCONT)
-                if event.action == "resume":
-                    target.watch_rejoin()
-                else:
-                    target.waiting_rejoin = False
-            elif event.action == "stop":
-                assert target.process is not None
-                target.process.stop()
-                target.running = False
             else:
-                assert target.process is not None
-                target.process.kill()
-                target.running = False
+                self._act(event, target)
             self._fired(event)
+
+    def _act(self, event: ChurnEvent, target: SwarmNode) -> None:
+        """Do ``event``'s action (other than a start) to ``target``, now."""
+        if event.action in ("partition", "heal"):
+            assert self.wan is not None  # checked before the run
+            assert target.host is not None
+            if event.action == "partition":
+                self.wan.partition(target.host)
+            else:
+                self.wan.heal(target.host)
+                target.watch_rejoin()
+        elif event.action in ("pause", "resume"):
+            assert target.process is not None
+            target.process.signal(signal.SIGSTOP if event.action == "pause" else signal.SIGCONT)
+            if event.action == "resume":
+                target.watch_rejoin()
+            else:
+                target.waiting_rejoin = False
+        elif event.action == "stop":
+            assert target.process is not None
+            target.process.stop()
+            target.running = False
+        else:
+            assert target.process is not None
+            target.process.kill()
+            target.running = False
 
     def _fire_armed(self) -> None:
         armed = self.armed
@@ -227,13 +232,8 @@ class SwarmRun:
             return
         target = self.swarm[armed.node]
         if MARKERS[armed.during] in target.log_since(self.armed_offset):
-            assert target.process is not None
-            if armed.action == "pause":
-                target.process.signal(signal.SIGSTOP)
-                target.waiting_rejoin = False
-            else:
-                target.process.kill()
-                target.running = target.waiting_rejoin = False
+            self._act(armed, target)
+            target.waiting_rejoin = False
             self._fired(armed)
             self.armed = None
         elif not target.running:

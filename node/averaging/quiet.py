@@ -70,9 +70,7 @@ async def next_from_owner(
             if read.done():  # it answered on the stream meanwhile
                 return read.result()
             if unanswered >= UNANSWERED_PROBES:
-                raise Unanswered(
-                    f"{owner.peer_id} went quiet and answered none of {unanswered} liveness probes"
-                )
+                raise Unanswered(_gone(owner.peer_id, unanswered))
     finally:
         read.cancel()
 
@@ -108,12 +106,12 @@ async def watch_senders(reducer: PartReducer, alive: Alive) -> None:
                 unanswered[member] += 1
                 if unanswered[member] >= UNANSWERED_PROBES:
                     peer_id = reducer.group.members[member].peer_id
-                    reducer.drop(
-                        member,
-                        f"{peer_id} went quiet and answered none of {unanswered[member]} "
-                        "liveness probes",
-                    )
+                    reducer.drop(member, _gone(peer_id, unanswered[member]))
             await asyncio.sleep(WATCH_SECONDS)
     finally:
         for pending, _ in asked.values():
             pending.cancel()
+
+
+def _gone(peer_id: str, unanswered: int) -> str:
+    return f"{peer_id} went quiet and answered none of {unanswered} liveness probes"
