@@ -12,6 +12,7 @@ machine must have the project installed at the same path (one image). A local Ra
 from __future__ import annotations
 
 import contextlib
+import gc
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -243,11 +244,22 @@ def _descendants() -> set[int]:
 
 def _kill_started_since(before: set[int]) -> None:
     """Kill what this process started after ``before`` was taken: what a failed ``ray.init``
-    left behind (it keeps no handle to them)."""
+    left behind. Ray keeps no handle to them, but the ``Popen`` objects of the half-built head
+    still live (the error's traceback holds them): those children are reaped through their own
+    ``Popen``, so each learns its exit status. Reaped behind its back, a ``Popen`` warns when it
+    is collected that its process is still running (pytest turns that into a failure)."""
     import psutil
 
     started = [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
     for child in started:
         with contextlib.suppress(psutil.Error):
             child.kill()
-    psutil.wait_procs(started, timeout=10)
+    pids = {child.pid for child in started}
+    # type(), not isinstance(): some objects on the heap answer ``__class__`` with a warning.
+    popens = (o for o in gc.get_objects() if issubclass(type(o), subprocess.Popen))
+    owned = [p for p in popens if p.pid in pids]
+    for popen in owned:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            popen.wait(timeout=10)
+    reaped = {popen.pid for popen in owned}
+    psutil.wait_procs([c for c in started if c.pid not in reaped], timeout=10)
