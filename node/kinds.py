@@ -23,6 +23,14 @@ class Reach(enum.StrEnum):
         return {Reach.RELAYED: 0.1, Reach.UNREACHABLE: 0.0}.get(self, 1.0)
 
 
+class Presence(enum.StrEnum):
+    """What a round's peer, asked whether it is there, turned out to be (``averaging/quiet.py``)."""
+
+    GONE = "gone"  # no answer as itself within the question's deadline
+    THERE = "there"  # it answered, and has not left the round (or could not say: an older node)
+    LEFT = "left"  # it answered that it has left the round: it sends nothing more in it
+
+
 class Link(enum.StrEnum):
     """How this node reaches a peer (metrics: ``swarmgrad_links{kind}``): the peer's
     :class:`Reach`, or a link this node punched to it."""

@@ -16,6 +16,7 @@ from swarmgrad.node.averaging.matchmaking import Hooks as MatchmakingHooks
 from swarmgrad.node.averaging.matchmaking import Matchmaker
 from swarmgrad.node.averaging.membership import Membership
 from swarmgrad.node.averaging.open.evidence import verify_bytes
+from swarmgrad.node.averaging.registry import Registry
 from swarmgrad.node.averaging.rounds import RoundParts, Rounds
 from swarmgrad.node.discovery.base import Discovery
 from swarmgrad.node.discovery.directory import PeerDirectory
@@ -123,6 +124,9 @@ def build_parts(spec: RunSpec, identity: Identity, config: SwarmConfig) -> Parts
         ),
         config.state_sync(),
     )
+    # The rounds this node is in and has left: the averager keeps them, the Peer service tells
+    # a peer that asks whether this node has left one (``averaging/quiet.py``).
+    registry = Registry(rounds.join_timeout_seconds)
     peer_service = PeerService(
         identity,
         spec,
@@ -130,6 +134,7 @@ def build_parts(spec: RunSpec, identity: Identity, config: SwarmConfig) -> Parts
         verifier=verifier,
         rejections=rejections,
         punch=config.reachability.punch,
+        round_left=registry.left,
     )
     services.append(peer_service)
     averager = Averager(
@@ -139,7 +144,8 @@ def build_parts(spec: RunSpec, identity: Identity, config: SwarmConfig) -> Parts
         verifier=verifier,
         rejections=rejections,
         ledger=TrustLedger(store=config.bans_path if spec.trust.open else None),
-        alive=peer_service.answers,
+        alive=peer_service.presence,
+        registry=registry,
     )
     return Parts(
         codec=get_codec(spec.averaging.codec, **spec.averaging.codec_options),

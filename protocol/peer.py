@@ -38,6 +38,7 @@ from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 DIAL_BACK_TIMEOUT_SECONDS = 3.0
 MAX_DIAL_BACKS = 8  # under way at once, per node
 MAX_CHALLENGE_BYTES = 64
+MAX_GROUP_ID_BYTES = 32
 SERVICE = "swarmgrad.v1.Peer"
 _GET_INFO, _DIAL_BACK, _PUNCH = (f"/{SERVICE}/{m}" for m in ("GetInfo", "DialBack", "Punch"))
 
@@ -85,12 +86,22 @@ class PunchHandler(Protocol):
 #: The address a connection really came from, for one this node's relay client spliced to its
 #: gRPC server: given ``host:port`` of the local end gRPC sees, the host the relay saw (or None).
 Origin = Callable[[str], str | None]
+#: Whether this node has left the round ``(round, group id)``: it finished it or gave up on it,
+#: and sends nothing more in it (the averager's registry of rounds).
+RoundLeft = Callable[[tuple[int, bytes]], bool]
 
 
 def _info_fields(
-    challenge: bytes, info: peer_pb2.PeerInfo, run_id: str, spec_hash: bytes
+    challenge: bytes,
+    info: peer_pb2.PeerInfo,
+    run_id: str,
+    spec_hash: bytes,
+    round_key: tuple[int, bytes] | None,
 ) -> list[str | bytes | int]:
-    return [challenge, info.peer_id, run_id, spec_hash]
+    fields: list[str | bytes | int] = [challenge, info.peer_id, run_id, spec_hash]
+    if info.left_round and round_key is not None:  # signed only when said, as before otherwise
+        fields += ["left round", *round_key]
+    return fields
 
 
 def dial_back_fields(request: peer_pb2.DialBackRequest) -> list[str | bytes | int]:
@@ -111,12 +122,14 @@ class PeerServicer:
         rejections: Rejections | None = None,
         punch: PunchHandler | None = None,
         origin: Origin | None = None,
+        round_left: RoundLeft | None = None,
     ) -> None:
+        """``round_left``: how GetInfo answers a question about a round (None: never left)."""
         if signer.peer_id != me.peer_id:
             raise ValueError("the Peer service answers with its own node's key")
         self._me, self._signer, self._verifier = me, signer, verifier
         self.rejections = rejections if rejections is not None else Rejections()
-        self._punch, self._origin = punch, origin
+        self._punch, self._origin, self._round_left = punch, origin, round_left
         self._dialing = 0
         #: Dial-backs answered, by verdict ("reachable", "unreachable"), and punches started.
         self.dial_backs: dict[str, int] = {"reachable": 0, "unreachable": 0}
@@ -152,15 +165,23 @@ class PeerServicer:
         self._check_run(request.run_id, request.spec_hash)
         if len(request.challenge) > MAX_CHALLENGE_BYTES:
             raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "a challenge over 64 bytes")
+        if len(request.group_id) > MAX_GROUP_ID_BYTES:
+            raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "a group id over 32 bytes")
+        round_key = (request.round, request.group_id) if request.group_id else None
         info = peer_pb2.PeerInfo(
             protocol_version=PROTOCOL_VERSION,
             peer_id=self._me.peer_id,
             software_version=self._me.software_version,
             codecs=list(self._me.codecs),
             public_key=self._signer.public_key,
+            left_round=round_key is not None
+            and self._round_left is not None
+            and self._round_left(round_key),
         )
         if request.challenge:
-            fields = _info_fields(request.challenge, info, self._me.run_id, self._me.spec_hash)
+            fields = _info_fields(
+                request.challenge, info, self._me.run_id, self._me.spec_hash, round_key
+            )
             info.signature = self._signer.sign(signed_bytes(_GET_INFO, info.peer_id, fields))
         return info
 
@@ -282,12 +303,17 @@ async def get_info(
     spec_hash: bytes,
     timeout_seconds: float,
     expected_peer: str | None = None,
+    round_key: tuple[int, bytes] | None = None,
 ) -> peer_pb2.PeerInfo:
     """Ask ``endpoint`` who it is. With ``expected_peer``, the answer must be signed by that
     peer's key over a fresh challenge (ProtocolViolation otherwise): whoever answers there holds
-    the key, not merely knows the id."""
+    the key, not merely knows the id. With ``round_key`` (a round both are in: its number and
+    group id), the answer's ``left_round`` says whether the peer has left that round (signed
+    with the rest, when it says so)."""
     challenge = secrets.token_bytes(16) if expected_peer is not None else b""
     request = peer_pb2.GetInfoRequest(run_id=run_id, spec_hash=spec_hash, challenge=challenge)
+    if round_key is not None:
+        request.round, request.group_id = round_key
     info = await _call(endpoint, _GET_INFO, request, peer_pb2.PeerInfo.FromString, timeout_seconds)
     assert isinstance(info, peer_pb2.PeerInfo)
     if expected_peer is None:
@@ -297,7 +323,7 @@ async def get_info(
             ResultCode.UNAUTHENTICATED,
             f"{endpoint} answered as {quote(info.peer_id)}, not {expected_peer}",
         )
-    fields = _info_fields(challenge, info, run_id, spec_hash)
+    fields = _info_fields(challenge, info, run_id, spec_hash, round_key)
     try:
         genuine = peer_id_of(info.public_key) == expected_peer and verify_signature(
             info.public_key, info.signature, signed_bytes(_GET_INFO, expected_peer, fields)

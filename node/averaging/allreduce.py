@@ -214,7 +214,11 @@ async def _exchange_with_owner(
     try:
         while expected < len(numels):
             response = await next_from_owner(
-                call, owner, timeout_seconds=config.reducer_timeout_seconds, alive=plan.alive
+                call,
+                owner,
+                timeout_seconds=config.reducer_timeout_seconds,
+                alive=plan.alive,
+                round_key=(group.round, group.group_id),
             )
             if response is grpc.aio.EOF:
                 ended_by_owner = True  # an honest owner ends a stream early only with a status

@@ -78,10 +78,13 @@ class Averager:
         ledger: TrustLedger | None = None,
         policy: RoundPolicy | None = None,
         alive: Alive | None = None,
+        registry: Registry | None = None,
     ) -> None:
         """``policy``: the run's trust rules for its rounds (default: an open run's when
-        ``config.observe``, else a trusted run's); ``alive``: asks whether a member still
-        answers, of an owner gone quiet in a round (``RoundPlan.alive``)."""
+        ``config.observe``, else a trusted run's); ``alive``: asks whether a peer of a round
+        gone quiet still answers, and is still in the round (``RoundPlan.alive``);
+        ``registry``: the rounds this node is in and has left (its own by default; the node
+        shares it with the Peer service, which answers whether it has left a round)."""
         if transport.limits.max_message_bytes < 2 * config.max_chunk_bytes:
             raise ValueError(
                 f"the transport's max_message_bytes ({transport.limits.max_message_bytes}) is "
@@ -94,7 +97,7 @@ class Averager:
         self.transport = transport
         #: Scores and bans of peers, from what this node saw of them as an owner (open runs).
         self.ledger = ledger if ledger is not None else TrustLedger()
-        self._rounds = Registry(config.join_timeout_seconds)
+        self._rounds = registry or Registry(config.join_timeout_seconds)
         self._background = TaskSet()
         self.servicer = AveragingServicer(
             self,

@@ -18,7 +18,7 @@ from swarmgrad.node.averaging.group import Group
 from swarmgrad.node.averaging.hooks import RoundHooks
 from swarmgrad.node.averaging.reducer import OwnerRules, PartReducer
 from swarmgrad.node.averaging.sides import MemberSide, TrustedMember
-from swarmgrad.node.kinds import Failure
+from swarmgrad.node.kinds import Failure, Presence
 from swarmgrad.node.trust.aggregate import Aggregator
 from swarmgrad.protocol.auth import Signer
 from swarmgrad.protocol.v1 import averaging_pb2
@@ -154,8 +154,9 @@ class RoundResult:
         return not self.missing and not self.partial
 
 
-#: Does peer ``peer_id`` still answer at ``endpoint``? (Returns within its own deadline.)
-Alive = Callable[[str, str], Awaitable[bool]]
+#: Is peer ``peer_id`` still there at ``endpoint``, and still in the round ``(round, group
+#: id)``? (Returns within its own deadline.)
+Alive = Callable[[str, str, tuple[int, bytes]], Awaitable[Presence]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -183,9 +184,9 @@ class RoundPlan:
     pace: Callable[[int], Awaitable[None]] | None = None
     #: Report what the owners decode of this member's values (``RoundResult.sent``).
     keep_sent: bool = False
-    #: Whether a member still answers at its endpoint, as itself (peer id, endpoint), within
-    #: the question's own deadline: asked of an owner that went quiet in the round (None: the
-    #: round's timeouts alone find a frozen owner).
+    #: Whether a peer of the round still answers at its endpoint, as itself, within the
+    #: question's own deadline, and is still in the round: asked of an owner or a member that
+    #: went quiet in it (None: the round's timeouts alone find a frozen peer).
     alive: Alive | None = None
 
 

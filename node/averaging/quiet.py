@@ -11,7 +11,11 @@ An owner that answers is waited for, up to the timeout: it may be waiting for a 
 
 An owner asks the same of a member that holds up its part (:func:`watch_senders`): one that
 owns no part (bandwidth 0: a relayed peer, in most swarms) is asked by nobody else, and its
-stream's silence would end only at the sender timeout.
+stream's silence would end only at the sender timeout. The question names the round, and a
+member that answers it has left the round (finished it, or given up on it: it sends nothing
+more) is dropped at once. That is how a node resumed after a freeze learns that the others went
+on without it: their streams to its part reached it only with their reset, which gRPC does not
+hand on, and they still answer "there" (docs/benchmarks.md, "Crashes").
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import grpc
 from swarmgrad.node.averaging.group import Member
 from swarmgrad.node.averaging.plan import Alive
 from swarmgrad.node.averaging.reducer import PartReducer
+from swarmgrad.node.kinds import Presence
 from swarmgrad.protocol.errors import PeerUnavailable
 
 #: An owner whose next averaged chunk has not come for this long is asked whether it is there;
@@ -45,6 +50,7 @@ async def next_from_owner(
     *,
     timeout_seconds: float,
     alive: Alive | None,
+    round_key: tuple[int, bytes],
 ) -> Any:
     """``owner``'s next message on ``call``, within ``timeout_seconds`` (TimeoutError), or
     :class:`Unanswered` once it went quiet and did not answer (module docstring)."""
@@ -66,7 +72,9 @@ async def next_from_owner(
             if quiet >= left:  # the wait ran to the timeout
                 raise TimeoutError
             assert alive is not None
-            unanswered = 0 if await alive(owner.peer_id, owner.endpoint) else unanswered + 1
+            # An owner that left the round still serves its results to slow readers: there.
+            there = await alive(owner.peer_id, owner.endpoint, round_key) is not Presence.GONE
+            unanswered = 0 if there else unanswered + 1
             if read.done():  # it answered on the stream meanwhile
                 return read.result()
             if unanswered >= UNANSWERED_PROBES:
@@ -78,12 +86,15 @@ async def next_from_owner(
 async def watch_senders(reducer: PartReducer, alive: Alive) -> None:
     """The owner's side: a member that holds up ``reducer``'s part (its next chunk not in) and
     was not heard from for :data:`QUIET_SECONDS` is asked whether it is there, as a member asks
-    a quiet owner; :data:`UNANSWERED_PROBES` unanswered in a row and it is dropped. Runs until
-    the part is done or the round cancels it."""
+    a quiet owner; :data:`UNANSWERED_PROBES` unanswered in a row and it is dropped, and at once
+    if it answers that it has left the round. Runs until the part is done or the round cancels
+    it."""
     loop = asyncio.get_running_loop()
+    group = reducer.group
+    round_key = (group.round, group.group_id)
     unanswered: Counter[int] = Counter()
     answered_at: dict[int, float] = {}
-    asked: dict[int, tuple[asyncio.Future[bool], float]] = {}  # the question, heard then
+    asked: dict[int, tuple[asyncio.Future[Presence], float]] = {}  # the question, heard then
     try:
         while not reducer.done:
             now = loop.time()
@@ -91,22 +102,28 @@ async def watch_senders(reducer: PartReducer, alive: Alive) -> None:
                 since = max(reducer.heard[member], answered_at.get(member, 0.0))
                 if member in asked or (not unanswered[member] and now - since < QUIET_SECONDS):
                     continue
-                peer = reducer.group.members[member]
-                question = asyncio.ensure_future(alive(peer.peer_id, peer.endpoint))
+                peer = group.members[member]
+                question = asyncio.ensure_future(alive(peer.peer_id, peer.endpoint, round_key))
                 asked[member] = (question, reducer.heard[member])
             for member, (answer, heard) in list(asked.items()):
                 if not answer.done():
                     continue
                 del asked[member]
-                said = not answer.cancelled() and answer.exception() is None and answer.result()
-                if said or reducer.heard[member] != heard:
+                said = (
+                    answer.result()
+                    if not answer.cancelled() and answer.exception() is None
+                    else Presence.GONE
+                )
+                peer_id = group.members[member].peer_id
+                if said is Presence.LEFT and reducer.heard[member] == heard:
+                    reducer.drop(member, f"{peer_id} has left the round")
+                elif said is Presence.THERE or reducer.heard[member] != heard:
                     unanswered[member] = 0
                     answered_at[member] = loop.time()
-                    continue
-                unanswered[member] += 1
-                if unanswered[member] >= UNANSWERED_PROBES:
-                    peer_id = reducer.group.members[member].peer_id
-                    reducer.drop(member, _gone(peer_id, unanswered[member]))
+                else:
+                    unanswered[member] += 1
+                    if unanswered[member] >= UNANSWERED_PROBES:
+                        reducer.drop(member, _gone(peer_id, unanswered[member]))
             await asyncio.sleep(WATCH_SECONDS)
     finally:
         for pending, _ in asked.values():

@@ -85,6 +85,11 @@ class Registry:
             self._rounds[key] = active
             self._changed.notify_all()
 
+    def left(self, key: Key) -> bool:
+        """Whether this node has left round ``key`` (finished it, or given up on it): it sends
+        nothing more in it. A round it has not started, or never knew, it has not left."""
+        return key in self._finished
+
     def finish(self, key: Key) -> None:
         """``key`` has ended: streams for it are refused from now on (it lingers until
         :meth:`drop` for the readers of its results)."""

@@ -17,7 +17,7 @@ from typing import Any
 from swarmgrad.compression import codec_names
 from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
-from swarmgrad.node.kinds import Link, Reach
+from swarmgrad.node.kinds import Link, Presence, Reach
 from swarmgrad.node.reachability.dialback import Reachability
 from swarmgrad.node.reachability.punch import PunchResponder
 from swarmgrad.node.reachability.routes import PunchRoutes
@@ -43,7 +43,10 @@ class PeerService:
         verifier: Verifier,
         rejections: Rejections,
         punch: bool,
+        round_left: peer.RoundLeft | None = None,
     ) -> None:
+        """``round_left``: whether this node has left a round (its averager's registry), for
+        peers that ask."""
         self.reachability: Reachability | None = None
         self._host = transport.config.host
         self._run_id, self._spec_hash = spec.run.id, spec.hash
@@ -65,6 +68,7 @@ class PeerService:
             rejections=rejections,
             punch=self.responder,
             origin=self._origin,
+            round_left=round_left,
         )
         transport.register(lambda server: peer.add_to_server(self.servicer, server))
 
@@ -122,17 +126,25 @@ class PeerService:
         """Does ``peer_id`` answer at ``endpoint``, as itself (signed, over a fresh challenge),
         within ``LIVENESS_TIMEOUT_SECONDS``? No for a refused or silent endpoint, and for
         another process answering there."""
+        return await self.presence(peer_id, endpoint) is not Presence.GONE
+
+    async def presence(
+        self, peer_id: str, endpoint: str, round_key: tuple[int, bytes] | None = None
+    ) -> Presence:
+        """:meth:`answers`, and with ``round_key`` (a round both nodes are in) whether the peer
+        has left that round, as it signs it: a round's question of a peer gone quiet in it."""
         try:
-            await peer.get_info(
+            info = await peer.get_info(
                 endpoint,
                 run_id=self._run_id,
                 spec_hash=self._spec_hash,
                 timeout_seconds=LIVENESS_TIMEOUT_SECONDS,
                 expected_peer=peer_id,
+                round_key=round_key,
             )
         except SwarmgradError:
-            return False
-        return True
+            return Presence.GONE
+        return Presence.LEFT if round_key is not None and info.left_round else Presence.THERE
 
     async def close(self) -> None:
         if self.responder is not None:

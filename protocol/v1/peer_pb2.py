@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from swarmgrad.protocol.v1 import auth_pb2 as swarmgrad_dot_protocol_dot_v1_dot_auth__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n swarmgrad/protocol/v1/peer.proto\x12\x0cswarmgrad.v1\x1a swarmgrad/protocol/v1/auth.proto\"F\n\x0eGetInfoRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_hash\x18\x02 \x01(\x0c\x12\x11\n\tchallenge\x18\x03 \x01(\x0c\"\x86\x01\n\x08PeerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x18\n\x10software_version\x18\x03 \x01(\t\x12\x0e\n\x06\x63odecs\x18\x04 \x03(\t\x12\x12\n\npublic_key\x18\x05 \x01(\x0c\x12\x11\n\tsignature\x18\x06 \x01(\x0c\"\x87\x01\n\x0f\x44ialBackRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_hash\x18\x02 \x01(\x0c\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x0f\n\x07peer_id\x18\x04 \x01(\t\x12\x10\n\x08receiver\x18\x05 \x01(\t\x12 \n\x04\x61uth\x18\x06 \x01(\x0b\x32\x12.swarmgrad.v1.Auth\"`\n\rDialBackReply\x12\x11\n\treachable\x18\x01 \x01(\x08\x12\x15\n\robserved_host\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x15\n\robserved_port\x18\x04 \x01(\r\"\x92\x01\n\x0cPunchRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_hash\x18\x02 \x01(\x0c\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x0c\n\x04port\x18\x05 \x01(\r\x12\x10\n\x08receiver\x18\x06 \x01(\t\x12 \n\x04\x61uth\x18\x07 \x01(\x0b\x32\x12.swarmgrad.v1.Auth\"(\n\nPunchReply\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r2\xce\x01\n\x04Peer\x12?\n\x07GetInfo\x12\x1c.swarmgrad.v1.GetInfoRequest\x1a\x16.swarmgrad.v1.PeerInfo\x12\x46\n\x08\x44ialBack\x12\x1d.swarmgrad.v1.DialBackRequest\x1a\x1b.swarmgrad.v1.DialBackReply\x12=\n\x05Punch\x12\x1a.swarmgrad.v1.PunchRequest\x1a\x18.swarmgrad.v1.PunchReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n swarmgrad/protocol/v1/peer.proto\x12\x0cswarmgrad.v1\x1a swarmgrad/protocol/v1/auth.proto\"g\n\x0eGetInfoRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_hash\x18\x02 \x01(\x0c\x12\x11\n\tchallenge\x18\x03 \x01(\x0c\x12\r\n\x05round\x18\x04 \x01(\x04\x12\x10\n\x08group_id\x18\x05 \x01(\x0c\"\x9a\x01\n\x08PeerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x18\n\x10software_version\x18\x03 \x01(\t\x12\x0e\n\x06\x63odecs\x18\x04 \x03(\t\x12\x12\n\npublic_key\x18\x05 \x01(\x0c\x12\x11\n\tsignature\x18\x06 \x01(\x0c\x12\x12\n\nleft_round\x18\x07 \x01(\x08\"\x87\x01\n\x0f\x44ialBackRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_hash\x18\x02 \x01(\x0c\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x0f\n\x07peer_id\x18\x04 \x01(\t\x12\x10\n\x08receiver\x18\x05 \x01(\t\x12 \n\x04\x61uth\x18\x06 \x01(\x0b\x32\x12.swarmgrad.v1.Auth\"`\n\rDialBackReply\x12\x11\n\treachable\x18\x01 \x01(\x08\x12\x15\n\robserved_host\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x15\n\robserved_port\x18\x04 \x01(\r\"\x92\x01\n\x0cPunchRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_hash\x18\x02 \x01(\x0c\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x0c\n\x04port\x18\x05 \x01(\r\x12\x10\n\x08receiver\x18\x06 \x01(\t\x12 \n\x04\x61uth\x18\x07 \x01(\x0b\x32\x12.swarmgrad.v1.Auth\"(\n\nPunchReply\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r2\xce\x01\n\x04Peer\x12?\n\x07GetInfo\x12\x1c.swarmgrad.v1.GetInfoRequest\x1a\x16.swarmgrad.v1.PeerInfo\x12\x46\n\x08\x44ialBack\x12\x1d.swarmgrad.v1.DialBackRequest\x1a\x1b.swarmgrad.v1.DialBackReply\x12=\n\x05Punch\x12\x1a.swarmgrad.v1.PunchRequest\x1a\x18.swarmgrad.v1.PunchReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarmgrad.protocol.v1.peer_
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETINFOREQUEST']._serialized_start=84
-  _globals['_GETINFOREQUEST']._serialized_end=154
-  _globals['_PEERINFO']._serialized_start=157
-  _globals['_PEERINFO']._serialized_end=291
-  _globals['_DIALBACKREQUEST']._serialized_start=294
-  _globals['_DIALBACKREQUEST']._serialized_end=429
-  _globals['_DIALBACKREPLY']._serialized_start=431
-  _globals['_DIALBACKREPLY']._serialized_end=527
-  _globals['_PUNCHREQUEST']._serialized_start=530
-  _globals['_PUNCHREQUEST']._serialized_end=676
-  _globals['_PUNCHREPLY']._serialized_start=678
-  _globals['_PUNCHREPLY']._serialized_end=718
-  _globals['_PEER']._serialized_start=721
-  _globals['_PEER']._serialized_end=927
+  _globals['_GETINFOREQUEST']._serialized_end=187
+  _globals['_PEERINFO']._serialized_start=190
+  _globals['_PEERINFO']._serialized_end=344
+  _globals['_DIALBACKREQUEST']._serialized_start=347
+  _globals['_DIALBACKREQUEST']._serialized_end=482
+  _globals['_DIALBACKREPLY']._serialized_start=484
+  _globals['_DIALBACKREPLY']._serialized_end=580
+  _globals['_PUNCHREQUEST']._serialized_start=583
+  _globals['_PUNCHREQUEST']._serialized_end=729
+  _globals['_PUNCHREPLY']._serialized_start=731
+  _globals['_PUNCHREPLY']._serialized_end=771
+  _globals['_PEER']._serialized_start=774
+  _globals['_PEER']._serialized_end=980
 # @@protoc_insertion_point(module_scope)

@@ -8,30 +8,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GetInfoRequest(_message.Message):
-    __slots__ = ("run_id", "spec_hash", "challenge")
+    __slots__ = ("run_id", "spec_hash", "challenge", "round", "group_id")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_HASH_FIELD_NUMBER: _ClassVar[int]
     CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     spec_hash: bytes
     challenge: bytes
-    def __init__(self, run_id: _Optional[str] = ..., spec_hash: _Optional[bytes] = ..., challenge: _Optional[bytes] = ...) -> None: ...
+    round: int
+    group_id: bytes
+    def __init__(self, run_id: _Optional[str] = ..., spec_hash: _Optional[bytes] = ..., challenge: _Optional[bytes] = ..., round: _Optional[int] = ..., group_id: _Optional[bytes] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("protocol_version", "peer_id", "software_version", "codecs", "public_key", "signature")
+    __slots__ = ("protocol_version", "peer_id", "software_version", "codecs", "public_key", "signature", "left_round")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     CODECS_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    LEFT_ROUND_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     peer_id: str
     software_version: str
     codecs: _containers.RepeatedScalarFieldContainer[str]
     public_key: bytes
     signature: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., peer_id: _Optional[str] = ..., software_version: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    left_round: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., peer_id: _Optional[str] = ..., software_version: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., left_round: _Optional[bool] = ...) -> None: ...
 
 class DialBackRequest(_message.Message):
     __slots__ = ("run_id", "spec_hash", "port", "peer_id", "receiver", "auth")

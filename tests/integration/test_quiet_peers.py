@@ -17,6 +17,7 @@ from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
 from swarmgrad.node.averaging.averager import Averager, standalone
 from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.averaging.quiet import QUIET_SECONDS, UNANSWERED_PROBES
+from swarmgrad.node.kinds import Presence
 from swarmgrad.protocol.v1 import averaging_pb2_grpc
 from tests.integration.test_averaging_service import (
     CONFIG,
@@ -38,17 +39,18 @@ PATIENT = replace(
 PROBE_SECONDS = 2.0
 
 
-async def answers(peer_id: str, endpoint: str) -> bool:
+async def answers(peer_id: str, endpoint: str, round_key: tuple[int, bytes]) -> Presence:
     """The test's question: does anything answer at ``endpoint`` within the deadline? (An
     averager that serves only Averaging answers GetInfo with UNIMPLEMENTED; a frozen endpoint
-    answers nothing.) A node asks with a signed GetInfo (``PeerService.answers``)."""
+    answers nothing.) A node asks with a signed GetInfo that names the round
+    (``PeerService.presence``; tests/integration/test_reachability.py)."""
     async with grpc.aio.insecure_channel(endpoint) as channel:
         try:
             await channel.unary_unary("/swarmgrad.v1.Peer/GetInfo")(b"", timeout=PROBE_SECONDS)
         except grpc.aio.AioRpcError as error:
             silent = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
-            return error.code() not in silent
-    return True
+            return Presence.GONE if error.code() in silent else Presence.THERE
+    return Presence.THERE
 
 
 @contextlib.asynccontextmanager
@@ -174,3 +176,38 @@ async def test_a_member_that_answers_but_stalls_is_not_dropped_before_its_timeou
         contributors = result.chunk_contributors
         assert all(contributors[(0, i)] == (0, 1) for i in (1, 2, 3)), contributors
     assert quick.sender_timeout_seconds <= elapsed < quick.sender_timeout_seconds + 5.0, elapsed
+
+
+async def test_an_owner_drops_a_member_that_has_left_the_round_at_once() -> None:
+    # What a node resumed after a freeze meets (test_crash_recovery): the others went on without
+    # it, their streams to its part never reached it, and they still answer. Asked, a member
+    # that has left the round says so (signed: test_reachability), and is dropped then, not at
+    # the open timeout (the sender timeout: 30 s here). One that is still in it is waited for.
+    gone_on: set[str] = set()
+
+    async def presence(peer_id: str, endpoint: str, round_key: tuple[int, bytes]) -> Presence:
+        return Presence.LEFT if peer_id in gone_on else await answers(peer_id, endpoint, round_key)
+
+    async with (
+        standalone(ident("owner"), PATIENT, alive=presence) as owner,
+        standalone(ident("honest"), PATIENT, alive=presence) as honest,
+    ):
+        # "moved-on" owns no part and never opens its stream to the owner's part.
+        moved_on = Member(peer_id=ident("moved-on").peer_id, endpoint=honest.endpoint, bandwidth=0)
+        group = Group(
+            round=5,
+            members=(
+                Member(peer_id=owner.peer_id, endpoint=owner.endpoint, bandwidth=1.0),
+                Member(peer_id=honest.peer_id, endpoint=honest.endpoint, bandwidth=0.0),
+                moved_on,
+            ),
+        )
+        gone_on.add(moved_on.peer_id)
+        started = time.monotonic()
+        results = await asyncio.gather(
+            owner.all_reduce(vector(0), group), honest.all_reduce(vector(1), group)
+        )
+        elapsed = time.monotonic() - started
+    for result in results:
+        assert all(c == (0, 1) for c in result.chunk_contributors.values()), result
+    assert elapsed < QUIET_SECONDS + 5.0, elapsed  # not the 30 s open timeout

@@ -175,6 +175,58 @@ async def test_bad_peer_requests_get_their_statuses_counted_not_tracebacks(
         )
 
 
+class _Flipper(peer.PeerServicer):
+    """Signs its answer, then says the opposite of whether it has left the round asked about
+    (what a tampering hop in between would do)."""
+
+    async def GetInfo(self, request: Any, context: Any) -> peer_pb2.PeerInfo:
+        info = await super().GetInfo(request, context)
+        info.left_round = not info.left_round
+        return info
+
+
+async def test_a_peer_says_whether_it_has_left_a_round_and_signs_what_it_says() -> None:
+    """The round's question of a peer gone quiet in it (``node/averaging/quiet.py``): GetInfo
+    naming a round answers whether the peer has left it, from its registry of rounds. What it
+    says is signed over the caller's challenge: flipped on the way, either way, the answer no
+    longer proves the peer's key. A group id over 32 bytes is refused with its status."""
+    me = Identity.generate()
+    left = {(4, b"g" * 32)}
+    options: dict[str, Any] = {"verifier": Verifier(me.peer_id), "round_left": left.__contains__}
+    honest, flipper = (
+        kind(identity_of(me), signer=me, **options) for kind in (peer.PeerServicer, _Flipper)
+    )
+    servers = [
+        await start_server(lambda s, x=x: peer.add_to_server(x, s)) for x in (honest, flipper)
+    ]
+    try:
+        (_, port), (_, flipped_port) = servers
+
+        async def asked(at: int, round_key: tuple[int, bytes] | None) -> bool:
+            info = await peer.get_info(
+                f"127.0.0.1:{at}", run_id=RUN, spec_hash=SPEC, timeout_seconds=5,
+                expected_peer=me.peer_id, round_key=round_key,
+            )  # fmt: skip
+            return info.left_round
+
+        assert await asked(port, (4, b"g" * 32))  # finished (or given up on) here
+        assert not await asked(port, (5, b"g" * 32))  # in it, not started, or never known
+        assert not await asked(port, (4, b"h" * 32))  # another group's round 4
+        assert not await asked(port, None)  # a question without a round: as before
+        for round_key in ((4, b"g" * 32), (5, b"g" * 32)):
+            with pytest.raises(ProtocolViolation, match="could not prove the key"):
+                await asked(flipped_port, round_key)
+        oversize = peer_pb2.GetInfoRequest(run_id=RUN, spec_hash=SPEC, group_id=b"x" * 33)
+        error = await _raw(port, "GetInfo", oversize.SerializeToString())
+        assert error is not None
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "a group id over 32 bytes" in (error.details() or "")
+        assert honest.rejections.by_code("Peer") == {"BAD_PAYLOAD": 1}
+    finally:
+        for server, _ in servers:
+            await server.stop(None)
+
+
 @pytest.fixture
 async def puncher() -> AsyncIterator[tuple[Identity, peer.PeerServicer, PunchResponder, int]]:
     """A node that can punch (it believes its public address is 127.0.0.1)."""
