@@ -11,6 +11,11 @@ their own (:data:`MAX_EARLY_STREAMS_PER_MEMBER`), and any other key waits in a s
 of their own (:data:`MAX_EARLY_CHECKS_PER_MEMBER`, :data:`MAX_EARLY_CHECKS`): a member checks
 after this node served its part, so only a node that owns no part sees early ones from honest
 members, and a stranger's flood of them must not take the slots honest streams need.
+
+A stream for a round whose number this node runs now in another group is refused at once: the
+peers' matchmakings cut different sets, and this node will not run that group. Asked (the
+Peer service's GetInfo naming a round, ``quiet.py``), the node says it has left such a round,
+as it says of one it finished or gave up on.
 """
 
 from __future__ import annotations
@@ -86,9 +91,19 @@ class Registry:
             self._changed.notify_all()
 
     def left(self, key: Key) -> bool:
-        """Whether this node has left round ``key`` (finished it, or given up on it): it sends
-        nothing more in it. A round it has not started, or never knew, it has not left."""
-        return key in self._finished
+        """Whether this node has left round ``key`` (finished it, or given up on it), or runs
+        that round's number in another group (its matchmaking cut another set): either way it
+        sends nothing more in ``key``. A round it has not started, or never knew, it has not
+        left."""
+        return key in self._finished or self._elsewhere(key)
+
+    def _elsewhere(self, key: Key) -> bool:
+        """This node runs round ``key[0]`` now, in another group than ``key[1]``: it will not
+        run ``key`` (a new group of the same round comes only from a new matchmaking, which
+        would not cut peers that are busy in ``key``)."""
+        return any(
+            r == key[0] and g != key[1] and (r, g) not in self._finished for r, g in self._rounds
+        )
 
     def finish(self, key: Key) -> None:
         """``key`` has ended: streams for it are refused from now on (it lingers until
@@ -120,6 +135,12 @@ class Registry:
         member of the round, or else in the shared pool."""
         if key in self._finished and key not in self._rounds:
             raise ProtocolViolation(ResultCode.UNKNOWN_ROUND, f"round {key[0]} has ended here")
+        if key not in self._rounds and self._elsewhere(key):
+            # The peers' matchmakings cut different sets: waiting for this one helps nobody.
+            raise ProtocolViolation(
+                ResultCode.UNKNOWN_ROUND,
+                f"this node is in round {key[0]} with another group than {key[1].hex()[:12]}",
+            )
         if key not in self._rounds:
             kind = "checks" if checks else "streams"
             own = MAX_EARLY_CHECKS_PER_MEMBER if checks else MAX_EARLY_STREAMS_PER_MEMBER
