@@ -434,7 +434,11 @@ async def test_fuzz_1000_mutated_streams_crash_nothing_and_honest_rounds_stay_ex
     assert len(statuses) == streams
     assert grpc.StatusCode.OK not in statuses
     assert owner.servicer.rejections.total() == streams, collections.Counter(statuses)
-    assert grpc.StatusCode.INTERNAL not in statuses  # unparsable bytes too get their status
+    # Unparsable bytes too get their status: the owner never ends a stream with INTERNAL (a bug
+    # of ours). A client may still read INTERNAL of its own: grpcio reports that, not the
+    # server's status, when its write meets a stream the server has just refused (grpc/grpc
+    # #36066; a refusal at the header, such as a group this owner is not in, is that quick).
+    assert "INTERNAL" not in owner.servicer.rejections.by_code("Averaging")
     check_honest(await honest_during, (30, 31))
     check_honest(
         await honest_round(owner, honest, group_of(3, owner, honest, []), (40, 41)), (40, 41)
