@@ -97,6 +97,14 @@ class Registry:
         left."""
         return key in self._finished or self._elsewhere(key)
 
+    def _refuse_if_elsewhere(self, key: Key) -> None:
+        if key not in self._rounds and self._elsewhere(key):
+            # The peers' matchmakings cut different sets: waiting for this one helps nobody.
+            raise ProtocolViolation(
+                ResultCode.UNKNOWN_ROUND,
+                f"this node is in round {key[0]} with another group than {key[1].hex()[:12]}",
+            )
+
     def _elsewhere(self, key: Key) -> bool:
         """This node runs round ``key[0]`` now, in another group than ``key[1]``: it will not
         run ``key`` (a new group of the same round comes only from a new matchmaking, which
@@ -135,12 +143,7 @@ class Registry:
         member of the round, or else in the shared pool."""
         if key in self._finished and key not in self._rounds:
             raise ProtocolViolation(ResultCode.UNKNOWN_ROUND, f"round {key[0]} has ended here")
-        if key not in self._rounds and self._elsewhere(key):
-            # The peers' matchmakings cut different sets: waiting for this one helps nobody.
-            raise ProtocolViolation(
-                ResultCode.UNKNOWN_ROUND,
-                f"this node is in round {key[0]} with another group than {key[1].hex()[:12]}",
-            )
+        self._refuse_if_elsewhere(key)
         if key not in self._rounds:
             kind = "checks" if checks else "streams"
             own = MAX_EARLY_CHECKS_PER_MEMBER if checks else MAX_EARLY_STREAMS_PER_MEMBER
@@ -156,11 +159,15 @@ class Registry:
             try:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self._join_timeout_seconds), self._changed:
-                        await self._changed.wait_for(lambda: key in self._rounds)
+                        # ... or until this node starts that round's number in another group.
+                        await self._changed.wait_for(
+                            lambda: key in self._rounds or self._elsewhere(key)
+                        )
             finally:
                 self._early[slot] -= 1
                 if not self._early[slot]:
                     del self._early[slot]
+            self._refuse_if_elsewhere(key)
         active = self._rounds.get(key)
         if active is None:
             raise ProtocolViolation(

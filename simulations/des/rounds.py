@@ -19,6 +19,7 @@ from swarmgrad.node.averaging.matchmaking import (
     READY_MARGIN_SECONDS,
 )
 from swarmgrad.node.averaging.membership import PROBE_AFTER_SECONDS
+from swarmgrad.node.averaging.quiet import QUIET_SECONDS
 from swarmgrad.node.averaging.rounds import WITHDRAW_MARGIN_SECONDS
 from swarmgrad.node.averaging.slots import in_slot, slot_cut, slot_of
 from swarmgrad.node.swarm_config import MATCHMAKING_SETTLE_SECONDS
@@ -345,11 +346,16 @@ class Rounds(ModelState):
             share = min(m.profile.cpu_share for m in members)
             codec = 2 * self.params / (self.config.codec_values_per_second * share)
         absent = [m for m in members if m.index not in exchange.members]
-        if any(m.alive and not m.paused for m in absent):
-            # Dissenters (they cut another group) open no stream here: waited for until the
-            # join timeout. A dead member's connection is refused at once, and each member
-            # stops waiting for it then (``allreduce._owner_failed``).
-            transfer = max(transfer, self.allreduce.join_timeout_seconds)
+        dissenters = [m for m in absent if m.alive and not m.paused]
+        if dissenters:
+            # Dissenters (they cut another group) open no stream here, and refuse ours as soon
+            # as they run their own group of the round (``registry.py``). The owners they hold
+            # up ask them after a quiet while whether they are still in this group's round, and
+            # drop them when they say they have left it (``quiet.py``); at the latest, the join
+            # timeout. A dead member's connection is refused at once, and each member stops
+            # waiting for it then (``allreduce._owner_failed``).
+            asked = QUIET_SECONDS + 2 * max(m.latency_seconds for m in dissenters)
+            transfer = max(transfer, min(self.allreduce.join_timeout_seconds, asked))
         elif absent:
             transfer = max(transfer, 2 * max(m.latency_seconds for m in absent))
         return transfer + latency + codec, max(chunks, 1)

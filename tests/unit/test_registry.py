@@ -36,6 +36,19 @@ async def test_a_round_run_here_in_another_group_is_refused_at_once_and_said_lef
     assert registry.left(there)
     assert not registry.left(here)  # the round it runs
 
+    # A stream that came first waits (the node may start that round in a moment), and is
+    # refused as soon as the node starts the round's number in its own group instead.
+    fresh = Registry(join_timeout_seconds=30.0)
+    early = asyncio.ensure_future(fresh.wait(there, "a"))
+    for _ in range(3):  # let it run up to its wait
+        await asyncio.sleep(0)
+    assert not early.done()
+    started = loop.time()
+    await fresh.add(here, ActiveRound(group=mine, me=0, reducer=None))
+    with pytest.raises(ProtocolViolation, match="is in round 4 with another group"):
+        await early
+    assert loop.time() - started < 1.0
+
     # Another round's number is not this one's business: a stream for it waits, as an early
     # stream for a round not started yet (here up to a short join timeout).
     brief = Registry(join_timeout_seconds=0.2)
