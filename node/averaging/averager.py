@@ -250,6 +250,7 @@ class Averager:
         if staged is not None:
             result = dataclasses.replace(result, owner_residual=staged)
         self.rounds["complete" if result.complete else "partial"] += 1
+        self._rounds.averaged(group.round)
         if result.failures:
             log.warning("round %d: %s", group.round, result.failures)
         return result

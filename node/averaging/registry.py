@@ -12,10 +12,11 @@ of their own (:data:`MAX_EARLY_CHECKS_PER_MEMBER`, :data:`MAX_EARLY_CHECKS`): a 
 after this node served its part, so only a node that owns no part sees early ones from honest
 members, and a stranger's flood of them must not take the slots honest streams need.
 
-A stream for a round whose number this node runs now in another group is refused at once: the
-peers' matchmakings cut different sets, and this node will not run that group. Asked (the
-Peer service's GetInfo naming a round, ``quiet.py``), the node says it has left such a round,
-as it says of one it finished or gave up on.
+A stream for a round this node will not run is refused at once: one whose number it runs now in
+another group (the peers' matchmakings cut different sets), or one it is past (it averaged that
+round's number, or started a later one). Asked (the Peer service's GetInfo naming a round,
+``quiet.py``), the node says it has left such a round, as it says of one it finished or gave up
+on.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ class Registry:
         self._join_timeout_seconds = join_timeout_seconds
         self._rounds: dict[Key, ActiveRound] = {}
         self._finished: dict[Key, None] = {}
+        #: The highest round number this node has started, and the highest one it averaged
+        #: (its replica moved past it): it runs no round below the one, nor at the other.
+        self._started = self._averaged = -1
         self._changed = asyncio.Condition()
         #: Streams and check messages waiting for their rounds to start: by kind in the shared
         #: pool, by (kind, round, sender) in the expected members' slots.
@@ -88,22 +92,34 @@ class Registry:
     async def add(self, key: Key, active: ActiveRound) -> None:
         async with self._changed:
             self._rounds[key] = active
+            self._started = max(self._started, key[0])
             self._changed.notify_all()
 
-    def left(self, key: Key) -> bool:
-        """Whether this node has left round ``key`` (finished it, or given up on it), or runs
-        that round's number in another group (its matchmaking cut another set): either way it
-        sends nothing more in ``key``. A round it has not started, or never knew, it has not
-        left."""
-        return key in self._finished or self._elsewhere(key)
+    def averaged(self, round_: int) -> None:
+        """This node averaged a round of number ``round_`` (its replica moves past it)."""
+        self._averaged = max(self._averaged, round_)
 
-    def _refuse_if_elsewhere(self, key: Key) -> None:
-        if key not in self._rounds and self._elsewhere(key):
-            # The peers' matchmakings cut different sets: waiting for this one helps nobody.
-            raise ProtocolViolation(
-                ResultCode.UNKNOWN_ROUND,
-                f"this node is in round {key[0]} with another group than {key[1].hex()[:12]}",
-            )
+    def left(self, key: Key) -> bool:
+        """Whether this node has left round ``key`` (finished it, or given up on it), runs that
+        round's number in another group (its matchmaking cut another set), or is past that
+        number (it averaged a round of it, or started a later one): in each case it sends
+        nothing more in ``key``. A round it may still start, it has not left."""
+        past = key[0] <= self._averaged or key[0] < self._started
+        return past or key in self._finished or self._elsewhere(key)
+
+    def _refuse_if_left(self, key: Key) -> None:
+        """Refuse a stream for ``key`` at once if this node will not run it (:meth:`left`): the
+        peers' matchmakings cut different sets, or this node is past that round. (A round it
+        ran lingers for the readers of its results: that one is served.)"""
+        if key in self._rounds or not self.left(key):
+            return
+        if key in self._finished:
+            why = f"round {key[0]} has ended here"
+        elif self._elsewhere(key):
+            why = f"this node is in round {key[0]} with another group than {key[1].hex()[:12]}"
+        else:
+            why = f"this node is past round {key[0]}"
+        raise ProtocolViolation(ResultCode.UNKNOWN_ROUND, why)
 
     def _elsewhere(self, key: Key) -> bool:
         """This node runs round ``key[0]`` now, in another group than ``key[1]``: it will not
@@ -141,9 +157,7 @@ class Registry:
         """The round ``key``, waiting for it to start if need be (``checks``: for a check
         message, in the check messages' slots): in ``sender``'s own slots if it is an expected
         member of the round, or else in the shared pool."""
-        if key in self._finished and key not in self._rounds:
-            raise ProtocolViolation(ResultCode.UNKNOWN_ROUND, f"round {key[0]} has ended here")
-        self._refuse_if_elsewhere(key)
+        self._refuse_if_left(key)
         if key not in self._rounds:
             kind = "checks" if checks else "streams"
             own = MAX_EARLY_CHECKS_PER_MEMBER if checks else MAX_EARLY_STREAMS_PER_MEMBER
@@ -159,15 +173,14 @@ class Registry:
             try:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self._join_timeout_seconds), self._changed:
-                        # ... or until this node starts that round's number in another group.
-                        await self._changed.wait_for(
-                            lambda: key in self._rounds or self._elsewhere(key)
-                        )
+                        # ... or until this node starts that round's number in another
+                        # group, or a later round.
+                        await self._changed.wait_for(lambda: key in self._rounds or self.left(key))
             finally:
                 self._early[slot] -= 1
                 if not self._early[slot]:
                     del self._early[slot]
-            self._refuse_if_elsewhere(key)
+            self._refuse_if_left(key)
         active = self._rounds.get(key)
         if active is None:
             raise ProtocolViolation(

@@ -2,7 +2,8 @@
 not in. When two peers' matchmakings cut different sets, each runs the round's number in a group
 of its own; a stream for the other group is refused at once (it used to wait the whole join
 timeout for a round that never comes here), and the node says it has left that group's round
-(the round's liveness question, ``quiet.py``), so an owner stops waiting for it."""
+(the round's liveness question, ``quiet.py``), so an owner stops waiting for it. So too for a
+round the node is past."""
 
 from __future__ import annotations
 
@@ -66,3 +67,14 @@ async def test_a_round_run_here_in_another_group_is_refused_at_once_and_said_lef
     registry.drop(here)  # its linger is over
     with pytest.raises(ProtocolViolation, match="round 4 has ended here"):
         await registry.wait(here, "a")
+
+    # Averaged (its replica moved past round 4), or in a later round: round 4's other groups
+    # it will never run either, and says so at once (CI: a peer that asked a finished one
+    # after its round waited out the sender timeout, 10 s).
+    registry.averaged(4)
+    assert registry.left(there)
+    with pytest.raises(ProtocolViolation, match="this node is past round 4"):
+        await registry.wait(there, "a")
+    later = Registry(join_timeout_seconds=30.0)
+    await later.add((6, mine.group_id), ActiveRound(group=mine, me=0, reducer=None))
+    assert later.left((5, split.group_id)) and not later.left((7, split.group_id))
