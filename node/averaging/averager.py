@@ -372,16 +372,18 @@ async def standalone(
     upload_bytes_per_second: float | None = None,
     network: MemoryNetwork | None = None,
     alive: Alive | None = None,
+    registry: Registry | None = None,
 ) -> AsyncIterator[Averager]:
     """An averager on a transport of its own (serving only Averaging, on a free port), its
     uploads capped at ``upload_bytes_per_second`` if given; with ``network``, an in-memory
-    transport on it instead of sockets (tests); ``alive``: as for :class:`Averager`."""
+    transport on it instead of sockets (tests); ``alive``, ``registry``: as for
+    :class:`Averager`."""
     settings = TransportConfig(
         host=host,
         limits=transport_limits(config),
         upload_bytes_per_second=upload_bytes_per_second,
     )
     transport = Transport(settings) if network is None else MemoryTransport(network, settings)
-    averager = Averager(identity, config, transport, alive=alive)
+    averager = Averager(identity, config, transport, alive=alive, registry=registry)
     async with averager, transport:  # the server stops (with its grace) before the rounds
         yield averager

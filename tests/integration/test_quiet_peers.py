@@ -17,6 +17,7 @@ from swarmgrad.node.averaging.allreduce import AllReduceConfig, RoundResult
 from swarmgrad.node.averaging.averager import Averager, standalone
 from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.averaging.quiet import QUIET_SECONDS, UNANSWERED_PROBES
+from swarmgrad.node.averaging.registry import Registry
 from swarmgrad.node.kinds import Presence
 from swarmgrad.protocol.v1 import averaging_pb2_grpc
 from tests.integration.test_averaging_service import (
@@ -210,4 +211,44 @@ async def test_an_owner_drops_a_member_that_has_left_the_round_at_once() -> None
         elapsed = time.monotonic() - started
     for result in results:
         assert all(c == (0, 1) for c in result.chunk_contributors.values()), result
+    assert elapsed < QUIET_SECONDS + 5.0, elapsed  # not the 30 s open timeout
+
+
+async def test_a_group_split_by_matchmaking_drops_its_dissenter_in_seconds() -> None:
+    # Two peers' matchmakings cut different sets for one round: A and B run {A, B, C}, while C
+    # runs {C, D}. C refuses A's and B's streams at once (it runs round 7 in another group),
+    # and answers their owners' question that it has left their group's round: they drop it
+    # then. Before, the streams waited out C's join timeout and the owners waited for C's
+    # streams until the open timeout (the sender timeout: 30 s here).
+    names = ("a", "b", "c", "d")
+    registries = {ident(n).peer_id: Registry(PATIENT.join_timeout_seconds) for n in names}
+
+    async def presence(peer_id: str, endpoint: str, round_key: tuple[int, bytes]) -> Presence:
+        if await answers(peer_id, endpoint, round_key) is not Presence.THERE:
+            return Presence.GONE
+        # What the peer's Peer service says from its registry (signed: test_reachability).
+        return Presence.LEFT if registries[peer_id].left(round_key) else Presence.THERE
+
+    async with contextlib.AsyncExitStack() as stack:
+        a, b, c, d = [
+            await stack.enter_async_context(
+                standalone(ident(n), PATIENT, alive=presence, registry=registries[ident(n).peer_id])
+            )
+            for n in names
+        ]
+
+        def member(averager: Averager) -> Member:
+            return Member(peer_id=averager.peer_id, endpoint=averager.endpoint, bandwidth=1.0)
+
+        split = Group(round=7, members=(member(a), member(b), member(c)))
+        apart = Group(round=7, members=(member(c), member(d)))
+        started = time.monotonic()
+        in_split = asyncio.gather(a.all_reduce(vector(0), split), b.all_reduce(vector(1), split))
+        in_apart = asyncio.gather(c.all_reduce(vector(2), apart), d.all_reduce(vector(3), apart))
+        results, _ = await asyncio.gather(in_split, in_apart)
+        elapsed = time.monotonic() - started
+    for result in results:
+        assert set(result.contributors) == {a.peer_id, b.peer_id}, result
+        assert result.missing  # C's part: the caller's own values, listed as not averaged
+        assert "another group" in result.failures[c.peer_id], result.failures
     assert elapsed < QUIET_SECONDS + 5.0, elapsed  # not the 30 s open timeout

@@ -77,4 +77,5 @@ async def test_a_round_run_here_in_another_group_is_refused_at_once_and_said_lef
         await registry.wait(there, "a")
     later = Registry(join_timeout_seconds=30.0)
     await later.add((6, mine.group_id), ActiveRound(group=mine, me=0, reducer=None))
-    assert later.left((5, split.group_id)) and not later.left((7, split.group_id))
+    assert later.left((5, split.group_id))
+    assert not later.left((7, split.group_id))
