@@ -149,9 +149,11 @@ def test_a_member_frozen_mid_round_is_dropped_in_seconds_not_by_its_timeouts(
     neither answers nor resets its connections. The survivors ask it whether it is there once
     its results are late and drop it from the round when it leaves two questions unanswered
     (2 s quiet + 2 x 2 s), not after the sender timeout (30 s here) or the reducer timeout
-    (60 s). Resumed, it asks the survivors whom its own part still waits for (their streams to
-    it never got there) and hears they have left that round: it ends its round then, not at
-    its sender timeout, catches up, and every replica ends identical."""
+    (60 s). Resumed, it ends its round at once, not at its sender timeout, catches up, and
+    every replica ends identical. Where the freeze came before the survivors' streams reached
+    it (3 of the 4 runs looked at), its part waits for them: it asks, and hears they have left
+    that round (``quiet.py``; the rule alone: test_quiet_peers). Where they had delivered, its
+    part is complete and there is nothing to wait for."""
     out, rounds = tmp_path / "sim", 6
     summary = _churned_swarm(tmp_path, FREEZE_MID_ROUND, rounds)
     paused, resumed = summary["churn"]["events"]
