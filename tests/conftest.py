@@ -11,6 +11,7 @@ import json
 import os
 import resource
 import signal
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -44,6 +45,7 @@ def _cpu_seconds() -> float:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     item.stash[_CPU_AT_START] = _cpu_seconds()
+    item.stash[_STARTED_AT] = time.time()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -56,6 +58,8 @@ def pytest_runtest_makereport(
         # reaped by the time it ends): with the seconds, what tells a test that computes from
         # one that waits (xdist sends user_properties to the controller).
         report.user_properties.append(("cpu_seconds", _cpu_seconds() - item.stash[_CPU_AT_START]))
+        # When it started (epoch seconds): lines the test up with a machine-wide CPU sampler.
+        report.user_properties.append(("started_at", item.stash[_STARTED_AT]))
     return report
 
 
@@ -67,6 +71,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     for key, value in report.user_properties:
         if key == "cpu_seconds":
             _CPU[report.nodeid] = float(value)  # type: ignore[arg-type]
+        elif key == "started_at":
+            _STARTED[report.nodeid] = float(value)  # type: ignore[arg-type]
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -82,6 +88,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             "lane": lanes.lane(nodeid),
             "seconds": round(seconds, 2),
             "cpu_seconds": round(_CPU.get(nodeid, 0.0), 2),
+            "started_at": round(_STARTED.get(nodeid, 0.0), 2),
         }
         for nodeid, seconds in sorted(_TIMINGS.items(), key=lambda item: -item[1])
     ]
@@ -90,7 +97,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 _TIMINGS: dict[str, float] = {}
 _CPU: dict[str, float] = {}
+_STARTED: dict[str, float] = {}
 _CPU_AT_START = pytest.StashKey[float]()
+_STARTED_AT = pytest.StashKey[float]()
 
 
 class Peers:
