@@ -63,6 +63,10 @@ class ReachabilityConfig:
     upnp: bool = True
     #: Punch through to relayed peers when this node is behind a NAT too (else: their relays).
     punch: bool = True
+    #: How long a relay this node leaves for a better address (a mapped port, a direct one)
+    #: still carries connections: peers that read the relayed endpoint before the new one was
+    #: announced dial it until they read again (a record lives ``record_ttl_seconds``, 60 s).
+    handover_seconds: float = 60.0
     #: The relay this node offers; ``max_clients=0`` offers none.
     relay_limits: RelayLimits = field(default_factory=RelayLimits)
 
@@ -71,6 +75,8 @@ class ReachabilityConfig:
             raise ValueError("helpers must be positive")
         if not 0 < self.retry_seconds <= self.recheck_seconds:
             raise ValueError("retry_seconds must be positive and at most recheck_seconds")
+        if self.handover_seconds < 0:
+            raise ValueError("handover_seconds must not be negative")
 
 
 class Reachability:
@@ -104,6 +110,8 @@ class Reachability:
         self.observed_host = ""
         self._relay_server: RelayServer | None = None
         self._relay_client: RelayClient | None = None
+        #: Relays left for a better address, still carrying what was dialed through them.
+        self._handing_over: dict[RelayClient, asyncio.Task[None]] = {}
         self._mapping: PortMapping | None = None
         self._bad_relays: dict[str, float] = {}  # peer id -> until (loop time)
         self._public_host = public_host
@@ -184,7 +192,7 @@ class Reachability:
         return endpoint_of(host, self._port)
 
     async def _become_reachable(self, kind: Reach, endpoint: str) -> None:
-        await self._leave_relay()
+        self._hand_over_relay()
         host = parse_address(endpoint)[0]
         if self._relay_server is not None and parse_address(self.relay_endpoint)[0] != host:
             await self._stop_relay_server()  # reachable at another address than it offered
@@ -321,6 +329,26 @@ class Reachability:
         if client is not None:
             await client.close()
 
+    def _hand_over_relay(self) -> None:
+        """Leave the relay for a better address without breaking what peers dial: a peer that
+        read the relayed endpoint a moment ago (a round's group is formed from records) still
+        reaches this node through it for ``handover_seconds``, then the link closes."""
+        client, self._relay_client = self._relay_client, None
+        if client is None:
+            return
+
+        async def close_later() -> None:
+            try:
+                # Its end (the time is up, or the relay or its link went) is all that counts.
+                with contextlib.suppress(TimeoutError, RelayError, OSError):
+                    async with asyncio.timeout(self.config.handover_seconds):
+                        await client.wait_closed()
+            finally:
+                self._handing_over.pop(client, None)
+                await client.close()
+
+        self._handing_over[client] = asyncio.create_task(close_later())
+
     async def _stop_relay_server(self) -> None:
         server, self._relay_server = self._relay_server, None
         self.relay_endpoint = ""
@@ -340,10 +368,15 @@ class Reachability:
     def origin_of(self, local: str) -> str | None:
         """The address a connection relayed to this node came from, given the ``host:port`` its
         local end has (None: not a relayed connection)."""
-        client = self._relay_client
-        return client.origins.get(local) if client is not None else None
+        clients = [self._relay_client, *self._handing_over]
+        for client in clients:
+            if client is not None and local in client.origins:
+                return client.origins[local]
+        return None
 
     async def close(self) -> None:
+        for task in list(self._handing_over.values()):
+            await _cancelled(task)
         await self._leave_relay()
         await self._stop_relay_server()
         await self._unmap()

@@ -98,8 +98,10 @@ class RelayClient:
         return self._session is not None and not self._session.done()
 
     async def wait_closed(self) -> None:
+        """Until the session ends (its error, if it failed). Cancelling the wait leaves the
+        session running: only :meth:`close` ends it."""
         assert self._session is not None, "connect first"
-        await self._session
+        await asyncio.shield(self._session)
 
     async def _run(self) -> None:
         assert self._reader is not None

@@ -7,18 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import socket
 import struct
 from collections.abc import AsyncIterator
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import grpc
 import pytest
 
+from swarmgrad.node.discovery.base import dht_time
+from swarmgrad.node.discovery.records import PeerRecord
 from swarmgrad.node.identity import Identity
+from swarmgrad.node.kinds import Reach
+from swarmgrad.node.reachability.dialback import Reachability, ReachabilityConfig
 from swarmgrad.node.reachability.punch import PunchResponder
 from swarmgrad.node.reachability.relay import RelayError, RelayLimits
 from swarmgrad.node.reachability.relay_client import RelayClient
@@ -26,6 +32,7 @@ from swarmgrad.node.reachability.relay_server import RelayServer
 from swarmgrad.protocol import peer
 from swarmgrad.protocol.auth import Verifier, sign_request
 from swarmgrad.protocol.errors import STATUS_OF, PeerUnavailable, ProtocolViolation
+from swarmgrad.protocol.peer import DialBack
 from swarmgrad.protocol.server import open_channel, start_server
 from swarmgrad.protocol.v1 import peer_pb2
 from tests.helpers import until
@@ -463,6 +470,89 @@ async def test_a_client_learns_within_seconds_that_its_relay_died(
     with pytest.raises(PeerUnavailable):  # and its relayed endpoint is gone with the relay
         await peer.get_info(endpoint, run_id=RUN, spec_hash=SPEC, timeout_seconds=2)
     await client.close()
+
+
+def now(condition: Any) -> Any:
+    """``condition`` (local state, read at once) as ``until`` awaits it."""
+
+    async def read() -> bool:
+        return bool(condition())
+
+    return read
+
+
+async def test_a_node_that_leaves_its_relay_for_a_mapped_port_stays_reachable_through_it(
+    node: tuple[Identity, peer.PeerServicer, int], relay: RelayServer, monkeypatch: Any
+) -> None:
+    """A NAT'd node holds a relay while its router is asked for a port; once the mapped port is
+    dialed back it announces that instead. A peer that read the relayed endpoint a moment
+    before (a round's group is formed from records) still reaches the node through it for the
+    handover time, then the relay lets the slot go. (Before: the link closed at once, and in
+    the NAT lab the first round of the node's group failed on the address it had just left.)"""
+    me, _, port = node
+    offer = PeerRecord.create(
+        "sgrelay",
+        run_id=RUN,
+        spec_hash=SPEC,
+        endpoint="127.0.0.1:1",
+        now=dht_time(),
+        ttl_seconds=60,
+        relay=f"127.0.0.1:{relay.port}",
+        reachability=Reach.DIRECT.value,
+    )
+
+    async def peers() -> list[PeerRecord]:
+        return [offer]
+
+    verdicts: list[tuple[Reach, str]] = []
+    mapped = asyncio.Event()  # the router answers when the test says so
+    transport = SimpleNamespace(config=SimpleNamespace(host="127.0.0.1", public_host=""), port=port)
+    reach = Reachability(
+        me,
+        cast(Any, SimpleNamespace(run=SimpleNamespace(id=RUN), hash=SPEC)),
+        cast(Any, transport),
+        peers=peers,
+        changed=lambda: verdicts.append((reach.kind, reach.endpoint)),
+        admit=anyone,
+        config=ReachabilityConfig(
+            retry_seconds=0.05,
+            handover_seconds=1.5,
+            relay_limits=dataclasses.replace(FAST, max_clients=0),  # pings as the relay expects
+        ),
+    )
+
+    async def probe(port: int) -> DialBack:  # the node's own port is not reachable from outside
+        return DialBack("helper", False, "127.0.0.1", "")
+
+    async def mapped_endpoint() -> str:
+        await mapped.wait()
+        return f"127.0.0.1:{port}"  # as a helper dialed it back
+
+    monkeypatch.setattr(reach, "_probe", probe)
+    monkeypatch.setattr(reach, "_mapped_endpoint", mapped_endpoint)
+    task = asyncio.create_task(reach.run())
+    try:
+        await until(now(lambda: reach.kind == Reach.RELAYED), timeout_seconds=10, what="relayed")
+        relayed = reach.endpoint
+        assert relay.clients == 1
+        mapped.set()
+        await until(now(lambda: reach.kind == Reach.UPNP), timeout_seconds=10, what="mapped")
+        assert [kind for kind, _ in verdicts] == [Reach.RELAYED, Reach.UPNP]
+        left_at = asyncio.get_running_loop().time()
+        # The peer that read the old record still gets through, right after the switch.
+        info = await peer.get_info(relayed, run_id=RUN, spec_hash=SPEC, timeout_seconds=5)
+        assert info.peer_id == me.peer_id
+        assert relay.clients == 1
+        # Then the handover ends: the relay's slot is free and the relayed endpoint is gone.
+        await until(now(lambda: relay.clients == 0), timeout_seconds=10, what="the slot let go")
+        assert asyncio.get_running_loop().time() - left_at >= 1.0
+        with pytest.raises(PeerUnavailable):
+            await peer.get_info(relayed, run_id=RUN, spec_hash=SPEC, timeout_seconds=2)
+        assert not task.done()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert relay.clients == 0
 
 
 def test_grpc_peer_strings_parse() -> None:
