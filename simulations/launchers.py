@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -48,7 +48,13 @@ class Process(Protocol):
     def tail(self, lines: int = 15) -> str: ...
 
 
-def stop_all(processes: list[Process], timeout_seconds: float = 15.0) -> None:
+class Stoppable(Protocol):
+    """What :func:`stop_all` needs: a launcher's process, or a NAT lab's node."""
+
+    def stop(self, timeout_seconds: float = 15.0) -> None: ...
+
+
+def stop_all(processes: Sequence[Stoppable], timeout_seconds: float = 15.0) -> None:
     """Stop every one of ``processes`` at once (each leaves gracefully, or is killed after
     ``timeout_seconds``): a swarm's nodes leave in the time of the slowest, not of their sum."""
     if processes:

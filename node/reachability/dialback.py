@@ -215,9 +215,13 @@ class Reachability:
         me = self._identity.peer_id
         peers = [p for p in await self._peers() if p.peer_id != me and p.endpoint]
         random.shuffle(peers)
-        # Not relayed peers: a call through a relay reaches them from their own relay client, so
-        # the address they would observe (and dial back) is their own, not this node's.
-        helpers = [p for p in peers if p.reachability in (Reach.DIRECT, Reach.UPNP, Reach.UNKNOWN)]
+        # Relayed peers only after the others: a call through a relay reaches them from their
+        # own relay client, and they dial back where the relay says it came from (Peer.DialBack,
+        # ``origin``), one hop more. Where this node is the only reachable one, they are all
+        # there is (it offers their relays), and without them it stayed "unknown" and held its
+        # first round for ``reachability_wait_seconds`` (15 s).
+        helpers = sorted(peers, key=lambda p: p.reachability == Reach.RELAYED)
+        helpers = [p for p in helpers if p.reachability != Reach.UNREACHABLE]
         candidates = helpers[: self.config.helpers]
         if not candidates:
             return None

@@ -555,6 +555,61 @@ async def test_a_node_that_leaves_its_relay_for_a_mapped_port_stays_reachable_th
     assert relay.clients == 0
 
 
+async def test_the_only_reachable_node_is_confirmed_by_peers_it_relays_for(
+    node: tuple[Identity, peer.PeerServicer, int],
+) -> None:
+    """A swarm's first public node, its other peers NAT'd: the only helpers it can ask are
+    relayed through it. They dial back where the relay says the call came from, so it learns it
+    is reachable within a check, not after the first round's 15 s wait for a verdict."""
+    me, _, port = node
+    natd = Identity.generate()
+    client: list[RelayClient] = []
+    servicer = servicer_of(natd, origin=lambda local: client[0].origins.get(local))
+    server, natd_port = await start_server(lambda s: peer.add_to_server(servicer, s))
+    relay = RelayServer(host="127.0.0.1", admit=anyone, limits=FAST)
+    await relay.start()
+    client.append(
+        RelayClient(f"127.0.0.1:{relay.port}", natd, target=("127.0.0.1", natd_port), limits=FAST)
+    )
+    relayed = await client[0].connect()
+    record = PeerRecord.create(
+        natd.peer_id,
+        run_id=RUN,
+        spec_hash=SPEC,
+        endpoint=relayed,
+        now=dht_time(),
+        ttl_seconds=60,
+        reachability=Reach.RELAYED.value,
+        via=me.peer_id,
+    )
+
+    async def peers() -> list[PeerRecord]:
+        return [record]
+
+    transport = SimpleNamespace(config=SimpleNamespace(host="127.0.0.1", public_host=""), port=port)
+    reach = Reachability(
+        me,
+        cast(Any, SimpleNamespace(run=SimpleNamespace(id=RUN), hash=SPEC)),
+        cast(Any, transport),
+        peers=peers,
+        changed=lambda: None,
+        admit=anyone,
+        config=ReachabilityConfig(retry_seconds=0.1, relay_limits=RelayLimits(max_clients=0)),
+    )
+    task = asyncio.create_task(reach.run())
+    try:
+        async with asyncio.timeout(10):
+            await reach.settled.wait()
+        assert (reach.kind, reach.endpoint) == (Reach.DIRECT, f"127.0.0.1:{port}")
+        assert servicer.dial_backs["reachable"] >= 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client[0].close()
+        await relay.close()
+        await server.stop(None)
+
+
 def test_grpc_peer_strings_parse() -> None:
     assert peer.host_of("ipv4:11.7.0.101:34567") == "11.7.0.101"
     assert peer.host_of("ipv6:[::1]:5") == "::1"
