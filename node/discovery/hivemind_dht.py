@@ -9,6 +9,7 @@ nodes, only swarmgrad's sealed values filed where their seal says.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import logging
 import multiprocessing
@@ -83,9 +84,14 @@ class _DHT(hivemind.DHT):  # type: ignore[misc]
         threading.Thread(target=_exit_with, args=self._owner, daemon=True).start()
         # A Ctrl-C in the node's terminal reaches every process of its group: the node leaves
         # the swarm through this DHT and then shuts it down, so neither this process nor its
-        # p2pd (an ignored SIGINT survives exec; Go keeps it ignored) may die of it first. And
-        # SIGTERM must end it: hivemind's last resort when a shutdown hangs, but the node's own
-        # handler for it (asyncio's, inherited by the fork) would swallow it.
+        # p2pd may die of it first. An ignored SIGINT is not enough for p2pd (Go un-ignores a
+        # signal its program asks to be told of, and p2pd asks for SIGINT: it closed its socket
+        # and hivemind's shutdown waited out its 3 s grace): this process and p2pd leave the
+        # terminal's group, in a session of their own. And SIGTERM must end it: hivemind's last
+        # resort when a shutdown hangs, but the node's own handler for it (asyncio's, inherited
+        # by the fork) would swallow it.
+        with contextlib.suppress(PermissionError):  # already a group leader: nothing to leave
+            os.setsid()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         # hivemind builds a node's storage and cache from this name (DHTProtocol.create), and
