@@ -23,13 +23,17 @@ WAITING = "waiting lane"
 
 #: Test modules of the waiting lane (``tests/unit/`` is in it whole): each one mostly waits (its
 #: CPU over wall time well under two cores) and bounds nothing by the time a busy machine takes.
+#: Rounds of averagers in the test's own process (open rounds, withholding, colluders) are here
+#: too: their messages take milliseconds against timeouts of seconds.
 WAITING_MODULES = frozenset(
     {
         "tests/integration/test_ban_records.py",
         "tests/integration/test_bootstrap_identity.py",
+        "tests/integration/test_colluders.py",
         "tests/integration/test_delay_proxy.py",
-        "tests/integration/test_doctor.py",
         "tests/integration/test_discovery.py",
+        "tests/integration/test_doctor.py",
+        "tests/integration/test_early_slots.py",
         "tests/integration/test_export.py",
         "tests/integration/test_file_data.py",
         "tests/integration/test_libp2p_discovery.py",
@@ -39,6 +43,7 @@ WAITING_MODULES = frozenset(
         "tests/integration/test_packaging.py",
         "tests/integration/test_preflight.py",
         "tests/integration/test_published.py",
+        "tests/integration/test_punched_links.py",
         "tests/integration/test_reachability.py",
         "tests/integration/test_readiness.py",
         "tests/integration/test_readme.py",
@@ -47,6 +52,7 @@ WAITING_MODULES = frozenset(
         "tests/integration/test_stage_service.py",
         "tests/integration/test_state_sync.py",
         "tests/integration/test_ticket_join.py",
+        "tests/integration/test_withholding.py",
     }
 )
 
