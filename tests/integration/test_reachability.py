@@ -472,6 +472,32 @@ async def test_a_client_learns_within_seconds_that_its_relay_died(
     await client.close()
 
 
+def reachability_of(
+    me: Identity,
+    port: int,
+    records: list[PeerRecord],
+    config: ReachabilityConfig,
+    changed: Any = lambda: None,
+) -> Reachability:
+    """A node's reachability checks for its server on 127.0.0.1:``port``, reading ``records``
+    as the run's peers."""
+
+    async def peers() -> list[PeerRecord]:
+        return records
+
+    transport = SimpleNamespace(config=SimpleNamespace(host="127.0.0.1", public_host=""), port=port)
+    spec = SimpleNamespace(run=SimpleNamespace(id=RUN), hash=SPEC)
+    return Reachability(
+        me,
+        cast(Any, spec),
+        cast(Any, transport),
+        peers=peers,
+        changed=changed,
+        admit=anyone,
+        config=config,
+    )
+
+
 def now(condition: Any) -> Any:
     """``condition`` (local state, read at once) as ``until`` awaits it."""
 
@@ -501,24 +527,15 @@ async def test_a_node_that_leaves_its_relay_for_a_mapped_port_stays_reachable_th
         reachability=Reach.DIRECT.value,
     )
 
-    async def peers() -> list[PeerRecord]:
-        return [offer]
-
     verdicts: list[tuple[Reach, str]] = []
     mapped = asyncio.Event()  # the router answers when the test says so
-    transport = SimpleNamespace(config=SimpleNamespace(host="127.0.0.1", public_host=""), port=port)
-    reach = Reachability(
-        me,
-        cast(Any, SimpleNamespace(run=SimpleNamespace(id=RUN), hash=SPEC)),
-        cast(Any, transport),
-        peers=peers,
-        changed=lambda: verdicts.append((reach.kind, reach.endpoint)),
-        admit=anyone,
-        config=ReachabilityConfig(
-            retry_seconds=0.05,
-            handover_seconds=1.5,
-            relay_limits=dataclasses.replace(FAST, max_clients=0),  # pings as the relay expects
-        ),
+    config = ReachabilityConfig(
+        retry_seconds=0.05,
+        handover_seconds=1.5,
+        relay_limits=dataclasses.replace(FAST, max_clients=0),  # pings as the relay expects
+    )
+    reach = reachability_of(
+        me, port, [offer], config, changed=lambda: verdicts.append((reach.kind, reach.endpoint))
     )
 
     async def probe(port: int) -> DialBack:  # the node's own port is not reachable from outside
@@ -583,19 +600,8 @@ async def test_the_only_reachable_node_is_confirmed_by_peers_it_relays_for(
         via=me.peer_id,
     )
 
-    async def peers() -> list[PeerRecord]:
-        return [record]
-
-    transport = SimpleNamespace(config=SimpleNamespace(host="127.0.0.1", public_host=""), port=port)
-    reach = Reachability(
-        me,
-        cast(Any, SimpleNamespace(run=SimpleNamespace(id=RUN), hash=SPEC)),
-        cast(Any, transport),
-        peers=peers,
-        changed=lambda: None,
-        admit=anyone,
-        config=ReachabilityConfig(retry_seconds=0.1, relay_limits=RelayLimits(max_clients=0)),
-    )
+    config = ReachabilityConfig(retry_seconds=0.1, relay_limits=RelayLimits(max_clients=0))
+    reach = reachability_of(me, port, [record], config)
     task = asyncio.create_task(reach.run())
     try:
         async with asyncio.timeout(10):
