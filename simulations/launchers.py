@@ -33,7 +33,13 @@ RAY_CALL_SECONDS = 30.0
 LOCAL_HEAD_STARTS = 3
 
 
-class Process(Protocol):
+class Stoppable(Protocol):
+    """What :func:`stop_all` needs: a launcher's process, or a NAT lab's node."""
+
+    def stop(self, timeout_seconds: float = 15.0) -> None: ...
+
+
+class Process(Stoppable, Protocol):
     name: str
     log_path: Path
 
@@ -41,17 +47,9 @@ class Process(Protocol):
 
     def signal(self, sig: int) -> None: ...
 
-    def stop(self, timeout_seconds: float = 15.0) -> None: ...
-
     def kill(self) -> None: ...
 
     def tail(self, lines: int = 15) -> str: ...
-
-
-class Stoppable(Protocol):
-    """What :func:`stop_all` needs: a launcher's process, or a NAT lab's node."""
-
-    def stop(self, timeout_seconds: float = 15.0) -> None: ...
 
 
 def stop_all(processes: Sequence[Stoppable], timeout_seconds: float = 15.0) -> None:

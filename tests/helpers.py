@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import re
 import signal
 import subprocess
@@ -61,16 +62,22 @@ def wait_until(
 
 
 async def until(
-    condition: Callable[[], Awaitable[T]],
+    condition: Callable[[], Awaitable[T] | T],
     *,
     timeout_seconds: float,
     what: str,
     interval_seconds: float = 0.1,
 ) -> T:
-    """The first truthy value of ``await condition()``, within ``timeout_seconds``."""
+    """The first truthy value of ``condition()`` (awaited when it is a coroutine's: remote
+    state; else read at once: this loop's own), within ``timeout_seconds``."""
+
+    async def read() -> T:
+        value = condition()
+        return await value if inspect.isawaitable(value) else value
+
     try:
         async with asyncio.timeout(timeout_seconds):
-            while not (value := await condition()):  # noqa: ASYNC110 - remote state
+            while not (value := await read()):  # noqa: ASYNC110 - state others change
                 await asyncio.sleep(interval_seconds)
             return value
     except TimeoutError:

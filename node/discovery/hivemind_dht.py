@@ -82,14 +82,10 @@ class _DHT(hivemind.DHT):  # type: ignore[misc]
     def _prepare(self) -> None:
         """In the DHT's process, before hivemind runs."""
         threading.Thread(target=_exit_with, args=self._owner, daemon=True).start()
-        # A Ctrl-C in the node's terminal reaches every process of its group: the node leaves
-        # the swarm through this DHT and then shuts it down, so neither this process nor its
-        # p2pd may die of it first. An ignored SIGINT is not enough for p2pd (Go un-ignores a
-        # signal its program asks to be told of, and p2pd asks for SIGINT: it closed its socket
-        # and hivemind's shutdown waited out its 3 s grace): this process and p2pd leave the
-        # terminal's group, in a session of their own. And SIGTERM must end it: hivemind's last
-        # resort when a shutdown hangs, but the node's own handler for it (asyncio's, inherited
-        # by the fork) would swallow it.
+        # A terminal's Ctrl-C reaches its whole group, but the node leaves the swarm through
+        # this DHT before it shuts it down: this process and its p2pd (which un-ignores SIGINT,
+        # as Go does for a signal it asks for) leave the group. SIGTERM must end it: hivemind's
+        # last resort when a shutdown hangs (asyncio's handler, inherited, would swallow it).
         with contextlib.suppress(PermissionError):  # already a group leader: nothing to leave
             os.setsid()
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -220,8 +220,10 @@ class Reachability:
         # ``origin``), one hop more. Where this node is the only reachable one, they are all
         # there is (it offers their relays), and without them it stayed "unknown" and held its
         # first round for ``reachability_wait_seconds`` (15 s).
-        helpers = sorted(peers, key=lambda p: p.reachability == Reach.RELAYED)
-        helpers = [p for p in helpers if p.reachability != Reach.UNREACHABLE]
+        helpers = sorted(
+            (p for p in peers if p.reachability != Reach.UNREACHABLE),
+            key=lambda p: p.reachability == Reach.RELAYED,
+        )
         candidates = helpers[: self.config.helpers]
         if not candidates:
             return None
@@ -372,8 +374,7 @@ class Reachability:
     def origin_of(self, local: str) -> str | None:
         """The address a connection relayed to this node came from, given the ``host:port`` its
         local end has (None: not a relayed connection)."""
-        clients = [self._relay_client, *self._handing_over]
-        for client in clients:
+        for client in (self._relay_client, *self._handing_over):
             if client is not None and local in client.origins:
                 return client.origins[local]
         return None

@@ -144,7 +144,4 @@ async def test_one_key_holds_at_most_its_share_of_punched_links(
 
 
 async def settled(condition: Callable[[], bool], what: str) -> None:
-    async def holds() -> bool:
-        return condition()
-
-    await until(holds, timeout_seconds=10, what=what)
+    await until(condition, timeout_seconds=10, what=what)

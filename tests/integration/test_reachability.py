@@ -498,15 +498,6 @@ def reachability_of(
     )
 
 
-def now(condition: Any) -> Any:
-    """``condition`` (local state, read at once) as ``until`` awaits it."""
-
-    async def read() -> bool:
-        return bool(condition())
-
-    return read
-
-
 async def test_a_node_that_leaves_its_relay_for_a_mapped_port_stays_reachable_through_it(
     node: tuple[Identity, peer.PeerServicer, int], relay: RelayServer, monkeypatch: Any
 ) -> None:
@@ -549,11 +540,11 @@ async def test_a_node_that_leaves_its_relay_for_a_mapped_port_stays_reachable_th
     monkeypatch.setattr(reach, "_mapped_endpoint", mapped_endpoint)
     task = asyncio.create_task(reach.run())
     try:
-        await until(now(lambda: reach.kind == Reach.RELAYED), timeout_seconds=10, what="relayed")
+        await until(lambda: reach.kind == Reach.RELAYED, timeout_seconds=10, what="relayed")
         relayed = reach.endpoint
         assert relay.clients == 1
         mapped.set()
-        await until(now(lambda: reach.kind == Reach.UPNP), timeout_seconds=10, what="mapped")
+        await until(lambda: reach.kind == Reach.UPNP, timeout_seconds=10, what="mapped")
         assert [kind for kind, _ in verdicts] == [Reach.RELAYED, Reach.UPNP]
         left_at = asyncio.get_running_loop().time()
         # The peer that read the old record still gets through, right after the switch.
@@ -561,7 +552,7 @@ async def test_a_node_that_leaves_its_relay_for_a_mapped_port_stays_reachable_th
         assert info.peer_id == me.peer_id
         assert relay.clients == 1
         # Then the handover ends: the relay's slot is free and the relayed endpoint is gone.
-        await until(now(lambda: relay.clients == 0), timeout_seconds=10, what="the slot let go")
+        await until(lambda: relay.clients == 0, timeout_seconds=10, what="the slot let go")
         assert asyncio.get_running_loop().time() - left_at >= 1.0
         with pytest.raises(PeerUnavailable):
             await peer.get_info(relayed, run_id=RUN, spec_hash=SPEC, timeout_seconds=2)
