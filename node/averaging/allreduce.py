@@ -199,6 +199,13 @@ async def _exchange_with_owner(
 
     async def requests() -> AsyncIterator[Framed | averaging_pb2.AggregateRequest]:
         yield header
+        # Chunks follow once the owner accepted the header (its initial metadata). A refusal
+        # then ends the call before a chunk is written, and its status reaches this member:
+        # gRPC replaces the status of a call that ends during a write by "INTERNAL Internal
+        # error from Core" (a quarter of UNKNOWN_ROUND refusals here, before).
+        await call.initial_metadata()
+        if call.done():
+            return
         while (request := await queue.get()) is not None:
             yield request
 

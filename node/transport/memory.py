@@ -114,8 +114,13 @@ class _Aborted(Exception):
 class _Context:
     """The service's side of one call."""
 
-    def __init__(self, caller: str, write: Callable[[Any], Any] | None = None) -> None:
-        self._caller, self._write = caller, write
+    def __init__(
+        self,
+        caller: str,
+        write: Callable[[Any], Any] | None = None,
+        metadata_sent: asyncio.Event | None = None,
+    ) -> None:
+        self._caller, self._write, self._metadata_sent = caller, write, metadata_sent
 
     def peer(self) -> str:
         return f"memory:{self._caller}"
@@ -124,10 +129,14 @@ class _Context:
         raise _Aborted(code, details)
 
     async def send_initial_metadata(self, metadata: Any) -> None:
-        """Nothing goes ahead of a memory call's messages."""
+        """The caller's :meth:`_StreamCall.initial_metadata` returns (no metadata is kept)."""
+        if self._metadata_sent is not None:
+            self._metadata_sent.set()
 
     async def write(self, message: Any) -> None:
         assert self._write is not None  # only streams write
+        if self._metadata_sent is not None:
+            self._metadata_sent.set()  # the first message carries it, as in gRPC
         await self._write(message)
 
 
@@ -202,6 +211,7 @@ class _StreamCall:
         self._responses: asyncio.Queue[Any] = asyncio.Queue(maxsize=_STREAM_BUFFER)
         self._ended: BaseException | None = None
         self._done = asyncio.Event()
+        self._metadata_sent = asyncio.Event()
         parse = handler.request_deserializer
 
         async def inbound() -> AsyncIterator[Any]:
@@ -214,7 +224,9 @@ class _StreamCall:
         async def serve() -> None:
             try:
                 async with asyncio.timeout(timeout):
-                    await handler.stream_stream(inbound(), _Context(caller, write))
+                    await handler.stream_stream(
+                        inbound(), _Context(caller, write, self._metadata_sent)
+                    )
             except TimeoutError:
                 self._ended = _error(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
             except _Aborted as aborted:
@@ -249,6 +261,21 @@ class _StreamCall:
         if self._ended is not None:
             raise self._ended
         return grpc.aio.EOF
+
+    async def initial_metadata(self) -> grpc.aio.Metadata:
+        """Once the service sent its initial metadata, or the call ended (none is kept)."""
+        if not self._metadata_sent.is_set() and not self._done.is_set():
+            sent = asyncio.ensure_future(self._metadata_sent.wait())
+            ended = asyncio.ensure_future(self._done.wait())
+            try:
+                await asyncio.wait({sent, ended}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                sent.cancel()
+                ended.cancel()
+        return grpc.aio.Metadata()
+
+    def done(self) -> bool:
+        return self._done.is_set()
 
     def cancel(self) -> bool:
         return self._task.cancel()

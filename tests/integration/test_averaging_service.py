@@ -633,3 +633,28 @@ async def test_a_stream_refused_while_a_result_is_written_still_gets_its_status(
         await server.stop(None)
     assert statuses == [grpc.StatusCode.INVALID_ARGUMENT] * 5
     assert servicer.rejections.by_code()["BAD_PAYLOAD"] == 5
+
+
+async def test_an_owners_refusal_reaches_the_member_as_its_status_every_time() -> None:
+    # An owner refuses a stream at its header (here: another run). The member writes its chunks
+    # only once the owner has accepted the header: gRPC replaces the status of a call that ends
+    # during a write with "INTERNAL Internal error from Core", and the member then could not
+    # tell a refusal from a crash (a quarter of refusals, before).
+    other = replace(CONFIG, run_id="other-run")
+    async with (
+        standalone(ident("owner"), other) as owner,
+        standalone(ident("honest"), CONFIG) as member,
+    ):
+        group = Group(
+            round=1,
+            members=(
+                Member(peer_id=owner.peer_id, endpoint=owner.endpoint, bandwidth=1.0),
+                Member(peer_id=member.peer_id, endpoint=member.endpoint, bandwidth=0.0),
+            ),
+        )
+        reasons = []
+        for round_ in range(1, 21):
+            with pytest.raises(RoundAborted) as refused:
+                await member.all_reduce(vector(round_), replace(group, round=round_))
+            reasons.append(str(refused.value))
+    assert all("WRONG_RUN" in reason and "other-run" in reason for reason in reasons), reasons
