@@ -260,7 +260,7 @@ async def _rebalance(config: NodeConfig, swarm: Swarm, worker: StageWorker, inde
         except SwarmgradError as error:
             log.info("rebalancing: could not read the stages' records: %s", error)
             continue
-        settled = settling.settled(r.peer_id for stage in stages for r in stage)
+        settled = settling.settled(stages)
         if not any(r.peer_id == me for r in stages[index]):
             continue  # our own record is not visible yet: the view is stale
         plan = plan_move(stages, hysteresis=spec.pipeline.hysteresis) if settled else None
@@ -312,22 +312,36 @@ async def _choose(config: NodeConfig, identity: Identity) -> int:
     return index
 
 
+class _StageReplica(DiLoCo):
+    """A stage's DiLoCo replica. It announces its worker's capacity (what rebalancing
+    compares) wherever it publishes, not a trainer's rate of samples (its share of the work):
+    that number stood in its record from each round's end until the worker's next announce,
+    and a check that read two replicas mid-swap planned a second move (CI)."""
+
+    def __init__(self, worker: StageWorker, swarm: Swarm) -> None:
+        self._worker = worker  # before DiLoCo's first publish
+        algorithm = worker.algorithm
+        super().__init__(
+            swarm,
+            worker.module,
+            inner_steps=algorithm.inner_steps,
+            outer_lr=algorithm.outer_lr,
+            outer_momentum=algorithm.outer_momentum,
+        )
+
+    @property
+    def throughput(self) -> float:
+        return self._worker.samples_per_second
+
+
 def _attach(worker: StageWorker, swarm: Swarm) -> DiLoCo:
     """On the worker thread: the stage group's DiLoCo replica, caught up with the group."""
-    algorithm = worker.algorithm
-    replica = DiLoCo(
-        swarm,
-        worker.module,
-        inner_steps=algorithm.inner_steps,
-        outer_lr=algorithm.outer_lr,
-        outer_momentum=algorithm.outer_momentum,
-    )
+    replica = _StageReplica(worker, swarm)
     restored = worker.checkpoints.latest() if worker.checkpoints is not None else None
     if restored is not None:
         worker.restore(restored, replica)
     with contextlib.suppress(concurrent.futures.CancelledError):
         replica.catch_up()  # the group has moved on past the checkpoint: download its state
-    swarm.announce_throughput(worker.samples_per_second)  # not the replica's rate (see _sync)
     worker.replica = replica
     return replica
 

@@ -1,5 +1,5 @@
-"""A stage replica's throughput: samples over the compute seconds of their backwards, what it
-announces (the stage's rebalancing compares it)."""
+"""A stage replica's throughput: samples over the compute seconds of their forwards and
+backwards, what it announces (the stage's rebalancing compares it)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ class Throughput:
         self.samples_per_second = 0.0
 
     def work(self, samples: int, seconds: float) -> None:
-        """A microbatch's backward: ``samples`` in ``seconds`` of compute."""
+        """A microbatch's backward (``samples`` in ``seconds`` of compute), or its forward (no
+        samples: they count once, when their gradients are in)."""
         self._seconds += seconds
         self._samples += samples
 

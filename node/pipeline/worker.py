@@ -178,7 +178,11 @@ class StageWorker:
         self.stats.forwards += 1
         self._done()
         self._slow(started)
-        return Computed(outputs, self.version, time.monotonic() - started)
+        seconds = time.monotonic() - started
+        # Its compute, too: the backward recomputes it, and counting that alone put a non-last
+        # stage's throughput a third above what it serves (a head stage's loss is one call).
+        self.throughput.work(0, seconds)
+        return Computed(outputs, self.version, seconds)
 
     def _forward_loss(
         self, mb: Microbatch, inputs: torch.Tensor, labels: torch.Tensor, scale: float
@@ -364,9 +368,6 @@ class StageWorker:
         else:  # the stage's only replica: a group of one, with no matchmaking to wait out
             replica.outer_step_alone()
             outcome, group, seconds = "alone", 1, 0.0
-        # The round published the state with the replica's rate of samples (its share of the
-        # work); a stage replica announces its capacity (what rebalancing compares) instead.
-        replica.swarm.announce_throughput(self.samples_per_second)
         self.stats.rounds[outcome] += 1
         if self.checkpoint_every and replica.epoch % self.checkpoint_every == 0:
             self.save()
@@ -382,8 +383,9 @@ class StageWorker:
 
     @property
     def samples_per_second(self) -> float:
-        """Samples over the compute seconds of their backwards, an EMA over inner steps since
-        this replica joined its stage (0 until its second step): what it announces."""
+        """Samples over the compute seconds of their forwards and backwards, an EMA over inner
+        steps since this replica joined its stage (0 until its second step): what it
+        announces."""
         return self.throughput.samples_per_second
 
     def close(self) -> None:

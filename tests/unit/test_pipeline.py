@@ -166,23 +166,55 @@ def test_auto_fills_the_weakest_stage_and_rebalancing_moves_one_replica_once() -
     assert plan_move([[Replica("b", 10.0), Replica("c", 9.0)], []]) == Move("b", 0, 1)
 
 
+def test_a_mover_is_counted_at_what_the_target_stages_replicas_serve() -> None:
+    # Stage 0 costs three times stage 1's compute per sample: six replicas serve 10 samples/s
+    # each, stage 1's one serves 30. A replica of stage 0 would serve 30 there: 50 vs 30 is
+    # worth the move (counted at its own 10 samples/s, it was not: 50 vs 40).
+    heavy = [Replica(name, 10.0) for name in "abcdef"]
+    assert plan_move([heavy, [Replica("g", 30.0)]]) == Move("a", 0, 1)
+    # The other way round: three replicas of a light stage (30 each) against four of a heavy
+    # one (10 each). One would serve 10 there: 60 vs 50 is under the hysteresis (counted at
+    # its own 30 samples/s, it moved for 60 vs 70).
+    light = [Replica(name, 30.0) for name in "abc"]
+    assert plan_move([light, [Replica(name, 10.0) for name in "defg"]]) is None
+
+
 def test_no_second_replica_moves_while_the_first_is_on_its_way() -> None:
     # Stage 0's three replicas against stage 1's one; "a" is planned to move and leaves.
-    settling = Settling(checks=3)
+    settling = Settling(checks=3, steady=0)
     before = [[Replica("a", 10.0), Replica("b", 12.0), Replica("c", 12.0)], [Replica("d", 10.0)]]
-    assert settling.settled(r.peer_id for s in before for r in s)
+    assert settling.settled(before)
     assert plan_move(before) == Move("a", 0, 1)
     # While "a" is in no stage, stage 0 looks strong enough to give a second replica away...
     away = [[Replica("b", 12.0), Replica("c", 12.0)], [Replica("d", 8.0)]]
     assert plan_move(away) == Move("b", 0, 1)
     # ...but nobody plans until "a" serves again, wherever that is.
-    assert not settling.settled(["b", "c", "d"])
-    assert not settling.settled(["b", "c", "d"])
+    assert not settling.settled(away)
+    assert not settling.settled(away)
     assert settling.away == {"a": 2}
-    assert settling.settled(["b", "c", "d", "a"])  # it joined stage 1
+    moved = [[Replica("b", 12.0), Replica("c", 12.0)], [Replica("d", 8.0), Replica("a", 9.0)]]
+    assert settling.settled(moved)  # it joined stage 1
     # One that is gone for good is waited for only so many checks.
-    assert not settling.settled(["b", "c", "a"])
-    assert [settling.settled(["b", "c", "a"]) for _ in range(3)] == [False, False, True]
+    gone = [[Replica("b", 12.0), Replica("c", 12.0)], [Replica("a", 9.0)]]
+    assert not settling.settled(gone)
+    assert [settling.settled(gone) for _ in range(3)] == [False, False, True]
+
+
+def test_plans_wait_for_the_same_replicas_measured_for_some_checks() -> None:
+    # A moved replica's first rates, and its new neighbours' while it catches up, are not
+    # what they serve: no plan until every stage has kept its replicas, all measured, for
+    # `steady` checks in a row.
+    settling = Settling(checks=3, steady=3)
+    joined = [[Replica("b", 12.0), Replica("c", 12.0)], [Replica("d", 10.0), Replica("a", 0.0)]]
+    catching_up = [[Replica("b", 12.0), Replica("c", 12.0)], [Replica("d", 2.0), Replica("a", 2.5)]]
+    steady = [[Replica("b", 12.0), Replica("c", 12.0)], [Replica("d", 10.0), Replica("a", 9.0)]]
+    views = (joined, joined, catching_up, catching_up, steady)
+    assert [settling.settled(v) for v in views] == [False, False, False, False, True]
+    assert plan_move(catching_up) == Move("b", 0, 1)  # what a plan on those views would do
+    assert plan_move(steady) is None
+    # A replica that moves between checks (never seen away) restarts the count too.
+    swapped = [[Replica("b", 12.0)], [Replica("d", 10.0), Replica("a", 9.0), Replica("c", 1.0)]]
+    assert [settling.settled(swapped) for _ in range(4)] == [False, False, False, True]
 
 
 def test_status_sums_each_stage_and_marks_one_with_no_replica_serving() -> None:
