@@ -28,22 +28,13 @@ from typing import Any, Final, TypeAlias
 
 import grpc
 
+from swarmgrad.protocol.addresses import host_of
 from swarmgrad.protocol.errors import ProtocolViolation
 from swarmgrad.protocol.handlers import Context, Rejections, refuse
 from swarmgrad.protocol.limits import ServerLimits
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
 log = logging.getLogger(__name__)
-
-
-def host_of(peer: str) -> str:
-    """The address in a gRPC ``context.peer()`` string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``)."""
-    kind, _, rest = peer.partition(":")
-    if kind == "ipv4":
-        return rest.rsplit(":", 1)[0]
-    if kind == "ipv6":
-        return rest.rsplit(":", 1)[0].strip("[]")
-    return ""
 
 
 class _Ended:

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import grpc
 
 from swarmgrad.protocol import PROTOCOL_VERSION
+from swarmgrad.protocol.addresses import endpoint_of, host_of, is_ipv4, local_endpoint, port_of
 from swarmgrad.protocol.auth import Signer, Verifier, sign_request, signed_bytes
 from swarmgrad.protocol.errors import (
     PeerUnavailable,
@@ -31,7 +32,7 @@ from swarmgrad.protocol.errors import (
     quote,
 )
 from swarmgrad.protocol.keys import peer_id_of, verify_signature
-from swarmgrad.protocol.server import Rejections, host_of, open_channel, unary
+from swarmgrad.protocol.server import Rejections, open_channel, unary
 from swarmgrad.protocol.v1 import peer_pb2
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 
@@ -41,23 +42,6 @@ MAX_CHALLENGE_BYTES = 64
 MAX_GROUP_ID_BYTES = 32
 SERVICE = "swarmgrad.v1.Peer"
 _GET_INFO, _DIAL_BACK, _PUNCH = (f"/{SERVICE}/{m}" for m in ("GetInfo", "DialBack", "Punch"))
-
-
-def endpoint_of(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _port_of(peer: str) -> int:
-    """The port of a gRPC ``context.peer()`` string (0 for any other kind of address)."""
-    kind, _, rest = peer.partition(":")
-    port = rest.rsplit(":", 1)[-1]
-    return int(port) if kind in ("ipv4", "ipv6") and port.isdigit() else 0
-
-
-def local_endpoint(peer: str) -> str:
-    """``host:port`` of a gRPC ``context.peer()`` string, as :func:`endpoint_of` writes it."""
-    kind, _, rest = peer.partition(":")
-    return rest if kind in ("ipv4", "ipv6") else ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -205,7 +189,7 @@ class PeerServicer:
         endpoint = endpoint_of(host, request.port)
         # The port the call came from (its NAT's mapping): how callers tell their NAT's kind.
         # A relayed call came from the relay's socket, whose port says nothing about the caller.
-        seen_port = 0 if self._relayed(context) else _port_of(context.peer())
+        seen_port = 0 if self._relayed(context) else port_of(context.peer())
         try:
             await get_info(
                 endpoint,
@@ -228,7 +212,7 @@ class PeerServicer:
         self, request: peer_pb2.PunchRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> peer_pb2.PunchReply:
         self._check_run(request.run_id, request.spec_hash)
-        if not _is_ipv4(request.host) or not 0 < request.port < 65536:
+        if not is_ipv4(request.host) or not 0 < request.port < 65536:
             raise ProtocolViolation(ResultCode.BAD_PAYLOAD, "bad punching address")
         requester = self._verifier.verify(
             _PUNCH,
@@ -252,13 +236,6 @@ class PeerServicer:
             raise ProtocolViolation(ResultCode.OVERLOADED, "too many punches under way")
         self.punches += 1
         return peer_pb2.PunchReply(host=started[0], port=started[1])
-
-
-def _is_ipv4(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).version == 4
-    except ValueError:
-        return False
 
 
 def add_to_server(servicer: PeerServicer, server: grpc.aio.Server) -> None:
@@ -405,6 +382,6 @@ async def ask_punch(
     request.auth.CopyFrom(sign_request(signer, _PUNCH, callee, punch_fields(request)))
     reply = await _call(endpoint, _PUNCH, request, peer_pb2.PunchReply.FromString, timeout_seconds)
     assert isinstance(reply, peer_pb2.PunchReply)
-    if not _is_ipv4(reply.host) or not 0 < reply.port < 65536:
+    if not is_ipv4(reply.host) or not 0 < reply.port < 65536:
         raise PeerUnavailable(f"{endpoint} answered a punch with a bad address")
     return reply.host, reply.port

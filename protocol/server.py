@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 import grpc
 
-from swarmgrad.protocol.admission import Admission, host_of
+from swarmgrad.protocol.addresses import host_of
+from swarmgrad.protocol.admission import Admission
 from swarmgrad.protocol.errors import BindError
 from swarmgrad.protocol.handlers import (
     MALFORMED,

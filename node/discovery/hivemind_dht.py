@@ -10,25 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import multiprocessing
 import os
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import hivemind
 import hivemind.dht.node
 import hivemind.dht.protocol
-from hivemind.utils.mpfuture import MPFuture, SharedBytes
+from hivemind.utils.mpfuture import MPFuture
 
 from swarmgrad.node.discovery.base import DiscoveryError, SignedDirectory
 from swarmgrad.node.discovery.diagnose import explain
+from swarmgrad.node.discovery.hivemind_process import ReplyLock, exit_with, started_at
 from swarmgrad.node.discovery.hivemind_storage import BoundedStorage, SealedValues, StorerProtocol
 from swarmgrad.node.discovery.p2p_key import p2p_key_file
 from swarmgrad.node.identity import Identity
@@ -60,12 +59,12 @@ class _DHT(hivemind.DHT):  # type: ignore[misc]
     parent hangs at its first reply, before it can even say it is ready (seen: a test process's
     fork server, after ~30 DHTs killed mid-call). Here the replies to one node take a
     :class:`ReplyLock` instead, which the kernel releases when its holder dies (and every
-    forked process has hivemind's other locks to itself: :func:`_own_locks`).
+    forked process has hivemind's other locks to itself: :func:`~.hivemind_process.own_locks`).
     """
 
     def __init__(self, *args: Any, from_clean_process: bool, **kwargs: Any) -> None:
         self.from_clean_process = from_clean_process
-        self._owner = os.getpid(), _started_at(os.getpid())
+        self._owner = os.getpid(), started_at(os.getpid())
         self._reply_lock = ReplyLock.of_this_process()
         super().__init__(*args, **kwargs)
 
@@ -81,7 +80,7 @@ class _DHT(hivemind.DHT):  # type: ignore[misc]
 
     def _prepare(self) -> None:
         """In the DHT's process, before hivemind runs."""
-        threading.Thread(target=_exit_with, args=self._owner, daemon=True).start()
+        threading.Thread(target=exit_with, args=self._owner, daemon=True).start()
         # A terminal's Ctrl-C reaches its whole group, but the node leaves the swarm through
         # this DHT before it shuts it down: this process and its p2pd (which un-ignores SIGINT,
         # as Go does for a signal it asks for) leave the group. SIGTERM must end it: hivemind's
@@ -96,73 +95,8 @@ class _DHT(hivemind.DHT):  # type: ignore[misc]
         hivemind.dht.protocol.DHTLocalStorage = BoundedStorage
         hivemind.dht.node.DHTProtocol = StorerProtocol
         # Before anything takes it (the fork gave this process locks of its own for the rest:
-        # _own_locks).
+        # own_locks).
         MPFuture._update_lock = self._reply_lock
-
-
-def _own_locks() -> None:
-    """Give this process hivemind's process-wide locks of its own (run in every child forked
-    from a process that imported this module).
-
-    hivemind makes them at import, as multiprocessing semaphores, and so every process forked
-    after shares them. They guard only each process's own state (its shared bytes, its reply
-    backend; the replies to a node take a :class:`ReplyLock`), but a process killed while it
-    holds one (SIGKILL, while it allocates shared bytes for a DHT call's future) leaves it held
-    for good, for all its siblings: every node forked later from the same zygote or fork server
-    hung at its DHT's first future, right after logging its peer id (the lone node's start stall
-    CI saw for 180 s, and a whole simulation's bootstrap in a namespace). A thread lock each."""
-    MPFuture._update_lock = threading.Lock()
-    MPFuture._initialization_lock = threading.Lock()
-    SharedBytes._lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_own_locks)
-
-
-class ReplyLock:
-    """A lock between the DHT processes that reply to one node, released by the kernel if its
-    holder dies: a POSIX record lock (``lockf``) on a nameless file the node holds open, taken
-    by one thread of a process at a time. It travels by path (``/proc/<node>/fd/<n>``), so the
-    fork server's children share it too, and nothing is left on disk."""
-
-    _mine: ClassVar[tuple[int, ReplyLock] | None] = None
-    _making: ClassVar[threading.Lock] = threading.Lock()
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd: int | None = None
-        self._threads = threading.Lock()
-
-    @classmethod
-    def of_this_process(cls) -> ReplyLock:
-        """This process's lock for the replies to it, made on first use (one, whichever
-        thread starts a DHT first)."""
-        with cls._making:
-            if cls._mine is None or cls._mine[0] != os.getpid():
-                fd, path = tempfile.mkstemp(prefix="swarmgrad-dht-replies-")
-                os.unlink(path)  # only the open file is needed, and it goes with this process
-                cls._mine = os.getpid(), cls(f"/proc/{os.getpid()}/fd/{fd}")
-            return cls._mine[1]
-
-    def __reduce__(self) -> tuple[type[ReplyLock], tuple[str]]:
-        return ReplyLock, (self.path,)
-
-    def __enter__(self) -> None:
-        self._threads.acquire()
-        try:
-            if self._fd is None:
-                self._fd = os.open(self.path, os.O_RDWR)
-            fcntl.lockf(self._fd, fcntl.LOCK_EX)
-        except BaseException:
-            self._threads.release()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            assert self._fd is not None
-            fcntl.lockf(self._fd, fcntl.LOCK_UN)
-        finally:
-            self._threads.release()
 
 
 def _fork_server() -> Any:
@@ -171,23 +105,6 @@ def _fork_server() -> Any:
     # "__main__" (the default), which would run the user's script again.
     context.set_forkserver_preload([__name__])
     return context
-
-
-def _started_at(pid: int) -> str | None:
-    """When process ``pid`` started (its /proc start time), or None if it is gone or a zombie:
-    with the pid, an identity that a recycled pid does not share."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]
-
-
-def _exit_with(owner: int, started_at: str | None) -> None:
-    # Not the parent pid: a fork server's child outlives its requester with the same parent.
-    while _started_at(owner) == started_at:
-        time.sleep(0.5)
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 #: Tries at joining through the bootstrap peers before a start gives up: on a loaded machine the

@@ -41,8 +41,9 @@ from swarmgrad.node.reachability.relay_client import RelayClient
 from swarmgrad.node.reachability.relay_server import RelayServer
 from swarmgrad.node.runspec import RunSpec
 from swarmgrad.node.transport.transport import Transport
+from swarmgrad.protocol.addresses import endpoint_of
 from swarmgrad.protocol.errors import SwarmgradError
-from swarmgrad.protocol.peer import DialBack, ask_dial_back, endpoint_of
+from swarmgrad.protocol.peer import DialBack, ask_dial_back
 
 log = logging.getLogger(__name__)
 

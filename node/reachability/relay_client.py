@@ -19,7 +19,7 @@ from swarmgrad.node.reachability.relay import (
 )
 from swarmgrad.node.reachability.streams import close_quietly, splice
 from swarmgrad.node.tasks import TaskSet
-from swarmgrad.protocol.peer import endpoint_of
+from swarmgrad.protocol.addresses import endpoint_of
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from swarmgrad.node.transport.throttle import TokenBucket
-from swarmgrad.protocol.peer import endpoint_of
+from swarmgrad.protocol.addresses import endpoint_of
 from swarmgrad.protocol.server import (
     Admission,
     Rejections,

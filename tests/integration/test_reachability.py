@@ -30,6 +30,7 @@ from swarmgrad.node.reachability.relay import RelayError, RelayLimits
 from swarmgrad.node.reachability.relay_client import RelayClient
 from swarmgrad.node.reachability.relay_server import RelayServer
 from swarmgrad.protocol import peer
+from swarmgrad.protocol.addresses import endpoint_of
 from swarmgrad.protocol.auth import Verifier, sign_request
 from swarmgrad.protocol.errors import STATUS_OF, PeerUnavailable, ProtocolViolation
 from swarmgrad.protocol.peer import DialBack
@@ -611,7 +612,7 @@ def test_grpc_peer_strings_parse() -> None:
     assert peer.host_of("ipv4:11.7.0.101:34567") == "11.7.0.101"
     assert peer.host_of("ipv6:[::1]:5") == "::1"
     assert peer.host_of("unix:/tmp/x") == ""
-    assert peer.endpoint_of("::1", 5) == "[::1]:5"
+    assert endpoint_of("::1", 5) == "[::1]:5"
 
 
 async def _forward_from(source_host: str, target: tuple[str, int]) -> tuple[asyncio.Server, int]:

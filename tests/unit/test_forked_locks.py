@@ -1,6 +1,6 @@
 """A process killed while it holds one of hivemind's process-wide locks must not stall the
 processes forked after it from the same parent (a simulation's zygote, multiprocessing's fork
-server): each forked process has locks of its own (``hivemind_dht._own_locks``).
+server): each forked process has locks of its own (``hivemind_process.own_locks``).
 
 hivemind makes them at import as multiprocessing semaphores, which every process forked later
 shares. A node killed (SIGKILL) while it allocated shared bytes for a DHT call's future left
