@@ -238,6 +238,7 @@ class _StreamCall:
                 self._ended = _error(grpc.StatusCode.UNKNOWN, repr(error))
             finally:
                 self._done.set()
+                self._metadata_sent.set()  # nothing more to wait for
 
         self._task = asyncio.get_running_loop().create_task(serve(), name="memory-stream")
 
@@ -264,14 +265,7 @@ class _StreamCall:
 
     async def initial_metadata(self) -> grpc.aio.Metadata:
         """Once the service sent its initial metadata, or the call ended (none is kept)."""
-        if not self._metadata_sent.is_set() and not self._done.is_set():
-            sent = asyncio.ensure_future(self._metadata_sent.wait())
-            ended = asyncio.ensure_future(self._done.wait())
-            try:
-                await asyncio.wait({sent, ended}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                sent.cancel()
-                ended.cancel()
+        await self._metadata_sent.wait()
         return grpc.aio.Metadata()
 
     def done(self) -> bool:
