@@ -247,9 +247,10 @@ async def _until_stop_or_move(
 
 async def _rebalance(config: NodeConfig, swarm: Swarm, worker: StageWorker, index: int) -> Move:
     """Check the stages every ``pipeline.rebalance_seconds`` (jittered); the move this replica
-    is to make, once two checks in a row plan it from the same replicas."""
+    is to make, once two checks in a row plan it (from the same replicas: a plan is made only
+    on a view that :class:`Settling` saw unchanged for several checks)."""
     spec, me = config.spec, worker.peer_id
-    planned: tuple[Move, tuple[frozenset[str], ...]] | None = None
+    planned: Move | None = None
     settling = Settling()  # replicas on their way between stages are waited for
     while True:
         await asyncio.sleep(spec.pipeline.rebalance_seconds * random.uniform(0.75, 1.25))
@@ -264,17 +265,16 @@ async def _rebalance(config: NodeConfig, swarm: Swarm, worker: StageWorker, inde
         if not any(r.peer_id == me for r in stages[index]):
             continue  # our own record is not visible yet: the view is stale
         plan = plan_move(stages, hysteresis=spec.pipeline.hysteresis) if settled else None
-        view = tuple(frozenset(r.peer_id for r in stage) for stage in stages)
         log.debug(
             "rebalancing: throughputs %s, plan %s, waiting for %s",
             _throughputs(stages),
             plan,
             sorted(settling.away),
         )
-        if plan is not None and plan.peer_id == me and (plan, view) == planned:
+        if plan is not None and plan.peer_id == me and plan == planned:
             log.info("rebalancing: stages' throughputs %s", _throughputs(stages))
             return plan
-        planned = (plan, view) if plan is not None else None
+        planned = plan
 
 
 def _throughputs(stages: list[list[BalanceReplica]]) -> list[list[float]]:
