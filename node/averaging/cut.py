@@ -8,12 +8,20 @@ groups (``matchmaking.py``)."""
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 from swarmgrad.node.averaging.grouping import waves
 from swarmgrad.node.averaging.slots import in_slot, slot_cut, slot_of
 from swarmgrad.node.discovery.records import ReadyRecord
 
 log = logging.getLogger(__name__)
+
+#: Matchmaking's settle time (``Settle``) is this many times the longest of this node's last few
+#: announces (how long a readiness record takes to land in the DHT from here), within
+#: ``MIN_SETTLE_SECONDS`` and the matchmaker's ``settle_seconds``.
+SETTLE_PER_STORE = 3.0
+MIN_SETTLE_SECONDS = 0.1
+SETTLE_HISTORY = 4
 
 #: A round's waves are this much shorter than its matchmaking: a record signed just before its
 #: wave closes still reaches the DHT, and the first peer's last read.
@@ -85,3 +93,32 @@ class Cut:
         """The peers of ``me``'s wave among ``by_id`` (all of them if ``me`` is not there)."""
         issued = {p: r.issued_at for p, r in by_id.items()}
         return next((w for w in waves(issued, self.wave_seconds) if self.me in w), list(by_id))
+
+
+class Settle:
+    """How long matchmaking waits, once it stops polling, before its last read: time for
+    records signed before then to land in the DHT. A record signed before the first peer stopped
+    and stored by the time the last one reads is cut alike by both; the wait only has to outlast
+    a store. Waiting longer does not narrow the gap between two peers' last reads (a record
+    signed inside it splits them however long both wait), so the wait follows what a store
+    costs here: ``SETTLE_PER_STORE`` times the longest of the last ``SETTLE_HISTORY`` announces,
+    at least ``MIN_SETTLE_SECONDS``, at most ``longest`` (before any announce, ``longest``).
+    On loopback a store takes milliseconds and a round waits 0.1 s instead of 0.5 s; a DHT whose
+    stores take longer than ``longest`` / ``SETTLE_PER_STORE`` gets the whole ``longest``."""
+
+    def __init__(self, longest: float) -> None:
+        self.longest = longest
+        self._stores: deque[float] = deque(maxlen=SETTLE_HISTORY)
+
+    def stored(self, seconds: float) -> None:
+        """An announce of this node took ``seconds``."""
+        self._stores.append(seconds)
+
+    @property
+    def seconds(self) -> float:
+        return settle_time(max(self._stores), self.longest) if self._stores else self.longest
+
+
+def settle_time(store_seconds: float, longest: float) -> float:
+    """The settle time after stores of ``store_seconds`` (``Settle``), at most ``longest``."""
+    return min(longest, max(MIN_SETTLE_SECONDS, SETTLE_PER_STORE * store_seconds))

@@ -8,7 +8,8 @@ expects two to four groups' worth of the round's peers (:func:`bucket_count`); a
 for, and only groups with, the peers of its own bucket. It reads the topic until every expected
 peer of its bucket is a candidate (at least two), or its wave is over (below), or its matchmaking
 timeout passes; then it waits
-``settle_seconds`` for stragglers' records to spread, and reads once more. Its bucket's
+a settle time for stragglers' records to spread (a few of its own announces' time, at most
+``settle_seconds``: ``cut.Settle``), and reads once more. Its bucket's
 candidates are ordered by a hash of (round, peer id), a fresh shuffle each round that every peer
 computes alike, and cut into groups of ``group_size`` (a short last group joins the one before
 it), none holding two peers of which one avoids the other: a node names its newest bans in its
@@ -71,7 +72,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
 from swarmgrad.node.averaging.census import Census, freshest_first, take_census
-from swarmgrad.node.averaging.cut import Cut
+from swarmgrad.node.averaging.cut import Cut, Settle
 from swarmgrad.node.averaging.group import Group, Member, bounded
 from swarmgrad.node.averaging.grouping import assign_groups
 from swarmgrad.node.averaging.membership import Alive, Liveness, Membership, Probes
@@ -163,7 +164,9 @@ class Matchmaker:
             timeout_seconds=matchmaking_timeout_seconds,
             slot_seconds=slot_seconds,
         )
-        self.settle_seconds = settle_seconds
+        #: The wait before the last read: ``settle_seconds`` at most, less where the DHT's
+        #: stores take less (``cut.Settle``).
+        self.settle = Settle(settle_seconds)
         self._excluded = hooks.excluded or (lambda _peer: False)
         self._avoiding = hooks.avoiding or (lambda: ())
         self.membership = hooks.membership
@@ -172,6 +175,11 @@ class Matchmaker:
             alive = self.membership.alive
         self._alive = alive
         self._expect = hooks.expect
+
+    @property
+    def settle_seconds(self) -> float:
+        """The longest settle time (a round's withdrawal waits this long)."""
+        return self.settle.longest
 
     @property
     def timeout_seconds(self) -> float:
@@ -202,8 +210,10 @@ class Matchmaker:
             avoids=pack_avoids(p for p in self._avoiding() if p != self._identity.peer_id),
         )
         avoided = ready.avoided()
-        await self._discovery.announce_ready(ready)
         loop = asyncio.get_running_loop()
+        announcing = loop.time()
+        await self._discovery.announce_ready(ready)
+        self.settle.stored(loop.time() - announcing)
         deadline = loop.time() + self.timeout_seconds
         cut_at = self.cut.cut_at(slot)
         me = self._identity.peer_id
@@ -253,7 +263,8 @@ class Matchmaker:
                 candidates = self._admit(round_, posted, records, probes, kept)
                 census = self._census(round_, peers, probes)
             # A slot's records signed up to its grace have the settle time to spread.
-            await asyncio.sleep(max(self.settle_seconds, cut_at + self.settle_seconds - dht_time()))
+            settle = self.settle.seconds
+            await asyncio.sleep(max(settle, cut_at + settle - dht_time()))
             posted = await self._ready(round_, avoided)
             candidates = self._admit(round_, posted, records, probes, kept)
             if probes is not None:

@@ -31,7 +31,8 @@ What each peer does, and whose rule it is:
   the bucket is visible (a dead one is asked after ``PROBE_AFTER_SECONDS`` and no longer waited
   for one round trip later, a paused one after the liveness deadline), or the matchmaking
   timeout; notice at the next poll, wait the settle
-  time, read once more and cut the bucket's visible candidates into groups in the node's own
+  time (the node's rule, ``cut.settle_time``, for a store as long as its record's), read once
+  more and cut the bucket's visible candidates into groups in the node's own
   order (``groups.py``). In slots (``slots.py``) a record counts only in its slot, up to the
   grace (one signed later joins no group), and the last read is at the slot's cut (the grace)
   plus half a poll and the settle time. Readiness records are withdrawn and lapse as the

@@ -11,6 +11,7 @@ from typing import Any
 
 import simpy
 
+from swarmgrad.node.averaging.cut import settle_time
 from swarmgrad.node.averaging.group import Group, Member
 from swarmgrad.node.averaging.grouping import bucket_count, bucket_of
 from swarmgrad.node.averaging.matchmaking import (
@@ -170,11 +171,13 @@ class Rounds(ModelState):
                 wake = min(wake, env.now + EXPECTED_REFRESH_SECONDS)
             wake = max(wake, env.now + POLL_SECONDS)
             yield env.any_of([bucket.changed, env.timeout(wake - env.now)])
-        # The last read: after the settle time, and in a slot never before its grace has passed
-        # and the records signed in it had the settle time to spread.
-        settle = POLL_SECONDS / 2 + MATCHMAKING_SETTLE_SECONDS
+        # The last read: after the settle time (the node's rule for a store as long as its own
+        # record's), and in a slot never before its grace has passed and the records signed in
+        # it had the settle time to spread.
+        spread = settle_time(delay, MATCHMAKING_SETTLE_SECONDS)
+        settle = POLL_SECONDS / 2 + spread
         if cut_at is not None:
-            settle = max(settle, cut_at + MATCHMAKING_SETTLE_SECONDS - env.now)
+            settle = max(settle, cut_at + spread - env.now)
         yield env.timeout(settle)
         group = bucket.visible.group_of(me)
         if group is not None and all(self.by_id[p].relay is not None for p in group):

@@ -326,7 +326,7 @@ def test_an_overlapped_round_trains_on_meanwhile(window: float) -> None:
         assert summary["totals"]["samples_kept"] == 1.0
         assert summary["totals"]["resyncs"] == 0
     # Only the last round waits (it lands before the run ends).
-    assert blocking["totals"]["utilization"] < 0.6
+    assert blocking["totals"]["utilization"] < 0.65
     assert overlapped["totals"]["utilization"] > 0.8
     # The rounds' traffic is the same: only the waiting went.
     assert overlapped["totals"]["bytes_sent_per_peer"] == blocking["totals"]["bytes_sent_per_peer"]
