@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
+import os
 import subprocess
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +33,13 @@ LAUNCHERS = ("local", "ray")
 RAY_CALL_SECONDS = 30.0
 #: How many times a local Ray head is started before ``simulate`` gives up.
 LOCAL_HEAD_STARTS = 3
+#: How long a local head's GCS may take to write its port before the start is tried again
+#: (Ray's own default: 30 s). A healthy one takes 1-2 s on a loaded 2-core machine; the starts CI
+#: saw fail never brought their GCS (or raylet) up at all, and Ray waited out its whole deadline.
+LOCAL_GCS_WAIT_SECONDS = 10
+GCS_WAIT_VARIABLE = "RAY_gcs_server_port_wait_time_s"
+
+log = logging.getLogger(__name__)
 
 
 class Stoppable(Protocol):
@@ -201,7 +210,8 @@ class RayProcess:
 @contextlib.contextmanager
 def ray_cluster(address: str) -> Iterator[None]:
     """Connected to the Ray cluster at ``address`` ("": a local head, started and stopped
-    here) for the duration."""
+    here, never a cluster named by ``RAY_ADDRESS`` or left by a ``ray start``) for the
+    duration."""
     try:
         import ray
     except ImportError as error:
@@ -217,12 +227,13 @@ def ray_cluster(address: str) -> Iterator[None]:
     for attempt in range(1, attempts + 1):
         before = _descendants()
         try:
-            ray.init(
-                address=address or None,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-            )
+            with contextlib.nullcontext() if address else _gcs_wait(LOCAL_GCS_WAIT_SECONDS):
+                ray.init(
+                    address=address or "local",  # never a cluster the environment names
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    configure_logging=False,
+                )
             break
         except Exception as error:
             if address and isinstance(error, (ConnectionError, RuntimeError, ValueError)):
@@ -234,10 +245,26 @@ def ray_cluster(address: str) -> Iterator[None]:
             if attempt == attempts:
                 where = f"the cluster at {address}" if address else "a local Ray head"
                 raise SimulationError(f"cannot start {where} ({attempt} tries): {error}") from None
+            log.warning("a local Ray head did not start (try %d of %d): %s", attempt, attempts,
+                        error)  # fmt: skip
     try:
         yield
     finally:
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def _gcs_wait(seconds: int) -> Iterator[None]:
+    """Ray's wait for a GCS it starts set to ``seconds`` for the duration, unless the
+    environment already sets it."""
+    if GCS_WAIT_VARIABLE in os.environ:
+        yield
+        return
+    os.environ[GCS_WAIT_VARIABLE] = str(seconds)
+    try:
+        yield
+    finally:
+        os.environ.pop(GCS_WAIT_VARIABLE, None)
 
 
 def _descendants() -> set[int]:

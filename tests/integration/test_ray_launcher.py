@@ -17,8 +17,12 @@ from tests.helpers import light
 
 @pytest.mark.timeout(300)  # ~50 s on a 2-core machine: room for a slower one
 def test_a_ray_launched_swarm_trains_like_the_same_peers_averaged_exactly(
-    tmp_path: Path, cache_dir: Path
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Without --ray-address the swarm runs on a head of its own, whatever cluster the
+    # environment names (here a dead one: Ray's own default joined it, and failed) or a
+    # ``ray start`` left behind on this machine.
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")
     # ``light``: what is tested is where the processes run, not the model.
     spec_path = tmp_path / "run.toml"
     spec_path.write_text(light(DEMO_SPEC))
