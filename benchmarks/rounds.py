@@ -57,9 +57,8 @@ def one_swarm(nodes: int, rounds: int, seed: int) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nodes", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--repeats", type=int, default=3)
+    for option, default in (("--nodes", 4), ("--rounds", 12), ("--repeats", 3)):
+        parser.add_argument(option, type=int, default=default)
     parser.add_argument("--json", type=Path, help="write the repeats here too")
     args = parser.parse_args()
     runs = [one_swarm(args.nodes, args.rounds, seed) for seed in range(args.repeats)]
