@@ -22,18 +22,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from swarmgrad.simulations.swarm import DEMO_SPEC, SimulationConfig, simulate
+from status import LIGHT  # benchmarks/status.py, beside this file
 
-QUARTER = (("seq_len = 64", "seq_len = 32"), ("batch_size = 16", "batch_size = 8"))
+from swarmgrad.simulations.swarm import SimulationConfig, simulate
 
 
 def one_swarm(nodes: int, rounds: int, seed: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="rounds-") as folder:
         out = Path(folder)
-        spec = DEMO_SPEC
-        for full, quarter in QUARTER:
-            spec = spec.replace(full, quarter)
-        (out / "run.toml").write_text(spec)
+        (out / "run.toml").write_text(LIGHT)
         started = time.monotonic()
         summary = simulate(
             SimulationConfig(nodes=nodes, rounds=rounds, spec_path=out / "run.toml",

@@ -155,8 +155,8 @@ def test_a_member_frozen_mid_round_is_dropped_in_seconds_not_by_its_timeouts(
     that round (``quiet.py``; the rule alone: test_quiet_peers). Where they had delivered, its
     part is complete and there is nothing to wait for. Where the freeze came once its own part
     had gone out (a round's all-reduce takes ~0.1 s here, the freeze a poll of its log after
-    the round began: one of this stop's four CI runs), nothing of that round waits for it, the next
-    round's matchmaking asks it whether it is there and does not wait for it either."""
+    the round began: one CI run of five, 2026-12-01), nothing of that round waits for it, and
+    the next round's matchmaking asks it whether it is there and does not wait for it either."""
     out, rounds = tmp_path / "sim", 6
     summary = _churned_swarm(tmp_path, FREEZE_MID_ROUND, rounds)
     paused, resumed = summary["churn"]["events"]

@@ -38,7 +38,14 @@ def peer(name: str, epoch: int, reachability: str = "direct") -> PeerRecord:
     )  # fmt: skip
 
 
-def maker(board: Board, identity: Identity, peers: list[PeerRecord], **options: Any) -> Matchmaker:
+def maker(
+    board: Board,
+    identity: Identity,
+    peers: list[PeerRecord],
+    *,
+    settle_seconds: float = 0.05,
+    **options: Any,
+) -> Matchmaker:
     async def read() -> list[PeerRecord]:
         return peers
 
@@ -47,7 +54,7 @@ def maker(board: Board, identity: Identity, peers: list[PeerRecord], **options: 
         identity,
         group_size=4,
         matchmaking_timeout_seconds=10.0,
-        settle_seconds=0.05,
+        settle_seconds=settle_seconds,
         hooks=Hooks(peers=read, **options),
     )
 

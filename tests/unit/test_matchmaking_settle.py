@@ -14,10 +14,9 @@ from swarmgrad.node.averaging.cut import (
     SETTLE_PER_STORE,
     Settle,
 )
-from swarmgrad.node.averaging.matchmaking import Hooks, Matchmaker
-from swarmgrad.node.discovery.records import PeerRecord, ReadyRecord
+from swarmgrad.node.discovery.records import ReadyRecord
 from swarmgrad.node.identity import Identity
-from tests.unit.test_matchmaking_rules import Board, peer, ready
+from tests.unit.test_matchmaking_rules import Board, maker, peer, ready
 
 LONGEST = 0.5
 
@@ -58,19 +57,7 @@ async def _group_with_straggler(store_seconds: float, straggler_after: float) ->
     me = Identity.from_seed("mm-settle/me")
     board = SlowBoard(store_seconds, me.peer_id)
     board.ready[3] = {"mate": ready("mate", 3)}
-    peers: list[PeerRecord] = [peer(me.peer_id, 3), peer("mate", 3)]
-
-    async def read() -> list[PeerRecord]:
-        return peers
-
-    maker = Matchmaker(
-        board,  # type: ignore[arg-type]
-        me,
-        group_size=8,
-        matchmaking_timeout_seconds=10.0,
-        settle_seconds=LONGEST,
-        hooks=Hooks(peers=read),
-    )
+    matchmaker = maker(board, me, [peer(me.peer_id, 3), peer("mate", 3)], settle_seconds=LONGEST)
 
     async def straggler() -> None:
         await board.mine.wait()
@@ -79,7 +66,7 @@ async def _group_with_straggler(store_seconds: float, straggler_after: float) ->
 
     async with asyncio.TaskGroup() as tasks:
         tasks.create_task(straggler())
-        group = await maker.form_group(3, endpoint="me:1")
+        group = await matchmaker.form_group(3, endpoint="me:1")
     assert group is not None
     return {m.peer_id for m in group.members} - {me.peer_id}
 
