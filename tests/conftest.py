@@ -23,6 +23,9 @@ from swarmgrad.node.training.data import load_demo
 from swarmgrad.simulations.allreduce_peer import PeerProcess
 from tests import lanes
 
+# The test modules' shared parts that assert: pytest explains their failures as a test's own.
+pytest.register_assert_rewrite("tests.integration.averaging_streams", "tests.unit.codec_data")
+
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:

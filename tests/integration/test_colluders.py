@@ -10,7 +10,8 @@ import torch
 from swarmgrad.node.averaging.allreduce import RoundResult
 from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.simulations.attacks import Attack, Attacker
-from tests.integration.test_open_rounds import SIZE, average, group_of, honest_updates, rel, swarm
+from tests.helpers import group_of
+from tests.integration.open_rounds import SIZE, average, honest_updates, rel, swarm
 
 ROUNDS = 6
 

@@ -18,7 +18,7 @@ from swarmgrad.node.averaging.registry import MAX_EARLY_STREAMS
 from swarmgrad.protocol.averaging import StreamHeader, header_to_proto
 from swarmgrad.protocol.v1 import averaging_pb2_grpc
 from tests.helpers import until
-from tests.integration.test_averaging_service import (
+from tests.integration.averaging_streams import (
     CONFIG,
     check_honest,
     group_of,

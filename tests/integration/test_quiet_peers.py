@@ -20,7 +20,7 @@ from swarmgrad.node.averaging.quiet import QUIET_SECONDS, UNANSWERED_PROBES
 from swarmgrad.node.averaging.registry import Registry
 from swarmgrad.node.kinds import Presence
 from swarmgrad.protocol.v1 import averaging_pb2_grpc
-from tests.integration.test_averaging_service import (
+from tests.integration.averaging_streams import (
     CONFIG,
     Request,
     chunk,

@@ -25,7 +25,7 @@ from swarmgrad.node.reachability.relay_server import RelayServer
 from swarmgrad.protocol import peer
 from swarmgrad.protocol.server import start_server
 from tests.helpers import until
-from tests.integration.test_reachability import RUN, SPEC, servicer_of
+from tests.integration.reachability import RUN, SPEC, servicer_of
 
 QUICK = {"ping_seconds": 0.2, "silence_seconds": 1.0, "attach_timeout_seconds": 2.0}
 #: What one read of a spliced connection may take beyond a client's budget (it waits it out).

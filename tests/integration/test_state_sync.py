@@ -1,22 +1,20 @@
 """State download from several donors at once (real gRPC servers on 127.0.0.1:0, then real donor
 processes found through the DHT): every chunk is checked against the manifest, and a donor that
 lies, serves a corrupt chunk, dies mid-stream or no longer holds the state costs a retry from the
-others, never a corrupt state."""
+others, never a corrupt state. (Who a donor serves: test_state_serving.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
-import logging
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-import pytest_asyncio
 import torch
 
 from swarmgrad.node import Swarm, SwarmConfig
@@ -27,64 +25,19 @@ from swarmgrad.protocol import state
 from swarmgrad.protocol.auth import Verifier
 from swarmgrad.protocol.errors import PeerUnavailable, ProtocolViolation
 from swarmgrad.protocol.server import open_channel, start_server
-from swarmgrad.protocol.v1 import state_pb2
 from swarmgrad.protocol.v1.averaging_pb2 import ResultCode
 from swarmgrad.simulations.swarm import DEMO_SPEC
-
-RUN, SPEC_HASH = "r", b"\1" * 32
-JOINER = Identity.from_seed("test-state-sync/joiner")
-NUM_VALUES, CHUNK_VALUES = 20_000, 1024  # 20 chunks, the last one short
-
-
-def _snapshot(seed: int = 0, epoch: int = 7) -> state.Snapshot:
-    values = torch.randn(NUM_VALUES, generator=torch.Generator().manual_seed(seed))
-    return state.Snapshot.of(epoch, values, chunk_values=CHUNK_VALUES)
-
-
-TRUE = _snapshot()
-
-
-class Donors:
-    """Donor servers, each serving what its ``lookup`` returns; stopped at teardown."""
-
-    def __init__(self) -> None:
-        self.servers: list[grpc.aio.Server] = []
-        self.channels: list[grpc.aio.Channel] = []
-        self.servicers: dict[str, state.StateServicer] = {}
-
-    async def add(
-        self,
-        name: str,
-        snapshot: state.Snapshot | None = TRUE,
-        pace: Callable[[int], Awaitable[None]] | None = None,
-    ) -> tuple[str, grpc.aio.Channel]:
-        servicer = state.StateServicer(
-            run_id=RUN,
-            spec_hash=SPEC_HASH,
-            lookup=lambda root: (
-                snapshot if snapshot is not None and root == TRUE.checksum else None
-            ),
-            verifier=Verifier(name),
-            pace=pace,
-        )
-        server, port = await start_server(lambda s: state.add_to_server(servicer, s))
-        channel = open_channel(f"127.0.0.1:{port}")
-        self.servers.append(server)
-        self.channels.append(channel)
-        self.servicers[name] = servicer
-        return name, channel
-
-
-@pytest_asyncio.fixture
-async def donors() -> AsyncIterator[Donors]:
-    registry = Donors()
-    try:
-        yield registry
-    finally:
-        for channel in registry.channels:
-            await channel.close()
-        for server in registry.servers:
-            await server.stop(None)
+from tests.integration.state_donors import (
+    CHUNK_VALUES,
+    JOINER,
+    NUM_VALUES,
+    RUN,
+    SPEC_HASH,
+    TRUE,
+    Donors,
+    donors_fixture,  # noqa: F401  (the fixture donors)
+)
+from tests.integration.state_donors import random_snapshot as _snapshot
 
 
 async def _download(donors: list[tuple[str, grpc.aio.Channel]]) -> Download:
@@ -246,80 +199,6 @@ async def test_a_donor_sending_malformed_chunks_is_dropped(donors: Donors) -> No
     assert torch.equal(result.snapshot.values, TRUE.values)
     assert "a malformed chunk" in result.failures["garbler"]
     assert "garbler" not in result.chunks_by_donor
-
-
-# -- who may download: signed requests only, each refusal its status ----------------------------
-
-
-async def _status(channel: grpc.aio.Channel, method: str, request: bytes) -> grpc.StatusCode:
-    call = channel.unary_stream(f"/{state.SERVICE}/{method}")
-    try:
-        async for _ in call(request, timeout=10):
-            pass
-    except grpc.aio.AioRpcError as error:
-        return error.code()
-    return grpc.StatusCode.OK
-
-
-async def test_only_signed_fresh_requests_meant_for_this_donor_are_served(
-    donors: Donors, caplog: pytest.LogCaptureFixture
-) -> None:
-    name, channel = await donors.add("donor")
-    servicer = donors.servicers[name]
-    template = state_pb2.StateRequest(run_id=RUN, spec_hash=SPEC_HASH, root=TRUE.checksum)
-    good = state.signed_request(
-        JOINER, state.DOWNLOAD_METHOD, name, template, first_chunk=0, num_chunks=1
-    )
-    for_another = state.signed_request(
-        JOINER, state.DOWNLOAD_METHOD, "other", template, num_chunks=1
-    )
-    for_another.receiver = name  # the signature was for "other"
-    unsigned = state_pb2.StateRequest()
-    unsigned.CopyFrom(good)
-    unsigned.ClearField("auth")
-    cases = [
-        (unsigned.SerializeToString(), grpc.StatusCode.UNAUTHENTICATED),
-        (for_another.SerializeToString(), grpc.StatusCode.UNAUTHENTICATED),
-        (b"\xff\x01garbage", grpc.StatusCode.INVALID_ARGUMENT),
-        (good.SerializeToString(), grpc.StatusCode.OK),
-        (good.SerializeToString(), grpc.StatusCode.UNAUTHENTICATED),  # the same request again
-    ]
-    with caplog.at_level("INFO"):
-        for request, expected in cases:
-            assert await _status(channel, "Download", request) == expected, request[:20]
-        for _ in range(50):  # a flood of garbage: counted, not logged line by line
-            await _status(channel, "Manifest", b"\x0a\xff")
-    refused = servicer.rejections.by_code("State")
-    assert refused == {"UNAUTHENTICATED": 3, "BAD_PAYLOAD": 51}
-    lines = [r for r in caplog.records if "refused" in r.getMessage()]
-    assert len(lines) <= 4
-    assert all(r.levelname == "INFO" for r in lines)
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
-
-
-async def test_one_peer_cannot_hold_more_than_its_share_of_a_donors_downloads(
-    donors: Donors,
-) -> None:
-    gate = asyncio.Event()
-
-    async def hold(num_bytes: int) -> None:
-        await gate.wait()
-
-    name, channel = await donors.add("donor", pace=hold)
-    template = state_pb2.StateRequest(run_id=RUN, spec_hash=SPEC_HASH, root=TRUE.checksum)
-
-    def request() -> bytes:
-        signed = state.signed_request(JOINER, state.DOWNLOAD_METHOD, name, template, num_chunks=1)
-        return signed.SerializeToString()
-
-    limit = 2 * state.STREAMS_PER_DONOR
-    held = [asyncio.create_task(_status(channel, "Download", request())) for _ in range(limit)]
-    async with asyncio.timeout(10):
-        while sum(donors.servicers[name]._downloads.values()) < limit:  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
-    assert await _status(channel, "Download", request()) == grpc.StatusCode.RESOURCE_EXHAUSTED
-    gate.set()
-    assert set(await asyncio.gather(*held)) == {grpc.StatusCode.OK}
 
 
 @pytest.mark.slow

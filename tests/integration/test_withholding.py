@@ -17,13 +17,13 @@ from swarmgrad.node.averaging.reducer import SenderSession
 from swarmgrad.node.trust.ledger import Flag
 from swarmgrad.protocol.averaging import ChunkResult
 from swarmgrad.protocol.v1 import averaging_pb2
-from tests.integration.test_open_rounds import (
+from tests.helpers import group_of
+from tests.integration.open_rounds import (
     OPEN,
     SIZE,
     Lie,
     audited,
     average,
-    group_of,
     honest_updates,
     open_mean,
     rel,

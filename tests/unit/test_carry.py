@@ -2,7 +2,7 @@
 (``algorithm.carry_epochs``): moved onto the downloaded state, its samples with it, and sent in
 the swarm's round of that epoch in the same call, so that its work reaches the next global
 model. Too stale (or with ``carry_epochs = 0``) it is dropped, as before. Blocking replicas, each
-in its own thread, in the fake group of ``test_overlap``."""
+in its own thread, in the fake group of ``replica_hub``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from swarmgrad.node.state.sync import carries_progress
 from swarmgrad.node.training.diloco import DiLoCo
 from swarmgrad.node.training.model import flatten
 from swarmgrad.node.training.replica import RoundReport
-from tests.unit.test_overlap import H, Hub, replicas
+from tests.unit.replica_hub import H, Hub, replicas
 
 
 @pytest.mark.parametrize(

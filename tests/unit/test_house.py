@@ -1,6 +1,7 @@
 """The house's rules that a reader can check by hand and a change can break without noticing: no
 import cycle among swarmgrad's modules, and no module past ~400 lines but the known ones (a
-ratchet: a module that shrinks under the bound drops off the list; none may join it)."""
+ratchet: a module that shrinks under the bound drops off the list; none may join it); no test,
+benchmark or script past it either."""
 
 from __future__ import annotations
 
@@ -114,3 +115,20 @@ def test_no_module_grows_past_about_400_lines_but_the_known_ones() -> None:
     assert long.keys() <= KNOWN_LONG.keys(), {k: v for k, v in long.items() if k not in KNOWN_LONG}
     for name, lines in long.items():
         assert lines <= KNOWN_LONG[name], f"{name} grew from {KNOWN_LONG[name]} to {lines} lines"
+
+
+def test_no_test_benchmark_or_script_grows_past_about_400_lines() -> None:
+    """The same bound for what is not the package: tests, their helpers, benchmarks, scripts."""
+    paths = [
+        path
+        for folder in ("tests", "benchmarks", "scripts")
+        for path in (ROOT / folder).rglob("*.py")
+        if "__pycache__" not in path.parts
+    ]
+    assert len(paths) > 100  # the walk found the folders
+    long = {
+        path.relative_to(ROOT).as_posix(): lines
+        for path in paths
+        if (lines := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}

@@ -1,120 +1,24 @@
 """Overlapped DiLoCo rounds (``algorithm.overlap``): each round's average lands one round late,
 every replica applies the same outer step (bit-identical global parameters), the progress made
-meanwhile is carried onto it, and a failed round loses nothing. Replicas in one thread, a fake
-group that averages once every member has started the round."""
+meanwhile is carried onto it, and a failed round loses nothing. Replicas in one thread, in the
+fake group of ``replica_hub``. (Rounds in fragments: test_fragments.py.)"""
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
 import json
-import threading
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from swarmgrad.node.averaging.plan import RoundResult
-from swarmgrad.node.averaging.rounds import Averaged, Outcome
+from swarmgrad.node.averaging.rounds import Outcome
 from swarmgrad.node.kinds import RoundOutcome
-from swarmgrad.node.runspec.algorithm import AlgorithmSection
 from swarmgrad.node.training.diloco import DiLoCo
 from swarmgrad.node.training.model import flatten
-
-H = 3
-
-
-class Hub:
-    """A group of every replica: a round's future resolves when all members started it."""
-
-    def __init__(self, members: int, failing: tuple[int, ...] = ()) -> None:
-        self.members, self.failing = members, set(failing)
-        self.lock = threading.Lock()
-        self.joined: dict[int, list[tuple[str, torch.Tensor, float, Any, Any]]] = {}
-
-    def join(
-        self, peer: str, epoch: int, vector: torch.Tensor, weight: float, owner: Any = None
-    ) -> Any:
-        with self.lock:  # blocking replicas join from their own threads
-            return self._join(peer, epoch, vector, weight, owner)
-
-    def _join(self, peer: str, epoch: int, vector: torch.Tensor, weight: float, owner: Any) -> Any:
-        """``owner``: the replica's feedback as an owner; the round hands back its first half
-        moved on by one (what a real round returns for the part a node owns)."""
-        future: concurrent.futures.Future[Averaged] = concurrent.futures.Future()
-        entries = self.joined.setdefault(epoch, [])
-        moved = None if owner is None else (0, owner[: owner.numel() // 2] + 1)
-        entries.append((peer, vector.clone(), weight, future, moved))
-        if len(entries) == self.members:  # a retry of this epoch is a new round
-            del self.joined[epoch]
-            failing = epoch in self.failing
-            self.failing.discard(epoch)
-            total = sum(w for _, _, w, _, _ in entries)
-            mean = sum(v * (w / total) for _, v, w, _, _ in entries)
-            for _, vector_sent, _, f, moved in entries:
-                if failing:
-                    f.set_result(Averaged(outcome=Outcome.ABORTED, error="failed on purpose"))
-                    continue
-                result = RoundResult(
-                    averaged=mean.clone(),
-                    contributors=tuple(n for n, *_ in entries),
-                    partial=(),
-                    missing=(),
-                    failures={},
-                    owner_residual=moved,
-                )
-                group = SimpleNamespace(members=entries)
-                f.set_result(
-                    Averaged(outcome=Outcome.AVERAGED, result=result, group=group, sent=vector_sent)
-                )
-        return future
-
-
-def fake_swarm(hub: Hub, name: str, *, owner_feedback: bool = False) -> Any:
-    swarm = SimpleNamespace(
-        peer_id=name,
-        codec_is_lossless=True,
-        owner_feedback=owner_feedback,
-        snapshot=None,
-        spec=SimpleNamespace(algorithm=AlgorithmSection()),
-    )
-    swarm.publish = lambda snapshot, throughput: setattr(swarm, "snapshot", snapshot)
-    swarm.average = lambda vector, *, epoch, weight, keep_sent, owner_residual: hub.join(
-        name, epoch, vector, weight, owner_residual
-    )
-    swarm.submit = lambda started: started  # the "coroutine" is already the future
-    swarm.call = lambda value: value
-    swarm.find_donors = lambda epoch, checksum: []
-    return swarm
-
-
-def replicas(
-    hub: Hub,
-    count: int,
-    *,
-    overlap: bool = True,
-    fragments: int = 1,
-    inner_steps: int = H,
-    owner_feedback: bool = False,
-) -> list[tuple[torch.nn.Linear, DiLoCo]]:
-    made = []
-    for i in range(count):
-        model = torch.nn.Linear(4, 2)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.arange(p.numel(), dtype=torch.float32).view_as(p) / 10)
-        replica = DiLoCo(
-            fake_swarm(hub, f"peer-{i}", owner_feedback=owner_feedback),
-            model,
-            inner_steps=inner_steps,
-            outer_lr=1.0,
-            outer_momentum=0.0,
-            overlap=overlap,
-            fragments=fragments,
-        )
-        made.append((model, replica))
-    return made
+from tests.unit.replica_hub import H, Hub, replicas
 
 
 def train_round(made: list[tuple[torch.nn.Linear, DiLoCo]], round_: int) -> list[Any]:
@@ -217,85 +121,6 @@ def test_the_schedule_position_counts_the_round_in_flight() -> None:
     tensors, meta = replica.state_dict()
     assert meta["in_flight"]["epoch"] == 0
     assert tensors["in_flight.boundary"].shape == (replica.numel,)
-
-
-def move(made: list[tuple[torch.nn.Linear, DiLoCo]], steps: int, salt: float) -> list[Any]:
-    """``steps`` inner "steps" on every replica, each in its own thread (a blocking round waits
-    for the others); the reports of the last step."""
-
-    def run(i: int) -> Any:
-        model, replica = made[i]
-        report = None
-        for step in range(steps):
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(0.01 * (i + 1) * salt + 0.001 * step)
-            report = replica.step(samples=1)
-        return report
-
-    with concurrent.futures.ThreadPoolExecutor(len(made)) as pool:
-        return list(pool.map(run, range(len(made)), timeout=20))
-
-
-def test_fragments_sync_one_range_each_turn_and_leave_the_others_alone() -> None:
-    made = replicas(Hub(members=2), 2, overlap=False, fragments=3, inner_steps=6)
-    first = made[0][1]
-    assert first.sync_every == 2
-    assert [end - start for start, end in first.bounds] == [3, 3, 4]  # 10 values, 3 ranges
-    for turn in range(6):
-        fragment = turn % 3
-        start, end = first.bounds[fragment]
-        theta_before = first.outer.theta.clone()
-        locals_before = [flatten(r.params) for _, r in made]
-        reports = move(made, 2, salt=turn + 1)  # the second step runs the fragment's round
-        assert {report.outcome for report in reports} == {Outcome.AVERAGED}
-        assert {r.epoch for _, r in made} == {turn + 1}
-        theta = first.outer.theta
-        assert torch.equal(theta[:start], theta_before[:start])
-        assert torch.equal(theta[end:], theta_before[end:])
-        assert not torch.equal(theta[start:end], theta_before[start:end])
-        assert len({r.outer.checksum() for _, r in made}) == 1
-        for i, ((_, replica), before) in enumerate(zip(made, locals_before, strict=True)):
-            local = flatten(replica.params)
-            # blocking: the fragment's local values are the new global ones; the other ranges
-            # kept their own two steps' moves
-            assert torch.equal(local[start:end], theta[start:end])
-            moved = 2 * 0.01 * (i + 1) * (turn + 1) + 0.001
-            outside = torch.cat([local[:start] - before[:start], local[end:] - before[end:]])
-            torch.testing.assert_close(outside, torch.full_like(outside, moved))
-
-
-def test_fragments_with_overlap_keep_replicas_identical() -> None:
-    made = replicas(Hub(members=3), 3, overlap=True, fragments=2, inner_steps=4)
-    for turn in range(7):
-        move(made, 2, salt=turn + 1)
-    drained = [r.drain() for _, r in made]
-    assert {d.outcome for d in drained if d is not None} == {Outcome.AVERAGED}
-    assert {r.epoch for _, r in made} == {7}
-    assert len({r.outer.checksum() for _, r in made}) == 1
-    _, meta = made[0][1].state_dict()
-    assert len(meta["fragment_samples"]) == 2
-
-
-def test_the_end_of_a_run_lands_every_fragments_progress() -> None:
-    """finish(): the round in flight lands, then the other fragments' rounds send the progress
-    made since their own last round; after it every replica's parameters are the global ones,
-    the mean of the replicas' parameters before it (outer lr 1, no momentum)."""
-    made = replicas(Hub(members=3), 3, overlap=True, fragments=2, inner_steps=4)
-    for turn in range(5):
-        move(made, 2, salt=turn + 1)
-    assert {r.rounds_started for _, r in made} == {5}  # 4 landed, 1 in flight
-    expected = sum(flatten(r.params) for _, r in made) / 3
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        finished = list(pool.map(lambda pair: pair[1].finish(), made, timeout=20))
-    assert [[report.outcome for report in reports] for reports in finished] == [
-        [Outcome.AVERAGED, Outcome.AVERAGED]
-    ] * 3
-    assert {r.epoch for _, r in made} == {6}
-    assert len({r.outer.checksum() for _, r in made}) == 1
-    for _, replica in made:
-        assert torch.equal(flatten(replica.params), replica.outer.theta)
-        torch.testing.assert_close(replica.outer.theta, expected)
 
 
 def test_a_replica_the_swarm_left_behind_carries_its_progress_into_the_swarms_state() -> None:

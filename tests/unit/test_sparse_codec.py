@@ -1,7 +1,7 @@
 """The ``sparse`` codec (chunked top-k, 2- or 4-bit values, Rice-coded positions): it keeps each
 chunk's largest magnitudes, its positions cost near their entropy, error feedback recovers what
 it leaves out, and every hostile payload is refused before it is written anywhere. (The generic
-contract, shapes, dtypes and lengths: test_codecs.py.)"""
+contract, shapes and dtypes: test_codecs.py; lengths: test_codec_payloads.py.)"""
 
 from __future__ import annotations
 

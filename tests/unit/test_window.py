@@ -24,7 +24,7 @@ from swarmgrad.node.training.window import RoundWindow, steps_in_window, take_st
 from swarmgrad.simulations.des.model import ModelConfig, SwarmModel
 from swarmgrad.simulations.profiles import PeerProfile
 from swarmgrad.simulations.swarm import DEMO_SPEC
-from tests.unit.test_overlap import Hub, replicas
+from tests.unit.replica_hub import Hub, replicas
 
 
 class Clock:
