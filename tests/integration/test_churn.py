@@ -118,7 +118,7 @@ def test_eight_nodes_survive_churn_and_end_identical(tmp_path: Path, cache_dir: 
     spec_path = tmp_path / "run.toml"
     # Deadlines a loopback swarm can keep (the demo's are for home links): a round that waits
     # for a dead member ends sooner.
-    # A quarter of the demo's tokens a step (``light``): 16 node processes training 8 rounds
+    # An eighth of the demo's tokens a step (``light``): 16 node processes training 8 rounds
     # each were most of this test's time.
     spec_path.write_text(
         light(DEMO_SPEC)
@@ -178,8 +178,9 @@ def test_eight_nodes_survive_churn_and_end_identical(tmp_path: Path, cache_dir: 
     curve = [point["val_loss"] for point in churned["loss_curve"]]
     assert all(b <= a * 1.02 for a, b in itertools.pairwise(curve)), curve
     # The calm reference: the same 8 peers' streams, nobody lost, averaged exactly in fp32, in
-    # this process (16 s here; a calm run of the 8 node processes took 63 s and ended 0.8% below
-    # it: int8 on the wire, rounds of whoever was ready).
+    # this process (16 s here with a quarter of the tokens a step; a calm run of the 8 node
+    # processes took 63 s and ended 0.8% below it: int8 on the wire, rounds of whoever was
+    # ready).
     initial, calm = train_together(
         spec,
         peer_ids=[simulation_identity(seed, i).peer_id for i in range(8)],

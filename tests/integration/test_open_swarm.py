@@ -23,7 +23,7 @@ def test_a_sign_flipping_peer_is_banned_and_the_honest_swarm_learns(tmp_path: Pa
     spec = tmp_path / "open.toml"
     # One group of 6: each owner's part has 5 other members, the fewest whose statistics judge
     # (the demo's groups of 4 are too small for an open run: its spec check warns). ``light``:
-    # a quarter of the tokens a step; the ban rests on the updates' statistics and the spot
+    # an eighth of the tokens a step; the ban rests on the updates' statistics and the spot
     # checks' loss probes, not on a step's size.
     open_demo = light(DEMO_SPEC).replace("group_size = 256", "group_size = 8")
     assert "group_size = 8" in open_demo

@@ -68,13 +68,13 @@ FP32 = 'activations = "none"\ngradients = "none"'
 
 
 def _spec(
-    tmp_path: Path, name: str, *, codecs: str = "", wait: float = 30.0, quarter: bool = False
+    tmp_path: Path, name: str, *, codecs: str = "", wait: float = 30.0, small: bool = False
 ) -> Path:
-    """The test's spec; ``quarter``: a quarter of its tokens a step (``light``), for what a
+    """The test's spec; ``small``: an eighth of its tokens a step (``light``), for what a
     step's size does not change."""
     path = tmp_path / f"{name}.toml"
     text = SPEC.format(codecs=codecs, wait=wait)
-    path.write_text(light(text) if quarter else text)
+    path.write_text(light(text) if small else text)
     return path
 
 
@@ -91,10 +91,10 @@ def _train(spec_path: Path, out: Path, steps: int) -> tuple[dict, list[dict]]:
 
 
 def test_four_stage_processes_train_like_the_whole_model_in_one_process(tmp_path: Path) -> None:
-    # Whether stages chain into the whole model does not depend on a step's size: a quarter of
+    # Whether stages chain into the whole model does not depend on a step's size: an eighth of
     # the tokens (with the reference computed alike) keeps every comparison exact.
     steps = 50
-    spec_path = _spec(tmp_path, "fp32", codecs=FP32, quarter=True)
+    spec_path = _spec(tmp_path, "fp32", codecs=FP32, small=True)
     spec = RunSpec.load(spec_path)
     trainer, stages = _train(spec_path, tmp_path / "fp32", steps)
     expected = reference_losses(spec, trainer_identity(0, 0).peer_id, steps)
