@@ -74,11 +74,6 @@ def live(identity: Identity, ttl: float = 60.0, **changes: object) -> PeerRecord
     return record(identity, ttl=ttl, now=dht_time(), **changes)
 
 
-async def store_raw(node: Any, key: str, subkey: str, value: bytes, expires: float) -> None:
-    """Write a value the way a malicious peer would: straight into the DHT, unchecked."""
-    assert await node._store(key, subkey, value, expires)
-
-
 def dht_pids(node: Any) -> list[int]:
     """The processes that make up ``node``'s DHT (hivemind: its process and its p2pd daemon)."""
     if hasattr(node, "_dht"):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
@@ -45,10 +44,6 @@ def tamper(data: bytes, **changes: object) -> bytes:
 
 
 ME, OTHER = Identity.from_seed("test-discovery/me"), Identity.from_seed("test-discovery/other")
-
-
-def _resealed(rec: PeerRecord, **options: Any) -> bytes:
-    return sealed(ME, rec, **options)
 
 
 @pytest.mark.parametrize(
