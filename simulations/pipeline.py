@@ -27,6 +27,7 @@ from swarmgrad.node.training.data import load_corpus
 from swarmgrad.simulations.churn import ScheduleError, load_schedule
 from swarmgrad.simulations.pipeline_swarm import Member, PipelineSwarm
 from swarmgrad.simulations.profiles import SimulationError, load_profile
+from swarmgrad.simulations.simulate_options import DISCOVERY, FORK_NODES, TIMEOUT_SECONDS
 from swarmgrad.simulations.swarm import DEMO_SPEC
 
 
@@ -125,9 +126,9 @@ class PipelineSimulation:
     profile_path: Path | None = None
     churn_path: Path | None = None
     seed: int = 0
-    timeout_seconds: float = 600.0
-    discovery: str = "hivemind"
-    fork_nodes: bool = True
+    timeout_seconds: float = TIMEOUT_SECONDS
+    discovery: str = DISCOVERY
+    fork_nodes: bool = FORK_NODES
     #: The stage node i starts on (None: i mod stages).
     placement: list[int] | None = None
 

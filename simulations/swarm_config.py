@@ -11,6 +11,7 @@ from swarmgrad.simulations.launchers import (
     LAUNCHERS,
 )
 from swarmgrad.simulations.profiles import SimulationError
+from swarmgrad.simulations.simulate_options import DISCOVERY, FORK_NODES, TIMEOUT_SECONDS
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -23,9 +24,9 @@ class SimulationConfig:
     spec_path: Path | None = None  # None: the demo spec
     profile_path: Path | None = None  # per-node slowdown, bandwidth, upload cap
     churn_path: Path | None = None  # a churn schedule (simulations/churn.py)
-    timeout_seconds: float = 600.0
+    timeout_seconds: float = TIMEOUT_SECONDS
     extra_node_args: tuple[str, ...] = ()
-    discovery: str = "hivemind"
+    discovery: str = DISCOVERY
     #: Each node in its own network namespace, its links shaped by tbf and nftables from its
     #: profile (``netem.py``; root). Without the means it says so and uses the token bucket.
     netem: bool = False
@@ -40,7 +41,7 @@ class SimulationConfig:
     #: Local node processes forked from a warm zygote that imported the node's modules once
     #: (``zygote.py``; each start skips ~2.5 CPU-seconds of imports), or each a fresh
     #: interpreter (Ray's processes always do).
-    fork_nodes: bool = True
+    fork_nodes: bool = FORK_NODES
     #: When given, the nodes that finished stay in the swarm (and the DHT) until it is set: a
     #: caller inspecting the live swarm (``swarmgrad status``, Prometheus) is not raced by its
     #: end. ``timeout_seconds`` still bounds the whole run.
