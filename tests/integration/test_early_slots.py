@@ -16,13 +16,13 @@ import pytest
 from swarmgrad.node.averaging.averager import Averager, standalone
 from swarmgrad.node.averaging.registry import MAX_EARLY_STREAMS
 from swarmgrad.protocol.averaging import StreamHeader, header_to_proto
-from swarmgrad.protocol.v1 import averaging_pb2_grpc
 from tests.helpers import until
 from tests.integration.averaging_streams import (
     CONFIG,
     check_honest,
     group_of,
     ident,
+    rpc,
     vector,
 )
 
@@ -54,16 +54,7 @@ async def stranger_stream(owner: Averager, i: int) -> grpc.StatusCode:
         part=0,
         weight=1.0,
     )
-    async with grpc.aio.insecure_channel(owner.endpoint) as channel:
-        call = averaging_pb2_grpc.AveragingStub(channel).Aggregate(
-            iter([header_to_proto(header, stranger)]), timeout=30
-        )
-        try:
-            async for _ in call:
-                pass
-        except grpc.aio.AioRpcError as error:
-            return error.code()
-    return grpc.StatusCode.OK
+    return await rpc(owner.endpoint, [header_to_proto(header, stranger)], timeout_seconds=30)
 
 
 async def test_a_member_expected_by_matchmaking_waits_through_a_flood_of_early_streams(
