@@ -69,81 +69,71 @@ def simulate(options: SimulateOptions) -> None:
     from swarmgrad.simulations.profiles import SimulationError
 
     _logging(False)
+    engine = _pipeline if options.stages else _des if options.engine == "des" else _processes
     try:
-        if options.stages:
-            _pipeline(options)
-        elif options.engine == "des":
-            _des(options)
-        else:
-            _processes(options)
+        summary, show = engine(options)
     except (SetupError, SimulationError) as error:
         raise _fail(EXIT_CONFIG, str(error)) from None
-
-
-def _pipeline(options: SimulateOptions) -> None:
-    from swarmgrad.simulations import pipeline
-
-    summary = pipeline.simulate_pipeline(
-        pipeline.PipelineSimulation(
-            stages=options.stages,
-            nodes=options.nodes,
-            trainers=options.trainers,
-            rounds=options.rounds,
-            out_dir=options.out_dir,
-            spec_path=options.spec_path,
-            profile_path=options.profile_path,
-            churn_path=options.churn_path,
-            seed=options.seed or 0,
-            timeout_seconds=options.timeout_seconds,
-            discovery=options.discovery,
-            fork_nodes=options.fork_nodes,
-        )
-    )
-    pipeline.print_pipeline_summary(summary)
+    show(summary)
     raise typer.Exit(0 if summary["ok"] else 1)
 
 
-def _des(options: SimulateOptions) -> None:
+#: What an engine returns: its summary, and how to print it.
+Ran = tuple[dict[str, Any], Callable[[dict[str, Any]], None]]
+
+
+def _shared(options: SimulateOptions) -> dict[str, Any]:
+    """What every engine's configuration takes from the options alike."""
+    return {
+        "nodes": options.nodes,
+        "rounds": options.rounds,
+        "out_dir": options.out_dir,
+        "spec_path": options.spec_path,
+        "profile_path": options.profile_path,
+        "churn_path": options.churn_path,
+    }
+
+
+def _pipeline(options: SimulateOptions) -> Ran:
+    from swarmgrad.simulations import pipeline
+
+    config = pipeline.PipelineSimulation(
+        **_shared(options),
+        stages=options.stages,
+        trainers=options.trainers,
+        seed=options.seed or 0,
+        timeout_seconds=options.timeout_seconds,
+        discovery=options.discovery,
+        fork_nodes=options.fork_nodes,
+    )
+    return pipeline.simulate_pipeline(config), pipeline.print_pipeline_summary
+
+
+def _des(options: SimulateOptions) -> Ran:
     from swarmgrad.simulations.des import driver
     from swarmgrad.simulations.summary import print_summary
 
-    summary = driver.run(
-        driver.DesConfig(
-            nodes=options.nodes,
-            rounds=options.rounds,
-            out_dir=options.out_dir,
-            spec_path=options.spec_path,
-            profile_path=options.profile_path,
-            churn_path=options.churn_path,
-            seed=options.seed or 0,
-            step_seconds=options.step_seconds,
-            codec_values_per_second=options.codec_values_per_second,
-        )
+    config = driver.DesConfig(
+        **_shared(options),
+        seed=options.seed or 0,
+        step_seconds=options.step_seconds,
+        codec_values_per_second=options.codec_values_per_second,
     )
-    print_summary(summary)
-    raise typer.Exit(0 if summary["ok"] else 1)
+    return driver.run(config), print_summary
 
 
-def _processes(options: SimulateOptions) -> None:
+def _processes(options: SimulateOptions) -> Ran:
     from swarmgrad.simulations import swarm
     from swarmgrad.simulations.summary import print_summary
 
-    summary = swarm.simulate(
-        swarm.SimulationConfig(
-            nodes=options.nodes,
-            rounds=options.rounds,
-            spec_path=options.spec_path,
-            profile_path=options.profile_path,
-            out_dir=options.out_dir,
-            timeout_seconds=options.timeout_seconds,
-            churn_path=options.churn_path,
-            discovery=options.discovery,
-            seed=options.seed,
-            netem=options.netem,
-            launcher=options.launcher,
-            ray_address=options.ray_address,
-            fork_nodes=options.fork_nodes,
-        )
+    config = swarm.SimulationConfig(
+        **_shared(options),
+        timeout_seconds=options.timeout_seconds,
+        discovery=options.discovery,
+        seed=options.seed,
+        netem=options.netem,
+        launcher=options.launcher,
+        ray_address=options.ray_address,
+        fork_nodes=options.fork_nodes,
     )
-    print_summary(summary)
-    raise typer.Exit(0 if summary["ok"] else 1)
+    return swarm.simulate(config), print_summary
