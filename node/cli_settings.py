@@ -69,10 +69,17 @@ def with_settings(after: str) -> Callable[[Callable[..., Any]], Callable[..., An
             settings = {name: options.pop(name) for name in names}
             return command(**options, settings=settings)
 
-        parameters = kept[:cut] + made + kept[cut:]
-        wrapper.__signature__ = own.replace(parameters=parameters)  # type: ignore[attr-defined]
-        wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
-        del wrapper.__wrapped__  # typer reads the signature above, not the command's
-        return wrapper
+        return with_parameters(wrapper, kept[:cut] + made + kept[cut:])
 
     return decorate
+
+
+def with_parameters(
+    wrapper: Callable[..., Any], parameters: list[inspect.Parameter]
+) -> Callable[..., Any]:
+    """``wrapper`` (a ``functools.wraps`` of a command) as typer sees a command taking
+    ``parameters``: typer reads the signature and annotations set here, not the command's."""
+    wrapper.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+    del wrapper.__wrapped__  # type: ignore[attr-defined]
+    return wrapper

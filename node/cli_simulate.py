@@ -9,13 +9,15 @@ import functools
 import inspect
 import typing
 from collections.abc import Callable
-from typing import Annotated, Any
+from pathlib import Path
+from typing import Annotated, Any, TypedDict
 
 import typer
 
 from swarmgrad.node.cli_common import EXIT_CONFIG
 from swarmgrad.node.cli_common import fail as _fail
 from swarmgrad.node.cli_common import setup_logging as _logging
+from swarmgrad.node.cli_settings import with_parameters
 from swarmgrad.protocol.errors import SetupError
 from swarmgrad.simulations.simulate_options import OptionsError, SimulateOptions
 
@@ -55,11 +57,7 @@ def _with_options(command: Callable[[SimulateOptions], None]) -> Callable[..., N
             raise _fail(EXIT_CONFIG, str(error)) from None
         command(options)
 
-    parameters = _parameters()
-    wrapper.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
-    wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
-    del wrapper.__wrapped__  # typer reads the signature above, not the command's
-    return wrapper
+    return with_parameters(wrapper, _parameters())
 
 
 @_with_options
@@ -82,16 +80,27 @@ def simulate(options: SimulateOptions) -> None:
 Ran = tuple[dict[str, Any], Callable[[dict[str, Any]], None]]
 
 
-def _shared(options: SimulateOptions) -> dict[str, Any]:
-    """What every engine's configuration takes from the options alike."""
-    return {
-        "nodes": options.nodes,
-        "rounds": options.rounds,
-        "out_dir": options.out_dir,
-        "spec_path": options.spec_path,
-        "profile_path": options.profile_path,
-        "churn_path": options.churn_path,
-    }
+class _Shared(TypedDict):
+    """What every engine's configuration takes from the options alike (typed: mypy checks each
+    configuration's keyword arguments against it)."""
+
+    nodes: int
+    rounds: int
+    out_dir: Path
+    spec_path: Path | None
+    profile_path: Path | None
+    churn_path: Path | None
+
+
+def _shared(options: SimulateOptions) -> _Shared:
+    return _Shared(
+        nodes=options.nodes,
+        rounds=options.rounds,
+        out_dir=options.out_dir,
+        spec_path=options.spec_path,
+        profile_path=options.profile_path,
+        churn_path=options.churn_path,
+    )
 
 
 def _pipeline(options: SimulateOptions) -> Ran:
