@@ -18,14 +18,18 @@ from swarmgrad.simulations.des import driver
 from swarmgrad.simulations.simulate_options import SimulateOptions
 
 
-def _stopped(seen: dict[str, Any]) -> Any:
-    """An engine's entry point that keeps the configuration it was given, and runs nothing."""
+def _stub_engines(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Every engine's entry point replaced by one that keeps the configuration it was given
+    (under "config" in the dict returned) and runs nothing."""
+    seen: dict[str, Any] = {}
 
     def run(config: Any) -> dict[str, Any]:
         seen["config"] = config
         raise typer.Exit(0)
 
-    return run
+    for module, name in ((swarm, "simulate"), (driver, "run"), (pipeline, "simulate_pipeline")):
+        monkeypatch.setattr(module, name, run)
+    return seen
 
 
 def test_every_option_is_a_field_with_its_help_and_default() -> None:
@@ -45,10 +49,7 @@ def test_every_option_is_a_field_with_its_help_and_default() -> None:
 
 
 def test_each_option_reaches_its_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: dict[str, Any] = {}
-    monkeypatch.setattr(swarm, "simulate", _stopped(seen))
-    monkeypatch.setattr(driver, "run", _stopped(seen))
-    monkeypatch.setattr(pipeline, "simulate_pipeline", _stopped(seen))
+    seen = _stub_engines(monkeypatch)
     out = str(tmp_path / "out")
     runner = CliRunner()
 
@@ -88,9 +89,7 @@ def test_each_option_reaches_its_engine(tmp_path: Path, monkeypatch: pytest.Monk
 def test_options_that_do_not_go_together_are_refused_by_their_flags(
     args: list[str], message: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen: dict[str, Any] = {}
-    for module, name in ((swarm, "simulate"), (driver, "run"), (pipeline, "simulate_pipeline")):
-        monkeypatch.setattr(module, name, _stopped(seen))
+    seen = _stub_engines(monkeypatch)
     refused = CliRunner().invoke(app, ["simulate", *args])
     assert refused.exit_code == 2, refused.output
     assert message in " ".join(refused.output.split())
